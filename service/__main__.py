@@ -1,0 +1,5 @@
+"""`python -m service` runs the kvstitch CLI."""
+
+from service.cli import main
+
+raise SystemExit(main())

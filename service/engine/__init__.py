@@ -1,0 +1,1 @@
+"""The stitching engine: torch lives here. Nothing in this package imports the HTTP layer."""

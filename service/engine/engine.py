@@ -1,0 +1,231 @@
+"""The stitching engine: precompute blocks, stitch them, prefill only the question, decode.
+
+`StitchEngine` is the interface the KV cache, the worker and the gateway use; it knows nothing of HTTP,
+files or queues. Tensors handed to it may live on the CPU or on the model's device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from service.engine.detokenize import IncrementalDetokenizer
+from service.engine.forward import LeanForward
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import KVBlock, check_block
+from service.engine.model import LoadedModel
+from service.engine.prompt import PromptIds, PromptTemplate, build_template
+from service.engine.sampling import Sampler, SamplingParams
+from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stitch_into
+
+
+class GenerationMode(StrEnum):
+    TURBO = "turbo"
+    NAIVE = "naive"
+
+
+@dataclass
+class Timings:
+    """Milliseconds spent per stage of one request inside the engine."""
+
+    precompute_ms: float = 0.0
+    stitch_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    context_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Stopwatch:
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._start = time.perf_counter()
+
+    def lap_ms(self) -> float:
+        """Milliseconds since the last lap, after the device finished the queued work."""
+        _sync(self._device)
+        now = time.perf_counter()
+        elapsed, self._start = (now - self._start) * 1e3, now
+        return elapsed
+
+
+class StitchEngine:
+    """One model, its template and the lean forward; stateless across requests except the prefix block."""
+
+    def __init__(self, model: LoadedModel, template: PromptTemplate | None = None) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.tokenizer = model.tokenizer
+        self.forward = LeanForward(model)
+        self.template = template or build_template(model.tokenizer)
+        self._prefix_block: KVBlock | None = None
+
+    @property
+    def prefix_block(self) -> KVBlock:
+        """The template prefix's KV, computed once per engine."""
+        if self._prefix_block is None:
+            self._prefix_block = self.forward.precompute([self.template.prefix])[0]
+        return self._prefix_block
+
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.hf.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(int(i) for i in source)
+        return ids
+
+    def encode_question(self, question: str) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.tokenizer.encode(question, add_special_tokens=False))
+
+    def precompute(self, blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
+        """Position-independent KV of several blocks, batched in one forward."""
+        return self.forward.precompute(blocks)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+
+    def stitch(
+        self, chunk_kv: Sequence[KVBlock], positions: PositionMode | str, room: int
+    ) -> tuple[KVBuffer, StitchPlan]:
+        """A buffer holding prefix + chunk blocks at their planned positions, with `room` free slots after."""
+        blocks = [self.prefix_block, *chunk_kv]
+        for block in blocks:
+            check_block(self.spec, block)
+        plan = plan_positions(positions, [b.num_tokens for b in blocks])
+        buffer = KVBuffer(self.spec, plan.context_tokens + room)
+        stitch_into(buffer, self.forward.rotary, blocks, plan)
+        return buffer, plan
+
+    def prefill_question(
+        self, buffer: KVBuffer, question: Sequence[int], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run only the question against a stitched buffer, at its true index."""
+        start = buffer.next_position
+        return self.forward.extend(buffer, question, torch.arange(start, start + len(question)), all_logits)
+
+    def prefill_stitched(
+        self,
+        chunk_kv: Sequence[KVBlock],
+        question: Sequence[int],
+        positions: PositionMode | str = PositionMode.REORDERED,
+        extra_tokens: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[KVBuffer, torch.Tensor, StitchPlan]:
+        """Stitch prefix + chunk blocks, then run only the question; returns buffer, logits and plan."""
+        buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens)
+        return buffer, self.prefill_question(buffer, question, all_logits), plan
+
+    def prefill_naive(
+        self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
+    ) -> tuple[KVBuffer, torch.Tensor]:
+        """One causal prefill over the joined ids: the baseline and the fallback."""
+        ids = prompt.joined()
+        buffer = KVBuffer(self.spec, len(ids) + extra_tokens)
+        logits = self.forward.extend(buffer, ids, torch.arange(len(ids)), all_logits=all_logits)
+        return buffer, logits
+
+    # ---- generate ------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: PromptIds,
+        sampling: SamplingParams,
+        mode: GenerationMode | str = GenerationMode.TURBO,
+        positions: PositionMode | str = PositionMode.REORDERED,
+        chunk_kv: Sequence[KVBlock] | None = None,
+    ) -> GenerationStream:
+        """Start generating; iterate the returned stream for text deltas, then read its `result`."""
+        return GenerationStream(self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv)
+
+
+class GenerationStream:
+    """Iterator of text deltas for one request; `result` is complete once iteration ends.
+
+    Stopping the iteration early (a client went away) simply drops the buffer with the generator.
+    """
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        prompt: PromptIds,
+        sampling: SamplingParams,
+        mode: GenerationMode,
+        positions: PositionMode,
+        chunk_kv: Sequence[KVBlock] | None,
+    ) -> None:
+        if prompt.prefix != engine.template.prefix:
+            raise ValueError("the prompt was not built with this engine's template")
+        if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
+            raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
+        self._engine = engine
+        self._prompt = prompt
+        self._sampling = sampling
+        self._mode = mode
+        self._positions = positions
+        self._chunk_kv = chunk_kv
+        self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
+
+    def __iter__(self) -> Iterator[str]:
+        engine, timings = self._engine, self.result.timings
+        watch = _Stopwatch(engine.spec.device)
+        buffer, logits = self._prefill(watch)
+        sampler = Sampler(self._sampling, engine.spec.device)
+        detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
+        eos = engine.eos_ids()
+        token = sampler.pick(logits)
+        timings.ttft_ms = timings.precompute_ms + timings.stitch_ms + timings.prefill_ms + watch.lap_ms()
+        for step in range(self._sampling.max_new_tokens):
+            self.result.token_ids.append(token)
+            if token in eos:
+                self.result.finish_reason = "stop"
+                break
+            delta = detok.push(token)
+            if delta:
+                yield delta
+            if detok.stopped:
+                self.result.finish_reason = "stop"
+                break
+            if step + 1 == self._sampling.max_new_tokens:
+                break
+            position = torch.tensor([buffer.next_position])
+            token = sampler.pick(engine.forward.extend(buffer, [token], position))
+        tail = detok.flush()
+        if tail:
+            yield tail
+        self.result.text = detok.text
+        timings.decode_ms = watch.lap_ms()
+
+    def _prefill(self, watch: _Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
+        engine, timings, extra = self._engine, self.result.timings, self._sampling.max_new_tokens
+        if self._mode is GenerationMode.NAIVE:
+            buffer, logits = engine.prefill_naive(self._prompt, extra_tokens=extra)
+            timings.prefill_ms = watch.lap_ms()
+            return buffer, logits
+        chunk_kv = self._chunk_kv
+        if chunk_kv is None:
+            chunk_kv = engine.precompute(self._prompt.blocks) if self._prompt.blocks else []
+            timings.precompute_ms = watch.lap_ms()
+        buffer, _ = engine.stitch(chunk_kv, self._positions, len(self._prompt.question) + extra)
+        timings.stitch_ms = watch.lap_ms()
+        logits = engine.prefill_question(buffer, self._prompt.question)
+        timings.prefill_ms = watch.lap_ms()
+        return buffer, logits

@@ -1,0 +1,50 @@
+"""A preallocated per-sequence KV buffer: stitched context, question and decoded tokens, never concatenated."""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.kv_layout import KEYS, VALUES
+from service.engine.model import ModelSpec
+
+
+class KVBuffer:
+    """Keys (already rotated) and values for one sequence, `[layers, 2, kv_heads, capacity, head_dim]`."""
+
+    def __init__(self, spec: ModelSpec, capacity: int, device: torch.device | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError("KV buffer capacity must be positive")
+        if capacity > spec.max_context:
+            raise ValueError(f"sequence of {capacity} tokens exceeds the model's context of {spec.max_context}")
+        self.spec = spec
+        self.capacity = capacity
+        self.data = torch.empty(
+            (spec.num_layers, 2, spec.num_kv_heads, capacity, spec.head_dim),
+            dtype=spec.dtype,
+            device=device or spec.device,
+        )
+        self.length = 0
+        self.next_position = 0
+
+    def reserve(self, num_tokens: int) -> int:
+        """Check room for `num_tokens` more tokens and return the slot where they start."""
+        if self.length + num_tokens > self.capacity:
+            raise ValueError(f"KV buffer full: {self.length} + {num_tokens} > capacity {self.capacity}")
+        return self.length
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store rotated keys and values [kv_heads, T, D] of one layer at slots start..start+T."""
+        end = start + keys.shape[-2]
+        self.data[layer, KEYS, :, start:end].copy_(keys)
+        self.data[layer, VALUES, :, start:end].copy_(values)
+
+    def keys(self, layer: int, end: int) -> torch.Tensor:
+        return self.data[layer, KEYS, :, :end]
+
+    def values(self, layer: int, end: int) -> torch.Tensor:
+        return self.data[layer, VALUES, :, :end]
+
+    def commit(self, num_tokens: int, next_position: int) -> None:
+        """Make the last written tokens visible and record where the next token's position is."""
+        self.length += num_tokens
+        self.next_position = next_position

@@ -1,0 +1,47 @@
+"""The one KV layout the engine produces, stitches and the cache stores.
+
+A block's KV is a single tensor `[layers, 2, kv_heads, tokens, head_dim]`: index 0 of the second axis holds the
+keys *before* RoPE, index 1 the values. Because keys are stored un-rotated, one copy serves the block at any
+position; the stitcher rotates them once, to wherever the plan puts the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.model import ModelSpec
+
+LAYOUT_NAME = "layers,kv,heads,tokens,dim;keys-unroped"
+LAYOUT_VERSION = 1
+KEYS, VALUES = 0, 1
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """Position-independent KV of one block of token ids (prefix or wrapped chunk)."""
+
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def block_shape(spec: ModelSpec, num_tokens: int) -> tuple[int, int, int, int, int]:
+    """The shape a block of `num_tokens` tokens must have for this model."""
+    return (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
+
+
+def check_block(spec: ModelSpec, block: KVBlock) -> None:
+    """Raise ValueError when a block does not fit the model (shape or dtype)."""
+    expected = block_shape(spec, block.num_tokens)
+    if tuple(block.kv.shape) != expected:
+        raise ValueError(f"KV block shape {tuple(block.kv.shape)} does not match the model's {expected}")
+    if block.kv.dtype != spec.dtype:
+        raise ValueError(f"KV block dtype {block.kv.dtype} does not match the model's {spec.dtype}")

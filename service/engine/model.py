@@ -1,0 +1,148 @@
+"""Model adapter: load an HF RoPE decoder (Llama, Qwen2, Mistral) and describe its shape.
+
+Everything else in the engine talks to `LoadedModel`, never to `from_pretrained` directly, so the set of
+supported families is decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# RoPE variants whose rotation depends only on the position itself, so a key rotated at stitch time equals the
+# key the model would have rotated in a full forward. `dynamic` and `longrope` change frequencies with the
+# sequence length and would make one stored copy wrong at other lengths.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The model folder holds an architecture or setting kvstitch cannot stitch exactly."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts the engine and the KV cache need, read once from the config."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rope_type: str
+    max_positions: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the lean forward computes exactly (a sliding window is not modelled)."""
+        if self.sliding_window is None:
+            return self.max_positions
+        return min(self.max_positions, self.sliding_window)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token occupies across all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class LoadedModel:
+    """An HF causal LM in eval mode, its tokenizer and its spec."""
+
+    hf: Any
+    tokenizer: PreTrainedTokenizerBase
+    spec: ModelSpec
+    source: str
+
+    @property
+    def decoder(self) -> Any:
+        """The inner decoder stack (`model.model` for all supported families)."""
+        return self.hf.model
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact gate), bf16 on CUDA (the serving dtype)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_supported(config: Any) -> None:
+    """Raise `UnsupportedModelError` naming what is unsupported; return quietly otherwise."""
+    model_type = getattr(config, "model_type", "<missing>")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; kvstitch stitches {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    rope_type = rope_type_of(config)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} of {model_type} is not supported (its frequencies depend on the sequence "
+            f"length, so a stored key cannot be re-positioned); supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+
+
+def rope_type_of(config: Any) -> str:
+    """The RoPE variant named by the config (`default` when none is set)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window if any layer uses one, else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window) if window else None
+
+
+def spec_from_config(config: Any, dtype: torch.dtype, device: torch.device) -> ModelSpec:
+    """Build the spec of a supported config."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelSpec(
+        model_type=str(config.model_type),
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        rope_type=rope_type_of(config),
+        max_positions=int(config.max_position_embeddings),
+        sliding_window=sliding_window_of(config),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def load_model(
+    source: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    local_files_only: bool = False,
+) -> LoadedModel:
+    """Load an HF model folder or hub id through `from_pretrained`, refusing unsupported families first."""
+    hf_logging.disable_progress_bar()  # server logs and CLI output stay readable
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    config = AutoConfig.from_pretrained(str(source), local_files_only=local_files_only)
+    check_supported(config)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=local_files_only)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(source), dtype=dtype, attn_implementation="sdpa", local_files_only=local_files_only
+    )
+    hf.to(device).eval()
+    hf.requires_grad_(False)
+    return LoadedModel(hf=hf, tokenizer=tokenizer, spec=spec_from_config(config, dtype, device), source=str(source))

@@ -1,0 +1,136 @@
+"""The prompt as token ids: prefix block + one block per chunk + question suffix.
+
+Every piece is tokenized on its own and joined as ids, never as text, so the block cached for a chunk and the
+naive baseline see exactly the same ids, and no separator can merge with its neighbour (LMCache #194, #195).
+The wording follows TurboRAG appendix C.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+TEMPLATE_VERSION = "turborag-c/1"
+SYSTEM_TEXT = (
+    "You are an accurate and reliable AI assistant capable of answering questions by referencing external "
+    "documents. Please note that the external documents may not always be related to the question."
+)
+DOCS_INTRO = "The documents are as follows:\n"
+DOCS_OUTRO = (
+    "\nIf the information in the documents contain the correct answer, you will provide an accurate response. "
+    "If the documents do not contain the answer, you will refuse to answer.\n\nQuestion: "
+)
+DOC_OPEN = "<|doc_start|>"
+DOC_CLOSE = "<|doc_end|>\n"
+PLAIN_ANSWER_CUE = "\nAnswer:"
+_DOCS_SLOT = "\u2060KVSTITCH_DOCS\u2060"
+_QUESTION_SLOT = "\u2060KVSTITCH_QUESTION\u2060"
+
+TokenIds = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """One request's prompt, still in its parts."""
+
+    prefix: TokenIds
+    blocks: tuple[TokenIds, ...]
+    question: TokenIds
+
+    def joined(self) -> list[int]:
+        """The full id sequence (the naive baseline's input)."""
+        ids = list(self.prefix)
+        for block in self.blocks:
+            ids.extend(block)
+        ids.extend(self.question)
+        return ids
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.prefix) + sum(len(b) for b in self.blocks)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Constant id pieces of the template, computed once per model and template."""
+
+    prefix: TokenIds
+    doc_open: TokenIds
+    doc_close: TokenIds
+    question_head: TokenIds
+    question_tail: TokenIds
+    version: str
+
+    def chunk_block(self, chunk_ids: Sequence[int]) -> TokenIds:
+        """The cached block of a chunk: wrapper + chunk ids, no BOS."""
+        if not chunk_ids:
+            raise ValueError("a chunk block needs at least one token")
+        return (*self.doc_open, *(int(t) for t in chunk_ids), *self.doc_close)
+
+    def question_suffix(self, question_ids: Sequence[int]) -> TokenIds:
+        """Instruction tail + question + end of the user turn and the assistant header."""
+        if not question_ids:
+            raise ValueError("the question needs at least one token")
+        return (*self.question_head, *(int(t) for t in question_ids), *self.question_tail)
+
+    def prompt(self, chunk_ids: Sequence[Sequence[int]], question_ids: Sequence[int]) -> PromptIds:
+        blocks = tuple(self.chunk_block(c) for c in chunk_ids)
+        return PromptIds(self.prefix, blocks, self.question_suffix(question_ids))
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
+    """Token ids of a text piece, without any special tokens added around it."""
+    return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def _render_chat(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The chat template rendered around two slots, or None when the tokenizer has no usable template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    user = DOCS_INTRO + _DOCS_SLOT + DOCS_OUTRO + _QUESTION_SLOT
+    attempts: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": user}],
+        [{"role": "user", "content": SYSTEM_TEXT + "\n\n" + user}],  # templates that refuse a system turn
+    ]
+    for messages in attempts:
+        try:
+            rendered: Any = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # jinja templates raise arbitrary errors for roles they do not support
+            continue
+        if isinstance(rendered, str) and _DOCS_SLOT in rendered and _QUESTION_SLOT in rendered:
+            return rendered
+    return None
+
+
+def _bos(tokenizer: PreTrainedTokenizerBase) -> TokenIds:
+    bos = tokenizer.bos_token_id
+    return () if bos is None else (int(bos),)
+
+
+def build_template(tokenizer: PreTrainedTokenizerBase) -> PromptTemplate:
+    """Split the model's chat template (or a plain fallback) into constant id pieces."""
+    rendered = _render_chat(tokenizer)
+    if rendered is not None:
+        head, rest = rendered.split(_DOCS_SLOT, 1)
+        middle, tail = rest.split(_QUESTION_SLOT, 1)
+        prefix = encode(tokenizer, head)
+        question_head, question_tail = encode(tokenizer, middle), encode(tokenizer, tail)
+    else:
+        prefix = _bos(tokenizer) + encode(tokenizer, SYSTEM_TEXT + "\n\n" + DOCS_INTRO)
+        question_head, question_tail = encode(tokenizer, DOCS_OUTRO), encode(tokenizer, PLAIN_ANSWER_CUE)
+    doc_open, doc_close = encode(tokenizer, DOC_OPEN), encode(tokenizer, DOC_CLOSE)
+    pieces = [TEMPLATE_VERSION, prefix, doc_open, doc_close, question_head, question_tail]
+    digest = hashlib.sha256(json.dumps(pieces).encode()).hexdigest()[:16]
+    return PromptTemplate(
+        prefix=prefix,
+        doc_open=doc_open,
+        doc_close=doc_close,
+        question_head=question_head,
+        question_tail=question_tail,
+        version=f"{TEMPLATE_VERSION}:{digest}",
+    )

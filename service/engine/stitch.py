@@ -1,0 +1,79 @@
+"""Stitch position-independent blocks into one KV buffer, rotating keys once at their planned positions.
+
+Positions follow TurboRAG section 3.2:
+- `reordered` (default): prefix, chunk 1, ..., chunk k take contiguous positions, as in one causal prompt.
+- `composite`: every chunk keeps its local positions 0..len-1 (as it was precomputed); the prefix sits at
+  0..P-1 and the question at its true index P + sum(len).
+The question and every decoded token continue at the true index in both modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import KEYS, VALUES, KVBlock
+from service.engine.rotary import Rotary
+
+
+class PositionMode(StrEnum):
+    REORDERED = "reordered"
+    COMPOSITE = "composite"
+
+
+@dataclass(frozen=True)
+class StitchPlan:
+    """Where each block goes: its slot in the buffer and the position of its first token."""
+
+    mode: PositionMode
+    lengths: tuple[int, ...]
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def question_start(self) -> int:
+        """Position of the first question token: its true index in the joined prompt."""
+        return self.context_tokens
+
+    def positions(self) -> torch.Tensor:
+        """Position of every context slot, in slot order."""
+        parts = [torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths, strict=True)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+def plan_positions(mode: PositionMode | str, lengths: Sequence[int]) -> StitchPlan:
+    """Plan a prefix (lengths[0]) followed by chunk blocks (lengths[1:]) in retrieval order."""
+    mode = PositionMode(mode)
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError("every block in a stitch plan needs at least one token")
+    slots, offset = [], 0
+    for n in lengths:
+        slots.append(offset)
+        offset += n
+    starts = slots if mode is PositionMode.REORDERED else [0] * len(lengths)
+    return StitchPlan(mode, tuple(lengths), tuple(slots), tuple(starts))
+
+
+def stitch_into(buffer: KVBuffer, rotary: Rotary, blocks: Sequence[KVBlock], plan: StitchPlan) -> None:
+    """Copy blocks into an empty buffer, keys rotated in fp32 to the plan's positions, values as they are."""
+    if buffer.length != 0:
+        raise ValueError("stitching needs an empty buffer")
+    if [b.num_tokens for b in blocks] != list(plan.lengths):
+        raise ValueError("blocks do not match the stitch plan")
+    buffer.reserve(plan.context_tokens)
+    device = buffer.data.device
+    for block, slot, start in zip(blocks, plan.slots, plan.starts, strict=True):
+        kv = block.kv.to(device, non_blocking=True)
+        end = slot + block.num_tokens
+        keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device))
+        buffer.data[:, KEYS, :, slot:end].copy_(keys)
+        buffer.data[:, VALUES, :, slot:end].copy_(kv[:, VALUES])
+    buffer.commit(plan.context_tokens, plan.question_start)
