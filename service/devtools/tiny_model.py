@@ -24,8 +24,15 @@ from transformers import (
 )
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
-                  "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|bos|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -80,8 +87,14 @@ def _config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float) -> P
         "tie_word_embeddings": False,
     }
     if arch == "llama":
-        scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        scaling = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return LlamaConfig(**common, rope_scaling=scaling)
     if arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)

@@ -54,7 +54,9 @@ def attend_causal_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if backend_for(q) == "flash_attn":
         assert _FLASH_ATTN_FUNC is not None
         # flash-attn >= 2.1 aligns the causal mask to the bottom-right corner, which is exactly this shape.
-        out = _FLASH_ATTN_FUNC(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=scale)
+        out = _FLASH_ATTN_FUNC(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=scale
+        )
         return out  # type: ignore[no-any-return]
     gqa = q.shape[1] != k.shape[1]
     if tq == 1:

@@ -87,7 +87,10 @@ class StitchEngine:
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.hf.generation_config, "eos_token_id", None)):
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.hf.generation_config, "eos_token_id", None),
+        ):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, list):
@@ -115,9 +118,7 @@ class StitchEngine:
         stitch_into(buffer, self.forward.rotary, blocks, plan)
         return buffer, plan
 
-    def prefill_question(
-        self, buffer: KVBuffer, question: Sequence[int], all_logits: bool = False
-    ) -> torch.Tensor:
+    def prefill_question(self, buffer: KVBuffer, question: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Run only the question against a stitched buffer, at its true index."""
         start = buffer.next_position
         return self.forward.extend(buffer, question, torch.arange(start, start + len(question)), all_logits)
@@ -190,7 +191,7 @@ class GenerationStream:
         buffer, logits = self._prefill(watch)
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
-        eos = engine.eos_ids()
+        eos = set() if self._sampling.ignore_eos else engine.eos_ids()
         token = sampler.pick(logits)
         timings.ttft_ms = timings.precompute_ms + timings.stitch_ms + timings.prefill_ms + watch.lap_ms()
         for step in range(self._sampling.max_new_tokens):

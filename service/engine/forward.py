@@ -44,11 +44,13 @@ class LeanForward:
     def _finish_layer(self, layer: Any, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj, residual, post-attention norm, MLP, residual; attn_out is [B, T, heads, D]."""
         batch, tokens = attn_out.shape[:2]
-        hidden = residual + layer.self_attn.o_proj(attn_out.reshape(batch, tokens, -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden: torch.Tensor = residual + layer.self_attn.o_proj(attn_out.reshape(batch, tokens, -1))
+        mlp_out: torch.Tensor = layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + mlp_out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.hf.lm_head(self.decoder.norm(hidden)).float()
+        logits: torch.Tensor = self.model.hf.lm_head(self.decoder.norm(hidden))
+        return logits.float()
 
     # ---- precompute --------------------------------------------------------------------------------------
 

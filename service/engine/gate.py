@@ -59,7 +59,10 @@ def synthetic_ids(engine: StitchEngine, lengths: Sequence[int], seed: int) -> li
 
 
 def stitched_vs_reference(
-    engine: StitchEngine, chunk_ids: Sequence[Sequence[int]], question_ids: Sequence[int], positions: PositionMode
+    engine: StitchEngine,
+    chunk_ids: Sequence[Sequence[int]],
+    question_ids: Sequence[int],
+    positions: PositionMode,
 ) -> float:
     """Max |logit difference| over every question token, stitched path against the reference."""
     prompt = engine.template.prompt(chunk_ids, question_ids)

@@ -143,6 +143,6 @@ def load_model(
     hf = AutoModelForCausalLM.from_pretrained(
         str(source), dtype=dtype, attn_implementation="sdpa", local_files_only=local_files_only
     )
-    hf.to(device).eval()
+    hf.to(device=device).eval()
     hf.requires_grad_(False)
     return LoadedModel(hf=hf, tokenizer=tokenizer, spec=spec_from_config(config, dtype, device), source=str(source))

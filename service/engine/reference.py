@@ -43,7 +43,9 @@ def reference_positions(mode: PositionMode | str, block_lengths: Sequence[int], 
 
 
 @torch.inference_mode()
-def reference_logits(model: LoadedModel, ids: Sequence[int], positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def reference_logits(
+    model: LoadedModel, ids: Sequence[int], positions: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
     """fp32 logits [N, vocab] of the HF model's own forward under an explicit mask and positions."""
     device, dtype = model.spec.device, model.spec.dtype
     additive = torch.zeros(allowed.shape, dtype=dtype)
@@ -54,7 +56,8 @@ def reference_logits(model: LoadedModel, ids: Sequence[int], positions: torch.Te
         position_ids=positions.unsqueeze(0).to(device),
         use_cache=False,
     )
-    return out.logits[0].float()
+    logits: torch.Tensor = out.logits[0]
+    return logits.float()
 
 
 def reference_greedy(

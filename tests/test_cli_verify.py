@@ -1,0 +1,84 @@
+"""`kvstitch verify` passes on each tiny model and fails, with the diff, when stitching is broken."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import service.engine.engine as engine_module
+from service.cli import main
+from service.engine.stitch import StitchPlan, plan_positions
+
+FINAL_LINE = re.compile(r"^max_abs_logit_diff=(\S+)$")
+
+
+def _final_diff(output: str) -> float:
+    match = FINAL_LINE.match(output.strip().splitlines()[-1])
+    assert match, f"last line is not the diff line: {output!r}"
+    return float(match.group(1))
+
+
+def test_verify_passes_on_each_tiny_model(
+    tiny_model_dirs: dict[str, Path], arch: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["verify", "--model", str(tiny_model_dirs[arch]), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("positions=reordered") == 2 and out.count("positions=composite") == 2
+    assert _final_diff(out) < 1e-4
+
+
+def _off_by_one(mode: str, lengths: list[int]) -> StitchPlan:
+    plan = plan_positions(mode, lengths)
+    return StitchPlan(plan.mode, plan.lengths, plan.slots, tuple(s + 1 for s in plan.starts))
+
+
+def test_verify_fails_when_positions_are_off_by_one(
+    tiny_model_dirs: dict[str, Path],
+    arch: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "plan_positions", _off_by_one)
+    code = main(["verify", "--model", str(tiny_model_dirs[arch]), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "gate FAIL" in out
+    assert _final_diff(out) > 1e-2
+
+
+def test_verify_runs_as_a_command(tiny_model_dirs: dict[str, Path]) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "verify",
+            "--model",
+            str(tiny_model_dirs["qwen2"]),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert _final_diff(done.stdout) < 1e-4
+
+
+def test_verify_refuses_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["verify", "--model", str(tmp_path / "nowhere"), "--device", "cpu"])
+    assert code == 2
+    assert "cannot load" in capsys.readouterr().err
+
+
+def test_tiny_model_command_writes_a_loadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tiny-model", str(tmp_path / "m"), "--arch", "llama"]) == 0
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert main(["verify", "--model", str(tmp_path / "m"), "--device", "cpu"]) == 0
