@@ -48,3 +48,10 @@ class KVBuffer:
         """Make the last written tokens visible and record where the next token's position is."""
         self.length += num_tokens
         self.next_position = next_position
+
+    def truncate(self, length: int, next_position: int) -> None:
+        """Forget every token from slot `length` on (reuse a stitched context for another question)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a buffer of {self.length} tokens to {length}")
+        self.length = length
+        self.next_position = next_position

@@ -1,0 +1,1 @@
+"""Load generators and benchmark scripts (not part of the served package)."""

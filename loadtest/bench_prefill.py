@@ -1,0 +1,209 @@
+"""Naive vs stitched time-to-first-token on one GPU, in one process, on the same ids.
+
+    python -m loadtest.bench_prefill --contexts 4096 8192 16384 --runs 7 --json out.json
+
+Without --model it builds a Qwen2-7B-shaped model with random bf16 weights directly on the GPU (no weights can
+be downloaded; random weights of the real shape give honest timings). TTFT is wall-clock from "ids ready" to
+"first token id on the host", synchronised, median of --runs after --warmup runs.
+
+Tiers measured here (the KV-cache issue adds the disk tier and overlapped copies):
+- naive: one causal prefill over prefix + chunks + question.
+- stitched/gpu: chunk KV already on the GPU; rotate + place, then prefill only the question.
+- stitched/host: chunk KV in pinned host memory; a plain non-overlapped copy, then as above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.devtools.tiny_model import CHATML_TEMPLATE, build_tokenizer
+from service.engine.engine import StitchEngine
+from service.engine.gate import run_gate, synthetic_ids
+from service.engine.kv_layout import KVBlock
+from service.engine.model import LoadedModel, load_model, spec_from_config
+from service.engine.sampling import SamplingParams
+
+log = logging.getLogger("bench_prefill")
+QWEN2_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+}
+
+
+def random_qwen2_7b(device: torch.device) -> LoadedModel:
+    """Qwen2-7B shape, random bf16 weights, built on the device; the tiny BPE tokenizer stands in."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**QWEN2_7B)
+    torch.manual_seed(0)
+    with device:
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.eval().requires_grad_(False)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return LoadedModel(hf, tokenizer, spec_from_config(config, torch.bfloat16, device), "random:qwen2-7b")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], runs: int, warmup: int) -> list[float]:
+    """Milliseconds of each run, synchronised before and after."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def context_chunks(engine: StitchEngine, context: int, chunk_tokens: int, seed: int) -> list[list[int]]:
+    """Chunk ids whose wrapped blocks, with the prefix, fill about `context` tokens."""
+    wrap = len(engine.template.doc_open) + len(engine.template.doc_close)
+    count = max(1, round((context - len(engine.template.prefix)) / (chunk_tokens + wrap)))
+    return synthetic_ids(engine, [chunk_tokens] * count, seed)
+
+
+def precompute_all(engine: StitchEngine, blocks: list[tuple[int, ...]], batch: int) -> tuple[list[KVBlock], float]:
+    sync()
+    start = time.perf_counter()
+    out: list[KVBlock] = []
+    for i in range(0, len(blocks), batch):
+        out += engine.precompute(blocks[i : i + batch])
+    sync()
+    return out, time.perf_counter() - start
+
+
+def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) -> dict[str, Any]:
+    chunks = context_chunks(engine, context, args.chunk_tokens, seed=context)
+    # The prefilled suffix (instruction tail + question + assistant header) is --question-tokens long in total.
+    fixed = len(engine.template.question_head) + len(engine.template.question_tail)
+    question = synthetic_ids(engine, [max(1, args.question_tokens - fixed)], seed=1)[0]
+    prompt = engine.template.prompt(chunks, question)
+    gpu_kv, seconds = precompute_all(engine, list(prompt.blocks), args.precompute_batch)
+    pin = engine.spec.device.type == "cuda"
+    host_kv = [KVBlock(b.token_ids, b.kv.cpu().pin_memory() if pin else b.kv.clone()) for b in gpu_kv]
+
+    def first_token(logits: torch.Tensor) -> int:
+        return int(torch.argmax(logits))
+
+    def naive() -> int:
+        return first_token(engine.prefill_naive(prompt)[1])
+
+    def stitched(kv: list[KVBlock]) -> Callable[[], int]:
+        return lambda: first_token(engine.prefill_stitched(kv, prompt.question)[1])
+
+    stitch_only = timed(lambda: engine.stitch(gpu_kv, "reordered", len(prompt.question)), args.runs, args.warmup)
+    buffer, plan = engine.stitch(gpu_kv, "reordered", len(prompt.question))
+
+    def question_only() -> int:
+        buffer.truncate(plan.context_tokens, plan.question_start)
+        return first_token(engine.prefill_question(buffer, prompt.question))
+
+    row: dict[str, Any] = {
+        "context_tokens": prompt.context_tokens,
+        "chunks": len(chunks),
+        "question_tokens": len(prompt.question),
+        "kv_bytes": sum(b.nbytes() for b in gpu_kv) + engine.prefix_block.nbytes(),
+        "precompute_tokens_per_s": sum(len(b) for b in prompt.blocks) / seconds,
+        "naive_ms": timed(naive, args.runs, args.warmup),
+        "stitched_gpu_ms": timed(stitched(gpu_kv), args.runs, args.warmup),
+        "stitched_host_ms": timed(stitched(host_kv), args.runs, args.warmup),
+        "stitch_gpu_only_ms": stitch_only,
+        "question_prefill_only_ms": timed(question_only, args.runs, args.warmup),
+    }
+    if args.decode_tokens:
+        stream = engine.generate(
+            prompt, SamplingParams(max_new_tokens=args.decode_tokens, ignore_eos=True), chunk_kv=gpu_kv
+        )
+        list(stream)
+        row["decode_ms_per_token"] = stream.result.timings.decode_ms / max(1, args.decode_tokens - 1)
+    return row
+
+
+def summarise(row: dict[str, Any]) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in row.items() if isinstance(v, list)}
+    return {**{k: v for k, v in row.items() if not isinstance(v, list)}, **{f"median_{k}": v for k, v in med.items()}}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| context | chunks | KV MB | naive ms | stitched, GPU tier ms | speedup | stitched, pinned host (plain copy)"
+        " ms | stitch only ms | question prefill only ms | decode ms/token | precompute tok/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['context_tokens']} | {r['chunks']} | {r['kv_bytes'] / 1e6:.0f} | {r['median_naive_ms']:.1f} "
+            f"| {r['median_stitched_gpu_ms']:.1f} | {r['median_naive_ms'] / r['median_stitched_gpu_ms']:.1f}x "
+            f"| {r['median_stitched_host_ms']:.1f} | {r['median_stitch_gpu_only_ms']:.2f} "
+            f"| {r['median_question_prefill_only_ms']:.1f} "
+            f"| {r.get('decode_ms_per_token', float('nan')):.1f} | {r['precompute_tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--question-tokens", type=int, default=128)
+    parser.add_argument("--precompute-batch", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--gate", action="store_true", help="also run the correctness gate and report its diff")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with --model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+        return 2
+    model = load_model(args.model, device=device) if args.model else random_qwen2_7b(device)
+    engine = StitchEngine(model)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "rows": []}
+    if args.gate:
+        gate = run_gate(engine)
+        report["gate_max_abs_logit_diff"] = gate.max_abs_logit_diff
+        log.info("gate: max_abs_logit_diff=%.4f tolerance=%.3f", gate.max_abs_logit_diff, gate.tolerance)
+    for context in args.contexts:
+        row = summarise(bench_context(engine, context, args))
+        report["rows"].append(row)
+        log.info("%s", json.dumps(row))
+    sys.stdout.write(table(report["rows"]) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
