@@ -16,9 +16,12 @@ from service.engine.reference import independent_mask, reference_logits, referen
 from service.engine.stitch import PositionMode
 
 FP32_TOLERANCE = 1e-4
-# bf16 keeps 8 bits of mantissa; two different kernel orders over 28 layers drift by a few hundredths of a
-# logit on random 7B-shaped weights. Measured on the H200: see docs/benchmarks.md.
-BF16_TOLERANCE = 0.25
+# In bf16 the bound is relative to the size of the logits. Measured on the H200 (docs/benchmarks.md) on a
+# Qwen2-7B-shaped random model: stitched-bf16 and HF's own reference-bf16 each sit ~0.35 from an fp32
+# reference (max |logit| ~6.8, so ~5%), and differ from each other by at most 0.38; positions off by one
+# differ by 4.7 or more. 10% of the largest reference logit separates the two with margin on both sides.
+BF16_RELATIVE_TOLERANCE = 0.10
+BF16_TOLERANCE = 0.25  # absolute bound for the tiny test models (logits ~3.5; measured diffs ~0.04)
 DEFAULT_CHUNK_LENGTHS = (23, 7, 41, 12)
 DEFAULT_QUESTION_LENGTH = 9
 
@@ -34,6 +37,7 @@ class GateCase:
 class GateResult:
     tolerance: float
     cases: list[GateCase] = field(default_factory=list)
+    logit_scale: float = 0.0  # largest |reference logit| seen, which a relative bf16 bound scales with
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -65,6 +69,16 @@ def stitched_vs_reference(
     positions: PositionMode,
 ) -> float:
     """Max |logit difference| over every question token, stitched path against the reference."""
+    return compare_with_reference(engine, chunk_ids, question_ids, positions)[0]
+
+
+def compare_with_reference(
+    engine: StitchEngine,
+    chunk_ids: Sequence[Sequence[int]],
+    question_ids: Sequence[int],
+    positions: PositionMode,
+) -> tuple[float, float]:
+    """(max |stitched - reference| logit, max |reference| logit) over every question token."""
     prompt = engine.template.prompt(chunk_ids, question_ids)
     chunk_kv = engine.precompute(prompt.blocks)
     _, stitched, _ = engine.prefill_stitched(chunk_kv, prompt.question, positions, all_logits=True)
@@ -72,7 +86,8 @@ def stitched_vs_reference(
     lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
     allowed = independent_mask(lengths, tail)
     ref = reference_logits(engine.model, prompt.joined(), reference_positions(positions, lengths, tail), allowed)
-    return float((stitched - ref[-tail:]).abs().max())
+    ref = ref[-tail:]
+    return float((stitched - ref).abs().max()), float(ref.abs().max())
 
 
 def run_gate(
@@ -86,9 +101,12 @@ def run_gate(
     chunks = synthetic_ids(engine, chunk_lengths, seed)
     question = synthetic_ids(engine, [question_length], seed + 1)[0]
     orders = [tuple(range(len(chunks))), tuple(reversed(range(len(chunks))))]
-    result = GateResult(tolerance if tolerance is not None else default_tolerance(engine.spec.dtype))
+    result = GateResult(tolerance if tolerance is not None else FP32_TOLERANCE)
     for order in orders:
         for mode in PositionMode:
-            diff = stitched_vs_reference(engine, [chunks[i] for i in order], question, mode)
+            diff, scale = compare_with_reference(engine, [chunks[i] for i in order], question, mode)
             result.cases.append(GateCase(order, mode, diff))
+            result.logit_scale = max(result.logit_scale, scale)
+    if tolerance is None and engine.spec.dtype != torch.float32:
+        result.tolerance = BF16_RELATIVE_TOLERANCE * result.logit_scale
     return result
