@@ -1,0 +1,419 @@
+"""One file per cached block: a small self-describing header, then the raw KV tensor bytes.
+
+Layout (all integers little-endian):
+
+    offset 0   magic  b"KVSTITCH"                       8 bytes
+    offset 8   format version                           uint32
+    offset 12  header length H                          uint32
+    offset 16  xxh3_64 of the header bytes              uint64
+    offset 24  header: UTF-8 JSON object                H bytes
+               zero padding up to the next multiple of 4096
+    offset P   payload: the C-contiguous tensor bytes   payload_bytes
+
+The payload starts 4096-aligned so it can later be read with O_DIRECT straight into a pinned buffer. Every
+byte is covered by a check: the preamble by value, the header by its own hash, the padding by being zero
+and the payload by an xxh3_128 checksum (non-cryptographic, several GB/s, so reads stay disk-bound).
+Nothing is ever unpickled; a file is trusted only after all checks pass.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION, KVBlock, block_shape
+from service.engine.model import ModelSpec
+from service.kvcache.keys import dtype_name, is_block_key
+
+MAGIC = b"KVSTITCH"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sIIQ")  # magic, version, header length, header hash
+ALIGNMENT = 4096
+MAX_HEADER_BYTES = 16 << 20
+BLOCK_SUFFIX = ".kvblock"
+TEMP_SUFFIX = ".tmp"
+CHECKSUM_ALGORITHM = "xxh3_128"
+FORMAT_NAME = "kvstitch-kv-block"
+STORABLE_DTYPES: dict[str, torch.dtype] = {
+    dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+}
+# `.<key>.kvblock.<pid>.<random>.tmp`, written next to the final file and renamed over it.
+TEMP_NAME_PATTERN = re.compile(r"\.[0-9a-f]+\.kvblock\.\d+\.[0-9a-f]+\.tmp")
+
+
+class CorruptBlockError(ValueError):
+    """A block file exists but fails a check; the message says which one."""
+
+
+class MissingBlockError(FileNotFoundError):
+    """No block file at the path."""
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The parsed, self-consistent header of a block file."""
+
+    key: str
+    model_fingerprint: str
+    layout_name: str
+    layout_version: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    payload_offset: int
+    payload_bytes: int
+    checksum_algorithm: str
+    checksum: str
+    created: float
+
+
+def block_relpath(key: str) -> str:
+    """Where a block lives, relative to the cache dir: fanned out by the key's first byte."""
+    if not is_block_key(key):
+        raise ValueError(f"not a block key: {key!r}")
+    return f"{key[:2]}/{key}{BLOCK_SUFFIX}"
+
+
+def is_temp_file(path: Path) -> bool:
+    """True for a writer's temp file (live or left behind by a crash)."""
+    return TEMP_NAME_PATTERN.fullmatch(path.name) is not None
+
+
+# ---- writing -----------------------------------------------------------------------------------------------
+
+
+def write_block(path: Path, key: str, fingerprint: str, block: KVBlock) -> int:
+    """Write a block atomically (temp file, fsync, rename, fsync dir) and return the file's size in bytes.
+
+    Concurrent writers of one key each rename a complete file over the name; readers see the old or the new
+    file, never a mix, because a rename swaps the directory entry while open files keep their inode.
+    """
+    if not is_block_key(key):
+        raise ValueError(f"not a block key: {key!r}")
+    payload = _payload_bytes_of(block)
+    header = _encode_header(key, fingerprint, block, payload)
+    path = Path(path)
+    created_dir = _ensure_dir(path.parent)
+    temp = path.parent / f".{key}{BLOCK_SUFFIX}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    try:
+        with temp.open("xb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        temp.replace(path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    if created_dir:
+        _fsync_dir(path.parent.parent)  # make the new fan-out directory itself durable
+    return len(header) + len(payload)
+
+
+def _payload_bytes_of(block: KVBlock) -> memoryview:
+    """The tensor's bytes on the CPU, C-contiguous, without copying a CPU tensor that already is."""
+    kv = block.kv.detach().to("cpu").contiguous()
+    if kv.dim() != 5:
+        raise ValueError(f"KV of shape {tuple(kv.shape)} is not in the 5-axis block layout")
+    if dtype_name(kv.dtype) not in STORABLE_DTYPES:
+        raise ValueError(f"cannot store KV of dtype {kv.dtype}; storable: {', '.join(STORABLE_DTYPES)}")
+    if kv.shape[3] != block.num_tokens or block.num_tokens == 0:
+        raise ValueError(f"KV shape {tuple(kv.shape)} does not hold the block's {block.num_tokens} tokens")
+    return kv.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _encode_header(key: str, fingerprint: str, block: KVBlock, payload: memoryview) -> bytes:
+    """Preamble, JSON header and zero padding up to the aligned payload offset."""
+    fields: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "key": key,
+        "model_fingerprint": fingerprint,
+        "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION},
+        "dtype": dtype_name(block.kv.dtype),
+        "shape": list(block.kv.shape),
+        "num_tokens": block.num_tokens,
+        "token_ids": [int(t) for t in block.token_ids],
+        "payload_bytes": payload.nbytes,
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": xxhash.xxh3_128_hexdigest(payload)},
+        "created": time.time(),
+    }
+    # The offset is written into the header it precedes; growing digits can push it one boundary further,
+    # so iterate to the fixed point (at most two rounds in practice).
+    offset = 0
+    while True:
+        fields["payload_offset"] = offset
+        body = _json(fields)
+        needed = _aligned(PREAMBLE.size + len(body))
+        if needed == offset:
+            break
+        offset = needed
+    preamble = PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body))
+    return preamble + body + bytes(offset - PREAMBLE.size - len(body))
+
+
+def _json(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _ensure_dir(directory: Path) -> bool:
+    """Create the directory if needed; True when this call created it."""
+    if directory.is_dir():
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- reading -----------------------------------------------------------------------------------------------
+
+
+def read_header(path: Path, verify_payload: bool = False) -> BlockHeader:
+    """The checked header of a block file (for index repair); the payload checksum only when asked."""
+    with _open_block(path) as f:
+        header = _read_checked_header(f, path)
+        if verify_payload:
+            payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
+            _read_payload(f, path, header, payload)
+        return header
+
+
+def read_block(
+    path: Path,
+    expected_key: str,
+    expected_fingerprint: str,
+    spec: ModelSpec,
+    into: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    expected_token_ids: Sequence[int] | None = None,
+) -> KVBlock:
+    """Read and check a block stored for this key, model and spec.
+
+    `dtype` is the stored dtype to expect (default `spec.dtype`; 8-bit storage passes its own). `into` is an
+    optional preallocated CPU tensor (pinned or not) the payload is read straight into; the returned block's
+    KV is then a view of it. `expected_token_ids`, when given, must equal the stored ids, which turns a key
+    collision into an error instead of wrong KV. Raises `CorruptBlockError` on any failed check and
+    `MissingBlockError` (a `FileNotFoundError`) when there is no file.
+    """
+    with _open_block(path) as f:
+        header = _read_checked_header(f, path)
+        _check_expected(header, path, expected_key, expected_fingerprint, spec, dtype or spec.dtype)
+        if expected_token_ids is not None and header.token_ids != tuple(int(t) for t in expected_token_ids):
+            raise CorruptBlockError(f"{path}: token ids differ from the requested block (key collision)")
+        target = _payload_target(into, header)
+        _read_payload(f, path, header, target)
+    kv = target.view(header.dtype).view(header.shape)
+    return KVBlock(token_ids=header.token_ids, kv=kv)
+
+
+def _open_block(path: Path) -> io.FileIO:
+    try:
+        return Path(path).open("rb", buffering=0)
+    except FileNotFoundError as err:
+        raise MissingBlockError(f"no KV block file at {path}") from err
+
+
+def _read_checked_header(f: io.FileIO, path: Path) -> BlockHeader:
+    """Preamble, header hash, JSON fields, padding and file size: everything but the payload checksum."""
+    file_size = os.fstat(f.fileno()).st_size
+    raw = f.read(PREAMBLE.size)
+    if len(raw) < PREAMBLE.size:
+        raise CorruptBlockError(f"{path}: truncated: {len(raw)} bytes is shorter than the preamble")
+    magic, version, header_len, header_hash = PREAMBLE.unpack(raw)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"{path}: bad magic {magic!r}, not a kvstitch block file")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"{path}: unsupported format version {version} (reads {FORMAT_VERSION})")
+    if header_len > MAX_HEADER_BYTES or PREAMBLE.size + header_len > file_size:
+        raise CorruptBlockError(f"{path}: header length {header_len} does not fit the {file_size}-byte file")
+    body = f.read(header_len)
+    if len(body) != header_len or xxhash.xxh3_64_intdigest(body) != header_hash:
+        raise CorruptBlockError(f"{path}: header checksum mismatch (header bytes damaged)")
+    header = _parse_header(body, path)
+    _check_layout(header, path, PREAMBLE.size + header_len, file_size)
+    padding = f.read(header.payload_offset - PREAMBLE.size - header_len)
+    if padding.count(0) != len(padding):
+        raise CorruptBlockError(f"{path}: non-zero bytes in the padding before the payload")
+    return header
+
+
+def _parse_header(body: bytes, path: Path) -> BlockHeader:
+    """Decode the JSON header, checking every field's type; no value is trusted by shape alone."""
+    try:
+        fields = json.loads(body.decode("utf-8"))
+        if not isinstance(fields, dict) or fields.get("format") != FORMAT_NAME:
+            raise CorruptBlockError(f"{path}: header is not a {FORMAT_NAME} object")
+        layout, checksum = _dict(fields, "layout"), _dict(fields, "checksum")
+        return BlockHeader(
+            key=_str(fields, "key"),
+            model_fingerprint=_str(fields, "model_fingerprint"),
+            layout_name=_str(layout, "name"),
+            layout_version=_int(layout, "version"),
+            dtype=_dtype(_str(fields, "dtype"), path),
+            shape=tuple(_int_list(fields, "shape")),
+            num_tokens=_int(fields, "num_tokens"),
+            token_ids=tuple(_int_list(fields, "token_ids")),
+            payload_offset=_int(fields, "payload_offset"),
+            payload_bytes=_int(fields, "payload_bytes"),
+            checksum_algorithm=_str(checksum, "algorithm"),
+            checksum=_str(checksum, "value"),
+            created=_float(fields, "created"),
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CorruptBlockError(f"{path}: unreadable header: {err}") from err
+
+
+def _check_layout(header: BlockHeader, path: Path, header_end: int, file_size: int) -> None:
+    """The header agrees with itself and with the file's size."""
+    problems = []
+    if header.layout_name != LAYOUT_NAME or header.layout_version != LAYOUT_VERSION:
+        problems.append(
+            f"layout {header.layout_name!r} v{header.layout_version} is not {LAYOUT_NAME!r} v{LAYOUT_VERSION}"
+        )
+    if len(header.shape) != 5 or header.shape[1] != 2 or header.shape[3] != header.num_tokens:
+        problems.append(f"shape {header.shape} does not hold {header.num_tokens} tokens in the KV layout")
+    if header.num_tokens < 1 or len(header.token_ids) != header.num_tokens:
+        problems.append(f"{len(header.token_ids)} token ids stored for a token count of {header.num_tokens}")
+    element = torch.empty((), dtype=header.dtype).element_size()
+    if header.payload_bytes != math.prod(header.shape) * element:
+        problems.append(f"payload of {header.payload_bytes} bytes does not match shape {header.shape}")
+    if header.payload_offset != _aligned(header_end):
+        problems.append(f"payload offset {header.payload_offset} is not the aligned end of the header")
+    if header.checksum_algorithm != CHECKSUM_ALGORITHM:
+        problems.append(f"unknown checksum algorithm {header.checksum_algorithm!r}")
+    if not problems and file_size != header.payload_offset + header.payload_bytes:
+        problems.append(
+            f"truncated or overlong: file is {file_size} bytes, header says "
+            f"{header.payload_offset + header.payload_bytes}"
+        )
+    if problems:
+        raise CorruptBlockError(f"{path}: " + "; ".join(problems))
+
+
+def _check_expected(
+    header: BlockHeader, path: Path, key: str, fingerprint: str, spec: ModelSpec, dtype: torch.dtype
+) -> None:
+    """The file holds the block that was asked for, made by this model, in the shape this spec needs."""
+    if header.key != key:
+        raise CorruptBlockError(f"{path}: key mismatch: file holds {header.key}, expected {key}")
+    if header.model_fingerprint != fingerprint:
+        raise CorruptBlockError(
+            f"{path}: model fingerprint mismatch: file was written by "
+            f"{header.model_fingerprint[:16]}…, expected {fingerprint[:16]}…"
+        )
+    if header.dtype != dtype:
+        raise CorruptBlockError(
+            f"{path}: dtype mismatch: file holds {dtype_name(header.dtype)}, expected {dtype_name(dtype)}"
+        )
+    if header.num_tokens > spec.max_context:
+        raise CorruptBlockError(
+            f"{path}: token count {header.num_tokens} exceeds the model's context {spec.max_context}"
+        )
+    needed = block_shape(spec, header.num_tokens)
+    if header.shape != needed:
+        raise CorruptBlockError(f"{path}: shape mismatch: file holds {header.shape}, model needs {needed}")
+
+
+def _payload_target(into: torch.Tensor | None, header: BlockHeader) -> torch.Tensor:
+    """A flat uint8 CPU tensor of exactly the payload's size: a view of `into`, or a new allocation."""
+    if into is None:
+        return torch.empty(header.payload_bytes, dtype=torch.uint8)
+    if into.device.type != "cpu" or not into.is_contiguous():
+        raise ValueError("`into` must be a contiguous CPU tensor (pinned or not)")
+    flat = into.reshape(-1).view(torch.uint8)
+    if flat.numel() < header.payload_bytes:
+        raise ValueError(f"`into` holds {flat.numel()} bytes; the block needs {header.payload_bytes}")
+    target = flat[: header.payload_bytes]
+    element = torch.empty((), dtype=header.dtype).element_size()
+    if target.data_ptr() % element:
+        raise ValueError(f"`into` is not aligned for {dtype_name(header.dtype)} elements")
+    return target
+
+
+def _read_payload(f: io.FileIO, path: Path, header: BlockHeader, target: torch.Tensor) -> None:
+    """Read the payload into `target`'s memory (no intermediate copy) and verify its checksum."""
+    view = target.numpy().data
+    f.seek(header.payload_offset)
+    filled = 0
+    while filled < header.payload_bytes:
+        n = f.readinto(view[filled:])
+        if not n:
+            raise CorruptBlockError(f"{path}: truncated payload: {filled} of {header.payload_bytes} bytes")
+        filled += n
+    actual = xxhash.xxh3_128_hexdigest(view)
+    if actual != header.checksum:
+        raise CorruptBlockError(
+            f"{path}: payload checksum mismatch ({CHECKSUM_ALGORITHM}): header says "
+            f"{header.checksum}, payload hashes to {actual}"
+        )
+
+
+# ---- typed field access ------------------------------------------------------------------------------------
+
+
+def _dict(fields: dict[str, Any], name: str) -> dict[str, Any]:
+    value = fields[name]
+    if not isinstance(value, dict):
+        raise TypeError(f"field {name!r} is not an object")
+    return value
+
+
+def _str(fields: dict[str, Any], name: str) -> str:
+    value = fields[name]
+    if not isinstance(value, str):
+        raise TypeError(f"field {name!r} is not a string")
+    return value
+
+
+def _int(fields: dict[str, Any], name: str) -> int:
+    value = fields[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"field {name!r} is not a non-negative integer")
+    return value
+
+
+def _int_list(fields: dict[str, Any], name: str) -> list[int]:
+    values = fields[name]
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    ):
+        raise TypeError(f"field {name!r} is not a list of non-negative integers")
+    return [int(v) for v in values]
+
+
+def _float(fields: dict[str, Any], name: str) -> float:
+    value = fields[name]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise TypeError(f"field {name!r} is not a finite number")
+    return float(value)
+
+
+def _dtype(name: str, path: Path) -> torch.dtype:
+    if name not in STORABLE_DTYPES:
+        raise CorruptBlockError(f"{path}: unknown dtype {name!r}")
+    return STORABLE_DTYPES[name]

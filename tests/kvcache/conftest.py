@@ -1,0 +1,56 @@
+"""Fixtures of the KV cache tests: specs, blocks, a tiny model folder and the local Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kv_support import BASE_SPEC, BlockFactory, SpecFactory, random_kv
+
+from service.engine.kv_layout import KVBlock, block_shape
+from service.engine.model import ModelSpec
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def make_spec() -> SpecFactory:
+    """BASE_SPEC with some fields replaced."""
+
+    def make(**changes: Any) -> ModelSpec:
+        return dataclasses.replace(BASE_SPEC, **changes)
+
+    return make
+
+
+@pytest.fixture
+def make_block() -> BlockFactory:
+    """A block of `num_tokens` tokens for `spec`, with ids and values drawn from `seed`."""
+
+    def make(spec: ModelSpec, num_tokens: int = 24, seed: int = 0) -> KVBlock:
+        ids = tuple(range(seed * 1000 + 1, seed * 1000 + 1 + num_tokens))
+        return KVBlock(token_ids=ids, kv=random_kv(block_shape(spec, num_tokens), spec.dtype, seed))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    """The session's tiny Llama folder (built by the top-level conftest); tests copy it before changing it."""
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The local Redis, or a skip naming why the Redis variants cannot run."""
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1.0)
+    try:
+        client.ping()
+    except redis.RedisError as err:
+        pytest.skip(f"Redis at {REDIS_URL} does not answer ({err}); the Redis index tests need it")
+    finally:
+        client.close()
+    return REDIS_URL

@@ -1,0 +1,45 @@
+"""Plain helpers of the KV cache tests (fixtures live in conftest.py; this module is importable by name)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from service.engine.kv_layout import KVBlock
+from service.engine.model import ModelSpec
+
+BASE_SPEC = ModelSpec(
+    model_type="llama",
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    hidden_size=64,
+    vocab_size=384,
+    rope_type="default",
+    max_positions=4096,
+    sliding_window=None,
+    dtype=torch.float32,
+    device=torch.device("cpu"),
+)
+
+SpecFactory = Callable[..., ModelSpec]
+BlockFactory = Callable[..., KVBlock]
+
+
+def random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random KV of any storable dtype; float blocks also carry NaN, ±inf and -0.0 to test bit-exactness."""
+    gen = torch.Generator().manual_seed(seed)
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max + 1, shape, generator=gen, dtype=torch.int64).to(dtype)
+    kv = torch.randn(shape, generator=gen).to(dtype)
+    flat = kv.view(-1)
+    flat[:4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0]).to(dtype)
+    return kv
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so NaN payloads and -0.0 compare exactly."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
