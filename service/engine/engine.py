@@ -191,29 +191,35 @@ class GenerationStream:
         buffer, logits = self._prefill(watch)
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
-        eos = set() if self._sampling.ignore_eos else engine.eos_ids()
-        token = sampler.pick(logits)
+        first = sampler.pick(logits)
         timings.ttft_ms = timings.precompute_ms + timings.stitch_ms + timings.prefill_ms + watch.lap_ms()
-        for step in range(self._sampling.max_new_tokens):
-            self.result.token_ids.append(token)
-            if token in eos:
-                self.result.finish_reason = "stop"
-                break
+        for token in self._decode(buffer, sampler, first):
             delta = detok.push(token)
             if delta:
                 yield delta
             if detok.stopped:
                 self.result.finish_reason = "stop"
                 break
-            if step + 1 == self._sampling.max_new_tokens:
-                break
-            position = torch.tensor([buffer.next_position])
-            token = sampler.pick(engine.forward.extend(buffer, [token], position))
         tail = detok.flush()
         if tail:
             yield tail
         self.result.text = detok.text
         timings.decode_ms = watch.lap_ms()
+
+    def _decode(self, buffer: KVBuffer, sampler: Sampler, first: int) -> Iterator[int]:
+        """Yield accepted token ids (EOS excluded) until EOS, the token budget, or the consumer stops."""
+        eos = set() if self._sampling.ignore_eos else self._engine.eos_ids()
+        token = first
+        while True:
+            self.result.token_ids.append(token)
+            if token in eos:
+                self.result.finish_reason = "stop"
+                return
+            yield token
+            if len(self.result.token_ids) == self._sampling.max_new_tokens:
+                return
+            position = torch.tensor([buffer.next_position])
+            token = sampler.pick(self._engine.forward.extend(buffer, [token], position))
 
     def _prefill(self, watch: _Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
         engine, timings, extra = self._engine, self.result.timings, self._sampling.max_new_tokens
