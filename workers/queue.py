@@ -1,0 +1,621 @@
+"""The ingest job queue and the job status store, each behind one small protocol.
+
+`RedisStreamQueue` (a Redis stream read through a consumer group) serves deployments whose workers are separate
+processes; `InProcessQueue` gives the embedded mode (gateway and worker in one process) the same semantics in
+memory. Delivery is at least once:
+
+- a consumer reads messages, processes them and acks each one (acked messages are deleted from the stream);
+- a message whose consumer died stays pending, and `claim_stale` hands it to a live consumer once it has been idle
+  for `min_idle_ms`;
+- `fail` puts a message back at the end of the queue for another attempt, or, once it has had `max_attempts`,
+  moves it to the dead-letter stream with the error and acks it.
+
+Attempts count deliveries, so a job that kills its worker every time (say, out of memory) ends in the dead-letter
+stream too instead of being claimed forever. A payload is one JSON object; anything else found in the stream is
+dead-lettered with the reason, never raised to the consumer.
+
+Job statuses (`queued`, `running`, `done`, `failed`, with counts and timestamps) live in a `JobStatusStore`:
+Redis hashes with a TTL, or a dict in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import redis
+
+DEFAULT_STREAM = "kvstitch:ingest"
+DEFAULT_GROUP = "kvstitch-workers"
+DEFAULT_DEAD_LETTER = "kvstitch:ingest:dead"
+DEFAULT_MAX_ATTEMPTS = 3
+_PAYLOAD = "payload"
+_ATTEMPTS = "attempts"  # deliveries that ended in `fail` before this copy of the message was queued
+_LAST_ERROR = "last_error"
+
+# Ack a message, delete it and add an entry (its retry, or its dead letter) in one atomic step; a message that is
+# no longer pending (acked meanwhile by a consumer that had claimed it) is left alone, so it is never doubled.
+# KEYS: the stream, the stream that gets the new entry; ARGV: the group, the message id, the new entry's fields.
+_MOVE_SCRIPT = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of a message to a consumer; `attempt` is 1 the first time a job is handed out."""
+
+    message_id: str
+    payload: dict[str, Any]
+    attempt: int
+    consumer: str
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message given up on: its text as it was found (it may not be JSON) and why."""
+
+    message_id: str
+    original_id: str
+    payload: str
+    error: str
+    attempts: int
+    failed_at: float
+
+
+class JobQueue(Protocol):
+    """What the gateway (producer) and the ingest worker (consumer) need from a queue."""
+
+    max_attempts: int
+
+    def enqueue(self, payload: Mapping[str, Any]) -> str: ...
+
+    def consume(self, consumer_name: str, block_ms: int = 1000, count: int = 1) -> list[Delivery]: ...
+
+    def ack(self, delivery: Delivery) -> None: ...
+
+    def fail(self, delivery: Delivery, error: str) -> bool: ...
+
+    def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]: ...
+
+    def pending_count(self) -> int: ...
+
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]: ...
+
+    def close(self) -> None: ...
+
+
+def encode_payload(payload: Mapping[str, Any]) -> str:
+    """A payload as one JSON object; refused early so a bad job fails at enqueue, not in a worker."""
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"a job payload must be a mapping (a JSON object), got {type(payload).__name__}")
+    try:
+        return json.dumps(dict(payload), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"job payload is not JSON-serializable: {err}") from err
+
+
+def decode_payload(data: str) -> dict[str, Any]:
+    """The payload of a message; ValueError naming what is wrong with a malformed one."""
+    try:
+        payload = json.loads(data)
+    except ValueError as err:
+        raise ValueError(f"malformed message: payload is not valid JSON ({err})") from err
+    if not isinstance(payload, dict):
+        raise ValueError(f"malformed message: payload is a JSON {type(payload).__name__}, not an object")
+    return payload
+
+
+def _check_count(count: int) -> None:
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+
+
+def _check_max_attempts(max_attempts: int) -> int:
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+    return max_attempts
+
+
+# ---- Redis Streams -------------------------------------------------------------------------------------------
+
+
+class RedisStreamQueue:
+    """The queue as a Redis stream with one consumer group; the dead letters go to a second stream."""
+
+    def __init__(
+        self,
+        url: str,
+        stream: str = DEFAULT_STREAM,
+        group: str = DEFAULT_GROUP,
+        dead_letter: str = DEFAULT_DEAD_LETTER,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> None:
+        self.stream, self.group, self.dead_letter = stream, group, dead_letter
+        self.max_attempts = _check_max_attempts(max_attempts)
+        # Raw bytes, decoded here: a field that is not UTF-8 must become a dead letter, not a crash in the reader.
+        self._redis: Any = redis.Redis.from_url(url, decode_responses=False)
+        self._move = self._redis.register_script(_MOVE_SCRIPT)
+        self._ensure_group()
+
+    def enqueue(self, payload: Mapping[str, Any]) -> str:
+        return _text(self._redis.xadd(self.stream, {_PAYLOAD: encode_payload(payload), _ATTEMPTS: 0}))
+
+    def consume(self, consumer_name: str, block_ms: int = 1000, count: int = 1) -> list[Delivery]:
+        """Up to `count` new messages, waiting at most `block_ms` for one (no wait when block_ms <= 0)."""
+        _check_count(count)
+        block = block_ms if block_ms > 0 else None  # Redis reads BLOCK 0 as "forever"
+        try:
+            reply = self._read(consumer_name, count, block)
+        except redis.ResponseError as err:
+            if "NOGROUP" not in str(err):
+                raise
+            self._ensure_group()  # the stream was deleted (a flush, a reset) while we ran
+            reply = self._read(consumer_name, count, block)
+        entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
+        return self._deliveries(entries, consumer_name, times_delivered=dict.fromkeys(_ids(entries), 1))
+
+    def ack(self, delivery: Delivery) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, delivery.message_id)
+        pipe.xdel(self.stream, delivery.message_id)  # the stream holds only unfinished jobs
+        pipe.execute()
+
+    def fail(self, delivery: Delivery, error: str) -> bool:
+        """Re-queue for another attempt, or dead-letter after `max_attempts`; True when it was dead-lettered."""
+        data = encode_payload(delivery.payload)
+        if delivery.attempt >= self.max_attempts:
+            return self._bury(delivery.message_id, data, error, delivery.attempt)
+        retry: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt, _LAST_ERROR: error}
+        self._move_to(self.stream, delivery.message_id, retry)
+        return False
+
+    def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]:
+        """Take over messages other consumers read but have not acked for `min_idle_ms` (they likely died)."""
+        _check_count(count)
+        entries: list[tuple[Any, Any]] = []
+        start: Any = "0-0"
+        while len(entries) < count:
+            start, claimed, *_ = self._redis.xautoclaim(
+                self.stream, self.group, consumer_name, max(0, min_idle_ms), start, count=count - len(entries)
+            )
+            entries.extend((entry_id, fields) for entry_id, fields in claimed if fields)
+            if _text(start) == "0-0":
+                break
+        return self._deliveries(entries, consumer_name, times_delivered=self._times_delivered(_ids(entries)))
+
+    def pending_count(self) -> int:
+        """Messages enqueued and not yet acked or dead-lettered: waiting ones and those being processed."""
+        return int(self._redis.xlen(self.stream))
+
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        entries = self._redis.xrange(self.dead_letter, count=limit)
+        return [_dead_letter(_text(entry_id), _fields(fields)) for entry_id, fields in entries]
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _ensure_group(self) -> None:
+        try:
+            # From id 0, so jobs enqueued before the first worker started are still delivered.
+            self._redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    def _read(self, consumer_name: str, count: int, block: int | None) -> Any:
+        return self._redis.xreadgroup(self.group, consumer_name, {self.stream: ">"}, count=count, block=block)
+
+    def _times_delivered(self, message_ids: list[str]) -> dict[str, int]:
+        pipe = self._redis.pipeline(transaction=False)
+        for message_id in message_ids:
+            pipe.xpending_range(self.stream, self.group, min=message_id, max=message_id, count=1)
+        replies = pipe.execute()
+        return {mid: int(r[0]["times_delivered"]) if r else 1 for mid, r in zip(message_ids, replies, strict=True)}
+
+    def _deliveries(
+        self, entries: list[tuple[Any, Any]], consumer: str, times_delivered: dict[str, int]
+    ) -> list[Delivery]:
+        """Deliveries of well-formed entries; malformed or exhausted ones go to the dead letters instead."""
+        deliveries: list[Delivery] = []
+        for entry_id, raw_fields in entries:
+            message_id, fields = _text(entry_id), _fields(raw_fields)
+            data = fields.get(_PAYLOAD, "")
+            attempt = _int(fields.get(_ATTEMPTS)) + times_delivered.get(message_id, 1)
+            try:
+                if _PAYLOAD not in fields:
+                    raise ValueError("malformed message: it has no payload field")
+                payload = decode_payload(data)
+            except ValueError as err:
+                self._bury(message_id, data, str(err), attempt)
+                continue
+            if attempt > self.max_attempts:
+                self._bury(message_id, data, _abandoned(attempt, fields.get(_LAST_ERROR)), attempt - 1)
+                continue
+            deliveries.append(Delivery(message_id, payload, attempt, consumer, fields.get(_LAST_ERROR)))
+        return deliveries
+
+    def _bury(self, message_id: str, data: str, error: str, attempts: int) -> bool:
+        """Move a message to the dead-letter stream, acking it; False when it was no longer pending."""
+        record: dict[str, str | int] = {
+            _PAYLOAD: data,
+            "error": error,
+            _ATTEMPTS: attempts,
+            "original_id": message_id,
+            "failed_at": repr(time.time()),
+        }
+        return self._move_to(self.dead_letter, message_id, record)
+
+    def _move_to(self, target: str, message_id: str, fields: Mapping[str, str | int]) -> bool:
+        args: list[str | int] = [self.group, message_id]
+        for name, value in fields.items():
+            args += [name, value]
+        return bool(self._move(keys=[self.stream, target], args=args))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _fields(raw: Mapping[Any, Any]) -> dict[str, str]:
+    """Entry fields as text; bytes that are not UTF-8 keep a readable form for the dead letter."""
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _int(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
+def _ids(entries: list[tuple[Any, Any]]) -> list[str]:
+    return [_text(entry_id) for entry_id, _ in entries]
+
+
+def _abandoned(attempt: int, last_error: str | None) -> str:
+    reason = f"delivered {attempt - 1} times without an ack (its worker stopped each time)"
+    return f"{reason}; last error: {last_error}" if last_error else reason
+
+
+def _dead_letter(message_id: str, fields: dict[str, str]) -> DeadLetter:
+    return DeadLetter(
+        message_id=message_id,
+        original_id=fields.get("original_id", ""),
+        payload=fields.get(_PAYLOAD, ""),
+        error=fields.get("error", ""),
+        attempts=_int(fields.get(_ATTEMPTS)),
+        failed_at=float(fields.get("failed_at") or 0.0),
+    )
+
+
+# ---- in process ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Message:
+    message_id: str
+    data: str  # JSON text, as in Redis: every delivery decodes its own copy
+    prior_attempts: int = 0
+    last_error: str | None = None
+    deliveries: int = 0
+    consumer: str | None = None
+    delivered_at: float = 0.0
+
+
+class InProcessQueue:
+    """The same queue in memory for the embedded mode; safe across threads, lost on restart."""
+
+    def __init__(self, max_attempts: int = DEFAULT_MAX_ATTEMPTS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_attempts = _check_max_attempts(max_attempts)
+        self._clock = clock
+        self._changed = threading.Condition(threading.RLock())  # re-entrant: fail() re-queues under the lock
+        self._ready: deque[str] = deque()
+        self._messages: dict[str, _Message] = {}  # every message not yet acked or dead-lettered, oldest first
+        self._dead: list[DeadLetter] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def enqueue(self, payload: Mapping[str, Any]) -> str:
+        return self._add(encode_payload(payload), prior_attempts=0, last_error=None)
+
+    def consume(self, consumer_name: str, block_ms: int = 1000, count: int = 1) -> list[Delivery]:
+        _check_count(count)
+        with self._changed:
+            if block_ms > 0:
+                self._changed.wait_for(lambda: bool(self._ready) or self._closed, timeout=block_ms / 1000)
+            taken = [self._messages[self._ready.popleft()] for _ in range(min(count, len(self._ready)))]
+            return [self._deliver(message, consumer_name) for message in taken]
+
+    def ack(self, delivery: Delivery) -> None:
+        with self._changed:
+            self._messages.pop(delivery.message_id, None)
+
+    def fail(self, delivery: Delivery, error: str) -> bool:
+        data = encode_payload(delivery.payload)
+        with self._changed:
+            if self._messages.pop(delivery.message_id, None) is None:
+                return False  # acked meanwhile by a consumer that had claimed it: nothing to retry, as in Redis
+            if delivery.attempt >= self.max_attempts:
+                self._bury(delivery.message_id, data, error, delivery.attempt)
+                return True
+            self._add(data, prior_attempts=delivery.attempt, last_error=error)
+            return False
+
+    def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]:
+        _check_count(count)
+        now = self._clock()
+        with self._changed:
+            in_flight = (m for m in self._messages.values() if m.consumer is not None)
+            stale = [m for m in in_flight if (now - m.delivered_at) * 1000 >= min_idle_ms][:count]
+            deliveries = []
+            for message in stale:
+                delivered = message.prior_attempts + message.deliveries
+                if delivered >= self.max_attempts:  # this would be one attempt too many
+                    del self._messages[message.message_id]
+                    self._bury(
+                        message.message_id, message.data, _abandoned(delivered + 1, message.last_error), delivered
+                    )
+                else:
+                    deliveries.append(self._deliver(message, consumer_name))
+            return deliveries
+
+    def pending_count(self) -> int:
+        with self._changed:
+            return len(self._messages)
+
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        with self._changed:
+            return self._dead[:limit]
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()  # blocked consumers return at once
+
+    def _add(self, data: str, prior_attempts: int, last_error: str | None) -> str:
+        with self._changed:
+            message_id = f"{next(self._ids)}-0"
+            self._messages[message_id] = _Message(message_id, data, prior_attempts, last_error)
+            self._ready.append(message_id)
+            self._changed.notify()
+            return message_id
+
+    def _deliver(self, message: _Message, consumer: str) -> Delivery:
+        message.deliveries += 1
+        message.consumer, message.delivered_at = consumer, self._clock()
+        attempt = message.prior_attempts + message.deliveries
+        return Delivery(message.message_id, decode_payload(message.data), attempt, consumer, message.last_error)
+
+    def _bury(self, message_id: str, data: str, error: str, attempts: int) -> None:
+        self._dead.append(DeadLetter(f"dead-{message_id}", message_id, data, error, attempts, time.time()))
+
+
+# ---- job status ----------------------------------------------------------------------------------------------
+
+JOB_STATES = ("queued", "running", "done", "failed")
+COUNT_FIELDS = ("documents", "chunks", "chunks_precomputed", "chunks_reused")
+DEFAULT_JOB_PREFIX = "kvstitch:job"
+DEFAULT_JOB_TTL_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Where an ingest job stands. Timestamps are Unix seconds; `started_at` is the latest start."""
+
+    job_id: str
+    status: str
+    created_at: float
+    updated_at: float
+    documents: int = 0
+    chunks: int = 0
+    chunks_precomputed: int = 0
+    chunks_reused: int = 0
+    error: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class JobStatusStore(Protocol):
+    """Job statuses, written by the gateway (create) and the worker (update, increment), read by the gateway."""
+
+    def create(self, job_id: str, documents: int) -> JobStatus: ...
+
+    def update(self, job_id: str, **fields: Any) -> JobStatus: ...
+
+    def increment(self, job_id: str, **counts: int) -> JobStatus: ...
+
+    def get(self, job_id: str) -> JobStatus | None: ...
+
+    def close(self) -> None: ...
+
+
+def status_changes(now: float, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Validated field changes plus the timestamps they imply (a start, a finish, always the update time)."""
+    unknown = set(fields) - {"status", "error", *COUNT_FIELDS}
+    if unknown:
+        raise ValueError(f"unknown job status fields: {', '.join(sorted(unknown))}")
+    changes: dict[str, Any] = {"updated_at": now}
+    for name, value in fields.items():
+        if name == "status" and value not in JOB_STATES:
+            raise ValueError(f"job status must be one of {', '.join(JOB_STATES)}, got {value!r}")
+        if name in COUNT_FIELDS and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if name == "error" and value is not None and not isinstance(value, str):
+            raise ValueError(f"error must be text or None, got {type(value).__name__}")
+        changes[name] = value
+    if fields.get("status") == "running":
+        changes["started_at"] = now
+    if fields.get("status") in ("done", "failed"):
+        changes["finished_at"] = now
+    return changes
+
+
+def _check_counts(counts: Mapping[str, int]) -> None:
+    unknown = set(counts) - set(COUNT_FIELDS)
+    if unknown:
+        raise ValueError(f"only {', '.join(COUNT_FIELDS)} can be incremented, not {', '.join(sorted(unknown))}")
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in counts.values()):
+        raise ValueError(f"increments must be ints, got {dict(counts)!r}")
+
+
+class InMemoryJobStatusStore:
+    """Job statuses in a dict, for the embedded mode; safe across threads."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, JobStatus] = {}
+
+    def create(self, job_id: str, documents: int) -> JobStatus:
+        now = self._clock()
+        status_changes(now, {"documents": documents})  # validates the count
+        with self._lock:
+            if job_id in self._jobs:
+                raise ValueError(f"job {job_id!r} already exists")
+            self._jobs[job_id] = JobStatus(job_id, "queued", created_at=now, updated_at=now, documents=documents)
+            return self._jobs[job_id]
+
+    def update(self, job_id: str, **fields: Any) -> JobStatus:
+        changes = status_changes(self._clock(), fields)
+        with self._lock:
+            self._jobs[job_id] = replace(self._known(job_id), **changes)
+            return self._jobs[job_id]
+
+    def increment(self, job_id: str, **counts: int) -> JobStatus:
+        _check_counts(counts)
+        now = self._clock()
+        with self._lock:
+            job = self._known(job_id)
+            added = {name: getattr(job, name) + n for name, n in counts.items()}
+            self._jobs[job_id] = replace(job, updated_at=now, **added)
+            return self._jobs[job_id]
+
+    def get(self, job_id: str) -> JobStatus | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def close(self) -> None:
+        """Nothing to release; here for the protocol."""
+
+    def _known(self, job_id: str) -> JobStatus:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"unknown job {job_id!r}")
+        return job
+
+
+# Each write checks that the job exists and refreshes the TTL in the same atomic step, so a late update from a
+# slow worker never resurrects an expired job as a half-empty hash.
+_CREATE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+_UPDATE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+_INCREMENT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+class RedisJobStatusStore:
+    """Job statuses as Redis hashes `{prefix}:{job_id}`, expiring `ttl_s` after their last change."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = DEFAULT_JOB_PREFIX,
+        ttl_s: int = DEFAULT_JOB_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.prefix, self.ttl_s = prefix, ttl_s
+        self._clock = clock
+        self._redis: Any = redis.Redis.from_url(url, decode_responses=True)
+        self._create = self._redis.register_script(_CREATE_SCRIPT)
+        self._update = self._redis.register_script(_UPDATE_SCRIPT)
+        self._increment = self._redis.register_script(_INCREMENT_SCRIPT)
+
+    def create(self, job_id: str, documents: int) -> JobStatus:
+        now = self._clock()
+        fields = status_changes(now, {"status": "queued", "documents": documents})
+        fields.update({"created_at": now, **dict.fromkeys(COUNT_FIELDS[1:], 0)})
+        if not self._create(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(fields)]):
+            raise ValueError(f"job {job_id!r} already exists")
+        return self._get_known(job_id)
+
+    def update(self, job_id: str, **fields: Any) -> JobStatus:
+        changes = status_changes(self._clock(), fields)
+        if not self._update(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(changes)]):
+            raise KeyError(f"unknown job {job_id!r}")
+        return self._get_known(job_id)
+
+    def increment(self, job_id: str, **counts: int) -> JobStatus:
+        _check_counts(counts)
+        args: list[str | int] = [self.ttl_s, repr(self._clock())]
+        for name, amount in counts.items():
+            args += [name, amount]
+        if not self._increment(keys=[self._key(job_id)], args=args):
+            raise KeyError(f"unknown job {job_id!r}")
+        return self._get_known(job_id)
+
+    def get(self, job_id: str) -> JobStatus | None:
+        return _job_from_hash(job_id, self._redis.hgetall(self._key(job_id)))
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def _key(self, job_id: str) -> str:
+        return f"{self.prefix}:{job_id}"
+
+    def _get_known(self, job_id: str) -> JobStatus:
+        job = self.get(job_id)
+        if job is None:  # expired between the write and this read
+            raise KeyError(f"unknown job {job_id!r}")
+        return job
+
+
+def _flatten(fields: Mapping[str, Any]) -> list[str]:
+    """Hash fields as strings; None (no error) is stored as an empty string."""
+    pairs = ((k, "" if v is None else repr(v) if isinstance(v, float) else str(v)) for k, v in fields.items())
+    return list(itertools.chain.from_iterable(pairs))
+
+
+def _job_from_hash(job_id: str, fields: dict[str, str]) -> JobStatus | None:
+    if not fields:
+        return None
+
+    def when(name: str) -> float | None:
+        return float(fields[name]) if fields.get(name) else None
+
+    return JobStatus(
+        job_id=job_id,
+        status=fields.get("status", "queued"),
+        created_at=when("created_at") or 0.0,
+        updated_at=when("updated_at") or 0.0,
+        error=fields.get("error") or None,
+        started_at=when("started_at"),
+        finished_at=when("finished_at"),
+        **{name: _int(fields.get(name)) for name in COUNT_FIELDS},
+    )
