@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from kv_support import BASE_SPEC, BlockFactory, SpecFactory, random_kv
+from kv_support import BASE_SPEC, BlockFactory, IndexOpener, SpecFactory, random_kv
 
 from service.engine.kv_layout import KVBlock, block_shape
 from service.engine.model import ModelSpec
+from service.kvcache.index import SQLITE_FILENAME, KVIndex, RedisIndex, SqliteIndex
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -54,3 +57,31 @@ def redis_url() -> str:
     finally:
         client.close()
     return REDIS_URL
+
+
+@pytest.fixture(params=["redis", "sqlite"])
+def index_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[IndexOpener]:
+    """Opens the same index (Redis under a unique prefix, or one SQLite file) on each call, as a restart would.
+
+    Everything opened is closed afterwards and the Redis prefix is deleted.
+    """
+    opened: list[KVIndex] = []
+    prefix = f"kvstitch-test:{uuid.uuid4().hex}"
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+
+    def make() -> KVIndex:
+        if request.param == "redis":
+            opened.append(RedisIndex(url, prefix=prefix))
+        else:
+            opened.append(SqliteIndex(tmp_path / "index" / SQLITE_FILENAME))
+        return opened[-1]
+
+    yield make
+    for index in opened:
+        index.close()
+    if request.param == "redis":
+        client = redis.Redis.from_url(url)
+        leftovers = list(client.scan_iter(match=f"{prefix}:*"))
+        if leftovers:
+            client.delete(*leftovers)
+        client.close()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from service.engine.kv_layout import KVBlock
 from service.engine.model import ModelSpec
+
+if TYPE_CHECKING:  # a runtime import would pull Redis into the file-format tests' writer processes
+    from service.kvcache.index import KVIndex
 
 BASE_SPEC = ModelSpec(
     model_type="llama",
@@ -26,6 +30,7 @@ BASE_SPEC = ModelSpec(
 
 SpecFactory = Callable[..., ModelSpec]
 BlockFactory = Callable[..., KVBlock]
+IndexOpener = Callable[[], "KVIndex"]  # opens the same index again on every call
 
 
 def random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

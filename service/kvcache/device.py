@@ -1,0 +1,174 @@
+"""Every CUDA specific of the KV cache in one place: pinned memory, the copy streams and their events.
+
+Other cache modules call these functions and never touch `torch.cuda` themselves (LMCache keeps its CUDA calls
+together the same way), so the CPU-only paths stay obvious: on a CPU device every function here degrades to a
+plain tensor operation or a no-op (no pinning, no streams, no events).
+
+Copies run on dedicated streams so they overlap with whatever the compute stream is doing and with the next
+disk read. Ordering is expressed with events: a consumer makes its current stream wait on a copy's event
+(`wait_on`); nothing here calls a device-wide synchronize except `synchronize`, which exists for benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+CopyStream = torch.cuda.Stream
+CopyEvent = torch.cuda.Event
+
+
+def uses_cuda(device: torch.device | str) -> bool:
+    """True when `device` is a CUDA device and CUDA is usable in this process."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def device_name(device: torch.device | str) -> str:
+    """A human name of the device, for benchmark reports."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if uses_cuda(device) else device.type
+
+
+def new_copy_stream(device: torch.device | str) -> CopyStream | None:
+    """A dedicated stream for host<->device copies; None on a CPU device (copies are plain there)."""
+    device = torch.device(device)
+    return _stream(device) if uses_cuda(device) else None
+
+
+def allocate_host(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A flat uint8 host tensor; page-locked when `pinned` (so H2D copies can be asynchronous DMA)."""
+    if nbytes < 0:
+        raise ValueError("cannot allocate a negative number of bytes")
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+
+
+# torch.cuda's constructors carry no annotations; these two wrappers are the only untyped calls.
+def _stream(device: torch.device) -> CopyStream:
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+def _event(timing: bool = False) -> CopyEvent:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+def copy_to_device(
+    host: torch.Tensor, device: torch.device, stream: CopyStream | None
+) -> tuple[torch.Tensor, CopyEvent | None]:
+    """Start copying a host tensor to `device`; returns the new tensor and the event that marks its arrival.
+
+    The copy is queued on `stream` (non-blocking, so DMA when `host` is pinned). The caller must not touch
+    the source memory again before the event completed (`wait_host`) and must make its compute stream wait
+    on the event (`wait_on`) before reading the result. On a CPU device the result is an independent clone
+    (never a view of `host`, whose memory the host pool may reuse) and the event is None.
+    """
+    if stream is None or not uses_cuda(device):
+        target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        target.copy_(host)
+        return target, None
+    consumer = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        target = host.to(device, non_blocking=True)
+        event = _event()
+        event.record(stream)
+    # `target` was allocated on the copy stream; tell the caching allocator the consumer uses it too, so its
+    # memory is not handed out again while consumer kernels still read it.
+    target.record_stream(consumer)
+    return target, event
+
+
+def copy_to_host(
+    source: torch.Tensor,
+    host: torch.Tensor,
+    stream: CopyStream | None,
+    blocking: bool = False,
+    after: CopyEvent | None = None,
+) -> CopyEvent | None:
+    """Copy a device tensor into preallocated host memory on `stream`, once its producer has finished.
+
+    The producer is the work marked by `after` (an event from `record_event`, for a copy issued from another
+    thread) or else everything queued so far on the calling thread's current stream. Non-blocking by default:
+    the returned event marks completion and the host memory must not be read before it completed
+    (`wait_host`). With `blocking`, the call returns once the bytes are on the host (it waits for this stream
+    only, not the device). On a CPU device this is a plain copy and returns None.
+    """
+    if stream is None or not uses_cuda(source.device):
+        host.copy_(source)
+        return None
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+    with torch.cuda.stream(stream):
+        # A blocking copy into pageable memory; a non-blocking one only into pinned memory, where it is DMA.
+        host.copy_(source, non_blocking=not blocking and host.is_pinned())
+        event = _event()
+        event.record(stream)
+    # The source may be dropped by its owner before this copy ran; keep its memory reserved until it has.
+    source.record_stream(stream)
+    return event
+
+
+def record_event(device: torch.device) -> CopyEvent | None:
+    """An event marking the work queued so far on the current stream of `device`; None on a CPU device."""
+    if not uses_cuda(device):
+        return None
+    event = _event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def wait_on(event: CopyEvent | None, device: torch.device) -> None:
+    """Make the current stream of `device` wait for `event` (on the device, without blocking the host)."""
+    if event is not None and uses_cuda(device):
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def wait_host(event: CopyEvent | None) -> None:
+    """Block the calling thread until `event` completed (before host memory a copy reads is reused)."""
+    if event is not None:
+        event.synchronize()
+
+
+def is_done(event: CopyEvent | None) -> bool:
+    """True when `event` completed (or there is none)."""
+    return event is None or bool(event.query())  # type: ignore[no-untyped-call]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work on `device`; for benchmarks and timers only, never on the serving path."""
+    if uses_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+class CopyClock:
+    """Sums how long a series of copies took: CUDA timing events around each copy on its stream, or wall
+    time around each (synchronous) copy on a CPU device. Read `elapsed_ms` after queueing the last copy.
+    """
+
+    def __init__(self, stream: CopyStream | None) -> None:
+        self._stream = stream
+        self._spans: list[tuple[CopyEvent, CopyEvent]] = []
+        self._wall_ms = 0.0
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Time the copies queued inside the block."""
+        if self._stream is None:
+            start = time.perf_counter()
+            yield
+            self._wall_ms += (time.perf_counter() - start) * 1e3
+            return
+        begin, end = _event(timing=True), _event(timing=True)
+        begin.record(self._stream)
+        yield
+        end.record(self._stream)
+        self._spans.append((begin, end))
+
+    def elapsed_ms(self) -> float:
+        """Total copy time; waits (host-side, on the last copy's event only) until the copies finished."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+        return self._wall_ms + sum(float(begin.elapsed_time(end)) for begin, end in self._spans)

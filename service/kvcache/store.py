@@ -1,0 +1,423 @@
+"""`KVStore`: the one object the worker asks for a request's chunk KV, whichever tier holds it.
+
+A fetch plans every block (device, host pool, disk, or miss), then loads in an order that cannot evict a block
+it still needs: device hits are taken first, host hits are queued for H2D, disk blocks are read in parallel by
+reader threads into host pool slots (each block's H2D copy starts as its read finishes, overlapping the reads
+still running), and all misses are computed together in ONE batched `engine.precompute`. Only then are new
+blocks promoted into the device tier, whose overflow is demoted into the host pool. Misses are written to disk
+by a background thread, so the request never waits for the disk and the next request hits. A block file that
+fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is the same as without
+the cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from service.engine.engine import StitchEngine
+from service.engine.kv_layout import KVBlock, block_shape, check_block
+from service.engine.model import ModelSpec
+from service.kvcache import device
+from service.kvcache.device import CopyEvent
+from service.kvcache.fileformat import CorruptBlockError, MissingBlockError
+from service.kvcache.host_pool import HostPool, HostSlot
+from service.kvcache.index import KVIndex
+from service.kvcache.keys import block_key, model_fingerprint
+from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier
+from service.kvcache.writeback import WriteBack
+
+log = logging.getLogger(__name__)
+
+TokenIds = tuple[int, ...]
+CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
+# Block files are read in parallel: reads and checksums release the GIL, and an NVMe drive needs several
+# requests in flight to reach its bandwidth.
+DEFAULT_READ_THREADS = 4
+KEY_CACHE_SIZE = 1 << 16
+
+
+@dataclass(frozen=True)
+class TierBudgets:
+    """Bytes each tier may hold; 0 disables a tier (the GPU tier on a CPU-only host, say)."""
+
+    gpu_bytes: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    key: str
+    token_ids: TokenIds
+    tier: Tier
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Where each requested block would come from right now, in request order."""
+
+    blocks: tuple[PlannedBlock, ...]
+
+    def counts(self) -> dict[Tier, int]:
+        return _count(b.tier for b in self.blocks)
+
+    def bytes_by_tier(self) -> dict[Tier, int]:
+        return _sum_bytes((b.tier, b.nbytes) for b in self.blocks)
+
+
+@dataclass
+class FetchTimings:
+    """Wall-clock milliseconds of one fetch; each waits for the device work it times (per event)."""
+
+    load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished
+    h2d_ms: float = 0.0  # first host-to-device copy queued until the last one landed
+    precompute_ms: float = 0.0  # the one batched forward over the misses
+    total_ms: float = 0.0
+
+
+@dataclass
+class FetchResult:
+    """The blocks on the engine's device, in request order, and where each came from."""
+
+    blocks: list[KVBlock]
+    sources: list[Tier]
+    counts: dict[Tier, int]
+    bytes_loaded: dict[Tier, int]
+    corrupt: int = 0
+    timings: FetchTimings = field(default_factory=FetchTimings)
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    used_bytes: int
+    budget_bytes: int
+    blocks: int | None  # None for disk, where counting would scan the index
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store opened, and current usage per tier (for metrics)."""
+
+    usage: dict[Tier, TierUsage]
+    hits: dict[Tier, int]
+    misses: int
+    corrupt: int
+    evictions: dict[Tier, int]
+    blocks_written: int
+    bytes_written: int
+    pending_writes: int
+    write_errors: int
+
+
+class KVStore:
+    """Tiered cache of chunk KV for one model, template and dtype.
+
+    Fetches are serialised by a lock (one engine computes one request at a time anyway); `put` and the
+    background writer only touch the disk tier, which is safe across threads and processes. The store does
+    not own the index it is given and leaves closing it to the caller.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        fingerprint: str,
+        template_version: str,
+        cache_dir: Path,
+        index: KVIndex,
+        budgets: TierBudgets,
+        read_threads: int = DEFAULT_READ_THREADS,
+    ) -> None:
+        self.spec = spec
+        self.fingerprint = fingerprint
+        self.template_version = template_version
+        self.target = spec.device  # where fetched blocks end up: the engine's device
+        self.gpu = GpuTier(budgets.gpu_bytes)
+        pool = HostPool(budgets.host_bytes, pinned=device.uses_cuda(self.target))
+        self.host = HostTier(pool, self.target, device.new_copy_stream(self.target))
+        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes)
+        self._writeback = WriteBack(self.disk, self.target)
+        self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
+        self._lock = threading.Lock()
+        self._kv_bytes_per_token = spec.kv_bytes_per_token()
+        # Hashing a 512-token block costs ~100 µs of Python; hot chunks recur, so remember recent keys.
+        self._cached_key = functools.lru_cache(maxsize=KEY_CACHE_SIZE)(self._compute_key)
+        self._hits: Counter[Tier] = Counter()
+        self._misses = 0
+        self._corrupt = 0
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: StitchEngine,
+        cache_dir: Path,
+        index: KVIndex,
+        budgets: TierBudgets,
+        read_threads: int = DEFAULT_READ_THREADS,
+    ) -> KVStore:
+        """A store keyed by this engine's model fingerprint, template version and dtype."""
+        fingerprint = model_fingerprint(engine.model)
+        return cls(engine.spec, fingerprint, engine.template.version, cache_dir, index, budgets, read_threads)
+
+    def key_of(self, token_ids: Sequence[int]) -> str:
+        return self._cached_key(tuple(map(int, token_ids)))
+
+    def _compute_key(self, token_ids: TokenIds) -> str:
+        return block_key(self.fingerprint, self.template_version, self.spec.dtype, token_ids)
+
+    # ---- planning ----------------------------------------------------------------------------------------
+
+    def plan(self, token_id_blocks: Sequence[Sequence[int]]) -> LoadPlan:
+        """Which tier each block would be served from now (the disk answer trusts the index)."""
+        with self._lock:
+            return self._plan(token_id_blocks)
+
+    def _plan(self, token_id_blocks: Sequence[Sequence[int]]) -> LoadPlan:
+        planned = []
+        for ids in token_id_blocks:
+            token_ids = tuple(map(int, ids))
+            key = self._cached_key(token_ids)
+            nbytes = len(token_ids) * self._kv_bytes_per_token
+            planned.append(PlannedBlock(key, token_ids, self._tier_of(key, token_ids), nbytes))
+        return LoadPlan(tuple(planned))
+
+    def _tier_of(self, key: str, token_ids: TokenIds) -> Tier:
+        gpu_block = self.gpu.peek(key)
+        if gpu_block is not None and gpu_block.token_ids == token_ids:
+            return Tier.GPU
+        slot = self.host.pool.peek(key)
+        if slot is not None and slot.token_ids == token_ids:
+            return Tier.HOST
+        return Tier.DISK if self.disk.contains(key) else Tier.MISS
+
+    # ---- fetching ----------------------------------------------------------------------------------------
+
+    def fetch(self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine) -> FetchResult:
+        """The KV of every block on the engine's device, in order; misses computed in one batch."""
+        self._check_engine(engine)
+        start = time.perf_counter()
+        with self._lock:
+            plan = self._plan(prompt_blocks)
+            fetch = _Fetch(self, engine, plan)
+            result = fetch.run()
+            self._hits.update(t for t in fetch.sources.values() if t is not Tier.MISS)
+            self._misses += sum(1 for t in fetch.sources.values() if t is Tier.MISS)
+            self._corrupt += result.corrupt
+        self._writeback.touch(k for k, t in fetch.sources.items() if t is not Tier.MISS)
+        result.timings.total_ms = (time.perf_counter() - start) * 1e3
+        return result
+
+    def _check_engine(self, engine: StitchEngine) -> None:
+        if engine.template.version != self.template_version or engine.spec != self.spec:
+            raise ValueError("this KV store was opened for another model, dtype, device or template")
+
+    # ---- ingestion ---------------------------------------------------------------------------------------
+
+    def put(self, blocks: Sequence[KVBlock]) -> int:
+        """Store blocks on disk and in the index now; returns bytes written (0 for blocks already stored)."""
+        written = 0
+        for block in blocks:
+            check_block(self.spec, block)
+            written += self.disk.write(self.key_of(block.token_ids), block)
+        return written
+
+    # ---- housekeeping ------------------------------------------------------------------------------------
+
+    def write_back(self, key: str, block: KVBlock) -> None:
+        """Queue a computed block for the disk tier (nothing to do when the disk tier is disabled)."""
+        if self.disk.budget_bytes > 0:
+            self._writeback.write(key, block)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the queued background writes and index touches."""
+        self._writeback.flush(timeout)
+
+    def stats(self) -> StoreStats:
+        pool, wb = self.host.pool, self._writeback
+        with self._lock:  # a consistent view of the memory tiers between fetches
+            gpu_usage = TierUsage(self.gpu.used_bytes, self.gpu.budget_bytes, len(self.gpu))
+            host_usage = TierUsage(pool.used_bytes, pool.capacity_bytes, len(pool))
+            hits = {t: self._hits[t] for t in CACHE_TIERS}
+            misses, corrupt = self._misses, self._corrupt
+            evictions = {Tier.GPU: self.gpu.evictions, Tier.HOST: pool.evictions, Tier.DISK: self.disk.evictions}
+        disk_usage = TierUsage(self.disk.used_bytes(), self.disk.budget_bytes, None)
+        return StoreStats(
+            usage={Tier.GPU: gpu_usage, Tier.HOST: host_usage, Tier.DISK: disk_usage},
+            hits=hits,
+            misses=misses,
+            corrupt=corrupt,
+            evictions=evictions,
+            blocks_written=wb.blocks_written,
+            bytes_written=wb.bytes_written,
+            pending_writes=wb.pending,
+            write_errors=wb.errors,
+        )
+
+    def close(self) -> None:
+        """Finish background writes and stop the threads; the index stays open (the caller owns it)."""
+        self._writeback.close()
+        self.readers.shutdown(wait=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class _Fetch:
+    """One fetch's state: the blocks found so far, the copies in flight and the timings."""
+
+    def __init__(self, store: KVStore, engine: StitchEngine, plan: LoadPlan) -> None:
+        self.store = store
+        self.engine = engine
+        self.plan = plan
+        self.unique = {b.key: b for b in plan.blocks}  # a chunk repeated in one prompt is loaded once
+        self.blocks: dict[str, KVBlock] = {}
+        self.sources: dict[str, Tier] = {}
+        self.events: list[CopyEvent | None] = []
+        self.clock = device.CopyClock(store.host.stream)
+        self.corrupt = 0
+        self.timings = FetchTimings()
+
+    def run(self) -> FetchResult:
+        by_tier = {t: [b for b in self.unique.values() if b.tier is t] for t in Tier}
+        for planned in by_tier[Tier.GPU]:
+            self._take_from_gpu(planned)
+        for planned in by_tier[Tier.HOST]:
+            self._take_from_host(planned)
+        if by_tier[Tier.DISK]:
+            self._take_from_disk(by_tier[Tier.DISK])
+        missing = [b for b in self.unique.values() if b.key not in self.blocks]
+        if missing:
+            self._compute(missing)
+        self._promote()
+        self._await_copies()
+        return self._result()
+
+    def _take_from_gpu(self, planned: PlannedBlock) -> None:
+        block = self.store.gpu.get(planned.key)
+        if block is not None:
+            self._found(planned, block, Tier.GPU)
+
+    def _take_from_host(self, planned: PlannedBlock) -> None:
+        slot = self.store.host.get(planned.key)
+        if slot is None:
+            return
+        with self.clock.timing():
+            block, event = self.store.host.to_device(slot)
+        self.events.append(event)
+        self._found(planned, block, Tier.HOST)
+
+    def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
+        """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
+        copy as soon as its read is done, so the copies overlap the reads still running."""
+        host = self.store.host
+        slots = {p.key: host.reserve(p.key, p.token_ids, self.store.spec.dtype, self._shape(p)) for p in planned_blocks}
+        start = time.perf_counter()
+        reads = {self.store.readers.submit(self._read, p, slots[p.key]): p for p in planned_blocks}
+        try:
+            for done in concurrent.futures.as_completed(reads):
+                self.timings.load_ms = (time.perf_counter() - start) * 1e3
+                self._arrived(reads[done], slots[reads[done].key], done)
+        finally:
+            # Only after an unexpected error: no slot may stay busy (it could never be evicted again).
+            concurrent.futures.wait(reads)
+            for key, slot in slots.items():
+                if slot is not None and slot.busy:
+                    host.discard(key)
+
+    def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock:
+        """Runs on a reader thread: the checked block, in its host slot when it has one."""
+        buffer = None if slot is None else self.store.host.buffer(slot)
+        return self.store.disk.read(planned.key, planned.token_ids, buffer)
+
+    def _arrived(self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock]) -> None:
+        host = self.store.host
+        try:
+            block = read.result()
+        except (CorruptBlockError, OSError) as err:  # damaged, vanished or unreadable: recompute it
+            if slot is not None:
+                host.discard(planned.key)
+            if isinstance(err, CorruptBlockError):
+                self.corrupt += 1
+            elif not isinstance(err, MissingBlockError):
+                log.warning("cannot read KV block %s, recomputing it: %s", planned.key, err)
+            return
+        with self.clock.timing():
+            if slot is not None:
+                host.filled(slot)
+                block, event = host.to_device(slot)
+            else:  # no room in the host pool: copy from the pageable buffer the read allocated
+                kv, event = device.copy_to_device(block.kv, self.store.target, host.stream)
+                block = KVBlock(block.token_ids, kv)
+        self.events.append(event)
+        self._found(planned, block, Tier.DISK)
+
+    def _shape(self, planned: PlannedBlock) -> tuple[int, ...]:
+        return block_shape(self.store.spec, len(planned.token_ids))
+
+    def _compute(self, missing: list[PlannedBlock]) -> None:
+        start = time.perf_counter()
+        computed = self.engine.precompute([b.token_ids for b in missing])
+        device.wait_host(device.record_event(self.store.target))  # time the forward, not its launch
+        self.timings.precompute_ms = (time.perf_counter() - start) * 1e3
+        for planned, block in zip(missing, computed, strict=True):
+            self._found(planned, block, Tier.MISS)
+            self.store.write_back(planned.key, block)
+
+    def _promote(self) -> None:
+        """New blocks into the device tier; what falls out of it (or never fit) is kept in the host pool."""
+        gpu, host = self.store.gpu, self.store.host
+        for key in self.unique:  # request order, whatever order the reads finished in
+            if self.sources[key] is Tier.GPU:
+                continue
+            for demoted_key, demoted in gpu.put(key, self.blocks[key]):
+                if host.enabled:
+                    host.store(demoted_key, demoted)
+
+    def _await_copies(self) -> None:
+        """Order the consumer's stream after every copy, then time them (a host wait on the last copy only)."""
+        for event in self.events:
+            device.wait_on(event, self.store.target)
+        self.timings.h2d_ms = self.clock.elapsed_ms()
+
+    def _found(self, planned: PlannedBlock, block: KVBlock, source: Tier) -> None:
+        self.blocks[planned.key] = block
+        self.sources[planned.key] = source
+
+    def _result(self) -> FetchResult:
+        ordered = self.plan.blocks
+        sources = [self.sources[b.key] for b in ordered]
+        return FetchResult(
+            blocks=[self.blocks[b.key] for b in ordered],
+            sources=sources,
+            counts=_count(sources),
+            bytes_loaded=_sum_bytes(zip(sources, (b.nbytes for b in ordered), strict=True)),
+            corrupt=self.corrupt,
+            timings=self.timings,
+        )
+
+
+def _count(tiers: Iterable[Tier]) -> dict[Tier, int]:
+    counts = Counter(tiers)
+    return {t: counts[t] for t in Tier}
+
+
+def _sum_bytes(pairs: Iterable[tuple[Tier, int]]) -> dict[Tier, int]:
+    totals = dict.fromkeys(Tier, 0)
+    for tier, nbytes in pairs:
+        totals[tier] += nbytes
+    return totals

@@ -1,0 +1,262 @@
+"""The three places a block's KV can be found, fastest first: device memory, the pinned host pool, disk files.
+
+Each tier owns its own budget and LRU order and knows nothing of the others; `KVStore` moves blocks between
+them (promotion on a hit, demotion on pressure). Tiers are not thread-safe on their own except `DiskTier`,
+whose state lives in the (process- and thread-safe) index and the files.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from service.engine.kv_layout import KVBlock
+from service.engine.model import ModelSpec
+from service.kvcache import device
+from service.kvcache.device import CopyEvent, CopyStream
+from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, block_relpath, read_block, write_block
+from service.kvcache.host_pool import HostPool, HostSlot
+from service.kvcache.index import IndexEntry, KVIndex
+
+log = logging.getLogger(__name__)
+
+# How many LRU entries one eviction round asks the index for.
+EVICTION_BATCH = 32
+
+
+class Tier(StrEnum):
+    """Where a block came from; `miss` means it was computed."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+    MISS = "miss"
+
+
+# ---- device ------------------------------------------------------------------------------------------------
+
+
+class GpuTier:
+    """Blocks resident in device memory, least recently used evicted first, within a byte budget.
+
+    It only holds references: the tensors live wherever the engine's device is, so on a CPU-only host the
+    same class is exercised with CPU tensors (a budget of 0 disables it). Blocks handed out are shared with
+    the tier and must be treated as read-only, which the stitcher does.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("the GPU tier budget must be >= 0")
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.evictions = 0
+        self._blocks: OrderedDict[str, KVBlock] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def peek(self, key: str) -> KVBlock | None:
+        """The block without changing its LRU position."""
+        return self._blocks.get(key)
+
+    def get(self, key: str) -> KVBlock | None:
+        """The block, now the most recently used; None when absent."""
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+        return block
+
+    def put(self, key: str, block: KVBlock) -> list[tuple[str, KVBlock]]:
+        """Hold a block; returns what no longer fits (LRU entries, or the block itself when over budget).
+
+        The caller may demote the returned blocks to the host tier.
+        """
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return []
+        size = block.nbytes()
+        if size > self.budget_bytes:
+            return [(key, block)]
+        evicted = []
+        while self.used_bytes + size > self.budget_bytes:
+            old_key, old = self._blocks.popitem(last=False)
+            self.used_bytes -= old.nbytes()
+            self.evictions += 1
+            evicted.append((old_key, old))
+        self._blocks[key] = block
+        self.used_bytes += size
+        return evicted
+
+    def discard(self, key: str) -> bool:
+        block = self._blocks.pop(key, None)
+        if block is None:
+            return False
+        self.used_bytes -= block.nbytes()
+        return True
+
+
+# ---- host --------------------------------------------------------------------------------------------------
+
+
+class HostTier:
+    """Blocks in the pinned host pool, copied to the device on the cache's copy stream.
+
+    One stream carries both directions, so a block demoted from the device (D2H) and promoted again (H2D)
+    is ordered without extra waits; every slot remembers its last copy so the pool waits before reuse.
+    """
+
+    def __init__(self, pool: HostPool, target: torch.device, stream: CopyStream | None) -> None:
+        self.pool = pool
+        self.target = target
+        self.stream = stream
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool.capacity_bytes > 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.pool
+
+    def get(self, key: str) -> HostSlot | None:
+        return self.pool.get(key)
+
+    def reserve(
+        self, key: str, token_ids: tuple[int, ...], dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> HostSlot | None:
+        """A busy slot for a block about to be read from disk; None when the pool cannot hold it now.
+
+        The caller calls `filled` once the read succeeded, or `discard` when it failed.
+        """
+        return self.pool.reserve(key, token_ids, dtype, shape, busy=True)
+
+    def filled(self, slot: HostSlot) -> None:
+        self.pool.release_busy(slot)
+
+    def buffer(self, slot: HostSlot) -> torch.Tensor:
+        """The slot's memory as flat uint8, for `read_block(into=...)`."""
+        return self.pool.bytes_of(slot)
+
+    def to_device(self, slot: HostSlot) -> tuple[KVBlock, CopyEvent | None]:
+        """Start the H2D copy of a held block; the slot stays busy until the returned event completed."""
+        kv, event = device.copy_to_device(self.pool.view(slot), self.target, self.stream)
+        if event is not None:
+            slot.pending = event  # queued after any earlier copy of this slot, on the same stream
+        return KVBlock(slot.token_ids, kv), event
+
+    def store(self, key: str, block: KVBlock) -> bool:
+        """Copy a block in (demotion from the device, or a computed block); False when it cannot be held."""
+        if self.pool.get(key) is not None:
+            return True
+        slot = self.pool.reserve(key, block.token_ids, block.kv.dtype, tuple(block.kv.shape))
+        if slot is None:
+            return False
+        slot.pending = device.copy_to_host(block.kv, self.pool.view(slot), self.stream)
+        return True
+
+    def discard(self, key: str) -> bool:
+        return self.pool.discard(key)
+
+
+# ---- disk --------------------------------------------------------------------------------------------------
+
+
+class DiskTier:
+    """Block files under `cache_dir` at `block_relpath(key)`, listed in a `KVIndex`, within a byte budget.
+
+    A budget of 0 disables writing. The index's byte total is the tier's size; when a write pushes it over the
+    budget, the least recently used files go, entry first so no reader is sent to a vanishing file. A file
+    that fails any check is deleted with its entry and reported to the caller, who recomputes it.
+    """
+
+    def __init__(self, cache_dir: Path, index: KVIndex, fingerprint: str, spec: ModelSpec, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("the disk tier budget must be >= 0")
+        self.cache_dir = Path(cache_dir)
+        self.index = index
+        self.fingerprint = fingerprint
+        self.spec = spec
+        self.budget_bytes = budget_bytes
+        self.evictions = 0
+        self._lock = threading.Lock()  # counters only; files and index are safe on their own
+
+    def path_of(self, key: str) -> Path:
+        return self.cache_dir / block_relpath(key)
+
+    def contains(self, key: str) -> bool:
+        """True when the index lists the block (the file is checked only when read)."""
+        return self.index.get(key) is not None
+
+    def used_bytes(self) -> int:
+        return self.index.total_bytes()
+
+    def read(self, key: str, token_ids: tuple[int, ...], into: torch.Tensor | None) -> KVBlock:
+        """The checked block, read straight into `into` when given.
+
+        Raises `CorruptBlockError` after deleting a bad file and its entry, and `MissingBlockError` after
+        dropping an entry whose file is gone; both mean: recompute.
+        """
+        path = self.path_of(key)
+        try:
+            return read_block(path, key, self.fingerprint, self.spec, into=into, expected_token_ids=token_ids)
+        except CorruptBlockError as err:
+            log.warning("corrupt KV block, deleting it: %s", err)
+            self.remove(key)
+            raise
+        except MissingBlockError:
+            log.warning("KV block %s is indexed but its file is gone; dropping the entry", key)
+            self.index.remove(key)
+            raise
+
+    def wants(self, key: str, nbytes: int) -> bool:
+        """True when a block of `nbytes` would be written: it fits the budget and is not stored yet."""
+        if nbytes > self.budget_bytes:
+            return False
+        return self.index.get(key) is None or not self.path_of(key).is_file()
+
+    def write(self, key: str, block: KVBlock) -> int:
+        """Store a block unless it already is; returns the bytes written (0 when stored already or too big)."""
+        if not self.wants(key, block.nbytes()):
+            return 0
+        size = write_block(self.path_of(key), key, self.fingerprint, block)
+        now = time.time()
+        self.index.put(IndexEntry(key, block_relpath(key), size, block.num_tokens, now, now))
+        self.enforce_budget(keep=key)
+        return size
+
+    def touch(self, keys: Iterable[str], now: float) -> None:
+        for key in keys:
+            self.index.touch(key, now)
+
+    def remove(self, key: str) -> None:
+        self.index.remove(key)
+        self.path_of(key).unlink(missing_ok=True)
+
+    def enforce_budget(self, keep: str | None = None) -> int:
+        """Evict least recently used blocks (never `keep`) until the total fits; returns how many went."""
+        removed = 0
+        while self.index.total_bytes() > self.budget_bytes:
+            victims = [e for e in self.index.lru(EVICTION_BATCH) if e.key != keep]
+            if not victims:
+                # Only the new block is left and it alone is over budget (its header pushed it past): drop it.
+                if keep is not None and self.index.get(keep) is not None:
+                    self.remove(keep)
+                    removed += 1
+                break
+            for entry in victims:
+                self.remove(entry.key)
+                removed += 1
+                if self.index.total_bytes() <= self.budget_bytes:
+                    break
+        with self._lock:
+            self.evictions += removed
+        return removed

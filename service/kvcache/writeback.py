@@ -1,0 +1,112 @@
+"""Background work of the store that a request must not wait for: writing computed blocks, touching the index.
+
+One worker thread does it all, in submission order, so writes never compete with each other for the disk and
+the disk budget is enforced by one writer per process. Device tensors are copied to the host on the worker's
+own copy stream (after the compute that produced them, via an event recorded at submission), so the
+request's compute stream never waits for a write.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from service.engine.kv_layout import KVBlock
+from service.kvcache import device
+from service.kvcache.device import CopyEvent
+from service.kvcache.tiers import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack:
+    """A single-thread queue of disk writes and index touches; `flush` waits until it is empty."""
+
+    def __init__(self, disk: DiskTier, source_device: torch.device) -> None:
+        self._disk = disk
+        self._device = source_device
+        self._stream = device.new_copy_stream(source_device)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writeback")
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future[None]] = set()
+        self._queued_keys: set[str] = set()
+        self.blocks_written = 0
+        self.bytes_written = 0
+        self.errors = 0
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def write(self, key: str, block: KVBlock) -> bool:
+        """Queue a block for the disk tier; False when the same key is already queued."""
+        with self._lock:
+            if key in self._queued_keys:
+                return False
+            self._queued_keys.add(key)
+        ready = device.record_event(self._device)
+        self._submit(lambda: self._write(key, block, ready))
+        return True
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Queue an LRU refresh of the blocks just used (stamped now, applied later)."""
+        keys, now = list(keys), time.time()
+        if keys:
+            self._submit(lambda: self._disk.touch(keys, now))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for everything queued so far (tests, shutdown, benchmarks)."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self._executor.shutdown(wait=True)
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        future = self._executor.submit(self._guarded, job)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _guarded(self, job: Callable[[], None]) -> None:
+        # A failed write only costs a later recompute; log it, count it and keep the worker alive.
+        try:
+            job()
+        except Exception:
+            log.exception("KV cache background write failed")
+            with self._lock:
+                self.errors += 1
+
+    def _write(self, key: str, block: KVBlock, ready: CopyEvent | None) -> None:
+        try:
+            if not self._disk.wants(key, block.nbytes()):
+                return  # stored meanwhile (another worker) or over budget: skip the device-to-host copy
+            host = _to_host(block.kv, self._stream, ready)
+            written = self._disk.write(key, KVBlock(block.token_ids, host))
+            with self._lock:
+                self.blocks_written += written > 0
+                self.bytes_written += written
+        finally:
+            with self._lock:
+                self._queued_keys.discard(key)
+
+
+def _to_host(kv: torch.Tensor, stream: device.CopyStream | None, ready: CopyEvent | None) -> torch.Tensor:
+    """A CPU copy of a device tensor made on the write-back stream; CPU tensors pass through unchanged."""
+    if kv.device.type == "cpu":
+        return kv
+    host = torch.empty(kv.shape, dtype=kv.dtype)
+    device.copy_to_host(kv, host, stream, blocking=True, after=ready)
+    return host

@@ -1,0 +1,334 @@
+"""The tiered store with a real (tiny) engine: every tier gives the same answer, damage is a counted miss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from kv_support import IndexOpener, bits
+
+from service.engine.engine import StitchEngine
+from service.engine.gate import synthetic_ids
+from service.engine.kv_layout import KVBlock
+from service.engine.prompt import PromptIds
+from service.engine.sampling import SamplingParams
+from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
+from service.kvcache.index import KVIndex
+from service.kvcache.store import KVStore, TierBudgets
+from service.kvcache.tiers import Tier
+
+EngineFactory = Callable[..., StitchEngine]
+CHUNK_LENGTHS = (23, 9, 31, 14)
+MIB = 1 << 20
+
+
+@pytest.fixture
+def engine(get_engine: EngineFactory) -> StitchEngine:
+    return get_engine("qwen2", "cpu")
+
+
+@pytest.fixture
+def prompt(engine: StitchEngine) -> PromptIds:
+    chunks = synthetic_ids(engine, CHUNK_LENGTHS, seed=5)
+    return engine.template.prompt(chunks, synthetic_ids(engine, [8], seed=6)[0])
+
+
+@pytest.fixture
+def fresh(engine: StitchEngine, prompt: PromptIds) -> list[KVBlock]:
+    """The blocks computed directly, in the same single batch the store computes its misses in."""
+    return engine.precompute(prompt.blocks)
+
+
+@pytest.fixture
+def index(index_opener: IndexOpener) -> KVIndex:
+    return index_opener()
+
+
+class Stores:
+    """Opens stores over one cache dir and closes them all at the end."""
+
+    def __init__(self, engine: StitchEngine, cache_dir: Path) -> None:
+        self.engine = engine
+        self.cache_dir = cache_dir
+        self.opened: list[KVStore] = []
+
+    def open(self, index: KVIndex, gpu: int = 0, host: int = MIB, disk: int = 64 * MIB) -> KVStore:
+        self.opened.append(KVStore.for_engine(self.engine, self.cache_dir, index, TierBudgets(gpu, host, disk)))
+        return self.opened[-1]
+
+
+@pytest.fixture
+def stores(engine: StitchEngine, tmp_path: Path, index_opener: IndexOpener) -> Iterator[Stores]:
+    """Depends on `index_opener` so the stores close (and finish their background writes) before the index
+    is closed and its Redis prefix deleted."""
+    made = Stores(engine, tmp_path / "cache")
+    yield made
+    for store in made.opened:
+        store.close()
+
+
+def logits(engine: StitchEngine, blocks: Sequence[KVBlock], prompt: PromptIds) -> torch.Tensor:
+    return engine.prefill_stitched(blocks, prompt.question, all_logits=True)[1]
+
+
+def counts(**nonzero: int) -> dict[Tier, int]:
+    return {tier: nonzero.get(tier.value, 0) for tier in Tier}
+
+
+def block_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.rglob("*.kvblock"))
+
+
+# ---- every tier gives the same answer ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gpu", "host", "second"),
+    [(MIB, MIB, Tier.GPU), (0, MIB, Tier.HOST)],
+    ids=["gpu-tier", "host-tier"],
+)
+def test_miss_then_memory_hit_then_disk_after_restart(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    fresh: list[KVBlock],
+    stores: Stores,
+    index: KVIndex,
+    index_opener: IndexOpener,
+    gpu: int,
+    host: int,
+    second: Tier,
+) -> None:
+    n = len(prompt.blocks)
+    expected = logits(engine, fresh, prompt)
+    store = stores.open(index, gpu=gpu, host=host)
+
+    first = store.fetch(prompt.blocks, engine)
+    assert first.counts == counts(miss=n) and first.corrupt == 0
+    assert first.timings.precompute_ms > 0
+    store.flush()
+    again = store.fetch(prompt.blocks, engine)
+    store.close()
+    index.close()
+    restarted = stores.open(index_opener(), gpu=gpu, host=host)  # new store, index reopened, same dir
+    assert restarted.plan(prompt.blocks).counts() == counts(disk=n)
+    from_disk = restarted.fetch(prompt.blocks, engine)
+
+    assert again.counts == counts(**{second.value: n}) and again.timings.precompute_ms == 0
+    assert from_disk.counts == counts(disk=n) and from_disk.corrupt == 0
+    assert from_disk.timings.load_ms > 0
+    kv_bytes = sum(len(b) for b in prompt.blocks) * engine.spec.kv_bytes_per_token()
+    assert from_disk.bytes_loaded == {**dict.fromkeys(Tier, 0), Tier.DISK: kv_bytes}
+    for result in (first, again, from_disk):
+        assert [b.token_ids for b in result.blocks] == list(prompt.blocks)
+        for got, want in zip(result.blocks, fresh, strict=True):
+            assert torch.equal(bits(got.kv), bits(want.kv))
+        assert torch.equal(logits(engine, result.blocks, prompt), expected)  # bit for bit
+
+
+def test_generate_accepts_fetched_blocks(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
+) -> None:
+    store = stores.open(index)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    baseline = engine.generate(prompt, sampling)
+    list(baseline)
+    fetched = store.fetch(prompt.blocks, engine)
+    cached = engine.generate(prompt, sampling, chunk_kv=fetched.blocks)
+    list(cached)
+    assert cached.result.token_ids == baseline.result.token_ids
+
+
+def test_misses_are_computed_in_one_batch_and_repeats_loaded_once(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    original = engine.precompute
+
+    def counting(blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
+        calls.append(len(blocks))
+        return original(blocks)
+
+    monkeypatch.setattr(engine, "precompute", counting)
+    store = stores.open(index)
+    repeated = (*prompt.blocks, prompt.blocks[0])
+
+    result = store.fetch(repeated, engine)
+
+    assert calls == [len(prompt.blocks)]
+    assert result.counts == counts(miss=len(repeated))
+    assert result.blocks[0] is result.blocks[-1]
+    store.flush()
+    assert len(block_files(stores.cache_dir)) == len(prompt.blocks)
+
+
+def test_a_partial_hit_computes_only_the_new_blocks(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
+) -> None:
+    store = stores.open(index, gpu=0, host=MIB)
+    store.fetch(prompt.blocks[:2], engine)
+    store.flush()
+
+    result = store.fetch(prompt.blocks, engine)
+
+    assert result.sources == [Tier.HOST, Tier.HOST, Tier.MISS, Tier.MISS]
+    stats = store.stats()
+    assert stats.hits == {Tier.GPU: 0, Tier.HOST: 2, Tier.DISK: 0}
+    assert stats.misses == 4 and stats.corrupt == 0
+
+
+def test_disk_reads_larger_than_the_host_pool_still_arrive_intact(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks, engine)
+    writer.flush()
+    one_block = max(b.nbytes() for b in fresh) + 4096  # the parallel reads cannot all have a slot at once
+    reader = stores.open(index, host=one_block)
+
+    result = reader.fetch(prompt.blocks, engine)
+
+    assert result.counts == counts(disk=len(fresh))
+    assert reader.stats().usage[Tier.HOST].used_bytes <= one_block
+    for got, want in zip(result.blocks, fresh, strict=True):
+        assert torch.equal(bits(got.kv), bits(want.kv))
+
+
+# ---- damage on disk ----------------------------------------------------------------------------------------
+
+
+def truncate(path: Path, store: KVStore, block: KVBlock) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def flip_payload_byte(path: Path, store: KVStore, block: KVBlock) -> None:
+    header = read_header(path)
+    data = bytearray(path.read_bytes())
+    data[header.payload_offset + header.payload_bytes // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def wrong_fingerprint(path: Path, store: KVStore, block: KVBlock) -> None:
+    write_block(path, store.key_of(block.token_ids), "0" * 64, block)
+
+
+def wrong_shape(path: Path, store: KVStore, block: KVBlock) -> None:
+    kv = block.kv[:1].clone()  # one layer too few, otherwise a valid file
+    write_block(path, store.key_of(block.token_ids), store.fingerprint, KVBlock(block.token_ids, kv))
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_payload_byte, wrong_fingerprint, wrong_shape])
+def test_damaged_file_is_counted_recomputed_and_rewritten(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    fresh: list[KVBlock],
+    stores: Stores,
+    index: KVIndex,
+    damage: Callable[[Path, KVStore, KVBlock], None],
+) -> None:
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks, engine)
+    writer.flush()
+    bad = 2
+    key = writer.key_of(prompt.blocks[bad])
+    path = stores.cache_dir / block_relpath(key)
+    damage(path, writer, fresh[bad])
+
+    reader = stores.open(index)  # empty memory tiers: everything comes from disk
+    result = reader.fetch(prompt.blocks, engine)
+
+    n = len(prompt.blocks)
+    assert result.corrupt == 1 and reader.stats().corrupt == 1
+    assert result.counts == counts(disk=n - 1, miss=1)
+    assert result.sources[bad] is Tier.MISS
+    # The answer is what computing that block afresh gives: bit for bit against the same computation, and
+    # within float noise of the batch computed before the damage.
+    recomputed = [*fresh[:bad], engine.precompute([prompt.blocks[bad]])[0], *fresh[bad + 1 :]]
+    got = logits(engine, result.blocks, prompt)
+    assert torch.equal(got, logits(engine, recomputed, prompt))
+    assert float((got - logits(engine, fresh, prompt)).abs().max()) <= 1e-4
+    reader.flush()
+    rewritten = read_block(path, key, reader.fingerprint, engine.spec, expected_token_ids=prompt.blocks[bad])
+    assert torch.equal(bits(rewritten.kv), bits(result.blocks[bad].kv))
+    assert index.get(key) is not None
+    assert stores.open(index).fetch(prompt.blocks, engine).counts == counts(disk=n)
+
+
+# ---- ingestion ---------------------------------------------------------------------------------------------
+
+
+def test_the_same_text_put_twice_is_stored_once(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    store = stores.open(index)
+    block = fresh[0]
+
+    first = store.put([block])
+    path = stores.cache_dir / block_relpath(store.key_of(block.token_ids))
+    written_at = path.stat().st_mtime_ns
+    second = store.put([KVBlock(tuple(block.token_ids), block.kv.clone())])
+
+    assert first == path.stat().st_size and second == 0
+    assert block_files(stores.cache_dir) == [path] and path.stat().st_mtime_ns == written_at
+    assert index.keys() == [store.key_of(block.token_ids)]
+    assert store.fetch(prompt.blocks[:1], engine).counts == counts(disk=1)
+
+
+def test_put_refuses_a_block_of_another_shape(fresh: list[KVBlock], stores: Stores, index: KVIndex) -> None:
+    store = stores.open(index)
+    with pytest.raises(ValueError, match="shape"):
+        store.put([KVBlock(fresh[0].token_ids, fresh[0].kv[:1])])
+    assert index.keys() == []
+
+
+# ---- budgets -----------------------------------------------------------------------------------------------
+
+
+def test_every_tier_stays_within_its_budget(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    sizes = sorted(b.nbytes() for b in fresh)
+    gpu_budget = sizes[-1] + sizes[-2]  # the two largest blocks
+    host_budget = sizes[-1] + sizes[0] + 8192  # rounds each block up to 4 KiB pages
+    store = stores.open(index, gpu=gpu_budget, host=host_budget, disk=2 * MIB)
+
+    for _ in range(2):
+        result = store.fetch(prompt.blocks, engine)
+        store.flush()
+        usage = store.stats().usage
+        assert usage[Tier.GPU].used_bytes <= gpu_budget
+        assert usage[Tier.HOST].used_bytes <= usage[Tier.HOST].budget_bytes <= host_budget
+        assert torch.equal(logits(engine, result.blocks, prompt), logits(engine, fresh, prompt))
+
+    stats = store.stats()
+    gpu_blocks = stats.usage[Tier.GPU].blocks
+    assert gpu_blocks is not None and 0 < gpu_blocks < len(fresh)
+    assert stats.evictions[Tier.GPU] > 0
+    assert stats.usage[Tier.DISK].used_bytes == index.total_bytes() > 0
+
+
+def test_disk_budget_holds_after_many_puts(
+    engine: StitchEngine, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    more = engine.precompute(synthetic_ids(engine, [17] * 6, seed=9))
+    budget = 3 * (more[0].nbytes() + 8192)
+    store = stores.open(index, disk=budget)
+
+    for block in [*fresh, *more]:
+        store.put([block])
+        assert index.total_bytes() <= budget
+
+    on_disk = block_files(stores.cache_dir)
+    assert 0 < len(on_disk) == len(index.keys()) < len(fresh) + len(more)
+    assert sum(p.stat().st_size for p in on_disk) == index.total_bytes() <= budget
+    assert store.stats().evictions[Tier.DISK] > 0
+
+
+def test_store_refuses_an_engine_of_another_template(
+    engine: StitchEngine, get_engine: EngineFactory, prompt: PromptIds, stores: Stores, index: KVIndex
+) -> None:
+    store = stores.open(index)
+    other = get_engine("llama", "cpu")
+    with pytest.raises(ValueError, match="another model"):
+        store.fetch(prompt.blocks, other)
