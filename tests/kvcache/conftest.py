@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from kv_support import BASE_SPEC, BlockFactory, IndexOpener, SpecFactory, random_kv
 
 from service.engine.kv_layout import KVBlock, block_shape
@@ -46,19 +44,6 @@ def tiny_model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
     return tiny_model_dirs["llama"]
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> str:
-    """The local Redis, or a skip naming why the Redis variants cannot run."""
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1.0)
-    try:
-        client.ping()
-    except redis.RedisError as err:
-        pytest.skip(f"Redis at {REDIS_URL} does not answer ({err}); the Redis index tests need it")
-    finally:
-        client.close()
-    return REDIS_URL
-
-
 @pytest.fixture(params=["redis", "sqlite"])
 def index_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[IndexOpener]:
     """Opens the same index (Redis under a unique prefix, or one SQLite file) on each call, as a restart would.
@@ -66,8 +51,8 @@ def index_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ind
     Everything opened is closed afterwards and the Redis prefix is deleted.
     """
     opened: list[KVIndex] = []
-    prefix = f"kvstitch-test:{uuid.uuid4().hex}"
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    if request.param == "redis":
+        url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
 
     def make() -> KVIndex:
         if request.param == "redis":
@@ -78,10 +63,4 @@ def index_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ind
 
     yield make
     for index in opened:
-        index.close()
-    if request.param == "redis":
-        client = redis.Redis.from_url(url)
-        leftovers = list(client.scan_iter(match=f"{prefix}:*"))
-        if leftovers:
-            client.delete(*leftovers)
-        client.close()
+        index.close()  # before redis_prefix's teardown deletes the keys

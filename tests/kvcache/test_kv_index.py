@@ -8,7 +8,7 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,38 +32,9 @@ FP = "c" * 64
 Opener = Callable[[], KVIndex]
 
 
-@pytest.fixture(params=["redis", "sqlite"])
-def open_fresh(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens the same (initially empty) index on each call, as a restarted process would."""
-    opened: list[KVIndex] = []
-    if request.param == "redis":
-        url = request.getfixturevalue("redis_url")
-        prefix = f"kvstitch-test:{uuid.uuid4().hex}"
-
-        def make() -> KVIndex:
-            opened.append(RedisIndex(url, prefix=prefix))
-            return opened[-1]
-
-    else:
-
-        def make() -> KVIndex:
-            opened.append(SqliteIndex(tmp_path / "data" / SQLITE_FILENAME))
-            return opened[-1]
-
-    yield make
-    for index in opened:
-        index.close()
-    if request.param == "redis":
-        client = redis.Redis.from_url(url)
-        leftovers = list(client.scan_iter(match=f"{prefix}:*"))
-        if leftovers:
-            client.delete(*leftovers)
-        client.close()
-
-
 @pytest.fixture
-def index(open_fresh: Opener) -> KVIndex:
-    return open_fresh()
+def index(index_opener: Opener) -> KVIndex:
+    return index_opener()
 
 
 def entry(n: int, nbytes: int = 1000, last_used: float = 0.0) -> IndexEntry:
@@ -122,13 +93,13 @@ def test_touch_of_an_unknown_key_creates_nothing(index: KVIndex) -> None:
     assert index.keys() == [] and index.lru(5) == [] and index.total_bytes() == 0
 
 
-def test_index_survives_a_restart(open_fresh: Opener) -> None:
-    first = open_fresh()
+def test_index_survives_a_restart(index_opener: Opener) -> None:
+    first = index_opener()
     first.put(entry(1, nbytes=11, last_used=5.0))
     first.put(entry(2, nbytes=22, last_used=3.0))
     first.close()
 
-    second = open_fresh()
+    second = index_opener()
 
     assert second.get(entry(1).key) == entry(1, nbytes=11, last_used=5.0)
     assert [e.key for e in second.lru(10)] == [entry(2).key, entry(1).key]
