@@ -14,8 +14,6 @@ from service.engine.kv_layout import KVBlock, block_shape
 from service.engine.model import ModelSpec
 from service.kvcache.index import SQLITE_FILENAME, KVIndex, RedisIndex, SqliteIndex
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
 
 @pytest.fixture
 def make_spec() -> SpecFactory:
