@@ -31,6 +31,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate, synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.model import LoadedModel, load_model, spec_from_config
+from service.kvcache import device
 
 log = logging.getLogger("bench_prefill")
 QWEN2_7B = {
@@ -61,23 +62,36 @@ def random_qwen2_7b(device: torch.device) -> LoadedModel:
     return LoadedModel(hf, tokenizer, spec_from_config(config, torch.bfloat16, device), "random:qwen2-7b")
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], runs: int, warmup: int) -> list[float]:
-    """Milliseconds of each run, synchronised before and after."""
+def timed(
+    fn: Callable[[], Any], runs: int, warmup: int, target: torch.device, prepare: Callable[[], None] | None = None
+) -> list[float]:
+    """Milliseconds of each run of `fn`, synchronised before and after; `prepare` runs untimed before each."""
     for _ in range(warmup):
+        if prepare:
+            prepare()
         fn()
     times = []
     for _ in range(runs):
-        sync()
+        if prepare:
+            prepare()
+        device.synchronize(target)
         start = time.perf_counter()
         fn()
-        sync()
+        device.synchronize(target)
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def build_engine(model_dir: str | None, target: torch.device) -> StitchEngine:
+    """The engine over a model folder, or over a random Qwen2-7B-shaped model when none is given."""
+    model = load_model(model_dir, device=target) if model_dir else random_qwen2_7b(target)
+    return StitchEngine(model)
+
+
+def question_ids(engine: StitchEngine, suffix_tokens: int) -> list[int]:
+    """Question ids sized so the prefilled suffix (instruction tail + question + header) is `suffix_tokens` long."""
+    fixed = len(engine.template.question_head) + len(engine.template.question_tail)
+    return synthetic_ids(engine, [max(1, suffix_tokens - fixed)], seed=1)[0]
 
 
 def context_chunks(engine: StitchEngine, context: int, chunk_tokens: int, seed: int) -> list[list[int]]:
@@ -88,20 +102,18 @@ def context_chunks(engine: StitchEngine, context: int, chunk_tokens: int, seed: 
 
 
 def precompute_all(engine: StitchEngine, blocks: list[tuple[int, ...]], batch: int) -> tuple[list[KVBlock], float]:
-    sync()
+    device.synchronize(engine.spec.device)
     start = time.perf_counter()
     out: list[KVBlock] = []
     for i in range(0, len(blocks), batch):
         out += engine.precompute(blocks[i : i + batch])
-    sync()
+    device.synchronize(engine.spec.device)
     return out, time.perf_counter() - start
 
 
 def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) -> dict[str, Any]:
     chunks = context_chunks(engine, context, args.chunk_tokens, seed=context)
-    # The prefilled suffix (instruction tail + question + assistant header) is --question-tokens long in total.
-    fixed = len(engine.template.question_head) + len(engine.template.question_tail)
-    question = synthetic_ids(engine, [max(1, args.question_tokens - fixed)], seed=1)[0]
+    question = question_ids(engine, args.question_tokens)
     prompt = engine.template.prompt(chunks, question)
     gpu_kv, seconds = precompute_all(engine, list(prompt.blocks), args.precompute_batch)
     pin = engine.spec.device.type == "cuda"
@@ -116,7 +128,9 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) 
     def stitched(kv: list[KVBlock]) -> Callable[[], int]:
         return lambda: first_token(engine.prefill_stitched(kv, prompt.question)[1])
 
-    stitch_only = timed(lambda: engine.stitch(gpu_kv, "reordered", len(prompt.question)), args.runs, args.warmup)
+    def stitch_only() -> None:
+        engine.stitch(gpu_kv, "reordered", len(prompt.question))
+
     buffer, plan = engine.stitch(gpu_kv, "reordered", len(prompt.question))
 
     def question_only() -> int:
@@ -129,11 +143,11 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) 
         "question_tokens": len(prompt.question),
         "kv_bytes": sum(b.nbytes() for b in gpu_kv) + engine.prefix_block.nbytes(),
         "precompute_tokens_per_s": sum(len(b) for b in prompt.blocks) / seconds,
-        "naive_ms": timed(naive, args.runs, args.warmup),
-        "stitched_gpu_ms": timed(stitched(gpu_kv), args.runs, args.warmup),
-        "stitched_host_ms": timed(stitched(host_kv), args.runs, args.warmup),
-        "stitch_gpu_only_ms": stitch_only,
-        "question_prefill_only_ms": timed(question_only, args.runs, args.warmup),
+        "naive_ms": timed(naive, args.runs, args.warmup, engine.spec.device),
+        "stitched_gpu_ms": timed(stitched(gpu_kv), args.runs, args.warmup, engine.spec.device),
+        "stitched_host_ms": timed(stitched(host_kv), args.runs, args.warmup, engine.spec.device),
+        "stitch_gpu_only_ms": timed(stitch_only, args.runs, args.warmup, engine.spec.device),
+        "question_prefill_only_ms": timed(question_only, args.runs, args.warmup, engine.spec.device),
     }
     if args.decode_tokens:
         row["decode_step_ms"] = decode_steps(engine, gpu_kv, prompt.question, args.decode_tokens)
@@ -145,7 +159,7 @@ def decode_steps(engine: StitchEngine, kv: list[KVBlock], question: tuple[int, .
     buffer, _, _ = engine.prefill_stitched(kv, question, extra_tokens=steps)
     token, times = 0, []
     for _ in range(steps):
-        sync()
+        device.synchronize(engine.spec.device)
         start = time.perf_counter()
         logits = engine.forward.extend(buffer, [token], torch.tensor([buffer.next_position]))
         token = int(torch.argmax(logits))
@@ -192,13 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with --model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    target = torch.device(args.device)
+    if target.type == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
         return 2
-    model = load_model(args.model, device=device) if args.model else random_qwen2_7b(device)
-    engine = StitchEngine(model)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    engine = build_engine(args.model, target)
+    name = torch.cuda.get_device_name() if target.type == "cuda" else "cpu"
     report: dict[str, Any] = {"device": name, "torch": torch.__version__, "rows": []}
     if args.gate:
         gate = run_gate(engine)

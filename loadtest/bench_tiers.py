@@ -35,10 +35,8 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_prefill import context_chunks, random_qwen2_7b
+from loadtest.bench_prefill import build_engine, context_chunks, question_ids, timed
 from service.engine.engine import StitchEngine
-from service.engine.gate import synthetic_ids
-from service.engine.model import load_model
 from service.engine.prompt import PromptIds
 from service.kvcache import device
 from service.kvcache.fileformat import ALIGNMENT
@@ -55,17 +53,9 @@ TIERS = ("gpu", "host", "disk_cold", "disk_warm", "miss")
 # ---- setup -------------------------------------------------------------------------------------------------
 
 
-def build_engine(args: argparse.Namespace) -> StitchEngine:
-    target = torch.device(args.device)
-    model = load_model(args.model, device=target) if args.model else random_qwen2_7b(target)
-    return StitchEngine(model)
-
-
 def make_prompt(engine: StitchEngine, args: argparse.Namespace) -> PromptIds:
     chunks = context_chunks(engine, args.context, args.chunk_tokens, seed=args.context)
-    fixed = len(engine.template.question_head) + len(engine.template.question_tail)
-    question = synthetic_ids(engine, [max(1, args.question_tokens - fixed)], seed=1)[0]
-    return engine.template.prompt(chunks, question)
+    return engine.template.prompt(chunks, question_ids(engine, args.question_tokens))
 
 
 def fill_disk(engine: StitchEngine, prompt: PromptIds, store: KVStore, batch: int) -> list[Path]:
@@ -77,26 +67,6 @@ def fill_disk(engine: StitchEngine, prompt: PromptIds, store: KVStore, batch: in
 
 
 # ---- timing helpers ----------------------------------------------------------------------------------------
-
-
-def timed(
-    fn: Callable[[], Any], runs: int, warmup: int, target: torch.device, prepare: Callable[[], None] | None = None
-) -> list[float]:
-    """Milliseconds of each run of `fn`, synchronised before and after; `prepare` runs untimed before each."""
-    for _ in range(warmup):
-        if prepare:
-            prepare()
-        fn()
-    times = []
-    for _ in range(runs):
-        if prepare:
-            prepare()
-        device.synchronize(target)
-        start = time.perf_counter()
-        fn()
-        device.synchronize(target)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -363,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
-    engine = build_engine(args)
+    engine = build_engine(args.model, torch.device(args.device))
     prompt = make_prompt(engine, args)
     bench = Bench(engine, prompt, cache_dir, args)
     try:

@@ -20,7 +20,7 @@ from loadtest.bench_prefill import random_qwen2_7b
 from service.engine.engine import StitchEngine
 from service.engine.gate import DEFAULT_CHUNK_LENGTHS, synthetic_ids
 from service.engine.model import LoadedModel
-from service.engine.reference import independent_mask, reference_logits, reference_positions
+from service.engine.reference import prompt_reference_logits
 from service.engine.stitch import PositionMode, StitchPlan, plan_positions
 
 
@@ -42,10 +42,7 @@ def main() -> int:
             engine_module.plan_positions = off_by_one  # type: ignore[assignment]
             broken = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
             engine_module.plan_positions = plan_positions
-            lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
-            tail = len(prompt.question)
-            args = (prompt.joined(), reference_positions(mode, lengths, tail), independent_mask(lengths, tail))
-            ref16 = reference_logits(engine.model, *args)[-tail:]
+            ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
             cases.append(
                 {
                     "order": order,
@@ -53,14 +50,15 @@ def main() -> int:
                     "stitched": stitched,
                     "broken": broken,
                     "ref16": ref16,
-                    "args": args,
+                    "prompt": prompt,
+                    "positions": mode,
                 }
             )
     hf32 = engine.model.hf.float()
     model32 = LoadedModel(hf32, engine.tokenizer, dataclasses.replace(engine.spec, dtype=torch.float32), "fp32")
     rows = []
     for case in cases:
-        ref32 = reference_logits(model32, *case["args"])[-len(case["ref16"]) :]
+        ref32 = prompt_reference_logits(model32, case["prompt"], case["positions"])[-len(case["ref16"]) :]
         rows.append(
             {
                 "order": case["order"],

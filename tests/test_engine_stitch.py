@@ -8,7 +8,12 @@ import torch
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, stitched_vs_reference, synthetic_ids
 from service.engine.prompt import PromptIds
-from service.engine.reference import independent_mask, reference_greedy, reference_logits, reference_positions
+from service.engine.reference import (
+    independent_mask,
+    prompt_reference_logits,
+    reference_greedy,
+    reference_positions,
+)
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 
@@ -49,16 +54,9 @@ def test_one_block_reused_at_two_offsets(engine: StitchEngine, positions: Positi
     kv_a, kv_b, kv_c = engine.precompute([engine.template.chunk_block(x) for x in (a, b, c)])
     for chunk_ids, kv in (([a, b], [kv_a, kv_b]), ([c, b, a], [kv_c, kv_b, kv_a])):
         prompt = engine.template.prompt(chunk_ids, question)
-        _, stitched, plan = engine.prefill_stitched(kv, prompt.question, positions, all_logits=True)
-        lengths = list(plan.lengths)
-        tail = len(prompt.question)
-        ref = reference_logits(
-            engine.model,
-            prompt.joined(),
-            reference_positions(positions, lengths, tail),
-            independent_mask(lengths, tail),
-        )
-        assert float((stitched - ref[-tail:]).abs().max()) <= tolerance(engine)
+        _, stitched, _ = engine.prefill_stitched(kv, prompt.question, positions, all_logits=True)
+        ref = prompt_reference_logits(engine.model, prompt, positions)[-len(prompt.question) :]
+        assert float((stitched - ref).abs().max()) <= tolerance(engine)
 
 
 def test_naive_equals_hf_forward(engine: StitchEngine) -> None:
@@ -82,8 +80,7 @@ def test_greedy_decode_after_stitch_equals_reference(engine: StitchEngine, posit
     tokens = stream.result.token_ids
     assert len(tokens) == 20
     if engine.spec.dtype == torch.float32:
-        blocks = [prompt.prefix, *prompt.blocks]
-        assert tokens == reference_greedy(engine.model, blocks, prompt.question, positions, steps=20)
+        assert tokens == reference_greedy(engine.model, prompt, positions, steps=20)
     _assert_decode_follows_reference(engine, prompt, tokens, positions)
 
 
@@ -96,16 +93,8 @@ def _assert_decode_follows_reference(
     reference itself has a near-tie (its two logits within tolerance): two correct kernels may round a tie
     either way. In fp32 the tolerance (1e-4) makes this an exact match.
     """
-    ids = prompt.joined()
-    lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
-    tail = len(prompt.question) + len(tokens)
-    ref = reference_logits(
-        engine.model,
-        ids + tokens,
-        reference_positions(positions, lengths, tail),
-        independent_mask(lengths, tail),
-    )
-    chosen_by = ref[len(ids) - 1 : -1]  # the logits row that picked each decoded token
+    ref = prompt_reference_logits(engine.model, prompt, positions, tokens)
+    chosen_by = ref[len(prompt.joined()) - 1 : -1]  # the logits row that picked each decoded token
     for step, (token, row) in enumerate(zip(tokens, chosen_by, strict=True)):
         best = int(torch.argmax(row))
         margin = float(row[best] - row[token])

@@ -18,7 +18,7 @@ from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
-from service.engine.prompt import PromptIds, PromptTemplate, build_template
+from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.sampling import Sampler, SamplingParams
 from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stitch_into
 
@@ -98,7 +98,7 @@ class StitchEngine:
         return ids
 
     def encode_question(self, question: str) -> tuple[int, ...]:
-        return tuple(int(t) for t in self.tokenizer.encode(question, add_special_tokens=False))
+        return encode(self.tokenizer, question)
 
     def precompute(self, blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
         """Position-independent KV of several blocks, batched in one forward."""

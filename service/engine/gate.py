@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from service.engine.engine import StitchEngine
-from service.engine.reference import independent_mask, reference_logits, reference_positions
+from service.engine.reference import prompt_reference_logits
 from service.engine.stitch import PositionMode
 
 FP32_TOLERANCE = 1e-4
@@ -82,11 +82,7 @@ def compare_with_reference(
     prompt = engine.template.prompt(chunk_ids, question_ids)
     chunk_kv = engine.precompute(prompt.blocks)
     _, stitched, _ = engine.prefill_stitched(chunk_kv, prompt.question, positions, all_logits=True)
-    tail = len(prompt.question)
-    lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
-    allowed = independent_mask(lengths, tail)
-    ref = reference_logits(engine.model, prompt.joined(), reference_positions(positions, lengths, tail), allowed)
-    ref = ref[-tail:]
+    ref = prompt_reference_logits(engine.model, prompt, positions)[-len(prompt.question) :]
     return float((stitched - ref).abs().max()), float(ref.abs().max())
 
 

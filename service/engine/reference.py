@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from service.engine.model import LoadedModel
+from service.engine.prompt import PromptIds
 from service.engine.stitch import PositionMode
 
 _TAIL = -1
@@ -60,22 +61,20 @@ def reference_logits(
     return logits.float()
 
 
-def reference_greedy(
-    model: LoadedModel,
-    blocks: Sequence[Sequence[int]],
-    question: Sequence[int],
-    mode: PositionMode | str,
-    steps: int,
-) -> list[int]:
+def prompt_reference_logits(
+    model: LoadedModel, prompt: PromptIds, mode: PositionMode | str, generated: Sequence[int] = ()
+) -> torch.Tensor:
+    """Reference logits [N, vocab] over a prompt; `generated` tokens join the tail after the question."""
+    lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
+    tail = len(prompt.question) + len(generated)
+    ids = prompt.joined() + list(generated)
+    return reference_logits(model, ids, reference_positions(mode, lengths, tail), independent_mask(lengths, tail))
+
+
+def reference_greedy(model: LoadedModel, prompt: PromptIds, mode: PositionMode | str, steps: int) -> list[int]:
     """Greedy decoding by re-running the full reference forward for every new token (slow, exact)."""
-    lengths = [len(b) for b in blocks]
-    context = [t for block in blocks for t in block]
-    tail = list(question)
     generated: list[int] = []
     for _ in range(steps):
-        positions = reference_positions(mode, lengths, len(tail))
-        logits = reference_logits(model, context + tail, positions, independent_mask(lengths, len(tail)))
-        token = int(torch.argmax(logits[-1]))
-        generated.append(token)
-        tail.append(token)
+        logits = prompt_reference_logits(model, prompt, mode, generated)
+        generated.append(int(torch.argmax(logits[-1])))
     return generated
