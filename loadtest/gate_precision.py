@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Any
 
 import torch
 
@@ -33,15 +34,15 @@ def main() -> int:
     engine = StitchEngine(random_qwen2_7b(torch.device("cuda")))
     chunks = synthetic_ids(engine, DEFAULT_CHUNK_LENGTHS, 0)
     question = synthetic_ids(engine, [9], 1)[0]
-    cases = []
+    cases: list[dict[str, Any]] = []
     for order in (list(range(len(chunks))), list(reversed(range(len(chunks))))):
         for mode in PositionMode:
             prompt = engine.template.prompt([chunks[i] for i in order], question)
             kv = engine.precompute(prompt.blocks)
             stitched = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
-            engine_module.plan_positions = off_by_one  # type: ignore[assignment]
+            engine_module.plan_positions = off_by_one  # type: ignore[attr-defined,assignment]  # deliberate break
             broken = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
-            engine_module.plan_positions = plan_positions
+            engine_module.plan_positions = plan_positions  # type: ignore[attr-defined]
             ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
             cases.append(
                 {
