@@ -1,4 +1,4 @@
-"""The `kvstitch` command line: verify | tiny-model (serve, worker, ingest and ask arrive with their issues)."""
+"""The `kvstitch` command line: verify | tiny-model | worker | ingest (serve and ask arrive with the gateway)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,36 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="qwen2")
     tiny.add_argument("--seed", type=int, default=0)
+
+    worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
+    _add_runtime_options(worker)
+    worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
+
+    ingest = commands.add_parser("ingest", help="ingest .txt/.md files and folders, via a server or embedded")
+    ingest.add_argument("paths", nargs="+", metavar="PATH")
+    ingest.add_argument(
+        "--url", default=None, help="server to send to (default: KVSTITCH_URL or http://127.0.0.1:8000)"
+    )
+    ingest.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
+    ingest.add_argument("--embedded", action="store_true", help="ingest in this process, no server (needs --model)")
+    ingest.add_argument("--batch", type=int, default=100, help="documents per job (default 100)")
+    _add_runtime_options(ingest)
     return parser
+
+
+def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
+    """Options that override KVSTITCH_* settings for the processes that open the model and stores."""
+    parser.add_argument("--model", default=None, help="HF model folder or hub id (KVSTITCH_MODEL)")
+    parser.add_argument("--data-dir", default=None, help="data folder (KVSTITCH_DATA_DIR, default ./data)")
+    parser.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"), help="KVSTITCH_DEVICE")
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    """Settings from the environment and .env, with the command line's options on top."""
+    from service.settings import Settings
+
+    given = {"model": args.model, "data_dir": args.data_dir, "device": args.device}
+    return Settings(**{k: v for k, v in given.items() if v is not None})
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -63,11 +93,42 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from workers.__main__ import run_worker
+
+    logging.getLogger().setLevel(logging.INFO)
+    return run_worker(_settings(args), name=args.name)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    import os
+
+    from service.commands.ingest import InputError, collect_documents, ingest_embedded, ingest_remote
+
+    if args.batch < 1:
+        print("error: --batch must be at least 1", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    try:
+        documents = collect_documents(args.paths, settings.max_document_chars)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.embedded:
+        return ingest_embedded(documents, settings, min(args.batch, settings.max_documents_per_job))
+    url = args.url or os.environ.get("KVSTITCH_URL", "http://127.0.0.1:8000")
+    try:
+        return ingest_remote(documents, url, args.api_key or settings.api_key, args.batch)
+    except (RuntimeError, OSError) as err:  # httpx's connection errors are OSErrors underneath
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvstitch` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"verify": _verify, "tiny-model": _tiny_model}
+    handlers = {"verify": _verify, "tiny-model": _tiny_model, "worker": _worker, "ingest": _ingest}
     return handlers[args.command](args)
 
 

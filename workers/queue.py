@@ -14,8 +14,7 @@ Attempts count deliveries, so a job that kills its worker every time (say, out o
 stream too instead of being claimed forever. A payload is one JSON object; anything else found in the stream is
 dead-lettered with the reason, never raised to the consumer.
 
-Job statuses (`queued`, `running`, `done`, `failed`, with counts and timestamps) live in a `JobStatusStore`:
-Redis hashes with a TTL, or a dict in memory.
+Job statuses live in `workers.job_status`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
@@ -85,6 +84,10 @@ class JobQueue(Protocol):
     def ack(self, delivery: Delivery) -> None: ...
 
     def fail(self, delivery: Delivery, error: str) -> bool: ...
+
+    def reject(self, delivery: Delivery, error: str) -> bool: ...
+
+    def keep_alive(self, delivery: Delivery) -> None: ...
 
     def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]: ...
 
@@ -179,6 +182,16 @@ class RedisStreamQueue:
         retry: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt, _LAST_ERROR: error}
         self._move_to(self.stream, delivery.message_id, retry)
         return False
+
+    def reject(self, delivery: Delivery, error: str) -> bool:
+        """Dead-letter now, whatever the attempt: the job can never succeed (a malformed document, say)."""
+        return self._bury(delivery.message_id, encode_payload(delivery.payload), error, delivery.attempt)
+
+    def keep_alive(self, delivery: Delivery) -> None:
+        """Reset the message's idle time, so a long job is not claimed from its live worker."""
+        self._redis.xclaim(
+            self.stream, self.group, delivery.consumer, min_idle_time=0, message_ids=[delivery.message_id], justid=True
+        )
 
     def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]:
         """Take over messages other consumers read but have not acked for `min_idle_ms` (they likely died)."""
@@ -354,6 +367,19 @@ class InProcessQueue:
             self._add(data, prior_attempts=delivery.attempt, last_error=error)
             return False
 
+    def reject(self, delivery: Delivery, error: str) -> bool:
+        with self._changed:
+            if self._messages.pop(delivery.message_id, None) is None:
+                return False
+            self._bury(delivery.message_id, encode_payload(delivery.payload), error, delivery.attempt)
+            return True
+
+    def keep_alive(self, delivery: Delivery) -> None:
+        with self._changed:
+            message = self._messages.get(delivery.message_id)
+            if message is not None and message.consumer == delivery.consumer:
+                message.delivered_at = self._clock()
+
     def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]:
         _check_count(count)
         now = self._clock()
@@ -401,221 +427,3 @@ class InProcessQueue:
 
     def _bury(self, message_id: str, data: str, error: str, attempts: int) -> None:
         self._dead.append(DeadLetter(f"dead-{message_id}", message_id, data, error, attempts, time.time()))
-
-
-# ---- job status ----------------------------------------------------------------------------------------------
-
-JOB_STATES = ("queued", "running", "done", "failed")
-COUNT_FIELDS = ("documents", "chunks", "chunks_precomputed", "chunks_reused")
-DEFAULT_JOB_PREFIX = "kvstitch:job"
-DEFAULT_JOB_TTL_S = 7 * 24 * 3600
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """Where an ingest job stands. Timestamps are Unix seconds; `started_at` is the latest start."""
-
-    job_id: str
-    status: str
-    created_at: float
-    updated_at: float
-    documents: int = 0
-    chunks: int = 0
-    chunks_precomputed: int = 0
-    chunks_reused: int = 0
-    error: str | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-
-
-class JobStatusStore(Protocol):
-    """Job statuses, written by the gateway (create) and the worker (update, increment), read by the gateway."""
-
-    def create(self, job_id: str, documents: int) -> JobStatus: ...
-
-    def update(self, job_id: str, **fields: Any) -> JobStatus: ...
-
-    def increment(self, job_id: str, **counts: int) -> JobStatus: ...
-
-    def get(self, job_id: str) -> JobStatus | None: ...
-
-    def close(self) -> None: ...
-
-
-def status_changes(now: float, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """Validated field changes plus the timestamps they imply (a start, a finish, always the update time)."""
-    unknown = set(fields) - {"status", "error", *COUNT_FIELDS}
-    if unknown:
-        raise ValueError(f"unknown job status fields: {', '.join(sorted(unknown))}")
-    changes: dict[str, Any] = {"updated_at": now}
-    for name, value in fields.items():
-        if name == "status" and value not in JOB_STATES:
-            raise ValueError(f"job status must be one of {', '.join(JOB_STATES)}, got {value!r}")
-        if name in COUNT_FIELDS and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if name == "error" and value is not None and not isinstance(value, str):
-            raise ValueError(f"error must be text or None, got {type(value).__name__}")
-        changes[name] = value
-    if fields.get("status") == "running":
-        changes["started_at"] = now
-    if fields.get("status") in ("done", "failed"):
-        changes["finished_at"] = now
-    return changes
-
-
-def _check_counts(counts: Mapping[str, int]) -> None:
-    unknown = set(counts) - set(COUNT_FIELDS)
-    if unknown:
-        raise ValueError(f"only {', '.join(COUNT_FIELDS)} can be incremented, not {', '.join(sorted(unknown))}")
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in counts.values()):
-        raise ValueError(f"increments must be ints, got {dict(counts)!r}")
-
-
-class InMemoryJobStatusStore:
-    """Job statuses in a dict, for the embedded mode; safe across threads."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._jobs: dict[str, JobStatus] = {}
-
-    def create(self, job_id: str, documents: int) -> JobStatus:
-        now = self._clock()
-        status_changes(now, {"documents": documents})  # validates the count
-        with self._lock:
-            if job_id in self._jobs:
-                raise ValueError(f"job {job_id!r} already exists")
-            self._jobs[job_id] = JobStatus(job_id, "queued", created_at=now, updated_at=now, documents=documents)
-            return self._jobs[job_id]
-
-    def update(self, job_id: str, **fields: Any) -> JobStatus:
-        changes = status_changes(self._clock(), fields)
-        with self._lock:
-            self._jobs[job_id] = replace(self._known(job_id), **changes)
-            return self._jobs[job_id]
-
-    def increment(self, job_id: str, **counts: int) -> JobStatus:
-        _check_counts(counts)
-        now = self._clock()
-        with self._lock:
-            job = self._known(job_id)
-            added = {name: getattr(job, name) + n for name, n in counts.items()}
-            self._jobs[job_id] = replace(job, updated_at=now, **added)
-            return self._jobs[job_id]
-
-    def get(self, job_id: str) -> JobStatus | None:
-        with self._lock:
-            return self._jobs.get(job_id)
-
-    def close(self) -> None:
-        """Nothing to release; here for the protocol."""
-
-    def _known(self, job_id: str) -> JobStatus:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise KeyError(f"unknown job {job_id!r}")
-        return job
-
-
-# Each write checks that the job exists and refreshes the TTL in the same atomic step, so a late update from a
-# slow worker never resurrects an expired job as a half-empty hash.
-_CREATE_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-_UPDATE_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-_INCREMENT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-
-
-class RedisJobStatusStore:
-    """Job statuses as Redis hashes `{prefix}:{job_id}`, expiring `ttl_s` after their last change."""
-
-    def __init__(
-        self,
-        url: str,
-        prefix: str = DEFAULT_JOB_PREFIX,
-        ttl_s: int = DEFAULT_JOB_TTL_S,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.prefix, self.ttl_s = prefix, ttl_s
-        self._clock = clock
-        self._redis: Any = redis.Redis.from_url(url, decode_responses=True)
-        self._create = self._redis.register_script(_CREATE_SCRIPT)
-        self._update = self._redis.register_script(_UPDATE_SCRIPT)
-        self._increment = self._redis.register_script(_INCREMENT_SCRIPT)
-
-    def create(self, job_id: str, documents: int) -> JobStatus:
-        now = self._clock()
-        fields = status_changes(now, {"status": "queued", "documents": documents})
-        fields.update({"created_at": now, **dict.fromkeys(COUNT_FIELDS[1:], 0)})
-        if not self._create(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(fields)]):
-            raise ValueError(f"job {job_id!r} already exists")
-        return self._get_known(job_id)
-
-    def update(self, job_id: str, **fields: Any) -> JobStatus:
-        changes = status_changes(self._clock(), fields)
-        if not self._update(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(changes)]):
-            raise KeyError(f"unknown job {job_id!r}")
-        return self._get_known(job_id)
-
-    def increment(self, job_id: str, **counts: int) -> JobStatus:
-        _check_counts(counts)
-        args: list[str | int] = [self.ttl_s, repr(self._clock())]
-        for name, amount in counts.items():
-            args += [name, amount]
-        if not self._increment(keys=[self._key(job_id)], args=args):
-            raise KeyError(f"unknown job {job_id!r}")
-        return self._get_known(job_id)
-
-    def get(self, job_id: str) -> JobStatus | None:
-        return _job_from_hash(job_id, self._redis.hgetall(self._key(job_id)))
-
-    def close(self) -> None:
-        self._redis.close()
-
-    def _key(self, job_id: str) -> str:
-        return f"{self.prefix}:{job_id}"
-
-    def _get_known(self, job_id: str) -> JobStatus:
-        job = self.get(job_id)
-        if job is None:  # expired between the write and this read
-            raise KeyError(f"unknown job {job_id!r}")
-        return job
-
-
-def _flatten(fields: Mapping[str, Any]) -> list[str]:
-    """Hash fields as strings; None (no error) is stored as an empty string."""
-    pairs = ((k, "" if v is None else repr(v) if isinstance(v, float) else str(v)) for k, v in fields.items())
-    return list(itertools.chain.from_iterable(pairs))
-
-
-def _job_from_hash(job_id: str, fields: dict[str, str]) -> JobStatus | None:
-    if not fields:
-        return None
-
-    def when(name: str) -> float | None:
-        return float(fields[name]) if fields.get(name) else None
-
-    return JobStatus(
-        job_id=job_id,
-        status=fields.get("status", "queued"),
-        created_at=when("created_at") or 0.0,
-        updated_at=when("updated_at") or 0.0,
-        error=fields.get("error") or None,
-        started_at=when("started_at"),
-        finished_at=when("finished_at"),
-        **{name: _int(fields.get(name)) for name in COUNT_FIELDS},
-    )

@@ -20,7 +20,7 @@ from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.sampling import Sampler, SamplingParams
-from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stitch_into
+from service.engine.stitch import BlockReady, PositionMode, StitchPlan, plan_positions, stitch_into
 
 
 class GenerationMode(StrEnum):
@@ -107,15 +107,24 @@ class StitchEngine:
     # ---- prefill -------------------------------------------------------------------------------------------
 
     def stitch(
-        self, chunk_kv: Sequence[KVBlock], positions: PositionMode | str, room: int
+        self,
+        chunk_kv: Sequence[KVBlock],
+        positions: PositionMode | str,
+        room: int,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
     ) -> tuple[KVBuffer, StitchPlan]:
-        """A buffer holding prefix + chunk blocks at their planned positions, with `room` free slots after."""
+        """A buffer holding prefix + chunk blocks at their planned positions, with `room` free slots after.
+
+        `chunk_ready` (one entry per chunk block, e.g. a KV cache fetch's `ready`) is called just before each
+        block is placed, so blocks still being copied to the device are waited for one by one.
+        """
         blocks = [self.prefix_block, *chunk_kv]
         for block in blocks:
             check_block(self.spec, block)
+        ready = None if chunk_ready is None else [None, *_ready_for(chunk_kv, chunk_ready)]
         plan = plan_positions(positions, [b.num_tokens for b in blocks])
         buffer = KVBuffer(self.spec, plan.context_tokens + room)
-        stitch_into(buffer, self.forward.rotary, blocks, plan)
+        stitch_into(buffer, self.forward.rotary, blocks, plan, ready)
         return buffer, plan
 
     def prefill_question(self, buffer: KVBuffer, question: Sequence[int], all_logits: bool = False) -> torch.Tensor:
@@ -130,9 +139,10 @@ class StitchEngine:
         positions: PositionMode | str = PositionMode.REORDERED,
         extra_tokens: int = 0,
         all_logits: bool = False,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
     ) -> tuple[KVBuffer, torch.Tensor, StitchPlan]:
         """Stitch prefix + chunk blocks, then run only the question; returns buffer, logits and plan."""
-        buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens)
+        buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens, chunk_ready)
         return buffer, self.prefill_question(buffer, question, all_logits), plan
 
     def prefill_naive(
@@ -153,9 +163,21 @@ class StitchEngine:
         mode: GenerationMode | str = GenerationMode.TURBO,
         positions: PositionMode | str = PositionMode.REORDERED,
         chunk_kv: Sequence[KVBlock] | None = None,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
     ) -> GenerationStream:
-        """Start generating; iterate the returned stream for text deltas, then read its `result`."""
-        return GenerationStream(self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv)
+        """Start generating; iterate the returned stream for text deltas, then read its `result`.
+
+        `chunk_ready` goes with `chunk_kv` (see `stitch`).
+        """
+        return GenerationStream(
+            self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv, chunk_ready
+        )
+
+
+def _ready_for(chunk_kv: Sequence[KVBlock], chunk_ready: Sequence[BlockReady | None]) -> list[BlockReady | None]:
+    if len(chunk_ready) != len(chunk_kv):
+        raise ValueError(f"{len(chunk_ready)} ready entries for {len(chunk_kv)} chunk blocks")
+    return list(chunk_ready)
 
 
 class GenerationStream:
@@ -172,17 +194,23 @@ class GenerationStream:
         mode: GenerationMode,
         positions: PositionMode,
         chunk_kv: Sequence[KVBlock] | None,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
     ) -> None:
         if prompt.prefix != engine.template.prefix:
             raise ValueError("the prompt was not built with this engine's template")
         if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
             raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
+        if chunk_ready is not None:
+            if chunk_kv is None:
+                raise ValueError("`chunk_ready` needs the `chunk_kv` it belongs to")
+            chunk_ready = _ready_for(chunk_kv, chunk_ready)
         self._engine = engine
         self._prompt = prompt
         self._sampling = sampling
         self._mode = mode
         self._positions = positions
         self._chunk_kv = chunk_kv
+        self._chunk_ready = chunk_ready
         self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
 
     def __iter__(self) -> Iterator[str]:
@@ -231,7 +259,7 @@ class GenerationStream:
         if chunk_kv is None:
             chunk_kv = engine.precompute(self._prompt.blocks) if self._prompt.blocks else []
             timings.precompute_ms = watch.lap_ms()
-        buffer, _ = engine.stitch(chunk_kv, self._positions, len(self._prompt.question) + extra)
+        buffer, _ = engine.stitch(chunk_kv, self._positions, len(self._prompt.question) + extra, self._chunk_ready)
         timings.stitch_ms = watch.lap_ms()
         logits = engine.prefill_question(buffer, self._prompt.question)
         timings.prefill_ms = watch.lap_ms()

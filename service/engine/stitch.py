@@ -5,11 +5,16 @@ Positions follow TurboRAG section 3.2:
 - `composite`: every chunk keeps its local positions 0..len-1 (as it was precomputed); the prefix sits at
   0..P-1 and the question at its true index P + sum(len).
 The question and every decoded token continue at the true index in both modes.
+
+Blocks may still be arriving on the device when stitching starts (the KV cache copies them on its own stream).
+Each block can come with a `BlockReady`: a callable that makes the current stream wait for that block's copy.
+It is called just before the block's rotate-and-place, so block 0 is rotated while later blocks still copy,
+instead of the whole stitch waiting for the last copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -18,6 +23,10 @@ import torch
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
 from service.engine.rotary import Rotary
+
+# Orders the current stream after one block's arrival (device-side; the host does not block). The engine
+# knows nothing of where it comes from: the KV cache hands in `Arrival` objects.
+BlockReady = Callable[[], None]
 
 
 class PositionMode(StrEnum):
@@ -62,18 +71,37 @@ def plan_positions(mode: PositionMode | str, lengths: Sequence[int]) -> StitchPl
     return StitchPlan(mode, tuple(lengths), tuple(slots), tuple(starts))
 
 
-def stitch_into(buffer: KVBuffer, rotary: Rotary, blocks: Sequence[KVBlock], plan: StitchPlan) -> None:
-    """Copy blocks into an empty buffer, keys rotated in fp32 to the plan's positions, values as they are."""
+def stitch_into(
+    buffer: KVBuffer,
+    rotary: Rotary,
+    blocks: Sequence[KVBlock],
+    plan: StitchPlan,
+    ready: Sequence[BlockReady | None] | None = None,
+) -> None:
+    """Copy blocks into an empty buffer, keys rotated in fp32 to the plan's positions, values as they are.
+
+    `ready`, one entry per block (None: already there), is called right before that block is read.
+    """
     if buffer.length != 0:
         raise ValueError("stitching needs an empty buffer")
     if [b.num_tokens for b in blocks] != list(plan.lengths):
         raise ValueError("blocks do not match the stitch plan")
+    waits = list(ready) if ready is not None else [None] * len(blocks)
+    if len(waits) != len(blocks):
+        raise ValueError(f"{len(waits)} ready entries for {len(blocks)} blocks")
     buffer.reserve(plan.context_tokens)
-    device = buffer.data.device
-    for block, slot, start in zip(blocks, plan.slots, plan.starts, strict=True):
-        kv = block.kv.to(device, non_blocking=True)
-        end = slot + block.num_tokens
-        keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device))
-        buffer.data[:, KEYS, :, slot:end].copy_(keys)
-        buffer.data[:, VALUES, :, slot:end].copy_(kv[:, VALUES])
+    for block, wait, slot, start in zip(blocks, waits, plan.slots, plan.starts, strict=True):
+        if wait is not None:
+            wait()
+        _place(buffer, rotary, block, slot, start)
     buffer.commit(plan.context_tokens, plan.question_start)
+
+
+def _place(buffer: KVBuffer, rotary: Rotary, block: KVBlock, slot: int, start: int) -> None:
+    """One block's keys rotated to positions start.. and its values, written at slots slot.."""
+    device = buffer.data.device
+    kv = block.kv.to(device, non_blocking=True)
+    end = slot + block.num_tokens
+    keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device))
+    buffer.data[:, KEYS, :, slot:end].copy_(keys)
+    buffer.data[:, VALUES, :, slot:end].copy_(kv[:, VALUES])

@@ -6,7 +6,9 @@ plain tensor operation or a no-op (no pinning, no streams, no events).
 
 Copies run on dedicated streams so they overlap with whatever the compute stream is doing and with the next
 disk read. Ordering is expressed with events: a consumer makes its current stream wait on a copy's event
-(`wait_on`); nothing here calls a device-wide synchronize except `synchronize`, which exists for benchmarks.
+(`wait_on`, or calling the block's `Arrival` just before reading it, so work on block 0 can start while later
+blocks are still copying); nothing here calls a device-wide synchronize except `synchronize`, which exists for
+benchmarks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -126,6 +129,25 @@ def wait_on(event: CopyEvent | None, device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_event(event)
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """The event a block's copy lands on, and its device. Calling it makes the current stream of that device
+    wait for the copy (on the device; the host does not block): a consumer calls it just before it reads the
+    block, which is how the stitcher overlaps the copies still in flight. Engine code sees a plain callable.
+    """
+
+    event: CopyEvent
+    device: torch.device
+
+    def __call__(self) -> None:
+        wait_on(self.event, self.device)
+
+
+def arrival(event: CopyEvent | None, device: torch.device) -> Arrival | None:
+    """The `Arrival` of a copy, or None when there is nothing to wait for (no copy, or a CPU device)."""
+    return None if event is None else Arrival(event, torch.device(device))
+
+
 def wait_host(event: CopyEvent | None) -> None:
     """Block the calling thread until `event` completed (before host memory a copy reads is reused)."""
     if event is not None:
@@ -145,13 +167,15 @@ def synchronize(device: torch.device) -> None:
 
 class CopyClock:
     """Sums how long a series of copies took: CUDA timing events around each copy on its stream, or wall
-    time around each (synchronous) copy on a CPU device. Read `elapsed_ms` after queueing the last copy.
+    time around each (synchronous) copy on a CPU device. Read `elapsed_ms` after queueing the last copy; it
+    may be read late (after the copies were consumed) so that timing them never holds up their consumer.
     """
 
     def __init__(self, stream: CopyStream | None) -> None:
         self._stream = stream
         self._spans: list[tuple[CopyEvent, CopyEvent]] = []
         self._wall_ms = 0.0
+        self._total_ms: float | None = None
 
     @contextmanager
     def timing(self) -> Iterator[None]:
@@ -168,7 +192,12 @@ class CopyClock:
         self._spans.append((begin, end))
 
     def elapsed_ms(self) -> float:
-        """Total copy time; waits (host-side, on the last copy's event only) until the copies finished."""
-        if self._spans:
-            self._spans[-1][1].synchronize()
-        return self._wall_ms + sum(float(begin.elapsed_time(end)) for begin, end in self._spans)
+        """Total copy time; waits (host-side, on the last copy's event only) until the copies finished.
+
+        The first call fixes the total: copies timed after it are not counted.
+        """
+        if self._total_ms is None:
+            if self._spans:
+                self._spans[-1][1].synchronize()
+            self._total_ms = self._wall_ms + sum(float(begin.elapsed_time(end)) for begin, end in self._spans)
+        return self._total_ms

@@ -10,21 +10,28 @@ Layout (all integers little-endian):
                zero padding up to the next multiple of 4096
     offset P   payload: the C-contiguous tensor bytes   payload_bytes
 
-The payload starts 4096-aligned so it can later be read with O_DIRECT straight into a pinned buffer. Every
-byte is covered by a check: the preamble by value, the header by its own hash, the padding by being zero
-and the payload by an xxh3_128 checksum (non-cryptographic, several GB/s, so reads stay disk-bound).
-Nothing is ever unpickled; a file is trusted only after all checks pass.
+The payload starts 4096-aligned so it can be read with O_DIRECT straight into a page-aligned (pinned) buffer:
+the header is read buffered and checked first, then, given a `DirectReads` and a destination that starts on a
+page and has room for the payload rounded up to whole pages, the payload is read with O_DIRECT (no page-cache
+copy, no cache pollution). Filesystems that refuse O_DIRECT (EINVAL: older tmpfs, some overlays) fall back to
+buffered reads, remembered per directory. Every byte is covered by a check, whichever way it was read: the
+preamble by value, the header by its own hash, the padding by being zero and the payload by an xxh3_128
+checksum (non-cryptographic, several GB/s, so reads stay disk-bound). Nothing is ever unpickled; a file is
+trusted only after all checks pass.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import logging
 import math
 import os
 import re
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +59,12 @@ STORABLE_DTYPES: dict[str, torch.dtype] = {
 }
 # `.<key>.kvblock.<pid>.<random>.tmp`, written next to the final file and renamed over it.
 TEMP_NAME_PATTERN = re.compile(r"\.[0-9a-f]+\.kvblock\.\d+\.[0-9a-f]+\.tmp")
+# O_DIRECT needs the file offset, the buffer address and the length in whole logical blocks of the device;
+# 4096 covers 512-byte and 4K-native drives. Linux only: elsewhere the flag is 0 and every read is buffered.
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)
+
+log = logging.getLogger(__name__)
 
 
 class CorruptBlockError(ValueError):
@@ -60,6 +73,35 @@ class CorruptBlockError(ValueError):
 
 class MissingBlockError(FileNotFoundError):
     """No block file at the path."""
+
+
+class DirectReads:
+    """Where payloads may be read with O_DIRECT: every directory until its filesystem refuses (then it is
+    remembered, so each directory fails at most once). Shared by a disk tier's reader threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refused: set[Path] = set()
+        self.reads = 0  # payloads read with O_DIRECT
+
+    def allowed(self, directory: Path) -> bool:
+        with self._lock:
+            return O_DIRECT != 0 and directory not in self._refused
+
+    def refused(self) -> set[Path]:
+        with self._lock:
+            return set(self._refused)
+
+    def refuse(self, directory: Path, err: OSError) -> None:
+        with self._lock:
+            first = directory not in self._refused
+            self._refused.add(directory)
+        if first:
+            log.info("O_DIRECT refused in %s (%s); reading its blocks buffered", directory, err)
+
+    def count(self) -> None:
+        with self._lock:
+            self.reads += 1
 
 
 @dataclass(frozen=True)
@@ -200,6 +242,7 @@ def read_header(path: Path, verify_payload: bool = False) -> BlockHeader:
         if verify_payload:
             payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
             _read_payload(f, path, header, payload)
+            _verify_payload(path, header, payload)
         return header
 
 
@@ -211,22 +254,28 @@ def read_block(
     into: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
     expected_token_ids: Sequence[int] | None = None,
+    direct: DirectReads | None = None,
 ) -> KVBlock:
     """Read and check a block stored for this key, model and spec.
 
     `dtype` is the stored dtype to expect (default `spec.dtype`; 8-bit storage passes its own). `into` is an
     optional preallocated CPU tensor (pinned or not) the payload is read straight into; the returned block's
-    KV is then a view of it. `expected_token_ids`, when given, must equal the stored ids, which turns a key
-    collision into an error instead of wrong KV. Raises `CorruptBlockError` on any failed check and
-    `MissingBlockError` (a `FileNotFoundError`) when there is no file.
+    KV is then a view of its first payload bytes. With `direct`, the payload is read with O_DIRECT when
+    `into` starts on a page, has room for the payload rounded up to whole pages (which the read may fill)
+    and the directory allows it; otherwise buffered. `expected_token_ids`, when given, must equal the stored
+    ids, which turns a key collision into an error instead of wrong KV. Raises `CorruptBlockError` on any
+    failed check and `MissingBlockError` (a `FileNotFoundError`) when there is no file.
     """
+    path = Path(path)
     with _open_block(path) as f:
         header = _read_checked_header(f, path)
         _check_expected(header, path, expected_key, expected_fingerprint, spec, dtype or spec.dtype)
         if expected_token_ids is not None and header.token_ids != tuple(int(t) for t in expected_token_ids):
             raise CorruptBlockError(f"{path}: token ids differ from the requested block (key collision)")
         target = _payload_target(into, header)
-        _read_payload(f, path, header, target)
+        if not _read_payload_direct(f, path, header, into, direct):
+            _read_payload(f, path, header, target)
+    _verify_payload(path, header, target)
     kv = target.view(header.dtype).view(header.shape)
     return KVBlock(token_ids=header.token_ids, kv=kv)
 
@@ -356,7 +405,7 @@ def _payload_target(into: torch.Tensor | None, header: BlockHeader) -> torch.Ten
 
 
 def _read_payload(f: io.FileIO, path: Path, header: BlockHeader, target: torch.Tensor) -> None:
-    """Read the payload into `target`'s memory (no intermediate copy) and verify its checksum."""
+    """Read the payload into `target`'s memory (buffered, no intermediate copy)."""
     view = target.numpy().data
     f.seek(header.payload_offset)
     filled = 0
@@ -365,7 +414,74 @@ def _read_payload(f: io.FileIO, path: Path, header: BlockHeader, target: torch.T
         if not n:
             raise CorruptBlockError(f"{path}: truncated payload: {filled} of {header.payload_bytes} bytes")
         filled += n
-    actual = xxhash.xxh3_128_hexdigest(view)
+
+
+def _read_payload_direct(
+    f: io.FileIO, path: Path, header: BlockHeader, into: torch.Tensor | None, direct: DirectReads | None
+) -> bool:
+    """Read the payload with O_DIRECT into `into`; False when not tried or not complete (read it buffered).
+
+    A refusal by the filesystem is remembered for the directory. The O_DIRECT descriptor must be the file
+    whose header was checked: a writer may have renamed a new file over the name between the two opens.
+    """
+    span = _direct_span(into, header)
+    if span is None or direct is None or not direct.allowed(path.parent):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | O_DIRECT)
+    except FileNotFoundError:
+        return False  # replaced or removed since the header was read: `f` still holds the checked file
+    except OSError as err:
+        return _refused(direct, path, err)
+    try:
+        if not os.path.samestat(os.fstat(fd), os.fstat(f.fileno())):
+            return False
+        filled = _pread_direct(fd, span, header.payload_offset, header.payload_bytes)
+    except OSError as err:
+        return _refused(direct, path, err)
+    finally:
+        os.close(fd)
+    if filled < header.payload_bytes:
+        return False  # short or unaligned read: the buffered read decides whether the file is truncated
+    direct.count()
+    return True
+
+
+def _direct_span(into: torch.Tensor | None, header: BlockHeader) -> torch.Tensor | None:
+    """`into`'s first bytes up to the payload size rounded up to whole pages, if it starts on a page and
+    has room for them (an O_DIRECT read transfers whole pages); otherwise None."""
+    if into is None:
+        return None
+    flat = into.reshape(-1).view(torch.uint8)
+    length = _aligned(header.payload_bytes)
+    if flat.data_ptr() % ALIGNMENT or flat.numel() < length:
+        return None
+    return flat[:length]
+
+
+def _pread_direct(fd: int, span: torch.Tensor, offset: int, nbytes: int) -> int:
+    """Bytes of the payload read into `span` in whole pages; stops at end of file or an unaligned read."""
+    view = span.numpy().data
+    filled = 0
+    while filled < nbytes:
+        n = os.preadv(fd, [view[filled:]], offset + filled)
+        filled += n
+        if n == 0 or filled % ALIGNMENT:
+            break  # end of file (the last page is short), or a partial read the next call could not align
+    return filled
+
+
+def _refused(direct: DirectReads, path: Path, err: OSError) -> bool:
+    """A refusal of O_DIRECT (remembered, then read buffered) or another error (raised)."""
+    if err.errno not in DIRECT_REFUSALS:
+        raise err
+    direct.refuse(path.parent, err)
+    return False
+
+
+def _verify_payload(path: Path, header: BlockHeader, target: torch.Tensor) -> None:
+    """The payload's checksum is the header's."""
+    actual = xxhash.xxh3_128_hexdigest(target.numpy().data)
     if actual != header.checksum:
         raise CorruptBlockError(
             f"{path}: payload checksum mismatch ({CHECKSUM_ALGORITHM}): header says "

@@ -199,6 +199,11 @@ class HostPool:
         """The slot's memory as flat uint8 (exactly the block's bytes)."""
         return self._buffer[slot.span.offset : slot.span.offset + slot.nbytes]
 
+    def span_of(self, slot: HostSlot) -> torch.Tensor:
+        """The slot's whole range as flat uint8: starts page-aligned, the block's bytes rounded up to the
+        alignment (what an O_DIRECT read of whole pages may write; the bytes past the block are its own)."""
+        return self._buffer[slot.span.offset : slot.span.end]
+
     def view(
         self, slot: HostSlot, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
     ) -> torch.Tensor:

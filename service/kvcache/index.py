@@ -259,10 +259,10 @@ def _entry_from_row(row: tuple[Any, ...]) -> IndexEntry:
     return IndexEntry(str(key), str(path), int(nbytes), int(tokens), float(created), float(last_used))
 
 
-def open_index(redis_url: str | None, data_dir: Path) -> KVIndex:
+def open_index(redis_url: str | None, data_dir: Path, redis_prefix: str = DEFAULT_REDIS_PREFIX) -> KVIndex:
     """Redis when a URL is configured (shared by all workers), else a SQLite file in the data dir."""
     if redis_url:
-        return RedisIndex(redis_url)
+        return RedisIndex(redis_url, redis_prefix)
     return SqliteIndex(Path(data_dir) / SQLITE_FILENAME)
 
 

@@ -2,12 +2,19 @@
 
 A fetch plans every block (device, host pool, disk, or miss), then loads in an order that cannot evict a block
 it still needs: device hits are taken first, host hits are queued for H2D, disk blocks are read in parallel by
-reader threads into host pool slots (each block's H2D copy starts as its read finishes, overlapping the reads
-still running), and all misses are computed together in ONE batched `engine.precompute`. Only then are new
-blocks promoted into the device tier, whose overflow is demoted into the host pool. Misses are written to disk
-by a background thread, so the request never waits for the disk and the next request hits. A block file that
-fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is the same as without
-the cache.
+reader threads into host pool slots (with O_DIRECT where the filesystem allows it; each block's H2D copy starts
+as its read finishes, overlapping the reads still running), and the misses are computed in batched
+`engine.precompute` calls of at most `max_precompute_tokens` padded tokens each (one call when they fit). Only
+then are new blocks promoted into the device tier, whose overflow is demoted into the host pool. Misses are
+written to disk by a background thread, so the request never waits for the disk and the next request hits. A
+block file that fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is the
+same as without the cache.
+
+Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders
+the caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does
+not: the caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
+`prefill_stitched` and `generate`), which waits for each block just before placing it, so the first blocks are
+rotated while later ones are still copying.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 # requests in flight to reach its bandwidth.
 DEFAULT_READ_THREADS = 4
 KEY_CACHE_SIZE = 1 << 16
+# Padded tokens (blocks x longest block) per batched precompute of misses. Activations grow with it: at 16K
+# tokens a 7B-class model needs a few GiB beyond its weights, and 32 chunks of 512 tokens still go in one call.
+DEFAULT_MAX_PRECOMPUTE_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -78,22 +88,36 @@ class LoadPlan:
 
 @dataclass
 class FetchTimings:
-    """Wall-clock milliseconds of one fetch; each waits for the device work it times (per event)."""
+    """Milliseconds of one fetch; each waits for the device work it times (per event)."""
 
     load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished
-    h2d_ms: float = 0.0  # first host-to-device copy queued until the last one landed
-    precompute_ms: float = 0.0  # the one batched forward over the misses
-    total_ms: float = 0.0
+    precompute_ms: float = 0.0  # the batched forwards over the misses, until the last one finished
+    total_ms: float = 0.0  # until `fetch` returned (copies may still be landing: see `h2d_ms`)
+    copies: device.CopyClock | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def h2d_ms(self) -> float:
+        """Copy time of the host-to-device copies, until the last one landed.
+
+        Resolved on first read, which waits for the last copy: read it after stitching, so timing the copies
+        does not hold up the stitch that overlaps them.
+        """
+        return 0.0 if self.copies is None else self.copies.elapsed_ms()
 
 
 @dataclass
 class FetchResult:
-    """The blocks on the engine's device, in request order, and where each came from."""
+    """The blocks on the engine's device, in request order, where each came from, and when each is there.
+
+    `ready[i]` is None when block i needs no wait (it was resident, computed on the caller's stream, or the
+    device is a CPU), else the `Arrival` of its copy: pass `ready` as the stitcher's `chunk_ready`.
+    """
 
     blocks: list[KVBlock]
     sources: list[Tier]
     counts: dict[Tier, int]
     bytes_loaded: dict[Tier, int]
+    ready: list[device.Arrival | None] = field(default_factory=list)
     corrupt: int = 0
     timings: FetchTimings = field(default_factory=FetchTimings)
 
@@ -125,7 +149,9 @@ class KVStore:
 
     Fetches are serialised by a lock (one engine computes one request at a time anyway); `put` and the
     background writer only touch the disk tier, which is safe across threads and processes. The store does
-    not own the index it is given and leaves closing it to the caller.
+    not own the index it is given and leaves closing it to the caller. `max_precompute_tokens` caps the padded
+    tokens of one batched precompute of misses; `direct_io` reads block files with O_DIRECT where possible
+    (off: buffered reads, which a warm page cache serves faster than a cold disk).
     """
 
     def __init__(
@@ -137,15 +163,20 @@ class KVStore:
         index: KVIndex,
         budgets: TierBudgets,
         read_threads: int = DEFAULT_READ_THREADS,
+        max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
+        direct_io: bool = True,
     ) -> None:
+        if max_precompute_tokens <= 0:
+            raise ValueError("max_precompute_tokens must be positive")
         self.spec = spec
         self.fingerprint = fingerprint
         self.template_version = template_version
         self.target = spec.device  # where fetched blocks end up: the engine's device
+        self.max_precompute_tokens = max_precompute_tokens
         self.gpu = GpuTier(budgets.gpu_bytes)
         pool = HostPool(budgets.host_bytes, pinned=device.uses_cuda(self.target))
         self.host = HostTier(pool, self.target, device.new_copy_stream(self.target))
-        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes)
+        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io)
         self._writeback = WriteBack(self.disk, self.target)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
         self._lock = threading.Lock()
@@ -164,10 +195,21 @@ class KVStore:
         index: KVIndex,
         budgets: TierBudgets,
         read_threads: int = DEFAULT_READ_THREADS,
+        max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
+        direct_io: bool = True,
     ) -> KVStore:
         """A store keyed by this engine's model fingerprint, template version and dtype."""
-        fingerprint = model_fingerprint(engine.model)
-        return cls(engine.spec, fingerprint, engine.template.version, cache_dir, index, budgets, read_threads)
+        return cls(
+            engine.spec,
+            model_fingerprint(engine.model),
+            engine.template.version,
+            cache_dir,
+            index,
+            budgets,
+            read_threads,
+            max_precompute_tokens=max_precompute_tokens,
+            direct_io=direct_io,
+        )
 
     def key_of(self, token_ids: Sequence[int]) -> str:
         return self._cached_key(tuple(map(int, token_ids)))
@@ -202,14 +244,18 @@ class KVStore:
 
     # ---- fetching ----------------------------------------------------------------------------------------
 
-    def fetch(self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine) -> FetchResult:
-        """The KV of every block on the engine's device, in order; misses computed in one batch."""
+    def fetch(self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine, overlap: bool = False) -> FetchResult:
+        """The KV of every block on the engine's device, in order; misses computed in capped batches.
+
+        Without `overlap` the caller's current stream is ordered after every copy before this returns. With
+        it, copies may still be running: pass `result.ready` to the stitch, which waits block by block.
+        """
         self._check_engine(engine)
         start = time.perf_counter()
         with self._lock:
             plan = self._plan(prompt_blocks)
             fetch = _Fetch(self, engine, plan)
-            result = fetch.run()
+            result = fetch.run(overlap)
             self._hits.update(t for t in fetch.sources.values() if t is not Tier.MISS)
             self._misses += sum(1 for t in fetch.sources.values() if t is Tier.MISS)
             self._corrupt += result.corrupt
@@ -287,12 +333,12 @@ class _Fetch:
         self.unique = {b.key: b for b in plan.blocks}  # a chunk repeated in one prompt is loaded once
         self.blocks: dict[str, KVBlock] = {}
         self.sources: dict[str, Tier] = {}
-        self.events: list[CopyEvent | None] = []
+        self.arriving: dict[str, CopyEvent] = {}  # the copy each block copied to the device lands on
         self.clock = device.CopyClock(store.host.stream)
         self.corrupt = 0
-        self.timings = FetchTimings()
+        self.timings = FetchTimings(copies=self.clock)
 
-    def run(self) -> FetchResult:
+    def run(self, overlap: bool) -> FetchResult:
         by_tier = {t: [b for b in self.unique.values() if b.tier is t] for t in Tier}
         for planned in by_tier[Tier.GPU]:
             self._take_from_gpu(planned)
@@ -304,13 +350,14 @@ class _Fetch:
         if missing:
             self._compute(missing)
         self._promote()
-        self._await_copies()
+        if not overlap:
+            self._await_copies()
         return self._result()
 
     def _take_from_gpu(self, planned: PlannedBlock) -> None:
         block = self.store.gpu.get(planned.key)
         if block is not None:
-            self._found(planned, block, Tier.GPU)
+            self._found(planned, block, Tier.GPU, self.store.gpu.arrival(planned.key))
 
     def _take_from_host(self, planned: PlannedBlock) -> None:
         slot = self.store.host.get(planned.key)
@@ -318,8 +365,7 @@ class _Fetch:
             return
         with self.clock.timing():
             block, event = self.store.host.to_device(slot)
-        self.events.append(event)
-        self._found(planned, block, Tier.HOST)
+        self._found(planned, block, Tier.HOST, event)
 
     def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
@@ -363,20 +409,23 @@ class _Fetch:
             else:  # no room in the host pool: copy from the pageable buffer the read allocated
                 kv, event = device.copy_to_device(block.kv, self.store.target, host.stream)
                 block = KVBlock(block.token_ids, kv)
-        self.events.append(event)
-        self._found(planned, block, Tier.DISK)
+        self._found(planned, block, Tier.DISK, event)
 
     def _shape(self, planned: PlannedBlock) -> tuple[int, ...]:
         return block_shape(self.store.spec, len(planned.token_ids))
 
     def _compute(self, missing: list[PlannedBlock]) -> None:
+        """Precompute the misses in batches under the token cap (on the caller's stream: no arrival event)."""
         start = time.perf_counter()
-        computed = self.engine.precompute([b.token_ids for b in missing])
-        device.wait_host(device.record_event(self.store.target))  # time the forward, not its launch
+        lengths = [len(b.token_ids) for b in missing]
+        for batch in precompute_batches(lengths, self.store.max_precompute_tokens):
+            planned_batch = [missing[i] for i in batch]
+            computed = self.engine.precompute([b.token_ids for b in planned_batch])
+            for planned, block in zip(planned_batch, computed, strict=True):
+                self._found(planned, block, Tier.MISS)
+                self.store.write_back(planned.key, block)
+        device.wait_host(device.record_event(self.store.target))  # time the forwards, not their launch
         self.timings.precompute_ms = (time.perf_counter() - start) * 1e3
-        for planned, block in zip(missing, computed, strict=True):
-            self._found(planned, block, Tier.MISS)
-            self.store.write_back(planned.key, block)
 
     def _promote(self) -> None:
         """New blocks into the device tier; what falls out of it (or never fit) is kept in the host pool."""
@@ -384,31 +433,55 @@ class _Fetch:
         for key in self.unique:  # request order, whatever order the reads finished in
             if self.sources[key] is Tier.GPU:
                 continue
-            for demoted_key, demoted in gpu.put(key, self.blocks[key]):
+            for demoted_key, demoted in gpu.put(key, self.blocks[key], self.arriving.get(key)):
                 if host.enabled:
                     host.store(demoted_key, demoted)
 
     def _await_copies(self) -> None:
-        """Order the consumer's stream after every copy, then time them (a host wait on the last copy only)."""
-        for event in self.events:
+        """Order the consumer's stream after every copy (device-side; the host goes on)."""
+        for event in self.arriving.values():
             device.wait_on(event, self.store.target)
-        self.timings.h2d_ms = self.clock.elapsed_ms()
 
-    def _found(self, planned: PlannedBlock, block: KVBlock, source: Tier) -> None:
+    def _found(self, planned: PlannedBlock, block: KVBlock, source: Tier, arriving: CopyEvent | None = None) -> None:
         self.blocks[planned.key] = block
         self.sources[planned.key] = source
+        if arriving is not None:
+            self.arriving[planned.key] = arriving
 
     def _result(self) -> FetchResult:
         ordered = self.plan.blocks
         sources = [self.sources[b.key] for b in ordered]
+        target = self.store.target
         return FetchResult(
             blocks=[self.blocks[b.key] for b in ordered],
             sources=sources,
             counts=_count(sources),
             bytes_loaded=_sum_bytes(zip(sources, (b.nbytes for b in ordered), strict=True)),
+            ready=[device.arrival(self.arriving.get(b.key), target) for b in ordered],
             corrupt=self.corrupt,
             timings=self.timings,
         )
+
+
+def precompute_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of blocks grouped into batches of at most `max_tokens` padded tokens (count x longest).
+
+    Everything in one batch, in order, when it fits. Otherwise blocks are taken longest first, so each batch
+    holds blocks of similar length and pads little; a block longer than the cap goes alone. Within a batch
+    indices stay in request order.
+    """
+    if not lengths:
+        return []
+    if len(lengths) * max(lengths) <= max_tokens:
+        return [list(range(len(lengths)))]
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        # Sorted longest first: a batch's first block is its longest, so the padded size is count x that.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return [sorted(batch) for batch in batches]
 
 
 def _count(tiers: Iterable[Tier]) -> dict[Tier, int]:

@@ -21,7 +21,14 @@ from service.engine.kv_layout import KVBlock
 from service.engine.model import ModelSpec
 from service.kvcache import device
 from service.kvcache.device import CopyEvent, CopyStream
-from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, block_relpath, read_block, write_block
+from service.kvcache.fileformat import (
+    CorruptBlockError,
+    DirectReads,
+    MissingBlockError,
+    block_relpath,
+    read_block,
+    write_block,
+)
 from service.kvcache.host_pool import HostPool, HostSlot
 from service.kvcache.index import IndexEntry, KVIndex
 
@@ -48,7 +55,9 @@ class GpuTier:
 
     It only holds references: the tensors live wherever the engine's device is, so on a CPU-only host the
     same class is exercised with CPU tensors (a budget of 0 disables it). Blocks handed out are shared with
-    the tier and must be treated as read-only, which the stitcher does.
+    the tier and must be treated as read-only, which the stitcher does. A block put while its H2D copy may
+    still be running keeps that copy's event until it completed, so a later hit is never read too early, even
+    when the fetch that copied it did not order any stream after it.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -58,6 +67,7 @@ class GpuTier:
         self.used_bytes = 0
         self.evictions = 0
         self._blocks: OrderedDict[str, KVBlock] = OrderedDict()
+        self._arriving: dict[str, CopyEvent] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -76,8 +86,17 @@ class GpuTier:
             self._blocks.move_to_end(key)
         return block
 
-    def put(self, key: str, block: KVBlock) -> list[tuple[str, KVBlock]]:
-        """Hold a block; returns what no longer fits (LRU entries, or the block itself when over budget).
+    def arrival(self, key: str) -> CopyEvent | None:
+        """The event the held block's copy lands on while it may still be running; None once it completed."""
+        event = self._arriving.get(key)
+        if event is not None and device.is_done(event):
+            del self._arriving[key]
+            return None
+        return event
+
+    def put(self, key: str, block: KVBlock, arriving: CopyEvent | None = None) -> list[tuple[str, KVBlock]]:
+        """Hold a block (whose copy lands on `arriving`); returns what no longer fits (LRU entries, or the
+        block itself when over budget).
 
         The caller may demote the returned blocks to the host tier.
         """
@@ -90,19 +109,25 @@ class GpuTier:
         evicted = []
         while self.used_bytes + size > self.budget_bytes:
             old_key, old = self._blocks.popitem(last=False)
-            self.used_bytes -= old.nbytes()
+            self._drop(old_key, old)
             self.evictions += 1
             evicted.append((old_key, old))
         self._blocks[key] = block
         self.used_bytes += size
+        if arriving is not None:
+            self._arriving[key] = arriving
         return evicted
 
     def discard(self, key: str) -> bool:
         block = self._blocks.pop(key, None)
         if block is None:
             return False
-        self.used_bytes -= block.nbytes()
+        self._drop(key, block)
         return True
+
+    def _drop(self, key: str, block: KVBlock) -> None:
+        self.used_bytes -= block.nbytes()
+        self._arriving.pop(key, None)
 
 
 # ---- host --------------------------------------------------------------------------------------------------
@@ -143,8 +168,9 @@ class HostTier:
         self.pool.release_busy(slot)
 
     def buffer(self, slot: HostSlot) -> torch.Tensor:
-        """The slot's memory as flat uint8, for `read_block(into=...)`."""
-        return self.pool.bytes_of(slot)
+        """The slot's whole page-aligned range as flat uint8, for `read_block(into=...)`: the block's bytes
+        rounded up to whole pages, so an O_DIRECT read of whole pages fits."""
+        return self.pool.span_of(slot)
 
     def to_device(self, slot: HostSlot) -> tuple[KVBlock, CopyEvent | None]:
         """Start the H2D copy of a held block; the slot stays busy until the returned event completed."""
@@ -175,10 +201,20 @@ class DiskTier:
 
     A budget of 0 disables writing. The index's byte total is the tier's size; when a write pushes it over the
     budget, the least recently used files go, entry first so no reader is sent to a vanishing file. A file
-    that fails any check is deleted with its entry and reported to the caller, who recomputes it.
+    that fails any check is deleted with its entry and reported to the caller, who recomputes it. With
+    `direct_io`, payloads are read with O_DIRECT into page-aligned buffers (the host pool's slots) where the
+    filesystem allows it; directories that refuse it are remembered and read buffered.
     """
 
-    def __init__(self, cache_dir: Path, index: KVIndex, fingerprint: str, spec: ModelSpec, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        index: KVIndex,
+        fingerprint: str,
+        spec: ModelSpec,
+        budget_bytes: int,
+        direct_io: bool = True,
+    ) -> None:
         if budget_bytes < 0:
             raise ValueError("the disk tier budget must be >= 0")
         self.cache_dir = Path(cache_dir)
@@ -186,6 +222,7 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.spec = spec
         self.budget_bytes = budget_bytes
+        self.direct = DirectReads() if direct_io else None
         self.evictions = 0
         self._lock = threading.Lock()  # counters only; files and index are safe on their own
 
@@ -207,7 +244,9 @@ class DiskTier:
         """
         path = self.path_of(key)
         try:
-            return read_block(path, key, self.fingerprint, self.spec, into=into, expected_token_ids=token_ids)
+            return read_block(
+                path, key, self.fingerprint, self.spec, into=into, expected_token_ids=token_ids, direct=self.direct
+            )
         except CorruptBlockError as err:
             log.warning("corrupt KV block, deleting it: %s", err)
             self.remove(key)

@@ -153,6 +153,38 @@ class ChunkCollection:
         with self._lock:
             return self._client.count(self.name, exact=True).count
 
+    def count_version(self, doc_id: str, version: str) -> int:
+        """Points of one version of a document (all its chunks once an ingest of that version finished)."""
+        selector = models.Filter(must=[_match("doc_id", doc_id), _match("version", version)])
+        with self._lock:
+            return self._client.count(self.name, count_filter=selector, exact=True).count
+
+    def document_kv_keys(self, doc_id: str, exclude_version: str | None = None) -> set[str]:
+        """The KV keys a document's points name (of every version but `exclude_version`)."""
+        return self._scroll_kv_keys(_document_filter(doc_id, exclude_version))
+
+    def referenced_kv_keys(self, kv_keys: Sequence[str]) -> set[str]:
+        """Which of these KV keys some point still names (the rest can be released)."""
+        found: set[str] = set()
+        for start in range(0, len(kv_keys), SCROLL_PAGE):
+            page = list(kv_keys[start : start + SCROLL_PAGE])
+            selector = models.Filter(must=models.FieldCondition(key="kv_key", match=models.MatchAny(any=page)))
+            found |= self._scroll_kv_keys(selector)
+        return found
+
+    def _scroll_kv_keys(self, selector: models.Filter) -> set[str]:
+        keys: set[str] = set()
+        offset: Any = None
+        while True:
+            with self._lock:
+                records, offset = self._client.scroll(
+                    self.name, scroll_filter=selector, limit=SCROLL_PAGE, offset=offset, with_payload=["kv_key"]
+                )
+            keys.update(str((r.payload or {}).get("kv_key", "")) for r in records)
+            if offset is None:
+                keys.discard("")
+                return keys
+
     def ping(self) -> bool:
         """Whether Qdrant answers and holds the collection (for health checks; never raises)."""
         try:
@@ -177,7 +209,7 @@ class ChunkCollection:
                     if not self._client.collection_exists(self.name):
                         raise
                 if not self.embedded:  # payload indexes do nothing in embedded mode
-                    for key in ("doc_id", "version"):
+                    for key in ("doc_id", "version", "kv_key"):
                         self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
             self._check_vector_params(self._client.get_collection(self.name).config.params.vectors)
 
@@ -214,12 +246,14 @@ class ChunkCollection:
         return models.PointStruct(id=point_id(chunk.doc_id, chunk.index), vector=list(vector), payload=payload)
 
 
+def _match(key: str, value: str) -> models.FieldCondition:
+    return models.FieldCondition(key=key, match=models.MatchValue(value=value))
+
+
 def _document_filter(doc_id: str, keep_version: str | None) -> models.Filter:
-    same_doc = models.FieldCondition(key="doc_id", match=models.MatchValue(value=doc_id))
     if keep_version is None:
-        return models.Filter(must=same_doc)
-    kept = models.FieldCondition(key="version", match=models.MatchValue(value=keep_version))
-    return models.Filter(must=same_doc, must_not=kept)
+        return models.Filter(must=_match("doc_id", doc_id))
+    return models.Filter(must=_match("doc_id", doc_id), must_not=_match("version", keep_version))
 
 
 def _retrieved(point: str, score: float, payload: Mapping[str, Any]) -> RetrievedChunk:

@@ -48,3 +48,17 @@ def random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Te
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor, so NaN payloads and -0.0 compare exactly."""
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class FakeEvent:
+    """Stands in for a CUDA copy event on the CPU: pending until `done` is set (or someone synchronizes)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True

@@ -130,6 +130,17 @@ def test_pool_is_one_aligned_allocation_and_views_are_typed() -> None:
     assert pool.view(slot, torch.int32, (slot.nbytes // 4,)).numel() == slot.nbytes // 4
 
 
+def test_span_of_a_slot_is_its_whole_aligned_range() -> None:
+    pool = HostPool(8 * A, pinned=False)
+    pool.reserve("first", (1,), torch.uint8, (A + 1,))  # two pages
+    slot = pool.reserve("k", (1,), torch.float32, (1000,))  # 4000 bytes: one page
+    assert slot is not None
+    span = pool.span_of(slot)
+    assert span.data_ptr() % A == 0 and span.numel() == A and span.dtype == torch.uint8
+    assert span.data_ptr() == pool.bytes_of(slot).data_ptr() == pool.view(slot).data_ptr()
+    assert pool.bytes_of(slot).numel() == 4000  # the block's view stops at its bytes
+
+
 def test_pool_evicts_least_recently_used_whole_blocks_until_one_fits() -> None:
     pool = HostPool(6 * A, pinned=False)
     for key in "abc":

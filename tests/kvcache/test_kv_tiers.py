@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_support import BASE_SPEC, BlockFactory, IndexOpener, bits
+from kv_support import BASE_SPEC, BlockFactory, FakeEvent, IndexOpener, bits
 
 from service.engine.kv_layout import KVBlock
 from service.kvcache import device
@@ -56,6 +56,22 @@ def test_gpu_tier_put_of_a_held_key_only_refreshes_it(make_block: BlockFactory) 
     assert tier.put("a", a) == []
     assert tier.used_bytes == 2 * a.nbytes()
     assert [k for k, _ in tier.put("c", make_block(BASE_SPEC, seed=3))] == ["b"]  # a was refreshed
+
+
+def test_gpu_tier_keeps_a_block_copy_event_until_it_completed(make_block: BlockFactory) -> None:
+    a, b = make_block(BASE_SPEC, seed=1), make_block(BASE_SPEC, seed=2)
+    tier = GpuTier(budget_bytes=a.nbytes())
+    copying = FakeEvent("a")
+    tier.put("a", a, arriving=copying)
+
+    assert tier.arrival("a") is copying  # a later hit must still wait for the copy
+    copying.done = True
+    assert tier.arrival("a") is None
+    copying.done = False
+    assert tier.arrival("a") is None  # forgotten once seen complete
+    tier.put("b", b, arriving=FakeEvent("b"))  # evicts a
+    assert tier.arrival("a") is None and "a" not in tier
+    assert tier.discard("b") and tier.arrival("b") is None
 
 
 # ---- host tier ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from workers.queue import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
+from workers.job_status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
 
 
 class FakeClock:

@@ -1,0 +1,195 @@
+"""`kvstitch ingest PATH...`: send files and folders to a running server, or ingest them in this process.
+
+Folders are walked for `.txt`, `.md` and `.markdown` files (hidden ones skipped); a file's document id is its
+path relative to the folder given, prefixed with that folder's name, or its name when given directly. Every file
+is read and decoded before anything is sent, so a bad file stops the command without a half-done ingest.
+Documents go in jobs of at most `--batch` documents; progress (documents done) is drawn on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+from workers.documents import Document, DocumentFormat
+
+TEXT_SUFFIXES: dict[str, DocumentFormat] = {".txt": "text", ".md": "markdown", ".markdown": "markdown"}
+DEFAULT_BATCH = 100
+POLL_S = 0.5
+FINISHED = ("done", "failed")
+
+StatusReader = Callable[[str], Mapping[str, Any]]
+
+
+class InputError(ValueError):
+    """A path that cannot be ingested (missing, not text, not UTF-8)."""
+
+
+def collect_documents(paths: Sequence[str | Path], max_chars: int) -> list[Document]:
+    """Every document under the paths, read and checked; `InputError` naming the first bad one."""
+    documents: list[Document] = []
+    seen: dict[str, Path] = {}
+    for path, doc_id in _files(paths):
+        if doc_id in seen:
+            raise InputError(f"{path} and {seen[doc_id]} would both get the document id {doc_id!r}")
+        seen[doc_id] = path
+        documents.append(_read(path, doc_id, max_chars))
+    if not documents:
+        raise InputError("no .txt, .md or .markdown files found in the paths given")
+    return documents
+
+
+def _files(paths: Sequence[str | Path]) -> Iterator[tuple[Path, str]]:
+    for given in map(Path, paths):
+        if given.is_dir():
+            for path in sorted(given.rglob("*")):
+                relative = path.relative_to(given)
+                if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES and not _hidden(relative):
+                    yield path, f"{given.resolve().name}/{relative.as_posix()}"
+        elif given.is_file():
+            if given.suffix.lower() not in TEXT_SUFFIXES:
+                raise InputError(f"{given}: only {', '.join(TEXT_SUFFIXES)} files can be ingested")
+            yield given, given.name
+        else:
+            raise InputError(f"{given}: no such file or folder")
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _read(path: Path, doc_id: str, max_chars: int) -> Document:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    except OSError as err:
+        raise InputError(f"{path}: cannot read ({err.strerror})") from err
+    if not text.strip():
+        raise InputError(f"{path}: the file is empty")
+    if len(text) > max_chars:
+        raise InputError(f"{path}: {len(text):,} characters; the limit is {max_chars:,}")
+    return Document(doc_id, text, {"source": str(path)}, TEXT_SUFFIXES[path.suffix.lower()])
+
+
+def batches(documents: Sequence[Document], size: int) -> list[list[Document]]:
+    return [list(documents[i : i + size]) for i in range(0, len(documents), size)]
+
+
+# ---- following jobs ------------------------------------------------------------------------------------------
+
+
+def follow_jobs(
+    job_ids: Sequence[str], read_status: StatusReader, out: TextIO = sys.stderr, step: Callable[[], None] | None = None
+) -> dict[str, Mapping[str, Any]]:
+    """Poll until every job is done or failed, drawing a progress bar; the final statuses by job id.
+
+    `step` runs between polls instead of sleeping (the embedded mode works the queue there)."""
+    final: dict[str, Mapping[str, Any]] = {}
+    while True:
+        statuses = {job_id: final.get(job_id) or read_status(job_id) for job_id in job_ids}
+        final.update({j: s for j, s in statuses.items() if s.get("status") in FINISHED})
+        _draw(statuses.values(), out)
+        if len(final) == len(job_ids):
+            out.write("\n")
+            return final
+        if step is not None:
+            step()
+        else:
+            time.sleep(POLL_S)
+
+
+def _draw(statuses: Iterator[Mapping[str, Any]] | Any, out: TextIO, width: int = 30) -> None:
+    rows = list(statuses)
+    total = sum(int(s.get("documents", 0)) for s in rows)
+    done = sum(int(s.get("documents" if s.get("status") in FINISHED else "documents_done", 0)) for s in rows)
+    chunks = sum(int(s.get("chunks", 0)) for s in rows)
+    filled = width * done // total if total else width
+    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} documents, {chunks} chunks")
+    out.flush()
+
+
+def report(final: Mapping[str, Mapping[str, Any]], out: TextIO = sys.stdout) -> int:
+    """One line per job and a total; exit status 1 when a job failed."""
+    failed = 0
+    for job_id, status in final.items():
+        line = (
+            f"job {job_id}: {status.get('status')} — {status.get('documents', 0)} documents, "
+            f"{status.get('chunks', 0)} chunks ({status.get('chunks_precomputed', 0)} KV precomputed, "
+            f"{status.get('chunks_reused', 0)} reused)"
+        )
+        if status.get("status") != "done":
+            failed += 1
+            line += f"; error: {status.get('error')}"
+        print(line, file=out)
+    return 1 if failed else 0
+
+
+# ---- the two ways to ingest ----------------------------------------------------------------------------------
+
+
+def ingest_remote(documents: Sequence[Document], url: str, api_key: str | None, batch: int) -> int:
+    """Send the documents to a running server and follow the jobs there; RuntimeError when it cannot."""
+    import httpx
+
+    try:
+        return _ingest_remote(documents, url, api_key, batch)
+    except httpx.HTTPError as err:
+        raise RuntimeError(f"cannot talk to the server at {url}: {err}") from err
+
+
+def _ingest_remote(documents: Sequence[Document], url: str, api_key: str | None, batch: int) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=60.0) as client:
+        job_ids = []
+        for group in batches(documents, batch):
+            body = {"documents": [_document_json(d) for d in group]}
+            reply = client.post("/ingest", json=body)
+            _raise_for(reply)
+            job_ids.append(str(reply.json()["job_id"]))
+
+        def read_status(job_id: str) -> Mapping[str, Any]:
+            reply = client.get(f"/ingest/{job_id}")
+            _raise_for(reply)
+            status: Mapping[str, Any] = reply.json()
+            return status
+
+        return report(follow_jobs(job_ids, read_status))
+
+
+def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) -> int:
+    """Open the data dir in this process (no server may hold it) and run the worker here."""
+    from workers.runtime import open_runtime
+    from workers.submit import submit_job
+
+    with open_runtime(settings) as runtime:
+        worker = runtime.worker(name="kvstitch-ingest", poll_ms=50)
+        job_ids = [submit_job(runtime.queue, runtime.jobs, group) for group in batches(documents, batch)]
+
+        def read_status(job_id: str) -> Mapping[str, Any]:
+            status = runtime.jobs.get(job_id)
+            return asdict(status) if status is not None else {"status": "failed", "error": "status lost"}
+
+        def work() -> None:
+            worker.run_once()
+
+        return report(follow_jobs(job_ids, read_status, step=work))
+
+
+def _document_json(doc: Document) -> dict[str, Any]:
+    return {"id": doc.id, "text": doc.text, "metadata": dict(doc.metadata), "format": doc.format}
+
+
+def _raise_for(reply: Any) -> None:
+    if reply.status_code >= 400:
+        try:
+            detail = reply.json().get("detail", reply.text)
+        except ValueError:
+            detail = reply.text
+        raise RuntimeError(f"{reply.request.method} {reply.request.url.path} → {reply.status_code}: {detail}")

@@ -1,0 +1,97 @@
+"""Every setting of kvstitch, read from `KVSTITCH_*` environment variables or a `.env` file.
+
+Only entry points (the CLI, the gateway's app factory, the worker) build a `Settings`; everything below them
+takes plain arguments, so the core never reads the environment. Each field's description is what the README's
+settings table shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1 << 20
+
+
+class Settings(BaseSettings):
+    """The deployment's configuration; `KVSTITCH_<FIELD>` overrides each field (case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSTITCH_", env_file=".env", extra="ignore")
+
+    # ---- model and engine ----------------------------------------------------------------------------------
+    model: str = Field("", description="LLM: a Hugging Face folder or a hub id already in the local cache.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the LLM runs; auto = cuda if present.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="LLM dtype; auto = bfloat16 on cuda, float32 on cpu."
+    )
+    gate_on_start: bool = Field(True, description="Run the stitching correctness gate before reporting ready.")
+    gate_tolerance: float | None = Field(
+        None, gt=0, description="Gate tolerance on max |logit diff|; default 1e-4 (fp32) or 10% of the logit scale."
+    )
+
+    # ---- storage -------------------------------------------------------------------------------------------
+    data_dir: Path = Field(Path("data"), description="Embedded Qdrant, the embedded KV index and the KV files.")
+    cache_dir: Path | None = Field(None, description="KV block files (an NVMe path); default DATA_DIR/kv.")
+    redis_url: str | None = Field(
+        None, description="Redis for the KV index, ingest queue and job status; unset = embedded, in-process."
+    )
+    redis_prefix: str = Field(
+        "kvstitch", min_length=1, description="Prefix of every Redis key, so deployments can share one Redis."
+    )
+    qdrant_url: str | None = Field(None, description="Qdrant server; unset = embedded Qdrant under DATA_DIR/qdrant.")
+    qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
+    collection: str = Field("kvstitch_chunks", min_length=1, description="Qdrant collection name.")
+    gpu_cache_mb: int = Field(8192, ge=0, description="GPU tier budget (MiB of chunk KV kept on the device).")
+    host_cache_mb: int = Field(16384, ge=0, description="Pinned host pool, allocated once at start (MiB).")
+    disk_cache_mb: int = Field(200_000, ge=0, description="Disk tier budget (MiB); least recently used files go.")
+    max_precompute_tokens: int = Field(
+        16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
+    )
+
+    # ---- retrieval and ingestion ---------------------------------------------------------------------------
+    embedding_model: str | None = Field(
+        None, description="sentence-transformers model folder; unset = the bundled all-MiniLM-L6-v2."
+    )
+    embedding_device: str = Field("cpu", description="Device of the embedding model.")
+    chunk_size: int = Field(384, ge=16, le=8192, description="Chunk size in LLM tokens.")
+    chunk_overlap: int = Field(48, ge=0, description="Overlap between chunks cut inside a paragraph (tokens).")
+    max_document_chars: int = Field(2_000_000, ge=1, description="Largest document accepted (characters).")
+    max_documents_per_job: int = Field(1000, ge=1, description="Documents one ingest job may carry.")
+    job_max_attempts: int = Field(3, ge=1, description="Deliveries of an ingest job before it is dead-lettered.")
+    job_claim_idle_ms: int = Field(
+        60_000, ge=100, description="A job pending this long on a silent worker is claimed by another."
+    )
+
+    # ---- gateway -------------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
+    api_key: str | None = Field(None, description="Bearer token required on every route but health and metrics.")
+    max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
+    max_question_chars: int = Field(4000, ge=1, description="Longest question accepted.")
+    max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
+    default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request gives none.")
+    max_top_k: int = Field(50, ge=1, le=50, description="Largest top_k a request may ask for.")
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        if self.chunk_overlap > self.chunk_size // 2:
+            raise ValueError(f"chunk_overlap must be at most chunk_size // 2 = {self.chunk_size // 2}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+        return self
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.data_dir / "kv"
+
+    @property
+    def qdrant_path(self) -> Path:
+        return self.data_dir / "qdrant"
+
+    @property
+    def embedded(self) -> bool:
+        """True when no Redis is configured: index, queue and job status live in this process."""
+        return self.redis_url is None

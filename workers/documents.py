@@ -1,0 +1,141 @@
+"""An ingest job as it travels through the queue, and its validation.
+
+A job payload is `{"job_id": str, "documents": [{"id": str, "text": str, "metadata": {...}, "format": ...}]}`.
+The gateway validates the same limits before enqueueing, but the queue may carry anything (an older client, a
+hand-written message), so the worker checks every field again and refuses the whole job with a message that
+names the field: a job is ingested entirely or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MAX_DOC_ID_CHARS = 256
+MAX_METADATA_BYTES = 16_384
+MAX_JOB_ID_CHARS = 128
+DocumentFormat = Literal["text", "markdown"]
+FORMATS: tuple[DocumentFormat, ...] = ("text", "markdown")
+
+
+class JobError(ValueError):
+    """The job can never succeed as sent (a malformed message or document); retrying would not help."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    format: DocumentFormat = "text"
+
+
+@dataclass(frozen=True)
+class IngestJob:
+    job_id: str
+    documents: tuple[Document, ...]
+
+    def to_payload(self) -> dict[str, Any]:
+        docs = [{"id": d.id, "text": d.text, "metadata": dict(d.metadata), "format": d.format} for d in self.documents]
+        return {"job_id": self.job_id, "documents": docs}
+
+
+@dataclass(frozen=True)
+class DocumentLimits:
+    max_document_chars: int = 2_000_000
+    max_documents_per_job: int = 1000
+
+
+def document_version(doc: Document, chunking: str) -> str:
+    """A content hash: the same text, format, metadata and chunking give the same version (nothing to redo)."""
+    digest = hashlib.sha256()
+    for part in (doc.format, chunking, json.dumps(doc.metadata, sort_keys=True, ensure_ascii=False), doc.text):
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()[:32]
+
+
+def job_id_of(payload: Mapping[str, Any]) -> str | None:
+    """The job id of a payload when it has a usable one (so a malformed job can still get a failed status)."""
+    job_id = payload.get("job_id")
+    if isinstance(job_id, str) and 0 < len(job_id) <= MAX_JOB_ID_CHARS and job_id.isprintable():
+        return job_id
+    return None
+
+
+def parse_job(payload: Mapping[str, Any], limits: DocumentLimits) -> IngestJob:
+    """The job a payload describes; `JobError` naming the first field that is wrong."""
+    job_id = job_id_of(payload)
+    if job_id is None:
+        raise JobError(f"job_id must be a printable string of 1-{MAX_JOB_ID_CHARS} characters")
+    raw_documents = payload.get("documents")
+    if not isinstance(raw_documents, list) or not raw_documents:
+        raise JobError("documents must be a non-empty list")
+    if len(raw_documents) > limits.max_documents_per_job:
+        raise JobError(f"a job holds at most {limits.max_documents_per_job} documents, got {len(raw_documents)}")
+    documents = tuple(_parse_document(i, raw, limits) for i, raw in enumerate(raw_documents))
+    seen: set[str] = set()
+    for i, doc in enumerate(documents):
+        if doc.id in seen:
+            raise JobError(f"documents[{i}].id {doc.id!r} appears twice in one job")
+        seen.add(doc.id)
+    return IngestJob(job_id, documents)
+
+
+def _parse_document(i: int, raw: Any, limits: DocumentLimits) -> Document:
+    where = f"documents[{i}]"
+    if not isinstance(raw, Mapping):
+        raise JobError(f"{where} must be an object, got {_type(raw)}")
+    doc_id = raw.get("id")
+    if not isinstance(doc_id, str) or not doc_id.strip() or len(doc_id) > MAX_DOC_ID_CHARS:
+        raise JobError(f"{where}.id must be a non-blank string of at most {MAX_DOC_ID_CHARS} characters")
+    if not doc_id.isprintable():
+        raise JobError(f"{where}.id must not contain control characters")
+    return Document(
+        id=doc_id,
+        text=_text(f"{where}.text", raw.get("text"), limits),
+        metadata=_metadata(f"{where}.metadata", raw.get("metadata")),
+        format=_format(f"{where}.format", raw.get("format", "text")),
+    )
+
+
+def _text(where: str, text: Any, limits: DocumentLimits) -> str:
+    if not isinstance(text, str):
+        raise JobError(f"{where} must be a string, got {_type(text)}")
+    if not text.strip():
+        raise JobError(f"{where} is empty (nothing to ingest)")
+    if len(text) > limits.max_document_chars:
+        raise JobError(f"{where} has {len(text):,} characters; the limit is {limits.max_document_chars:,}")
+    return text
+
+
+def _metadata(where: str, metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise JobError(f"{where} must be an object with string keys, got {_type(metadata)}")
+    try:
+        encoded = json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise JobError(f"{where} must be plain JSON: {err}") from err
+    if len(encoded.encode()) > MAX_METADATA_BYTES:
+        raise JobError(f"{where} is larger than {MAX_METADATA_BYTES} bytes as JSON")
+    return dict(metadata)
+
+
+def _format(where: str, value: Any) -> DocumentFormat:
+    for name in FORMATS:
+        if value == name:
+            return name
+    raise JobError(f"{where} must be one of {', '.join(FORMATS)}, got {value!r}")
+
+
+def _type(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a non-finite number"
+    return "null" if value is None else type(value).__name__

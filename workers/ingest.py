@@ -1,0 +1,200 @@
+"""One ingest job: chunk → precompute and store KV → embed → upsert → drop the old version → release blocks.
+
+Every step is idempotent, so a job redelivered after its worker died simply runs again:
+
+- KV blocks are content-addressed (`KVStore.key_of`): a block already on disk is reused, never recomputed, so
+  the same chunk text ingested twice, or by two documents, is stored once.
+- A document's version is a hash of its text, format, metadata and the chunking, and Qdrant point ids come
+  from (doc id, chunk index): re-running writes the same points. An unchanged document whose points are all in
+  place is skipped after chunking (nothing embedded, nothing computed).
+- KV is stored before the points that name it are upserted, so a searchable chunk always has its KV; the old
+  version's points are deleted only after the new ones are in, so the document stays searchable throughout.
+- KV blocks that no point names any more (the old version's, a deleted document's) are removed from the disk
+  tier. A block that another document still names is kept.
+
+Documents are processed in groups of roughly `group_tokens` so that the KV precompute sees batches that fill the
+device (`max_precompute_tokens` per forward, blocks of similar length together) while progress is reported,
+and the job's lease kept alive, between groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from service.engine.engine import StitchEngine
+from service.engine.prompt import TokenIds
+from service.kvcache.store import KVStore
+from service.retrieval.chunker import Chunk, Chunker
+from service.retrieval.collection import ChunkCollection
+from service.retrieval.embedder import Embedder
+from workers.documents import Document, IngestJob, document_version
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PRECOMPUTE_TOKENS = 16_384
+GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
+
+
+@dataclass
+class IngestCounts:
+    """What a job did so far; `chunks_reused` counts chunks whose KV was already stored."""
+
+    documents_done: int = 0
+    chunks: int = 0
+    chunks_precomputed: int = 0
+    chunks_reused: int = 0
+    tokens_precomputed: int = 0
+    blocks_released: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def status_fields(self) -> dict[str, int]:
+        """The counts a job status carries."""
+        return {
+            "documents_done": self.documents_done,
+            "chunks": self.chunks,
+            "chunks_precomputed": self.chunks_precomputed,
+            "chunks_reused": self.chunks_reused,
+        }
+
+
+Progress = Callable[[IngestCounts], None]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A chunked document and the KV block (token ids) and key of each chunk."""
+
+    doc: Document
+    version: str
+    chunks: list[Chunk]
+    blocks: list[TokenIds]
+    keys: list[str]
+
+
+class Ingestor:
+    """Runs ingest jobs and document deletions against one engine, KV store, embedder and collection."""
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        store: KVStore,
+        embedder: Embedder,
+        collection: ChunkCollection,
+        chunker: Chunker,
+        max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
+    ) -> None:
+        if max_precompute_tokens < 1:
+            raise ValueError(f"max_precompute_tokens must be positive, got {max_precompute_tokens}")
+        self.engine = engine
+        self.store = store
+        self.embedder = embedder
+        self.collection = collection
+        self.chunker = chunker
+        self.max_precompute_tokens = max_precompute_tokens
+        config = chunker.config
+        self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={engine.template.version}"
+
+    def ingest(self, job: IngestJob, progress: Progress | None = None) -> IngestCounts:
+        """Ingest every document of the job; `progress` is called after each group of documents."""
+        counts = IngestCounts()
+        for group in self._groups(job.documents, counts):
+            self._store_kv(group, counts)
+            for prepared in group:
+                self._index(prepared, counts)
+                counts.documents_done += 1
+            if progress is not None:
+                progress(counts)
+        return counts
+
+    def delete(self, doc_id: str) -> tuple[int, int]:
+        """Remove a document's points and release its KV blocks; (points deleted, blocks released)."""
+        keys = self.collection.document_kv_keys(doc_id)
+        deleted = self.collection.delete_document(doc_id)
+        return deleted, self._release(keys)
+
+    # ---- stages ----------------------------------------------------------------------------------------------
+
+    def _groups(self, documents: Sequence[Document], counts: IngestCounts) -> Iterator[list[_Prepared]]:
+        """Chunked documents, gathered until they hold enough tokens for a few full precompute batches."""
+        group: list[_Prepared] = []
+        tokens = 0
+        for doc in documents:
+            start = time.perf_counter()
+            prepared = self._prepare(doc)
+            counts.add_time("chunk", time.perf_counter() - start)
+            group.append(prepared)
+            tokens += sum(len(b) for b in prepared.blocks)
+            if tokens >= GROUP_BATCHES * self.max_precompute_tokens:
+                yield group
+                group, tokens = [], 0
+        if group:
+            yield group
+
+    def _prepare(self, doc: Document) -> _Prepared:
+        chunks = self.chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown")
+        blocks = [self.engine.template.chunk_block(c.token_ids) for c in chunks]
+        keys = [self.store.key_of(b) for b in blocks]
+        return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys)
+
+    def _store_kv(self, group: list[_Prepared], counts: IngestCounts) -> None:
+        """Compute and store the KV of every block not stored yet, in batches that fill the device."""
+        missing: dict[str, TokenIds] = {}
+        for prepared in group:
+            for key, block in zip(prepared.keys, prepared.blocks, strict=True):
+                if key not in missing and not self.store.disk.contains(key):
+                    missing[key] = block
+        counts.chunks += sum(len(p.keys) for p in group)
+        counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
+        counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
+        start = time.perf_counter()
+        for batch in precompute_batches(list(missing.values()), self.max_precompute_tokens):
+            blocks = self.engine.precompute(batch)
+            self.store.put(blocks)
+            counts.tokens_precomputed += sum(len(ids) for ids in batch)
+        counts.add_time("precompute", time.perf_counter() - start)
+
+    def _index(self, prepared: _Prepared, counts: IngestCounts) -> None:
+        """Embed and upsert the document's points unless they are all in place, then drop other versions."""
+        doc, version = prepared.doc, prepared.version
+        # Before the upsert: new points overwrite old ones at the same chunk index, taking their keys along.
+        previous_keys = self.collection.document_kv_keys(doc.id, exclude_version=version)
+        if self.collection.count_version(doc.id, version) != len(prepared.chunks):
+            start = time.perf_counter()
+            vectors = self.embedder.embed_documents([c.text for c in prepared.chunks])
+            counts.add_time("embed", time.perf_counter() - start)
+            start = time.perf_counter()
+            self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata)
+            counts.add_time("upsert", time.perf_counter() - start)
+        self.collection.delete_document(doc.id, keep_version=version)
+        counts.blocks_released += self._release(previous_keys - set(prepared.keys))
+
+    def _release(self, keys: set[str]) -> int:
+        """Remove the blocks no point names any more from the disk tier; how many went."""
+        if not keys:
+            return 0
+        unused = keys - self.collection.referenced_kv_keys(sorted(keys))
+        for key in unused:
+            self.store.disk.remove(key)
+        return len(unused)
+
+
+def precompute_batches(blocks: Sequence[TokenIds], max_tokens: int) -> list[list[TokenIds]]:
+    """Blocks grouped for batched precompute: similar lengths together (little padding), each batch's padded
+    size (blocks x longest) at most `max_tokens`; a block longer than that goes alone."""
+    batches: list[list[TokenIds]] = []
+    current: list[TokenIds] = []
+    for block in sorted(blocks, key=len, reverse=True):
+        longest = len(current[0]) if current else len(block)
+        if current and (len(current) + 1) * longest > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(block)
+    if current:
+        batches.append(current)
+    return batches

@@ -1,0 +1,140 @@
+"""The ingest worker loop: take a job from the queue, run it, record its status, ack it.
+
+Each turn first claims jobs left pending by a worker that went silent for `claim_idle_ms` (it died), then reads
+new ones. A job is acked only after its status says done, so a worker killed at any point leaves the job to be
+delivered again; the ingest steps are idempotent, so no chunk is lost or doubled. While a job runs, the worker
+renews its lease between document groups, so a long job is not claimed away from a live worker.
+
+Failures: a malformed job (`JobError`) fails at once and goes to the dead letters with its error; any other
+error re-queues the job, and after `max_attempts` deliveries it is dead-lettered. The status says which.
+Nothing a job contains can stop the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from workers.documents import DocumentLimits, JobError, job_id_of, parse_job
+from workers.ingest import IngestCounts, Ingestor
+from workers.job_status import JobStatusStore
+from workers.queue import Delivery, JobQueue
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CLAIM_IDLE_MS = 60_000
+MAX_ERROR_CHARS = 2000
+
+
+def default_consumer_name() -> str:
+    """Unique per process, readable in `XINFO CONSUMERS`."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS
+    poll_ms: int = 1000
+    limits: DocumentLimits = field(default_factory=DocumentLimits)
+
+
+class IngestWorker:
+    """Consumes ingest jobs until stopped; safe to run in a thread of the gateway (embedded mode)."""
+
+    def __init__(self, ingestor: Ingestor, queue: JobQueue, jobs: JobStatusStore, config: WorkerConfig) -> None:
+        self.ingestor = ingestor
+        self.queue = queue
+        self.jobs = jobs
+        self.config = config
+        self.stopping = threading.Event()
+        self.jobs_done = 0
+        self.jobs_failed = 0
+
+    def run(self) -> None:
+        """Work until `stop()`; errors of the queue itself (Redis away) are logged and retried."""
+        log.info("ingest worker %s started", self.config.name)
+        while not self.stopping.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("ingest worker %s: queue error; retrying", self.config.name)
+                self.stopping.wait(1.0)
+        log.info("ingest worker %s stopped", self.config.name)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def run_once(self) -> int:
+        """Handle the stale jobs this worker can claim, else wait up to `poll_ms` for new ones; how many ran."""
+        deliveries = self.queue.claim_stale(self.config.name, self.config.claim_idle_ms, count=1)
+        if not deliveries:
+            deliveries = self.queue.consume(self.config.name, block_ms=self.config.poll_ms, count=1)
+        for delivery in deliveries:
+            self.handle(delivery)
+        return len(deliveries)
+
+    def handle(self, delivery: Delivery) -> None:
+        job_id = job_id_of(delivery.payload)
+        try:
+            job = parse_job(delivery.payload, self.config.limits)
+        except JobError as err:
+            self._reject(delivery, job_id, str(err))
+            return
+        self._status(job.job_id, len(job.documents), status="running", error=None)
+        log.info("job %s: %d documents (attempt %d)", job.job_id, len(job.documents), delivery.attempt)
+        try:
+            counts = self.ingestor.ingest(job, progress=lambda c: self._progress(delivery, job.job_id, c))
+        except JobError as err:
+            self._reject(delivery, job.job_id, str(err))
+        except Exception as err:
+            log.exception("job %s failed on attempt %d", job.job_id, delivery.attempt)
+            self._retry(delivery, job.job_id, f"{type(err).__name__}: {err}")
+        else:
+            self._status(job.job_id, len(job.documents), status="done", **counts.status_fields())
+            self.queue.ack(delivery)
+            self.jobs_done += 1
+            log.info("job %s done: %s", job.job_id, counts)
+
+    # ---- outcomes -------------------------------------------------------------------------------------------
+
+    def _progress(self, delivery: Delivery, job_id: str, counts: IngestCounts) -> None:
+        self.queue.keep_alive(delivery)
+        self.jobs.update(job_id, **counts.status_fields())
+
+    def _reject(self, delivery: Delivery, job_id: str | None, error: str) -> None:
+        log.warning("job %s rejected: %s", job_id or delivery.message_id, error)
+        self.queue.reject(delivery, error)
+        self.jobs_failed += 1
+        if job_id is not None:
+            self._status(job_id, _document_count(delivery), status="failed", error=_clip(error))
+
+    def _retry(self, delivery: Delivery, job_id: str, error: str) -> None:
+        dead = self.queue.fail(delivery, error)
+        if dead:
+            self.jobs_failed += 1
+            message = f"failed after {delivery.attempt} attempts: {error}"
+            self._status(job_id, _document_count(delivery), status="failed", error=_clip(message))
+        else:
+            message = f"attempt {delivery.attempt} failed, will retry: {error}"
+            self._status(job_id, _document_count(delivery), status="queued", error=_clip(message))
+
+    def _status(self, job_id: str, documents: int, **fields: object) -> None:
+        """Update the job's status, creating it when the producer did not (or it expired)."""
+        if self.jobs.get(job_id) is None:
+            with contextlib.suppress(ValueError):  # created meanwhile by the producer
+                self.jobs.create(job_id, documents)
+        self.jobs.update(job_id, **fields)
+
+
+def _document_count(delivery: Delivery) -> int:
+    documents = delivery.payload.get("documents")
+    return len(documents) if isinstance(documents, list) else 0
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
