@@ -1,4 +1,4 @@
-"""The `kvstitch` command line: verify | tiny-model | worker | ingest (serve and ask arrive with the gateway)."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | verify | tiny-model."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="qwen2")
     tiny.add_argument("--seed", type=int, default=0)
 
+    serve = commands.add_parser("serve", help="run the gateway (embedded Qdrant, index and worker by default)")
+    _add_runtime_options(serve)
+    serve.add_argument("--host", default=None, help="KVSTITCH_HOST (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="KVSTITCH_PORT (default 8000)")
+    serve.add_argument("--no-gate", action="store_true", help="skip the start-up correctness gate")
+
+    ask = commands.add_parser("ask", help="stream an answer from a running server, then TTFT and tier hits")
+    ask.add_argument("question")
+    ask.add_argument("--url", default=None, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
+    ask.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
+    ask.add_argument("--mode", choices=("turbo", "naive"), default="turbo")
+    ask.add_argument("--positions", choices=("reordered", "composite"), default="reordered")
+    ask.add_argument("--top-k", type=int, default=5)
+    ask.add_argument("--max-new-tokens", type=int, default=None)
+
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
     _add_runtime_options(worker)
     worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
@@ -59,7 +74,17 @@ def _settings(args: argparse.Namespace) -> Any:
     from service.settings import Settings
 
     given = {"model": args.model, "data_dir": args.data_dir, "device": args.device}
+    for name in ("host", "port"):
+        given[name] = getattr(args, name, None)
+    if getattr(args, "no_gate", False):
+        given["gate_on_start"] = False
     return Settings(**{k: v for k, v in given.items() if v is not None})
+
+
+def _server_url(args: argparse.Namespace) -> str:
+    import os
+
+    return str(args.url or os.environ.get("KVSTITCH_URL", "http://127.0.0.1:8000"))
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -93,6 +118,23 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from service.commands.serve import serve
+
+    return serve(_settings(args))
+
+
+def _ask(args: argparse.Namespace) -> int:
+    import os
+
+    from service.commands.ask import ask
+
+    body = {"question": args.question, "mode": args.mode, "positions": args.positions, "top_k": args.top_k}
+    if args.max_new_tokens is not None:
+        body["max_new_tokens"] = args.max_new_tokens
+    return ask(_server_url(args), body, args.api_key or os.environ.get("KVSTITCH_API_KEY"))
+
+
 def _worker(args: argparse.Namespace) -> int:
     from workers.__main__ import run_worker
 
@@ -101,8 +143,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    import os
-
     from service.commands.ingest import InputError, collect_documents, ingest_embedded, ingest_remote
 
     if args.batch < 1:
@@ -116,9 +156,8 @@ def _ingest(args: argparse.Namespace) -> int:
         return 2
     if args.embedded:
         return ingest_embedded(documents, settings, min(args.batch, settings.max_documents_per_job))
-    url = args.url or os.environ.get("KVSTITCH_URL", "http://127.0.0.1:8000")
     try:
-        return ingest_remote(documents, url, args.api_key or settings.api_key, args.batch)
+        return ingest_remote(documents, _server_url(args), args.api_key or settings.api_key, args.batch)
     except (RuntimeError, OSError) as err:  # httpx's connection errors are OSErrors underneath
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -128,7 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvstitch` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"verify": _verify, "tiny-model": _tiny_model, "worker": _worker, "ingest": _ingest}
+    handlers = {
+        "serve": _serve,
+        "ask": _ask,
+        "worker": _worker,
+        "ingest": _ingest,
+        "verify": _verify,
+        "tiny-model": _tiny_model,
+    }
     return handlers[args.command](args)
 
 

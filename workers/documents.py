@@ -33,6 +33,9 @@ class Document:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     format: DocumentFormat = "text"
 
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, "metadata": dict(self.metadata), "format": self.format}
+
 
 @dataclass(frozen=True)
 class IngestJob:
@@ -40,8 +43,7 @@ class IngestJob:
     documents: tuple[Document, ...]
 
     def to_payload(self) -> dict[str, Any]:
-        docs = [{"id": d.id, "text": d.text, "metadata": dict(d.metadata), "format": d.format} for d in self.documents]
-        return {"job_id": self.job_id, "documents": docs}
+        return {"job_id": self.job_id, "documents": [d.to_json() for d in self.documents]}
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ and the job's lease kept alive, between groups.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.engine.engine import StitchEngine
 from service.engine.prompt import TokenIds
@@ -30,6 +32,7 @@ from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
+from workers.batching import precompute_batches
 from workers.documents import Document, IngestJob, document_version
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class Ingestor:
         self.collection = collection
         self.chunker = chunker
         self.max_precompute_tokens = max_precompute_tokens
+        # Held around each precompute batch; the gateway shares its engine lock here in embedded mode.
+        self.engine_lock: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         config = chunker.config
         self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={engine.template.version}"
 
@@ -154,7 +159,8 @@ class Ingestor:
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
         start = time.perf_counter()
         for batch in precompute_batches(list(missing.values()), self.max_precompute_tokens):
-            blocks = self.engine.precompute(batch)
+            with self.engine_lock:
+                blocks = self.engine.precompute(batch)
             self.store.put(blocks)
             counts.tokens_precomputed += sum(len(ids) for ids in batch)
         counts.add_time("precompute", time.perf_counter() - start)
@@ -182,19 +188,3 @@ class Ingestor:
         for key in unused:
             self.store.disk.remove(key)
         return len(unused)
-
-
-def precompute_batches(blocks: Sequence[TokenIds], max_tokens: int) -> list[list[TokenIds]]:
-    """Blocks grouped for batched precompute: similar lengths together (little padding), each batch's padded
-    size (blocks x longest) at most `max_tokens`; a block longer than that goes alone."""
-    batches: list[list[TokenIds]] = []
-    current: list[TokenIds] = []
-    for block in sorted(blocks, key=len, reverse=True):
-        longest = len(current[0]) if current else len(block)
-        if current and (len(current) + 1) * longest > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(block)
-    if current:
-        batches.append(current)
-    return batches

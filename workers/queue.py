@@ -108,6 +108,16 @@ def encode_payload(payload: Mapping[str, Any]) -> str:
         raise ValueError(f"job payload is not JSON-serializable: {err}") from err
 
 
+def reencode_payload(payload: Mapping[str, Any]) -> str:
+    """A delivered payload as text again, for a retry or a dead letter. It came from JSON, so it always encodes;
+    NaN or Infinity read from a hand-written message are kept as such (the worker's error names the field)
+    rather than making the retry or dead letter itself fail."""
+    try:
+        return encode_payload(payload)
+    except ValueError:
+        return json.dumps(dict(payload), ensure_ascii=False, separators=(",", ":"))
+
+
 def decode_payload(data: str) -> dict[str, Any]:
     """The payload of a message; ValueError naming what is wrong with a malformed one."""
     try:
@@ -176,7 +186,7 @@ class RedisStreamQueue:
 
     def fail(self, delivery: Delivery, error: str) -> bool:
         """Re-queue for another attempt, or dead-letter after `max_attempts`; True when it was dead-lettered."""
-        data = encode_payload(delivery.payload)
+        data = reencode_payload(delivery.payload)
         if delivery.attempt >= self.max_attempts:
             return self._bury(delivery.message_id, data, error, delivery.attempt)
         retry: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt, _LAST_ERROR: error}
@@ -185,7 +195,7 @@ class RedisStreamQueue:
 
     def reject(self, delivery: Delivery, error: str) -> bool:
         """Dead-letter now, whatever the attempt: the job can never succeed (a malformed document, say)."""
-        return self._bury(delivery.message_id, encode_payload(delivery.payload), error, delivery.attempt)
+        return self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
 
     def keep_alive(self, delivery: Delivery) -> None:
         """Reset the message's idle time, so a long job is not claimed from its live worker."""
@@ -250,6 +260,7 @@ class RedisStreamQueue:
             try:
                 if _PAYLOAD not in fields:
                     raise ValueError("malformed message: it has no payload field")
+                _check_utf8(raw_fields, _PAYLOAD)
                 payload = decode_payload(data)
             except ValueError as err:
                 self._bury(message_id, data, str(err), attempt)
@@ -285,6 +296,18 @@ def _text(value: Any) -> str:
 def _fields(raw: Mapping[Any, Any]) -> dict[str, str]:
     """Entry fields as text; bytes that are not UTF-8 keep a readable form for the dead letter."""
     return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _check_utf8(raw: Mapping[Any, Any], name: str) -> None:
+    """ValueError when a field's bytes are not UTF-8: replacement characters must not be ingested as text."""
+    for key, value in raw.items():
+        if _text(key) == name and isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"malformed message: {name} is not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from err
 
 
 def _int(value: str | None) -> int:
@@ -357,7 +380,7 @@ class InProcessQueue:
             self._messages.pop(delivery.message_id, None)
 
     def fail(self, delivery: Delivery, error: str) -> bool:
-        data = encode_payload(delivery.payload)
+        data = reencode_payload(delivery.payload)
         with self._changed:
             if self._messages.pop(delivery.message_id, None) is None:
                 return False  # acked meanwhile by a consumer that had claimed it: nothing to retry, as in Redis
@@ -371,7 +394,7 @@ class InProcessQueue:
         with self._changed:
             if self._messages.pop(delivery.message_id, None) is None:
                 return False
-            self._bury(delivery.message_id, encode_payload(delivery.payload), error, delivery.attempt)
+            self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
             return True
 
     def keep_alive(self, delivery: Delivery) -> None:

@@ -149,7 +149,7 @@ def _ingest_remote(documents: Sequence[Document], url: str, api_key: str | None,
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=60.0) as client:
         job_ids = []
         for group in batches(documents, batch):
-            body = {"documents": [_document_json(d) for d in group]}
+            body = {"documents": [d.to_json() for d in group]}
             reply = client.post("/ingest", json=body)
             _raise_for(reply)
             job_ids.append(str(reply.json()["job_id"]))
@@ -180,10 +180,6 @@ def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) ->
             worker.run_once()
 
         return report(follow_jobs(job_ids, read_status, step=work))
-
-
-def _document_json(doc: Document) -> dict[str, Any]:
-    return {"id": doc.id, "text": doc.text, "metadata": dict(doc.metadata), "format": doc.format}
 
 
 def _raise_for(reply: Any) -> None:

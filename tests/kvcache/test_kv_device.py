@@ -90,3 +90,51 @@ def test_store_on_cuda_is_bit_exact_through_every_tier(get_engine: Callable[...,
                     assert torch.equal(bits(got.kv), bits(want.kv))
     finally:
         index.close()
+
+
+def stall(stream: torch.cuda.Stream | None, cycles: int = 1 << 27) -> None:
+    """Keep a copy stream busy (~70 ms on an H200) so the copies queued after it land late: a stitch that did
+    not wait for its blocks would read them before they arrived."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+
+
+@pytest.mark.gpu
+@gpu
+def test_overlapped_host_and_disk_fetches_stitch_to_the_logits_of_fresh_blocks(
+    get_engine: Callable[..., StitchEngine], tmp_path: Path
+) -> None:
+    engine = get_engine("qwen2", "cuda")
+    prompt = engine.template.prompt(synthetic_ids(engine, (40, 17, 33, 25), seed=3), [5, 6, 7])
+    n = len(prompt.blocks)
+    fresh = engine.precompute(prompt.blocks)
+    _, expected, _ = engine.prefill_stitched(fresh, prompt.question, all_logits=True)
+    budgets = TierBudgets(0, 1 << 24, 1 << 26)
+    index = SqliteIndex(tmp_path / SQLITE_FILENAME)
+    try:
+        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets) as store:
+            store.fetch(prompt.blocks, engine)  # misses, demoted into the pinned host pool
+            store.flush()
+            stall(store.host.stream)
+            from_host = store.fetch(prompt.blocks, engine, overlap=True)
+            returned_early = not device.is_done(from_host.ready[-1].event)  # type: ignore[union-attr]
+            _, host_logits, _ = engine.prefill_stitched(
+                from_host.blocks, prompt.question, all_logits=True, chunk_ready=from_host.ready
+            )
+        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets) as cold:
+            stall(cold.host.stream)
+            from_disk = cold.fetch(prompt.blocks, engine, overlap=True)  # read into pinned slots, O_DIRECT
+            _, disk_logits, _ = engine.prefill_stitched(
+                from_disk.blocks, prompt.question, all_logits=True, chunk_ready=from_disk.ready
+            )
+            direct = cold.disk.direct
+    finally:
+        index.close()
+
+    assert returned_early  # the fetch did not wait for its copies; the stitch did, block by block
+    assert from_host.counts[Tier.HOST] == n and from_disk.counts[Tier.DISK] == n
+    assert direct is not None and (direct.reads == n or direct.refused())
+    for result, got in ((from_host, host_logits), (from_disk, disk_logits)):
+        assert all(a is not None and a.device.type == "cuda" for a in result.ready)
+        assert 0 < result.timings.h2d_ms < 60  # the copies alone, not the stall queued before them
+        assert torch.equal(got, expected)

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from kv_support import IndexOpener, bits
+from kv_support import FakeEvent, IndexOpener, bits
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
+from service.kvcache import device
 from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
 from service.kvcache.index import KVIndex
-from service.kvcache.store import KVStore, TierBudgets
+from service.kvcache.store import KVStore, TierBudgets, precompute_batches
 from service.kvcache.tiers import Tier
 
 EngineFactory = Callable[..., StitchEngine]
@@ -54,8 +56,9 @@ class Stores:
         self.cache_dir = cache_dir
         self.opened: list[KVStore] = []
 
-    def open(self, index: KVIndex, gpu: int = 0, host: int = MIB, disk: int = 64 * MIB) -> KVStore:
-        self.opened.append(KVStore.for_engine(self.engine, self.cache_dir, index, TierBudgets(gpu, host, disk)))
+    def open(self, index: KVIndex, gpu: int = 0, host: int = MIB, disk: int = 64 * MIB, **options: Any) -> KVStore:
+        budgets = TierBudgets(gpu, host, disk)
+        self.opened.append(KVStore.for_engine(self.engine, self.cache_dir, index, budgets, **options))
         return self.opened[-1]
 
 
@@ -332,3 +335,203 @@ def test_store_refuses_an_engine_of_another_template(
     other = get_engine("llama", "cpu")
     with pytest.raises(ValueError, match="another model"):
         store.fetch(prompt.blocks, other)
+
+
+# ---- per-block arrival: the stitch overlaps the copies -----------------------------------------------------
+
+
+class CopySpy:
+    """CUDA copy events faked on the CPU: every copy to the device gets a pending `FakeEvent`, and every
+    device-side wait is recorded with the number of blocks the stitcher had rotated and placed by then."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine: StitchEngine) -> None:
+        self.events: list[FakeEvent] = []
+        self.waits: list[tuple[str, int]] = []
+        self.placed = 0
+        real_copy, rotary = device.copy_to_device, engine.forward.rotary
+        real_rotate = rotary.rotate
+
+        def copy(host: torch.Tensor, target: torch.device, stream: Any) -> tuple[torch.Tensor, FakeEvent]:
+            self.events.append(FakeEvent(f"copy{len(self.events)}"))
+            return real_copy(host, target, stream)[0], self.events[-1]
+
+        def wait_on(event: FakeEvent | None, target: torch.device) -> None:
+            if event is not None:
+                self.waits.append((event.name, self.placed))
+
+        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            self.placed += 1
+            return real_rotate(x, positions)
+
+        monkeypatch.setattr(device, "copy_to_device", copy)
+        monkeypatch.setattr(device, "wait_on", wait_on)
+        monkeypatch.setattr(rotary, "rotate", rotate)
+
+
+def arrival_names(result: Any) -> list[str | None]:
+    return [None if a is None else a.event.name for a in result.ready]
+
+
+def test_an_overlapped_fetch_leaves_each_wait_to_the_stitch_just_before_its_block(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    fresh: list[KVBlock],
+    stores: Stores,
+    index: KVIndex,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = len(prompt.blocks)
+    store = stores.open(index, gpu=0, host=MIB)
+    store.fetch(prompt.blocks, engine)  # misses, kept in the host pool
+    spy = CopySpy(monkeypatch, engine)
+
+    result = store.fetch(prompt.blocks, engine, overlap=True)
+
+    assert result.counts == counts(host=n)
+    assert arrival_names(result) == [f"copy{i}" for i in range(n)]
+    assert all(a is not None and a.device == engine.spec.device for a in result.ready)
+    assert spy.waits == []  # nothing waited for yet: the copies may still be running
+    _, got, _ = engine.prefill_stitched(result.blocks, prompt.question, all_logits=True, chunk_ready=result.ready)
+    # Block i (after the prefix) is waited for once the prefix and the i blocks before it were placed.
+    assert spy.waits == [(f"copy{i}", i + 1) for i in range(n)]
+    assert torch.equal(got, logits(engine, fresh, prompt))
+
+
+def test_a_plain_fetch_orders_the_stream_after_every_copy_before_returning(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = len(prompt.blocks)
+    store = stores.open(index, gpu=0, host=MIB)
+    store.fetch(prompt.blocks, engine)
+    spy = CopySpy(monkeypatch, engine)
+
+    result = store.fetch(prompt.blocks, engine)
+
+    assert spy.waits == [(f"copy{i}", 0) for i in range(n)]  # all before anything was placed
+    assert arrival_names(result) == [f"copy{i}" for i in range(n)]  # still reported: waiting again is harmless
+
+
+def test_a_device_hit_waits_for_its_copy_until_that_completed(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = len(prompt.blocks)
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks, engine)
+    writer.flush()
+    store = stores.open(index, gpu=MIB, host=MIB)
+    spy = CopySpy(monkeypatch, engine)
+
+    from_disk = store.fetch(prompt.blocks, engine, overlap=True)
+    in_flight = store.fetch(prompt.blocks, engine, overlap=True)
+    for event in spy.events:
+        event.done = True
+    landed = store.fetch(prompt.blocks, engine, overlap=True)
+
+    assert from_disk.counts == counts(disk=n) and len(spy.events) == n
+    assert in_flight.counts == landed.counts == counts(gpu=n)
+    assert arrival_names(in_flight) == arrival_names(from_disk)  # the same copy events, block by block
+    assert sorted(name for name in arrival_names(from_disk) if name) == sorted(e.name for e in spy.events)
+    assert landed.ready == [None] * n
+
+
+def test_on_cpu_nothing_waits_and_overlap_gives_the_same_blocks(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    n = len(prompt.blocks)
+    store = stores.open(index, gpu=0, host=MIB)
+
+    computed = store.fetch(prompt.blocks, engine, overlap=True)
+    copied = store.fetch(prompt.blocks, engine, overlap=True)
+
+    assert computed.ready == copied.ready == [None] * n
+    assert computed.timings.h2d_ms == 0 and copied.timings.h2d_ms > 0  # host copies timed by the wall clock
+    for result in (computed, copied):
+        for got, want in zip(result.blocks, fresh, strict=True):
+            assert torch.equal(bits(got.kv), bits(want.kv))
+    sampling = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    baseline, cached = (
+        engine.generate(prompt, sampling),
+        engine.generate(prompt, sampling, chunk_kv=copied.blocks, chunk_ready=copied.ready),
+    )
+    list(baseline)
+    list(cached)
+    assert cached.result.token_ids == baseline.result.token_ids
+
+
+# ---- batched precompute of misses under a token cap --------------------------------------------------------
+
+
+def test_precompute_batches_pack_longest_first_under_the_cap() -> None:
+    lengths = [10, 40, 12, 39, 5, 41, 100]
+
+    batches = precompute_batches(lengths, 90)
+
+    assert batches == [[6], [1, 5], [2, 3], [0, 4]]  # 100 alone (over the cap); 2 x 41, 2 x 39, 2 x 10
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert precompute_batches([30, 10, 20], 90) == [[0, 1, 2]]  # 3 x 30 fits: one batch, request order
+    assert precompute_batches([], 90) == []
+
+
+@pytest.mark.parametrize("cap", ["two-longest", "below-every-block"])
+def test_many_misses_are_computed_in_batches_under_the_cap(
+    engine: StitchEngine, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch, cap: str
+) -> None:
+    chunks = synthetic_ids(engine, [30, 7, 22, 15, 30, 9, 26, 12, 18, 5], seed=13)
+    blocks = list(engine.template.prompt(chunks, [1, 2]).blocks)
+    longest = max(len(b) for b in blocks)
+    max_tokens = 2 * longest + 1 if cap == "two-longest" else min(len(b) for b in blocks) - 1
+    calls: list[list[tuple[int, ...]]] = []
+    original = engine.precompute
+
+    def recording(batch: Sequence[Sequence[int]]) -> list[KVBlock]:
+        calls.append([tuple(b) for b in batch])
+        return original(batch)
+
+    monkeypatch.setattr(engine, "precompute", recording)
+    store = stores.open(index, max_precompute_tokens=max_tokens)
+
+    result = store.fetch(blocks, engine)
+
+    assert result.counts == counts(miss=len(blocks))
+    assert sorted(ids for call in calls for ids in call) == sorted(blocks)  # each computed once
+    if cap == "two-longest":
+        assert 1 < len(calls) < len(blocks)
+        assert all(len(call) * max(map(len, call)) <= max_tokens for call in calls)
+    else:
+        assert [len(call) for call in calls] == [1] * len(blocks)  # over the cap alone: still computed
+    # Bit for bit what the same batches give, and within float noise of one batch of everything.
+    batched = {block.token_ids: block for call in calls for block in original(call)}
+    at_once = original(blocks)
+    for got, alone in zip(result.blocks, at_once, strict=True):
+        assert torch.equal(bits(got.kv), bits(batched[got.token_ids].kv))
+        assert float((got.kv - alone.kv).abs().max()) <= 1e-5
+
+
+def test_the_precompute_cap_must_be_positive(engine: StitchEngine, stores: Stores, index: KVIndex) -> None:
+    with pytest.raises(ValueError, match="max_precompute_tokens"):
+        stores.open(index, max_precompute_tokens=0)
+
+
+# ---- O_DIRECT through the store ----------------------------------------------------------------------------
+
+
+def test_disk_hits_are_read_with_o_direct_into_the_host_pool(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    n = len(prompt.blocks)
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks, engine)
+    writer.flush()
+    direct, buffered = stores.open(index), stores.open(index, direct_io=False)
+
+    results = [direct.fetch(prompt.blocks, engine), buffered.fetch(prompt.blocks, engine)]
+
+    reads = direct.disk.direct
+    assert reads is not None and buffered.disk.direct is None
+    if reads.refused():
+        pytest.skip(f"the test filesystem refuses O_DIRECT in {reads.refused()}")
+    assert reads.reads == n
+    for result in results:
+        assert result.counts == counts(disk=n)
+        for got, want in zip(result.blocks, fresh, strict=True):
+            assert torch.equal(bits(got.kv), bits(want.kv))

@@ -1,0 +1,33 @@
+"""Liveness, readiness and metrics: open to everyone (probes and Prometheus carry no API key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.api.deps import GatewayDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is alive (it may still be loading the model)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(gateway: GatewayDep) -> Any:
+    """Model loaded, gate passed, KV index and Qdrant reachable; 503 naming what is not."""
+    report = gateway.readiness()
+    return JSONResponse(report, status_code=200 if report["ready"] else 503)
+
+
+@router.get("/metrics")
+def metrics(gateway: GatewayDep) -> Response:
+    """Prometheus exposition."""
+    gateway.metrics.engine_waiting.set(gateway.runner.waiting)
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)

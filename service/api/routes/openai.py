@@ -1,0 +1,137 @@
+"""OpenAI-compatible `POST /v1/chat/completions` and `GET /v1/models`.
+
+The last user message is the question; retrieval and stitching apply as for `/ask`, and the sources, TTFT and
+tier hits travel in an extra `kvstitch` field (on the last chunk when streaming). kvstitch's own options
+(`top_k`, `mode`, `positions`) can be sent through the openai client's `extra_body`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from sse_starlette import EventSourceResponse
+
+from service.api.answering import Answer, AskOptions, open_answer, raise_for_engine_error
+from service.api.deps import GatewayDep, field_error, ready_asker, require_api_key
+from service.api.schemas import ChatCompletionRequest, ChatMessage
+from service.ask import Asker, DoneEvent
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+AskerDep = Annotated[Asker, Depends(ready_asker)]
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@router.get("/models")
+def models(gateway: GatewayDep) -> dict[str, Any]:
+    """The one model this server answers with."""
+    entry = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "kvstitch"}
+    return {"object": "list", "data": [entry]}
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, gateway: GatewayDep, asker: AskerDep) -> Any:
+    """A chat completion answered with retrieval and stitched chunk KV."""
+    options = AskOptions(
+        question=_last_user_text(body.messages),
+        top_k=body.top_k,
+        mode=body.mode,
+        positions=body.positions,
+        max_new_tokens=body.max_completion_tokens or body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+    )
+    answer = await open_answer(gateway, asker, options)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        return EventSourceResponse(_chunks(answer, completion_id, gateway.model_name), ping=15)
+    return await _completion(answer, completion_id, gateway.model_name)
+
+
+def _last_user_text(messages: list[ChatMessage]) -> str:
+    for message in reversed(messages):
+        if message.role == "user":
+            return _text_of(message.content)
+    raise field_error("messages", "needs at least one message with role 'user' (it is the question)")
+
+
+def _text_of(content: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(content, str):
+        return content
+    parts = [p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text"]
+    return "\n".join(str(p) for p in parts)
+
+
+async def _completion(answer: Answer, completion_id: str, model: str) -> dict[str, Any]:
+    parts: list[str] = []
+    try:
+        async for event in answer.events():
+            if not isinstance(event, DoneEvent):
+                parts.append(event.text)
+    except Exception as err:
+        raise raise_for_engine_error(err) from err
+    finally:
+        answer.close()
+    done = answer.done
+    assert done is not None
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(parts)},
+                "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
+            }
+        ],
+        "usage": _usage(done),
+        "kvstitch": _extra(answer, done),
+    }
+
+
+async def _chunks(answer: Answer, completion_id: str, model: str) -> AsyncIterator[dict[str, str]]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            **extra,
+        }
+        return {"data": json.dumps(body, ensure_ascii=False)}
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in answer.events():
+            if isinstance(event, DoneEvent):
+                finish = FINISH_REASONS.get(event.finish_reason, "stop")
+                yield chunk({}, finish, usage=_usage(event), kvstitch=_extra(answer, event))
+            else:
+                yield chunk({"content": event.text})
+        yield {"data": "[DONE]"}
+    except Exception as err:  # mid-stream: OpenAI clients read an `error` object from a data line
+        yield {"data": json.dumps({"error": {"message": str(err), "type": type(err).__name__}})}
+    finally:
+        answer.close()
+
+
+def _usage(done: DoneEvent) -> dict[str, int]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.output_tokens,
+        "total_tokens": done.prompt_tokens + done.output_tokens,
+    }
+
+
+def _extra(answer: Answer, done: DoneEvent) -> dict[str, Any]:
+    return {"sources": answer.sources(), **done.summary()}

@@ -1,0 +1,86 @@
+"""Request and response bodies of the HTTP API (the names are a contract with the frontend and clients)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_K = 50
+MAX_SEED = 2**63 - 1
+
+
+class Body(BaseModel):
+    # A misspelt field is an error, not silently a default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class DocumentIn(Body):
+    id: str = Field(min_length=1, max_length=256)
+    text: str = Field(min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    format: Literal["text", "markdown"] = "text"
+
+
+class IngestRequest(Body):
+    documents: list[DocumentIn] = Field(min_length=1)
+
+
+class IngestAccepted(BaseModel):
+    job_id: str
+
+
+class JobStatusOut(BaseModel):
+    job_id: str
+    status: Literal["queued", "running", "done", "failed"]
+    documents: int
+    documents_done: int
+    chunks: int
+    chunks_precomputed: int
+    chunks_reused: int
+    error: str | None
+    created_at: float
+    finished_at: float | None
+
+
+class DocumentDeleted(BaseModel):
+    doc_id: str
+    deleted_chunks: int
+    released_blocks: int
+
+
+class AskRequest(Body):
+    question: str = Field(min_length=1)
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K)
+    mode: Literal["turbo", "naive"] = "turbo"
+    positions: Literal["reordered", "composite"] = "reordered"
+    stream: bool = True
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion body; unknown OpenAI fields are accepted and ignored, as OpenAI clients send many."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = Field(1, ge=1, le=1)
+    # kvstitch's own options (the openai client sends them through `extra_body`)
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K)
+    mode: Literal["turbo", "naive"] = "turbo"
+    positions: Literal["reordered", "composite"] = "reordered"

@@ -1,0 +1,192 @@
+"""Answering one question: retrieve → plan and load KV → stitch → prefill the question → decode, as events.
+
+`Asker.retrieve` runs on any thread (embedding and Qdrant); `Asker.answer` runs on the engine thread and yields
+`TokenEvent`s and then one `DoneEvent` with the TTFT breakdown and where each chunk's KV came from. The HTTP
+layer turns these into SSE or JSON; nothing here knows about HTTP. A `cancelled` event set by the caller (the
+client went away) stops decoding between tokens, and the request's buffers are dropped with the generator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.kv_layout import KVBlock
+from service.engine.prompt import PromptIds
+from service.engine.sampling import SamplingParams
+from service.engine.stitch import PositionMode
+from service.kvcache.store import FetchResult, KVStore
+from service.kvcache.tiers import Tier
+from service.retrieval.collection import ChunkCollection, RetrievedChunk
+from service.retrieval.embedder import Embedder
+
+
+class DependencyError(RuntimeError):
+    """A backing service (Qdrant, the KV index) cannot be reached; the request may be retried later."""
+
+    def __init__(self, component: str, error: BaseException) -> None:
+        super().__init__(f"{component} is unreachable: {type(error).__name__}: {error}")
+        self.component = component
+
+
+@dataclass(frozen=True)
+class Question:
+    """One validated question (the HTTP layer checks the bounds; the engine checks them again)."""
+
+    text: str
+    top_k: int = 5
+    mode: GenerationMode = GenerationMode.TURBO
+    positions: PositionMode = PositionMode.REORDERED
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    chunks: list[RetrievedChunk]
+    dropped: int  # retrieved but left out: they would not fit the model's context with the answer
+    retrieve_ms: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    mode: str
+    positions: str
+    ttft_ms: float
+    output_tokens: int
+    finish_reason: str
+    timings_ms: dict[str, float]
+    kv: dict[str, int]
+    answer: str
+    prompt_tokens: int
+    context_tokens: int
+
+    def summary(self) -> dict[str, Any]:
+        """The `done` event's data (the answer text itself went out as tokens)."""
+        return {
+            "mode": self.mode,
+            "positions": self.positions,
+            "ttft_ms": round(self.ttft_ms, 3),
+            "output_tokens": self.output_tokens,
+            "finish_reason": self.finish_reason,
+            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
+            "kv": self.kv,
+            "prompt_tokens": self.prompt_tokens,
+            "context_tokens": self.context_tokens,
+        }
+
+
+class Asker:
+    """Answers questions with one engine, KV store, embedder and collection."""
+
+    def __init__(self, engine: StitchEngine, store: KVStore, embedder: Embedder, collection: ChunkCollection) -> None:
+        self.engine = engine
+        self.store = store
+        self.embedder = embedder
+        self.collection = collection
+
+    def retrieve(self, question: Question) -> Retrieval:
+        """The top-k chunks that fit the context (best first); `DependencyError` when Qdrant is away."""
+        start = time.perf_counter()
+        vector = self.embedder.embed_query(question.text)
+        try:
+            hits = self.collection.search(vector, top_k=question.top_k)
+        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
+            raise DependencyError("Qdrant", err) from err
+        kept = self._fit(hits, question)
+        return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
+
+    def _fit(self, hits: Sequence[RetrievedChunk], question: Question) -> list[RetrievedChunk]:
+        template = self.engine.template
+        fixed = len(template.prefix) + len(template.question_head) + len(template.question_tail)
+        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens - self._question_tokens(question)
+        wrapper = len(template.doc_open) + len(template.doc_close)
+        kept = []
+        for hit in hits:
+            if hit.token_ids and len(hit.token_ids) + wrapper <= room:
+                kept.append(hit)
+                room -= len(hit.token_ids) + wrapper
+        return kept
+
+    def _question_tokens(self, question: Question) -> int:
+        return len(self.engine.encode_question(question.text))
+
+    def check_fits(self, question: Question) -> None:
+        """ValueError when the question and the answer budget alone exceed the model's context."""
+        needed = self._question_tokens(question) + question.sampling.max_new_tokens + len(self.engine.template.prefix)
+        if needed > self.engine.spec.max_context:
+            raise ValueError(
+                f"question ({self._question_tokens(question)} tokens) plus max_new_tokens "
+                f"({question.sampling.max_new_tokens}) exceed the model's context of {self.engine.spec.max_context}"
+            )
+
+    def answer(
+        self, question: Question, retrieval: Retrieval, started: float, cancelled: threading.Event | None = None
+    ) -> Iterator[TokenEvent | DoneEvent]:
+        """Generate on the calling (engine) thread; `started` is the request's perf_counter start (for TTFT)."""
+        question_ids = self.engine.encode_question(question.text)
+        prompt = self.engine.template.prompt([c.token_ids for c in retrieval.chunks], question_ids)
+        fetch = self._fetch(prompt) if question.mode is GenerationMode.TURBO else None
+        chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
+        ready = fetch.ready if fetch is not None and fetch.ready else None
+        stream = self.engine.generate(prompt, question.sampling, question.mode, question.positions, chunk_kv, ready)
+        first_token_at: float | None = None
+        for delta in stream:
+            if cancelled is not None and cancelled.is_set():
+                return
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            yield TokenEvent(delta)
+        result = stream.result
+        ttft_ms = ((first_token_at or time.perf_counter()) - started) * 1e3
+        yield DoneEvent(
+            mode=question.mode.value,
+            positions=question.positions.value,
+            ttft_ms=ttft_ms,
+            output_tokens=len(result.token_ids),
+            finish_reason=result.finish_reason,
+            timings_ms=_timings(retrieval, fetch, result.timings),
+            kv=_tier_counts(fetch),
+            answer=result.text,
+            prompt_tokens=result.prompt_tokens,
+            context_tokens=result.context_tokens,
+        )
+
+    def _fetch(self, prompt: PromptIds) -> FetchResult:
+        try:
+            return self.store.fetch(prompt.blocks, self.engine)
+        except (redis.RedisError, ConnectionError, TimeoutError) as err:
+            raise DependencyError("the KV index", err) from err
+
+
+def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: Any) -> dict[str, float]:
+    load = fetch.timings.load_ms if fetch is not None else 0.0
+    h2d = fetch.timings.h2d_ms if fetch is not None else 0.0
+    precompute = (fetch.timings.precompute_ms if fetch is not None else 0.0) + engine_timings.precompute_ms
+    return {
+        "retrieve": retrieval.retrieve_ms,
+        "load": load,
+        "h2d": h2d,
+        "precompute": precompute,
+        "stitch": engine_timings.stitch_ms,
+        "prefill": engine_timings.prefill_ms,
+        "decode": engine_timings.decode_ms,
+    }
+
+
+def _tier_counts(fetch: FetchResult | None) -> dict[str, int]:
+    counts = {tier.value: 0 for tier in Tier}
+    if fetch is not None:
+        for tier, n in fetch.counts.items():
+            counts[tier.value] += n
+    return counts

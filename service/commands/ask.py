@@ -1,0 +1,78 @@
+"""`kvstitch ask "question"`: stream an answer from a running server to the terminal, then TTFT and tier hits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import httpx
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) pairs from the lines of a text/event-stream body."""
+    event, data = "message", list[str]()
+    for line in lines:
+        if not line:
+            if data:
+                yield event, "\n".join(data)
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+    if data:
+        yield event, "\n".join(data)
+
+
+def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO = sys.stdout) -> int:
+    """Print tokens as they arrive; 0 when `done` arrived, 1 on an `error` event or HTTP error."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with (
+            httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(30.0, read=300.0)) as client,
+            client.stream("POST", "/ask", json={**body, "stream": True}) as reply,
+        ):
+            if reply.status_code >= 400:
+                reply.read()
+                print(f"error: HTTP {reply.status_code}: {_detail(reply)}", file=sys.stderr)
+                return 1
+            return _print_events(sse_events(reply.iter_lines()), out)
+    except httpx.HTTPError as err:
+        print(f"error: cannot talk to the server at {url}: {err}", file=sys.stderr)
+        return 1
+
+
+def _print_events(events: Iterator[tuple[str, str]], out: TextIO) -> int:
+    for name, data in events:
+        payload = json.loads(data)
+        if name == "retrieval":
+            sources = ", ".join(f"{c['doc_id']} ({c['score']:.2f})" for c in payload["chunks"])
+            print(f"[sources: {sources or 'none'}]", file=out, flush=True)
+        elif name == "token":
+            out.write(payload["text"])
+            out.flush()
+        elif name == "done":
+            kv = " ".join(f"{tier}={n}" for tier, n in payload["kv"].items())
+            timings = " ".join(f"{k}={v:.1f}" for k, v in payload["timings_ms"].items())
+            print(f"\n\nTTFT {payload['ttft_ms']:.1f} ms ({payload['mode']}), KV tiers: {kv}", file=out)
+            print(f"timings ms: {timings}; {payload['output_tokens']} tokens", file=out)
+            return 0
+        elif name == "error":
+            print(f"\nerror: {payload['message']}", file=sys.stderr)
+            return 1
+    print("\nerror: the stream ended without a done event", file=sys.stderr)
+    return 1
+
+
+def _detail(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json().get("detail", reply.text))
+    except ValueError:
+        return reply.text

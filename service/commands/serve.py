@@ -1,0 +1,22 @@
+"""`kvstitch serve`: the gateway with everything it needs in one process (embedded default) or beside Redis."""
+
+from __future__ import annotations
+
+import logging
+
+from service.settings import Settings
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+
+    if not settings.model:
+        print("error: no model: pass --model DIR_OR_HUB_ID or set KVSTITCH_MODEL")
+        return 2
+    logging.getLogger().setLevel(logging.INFO)
+    form = "embedded (in-process worker, local Qdrant and index)" if settings.embedded else "distributed (Redis)"
+    print(f"kvstitch serving {settings.model} on http://{settings.host}:{settings.port} — {form}", flush=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
