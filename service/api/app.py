@@ -6,8 +6,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import FileResponse
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.api.gateway import Gateway
@@ -43,6 +45,8 @@ def create_app(
     def chat_page() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
+    _openai_errors(app)
+
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         response = await call_next(request)
@@ -52,3 +56,37 @@ def create_app(
         return response
 
     return app
+
+
+def _openai_errors(app: FastAPI) -> None:
+    """Under /v1, errors look like OpenAI's (`{"error": {"message", "type", "param", "code"}}`), which is what
+    OpenAI clients read; elsewhere FastAPI's own `{"detail": ...}` stays."""
+
+    def openai_body(status_code: int, message: str, param: str | None) -> JSONResponse:
+        error = {"message": message, "type": "invalid_request_error", "param": param, "code": status_code}
+        return JSONResponse({"error": error}, status_code=status_code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if not request.url.path.startswith("/v1/"):
+            return await http_exception_handler(request, exc)
+        message, param = _message_of(exc.detail)
+        reply = openai_body(exc.status_code, message, param)
+        reply.headers.update(exc.headers or {})
+        return reply
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        if not request.url.path.startswith("/v1/"):
+            return await request_validation_exception_handler(request, exc)
+        message, param = _message_of(list(exc.errors()))
+        return openai_body(422, message, param)
+
+
+def _message_of(detail: object) -> tuple[str, str | None]:
+    """A readable message (and the field) from a FastAPI detail: a string or a list of {loc, msg}."""
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        first = detail[0]
+        field = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return "; ".join(f"{'.'.join(map(str, e.get('loc', ())[1:]))}: {e.get('msg')}" for e in detail), field
+    return str(detail), None

@@ -58,7 +58,7 @@ def not_ready(gateway: Gateway) -> HTTPException:
 def field_error(field: str, message: str, where: str = "body") -> HTTPException:
     """A 422 shaped like FastAPI's own validation errors, for bounds that come from settings."""
     detail: list[dict[str, Any]] = [{"loc": [where, field], "msg": message, "type": "value_error"}]
-    return HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=detail)
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=detail)
 
 
 def unavailable(message: str, retry_after_s: int = 5) -> HTTPException:

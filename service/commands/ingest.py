@@ -84,11 +84,16 @@ def batches(documents: Sequence[Document], size: int) -> list[list[Document]]:
 
 
 def follow_jobs(
-    job_ids: Sequence[str], read_status: StatusReader, out: TextIO = sys.stderr, step: Callable[[], None] | None = None
+    job_ids: Sequence[str],
+    read_status: StatusReader,
+    out: TextIO | None = None,
+    step: Callable[[], None] | None = None,
 ) -> dict[str, Mapping[str, Any]]:
-    """Poll until every job is done or failed, drawing a progress bar; the final statuses by job id.
+    """Poll until every job is done or failed, drawing a progress bar on `out` (default: stderr at call time);
+    the final statuses by job id.
 
     `step` runs between polls instead of sleeping (the embedded mode works the queue there)."""
+    out = out or sys.stderr
     final: dict[str, Mapping[str, Any]] = {}
     while True:
         statuses = {job_id: final.get(job_id) or read_status(job_id) for job_id in job_ids}
@@ -113,8 +118,9 @@ def _draw(statuses: Iterator[Mapping[str, Any]] | Any, out: TextIO, width: int =
     out.flush()
 
 
-def report(final: Mapping[str, Mapping[str, Any]], out: TextIO = sys.stdout) -> int:
-    """One line per job and a total; exit status 1 when a job failed."""
+def report(final: Mapping[str, Mapping[str, Any]], out: TextIO | None = None) -> int:
+    """One line per job on `out` (default: stdout at call time); exit status 1 when a job failed."""
+    out = out or sys.stdout
     failed = 0
     for job_id, status in final.items():
         line = (

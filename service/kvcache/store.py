@@ -244,7 +244,9 @@ class KVStore:
 
     # ---- fetching ----------------------------------------------------------------------------------------
 
-    def fetch(self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine, overlap: bool = False) -> FetchResult:
+    def fetch(
+        self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine, *, overlap: bool = False
+    ) -> FetchResult:
         """The KV of every block on the engine's device, in order; misses computed in capped batches.
 
         Without `overlap` the caller's current stream is ordered after every copy before this returns. With

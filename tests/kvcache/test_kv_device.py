@@ -117,7 +117,8 @@ def test_overlapped_host_and_disk_fetches_stitch_to_the_logits_of_fresh_blocks(
             store.flush()
             stall(store.host.stream)
             from_host = store.fetch(prompt.blocks, engine, overlap=True)
-            returned_early = not device.is_done(from_host.ready[-1].event)  # type: ignore[union-attr]
+            last = from_host.ready[-1]
+            returned_early = last is not None and not device.is_done(last.event)
             _, host_logits, _ = engine.prefill_stitched(
                 from_host.blocks, prompt.question, all_logits=True, chunk_ready=from_host.ready
             )

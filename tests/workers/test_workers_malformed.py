@@ -442,12 +442,14 @@ def test_kvstitch_ingest_embedded_ingests_a_folder_and_prints_done(
 ) -> None:
     corpus = tmp_path / "corpus"
     write(corpus / "otters.md", "# Otters\n\nSea otters hold hands while they sleep.\n\nThey keep a favourite stone.")
-    write(corpus / "notes" / "volcanoes.txt", "Shield volcanoes are built of fluid lava flows. " * 6)
+    volcanoes = " ".join(f"Volcano number {n} erupted {n + 3} times in the year {1900 + 7 * n}." for n in range(12))
+    write(corpus / "notes" / "volcanoes.txt", volcanoes)
     write(corpus / "notes" / "bread.markdown", "## Bread\n\nSourdough rises because wild yeast ferments the flour.")
     documents = collect_documents([corpus], max_chars=10_000)
     chunker = Chunker(get_engine("qwen2", "cpu").tokenizer, ChunkerConfig(48, 8, 10_000))
-    chunks = sum(len(chunker.chunk(d.id, d.text, markdown=d.format == "markdown")) for d in documents)
-    assert chunks > len(documents)  # the volcano text alone makes several chunks
+    token_ids = [c.token_ids for d in documents for c in chunker.chunk(d.id, d.text, markdown=d.format == "markdown")]
+    chunks = len(token_ids)
+    assert chunks > len(documents) and len(set(token_ids)) == chunks  # several chunks, all different
 
     argv = ["ingest", "--embedded", "--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu"]
     code = kvstitch([*argv, "--data-dir", str(cli_env), str(corpus)])

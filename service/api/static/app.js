@@ -7,7 +7,8 @@
   const HISTORY_LIMIT = 12;
   const POLL_MS = 500;
   const POLL_MAX_FAILURES = 5;
-  const TIMING_STAGES = ["retrieve", "load", "h2d", "stitch", "prefill", "decode"];
+  // In request order; every stage but decode is part of the time to first token (the server's `done` sends all).
+  const TIMING_STAGES = ["retrieve", "queue", "load", "h2d", "precompute", "stitch", "prefill", "decode"];
   const TIERS = ["gpu", "host", "disk", "miss"];
 
   // ---------------------------------------------------------------- SSE parsing (WHATWG event-stream rules)

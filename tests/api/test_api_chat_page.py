@@ -1,0 +1,442 @@
+"""The chat page in real headless Chromium against a real uvicorn server (tiny Qwen2 model, MiniLM, local Qdrant).
+
+The page ingests documents (pasted and uploaded), then asks: tokens must arrive while the answer streams, and
+the TTFT, the KV tier counts and the sources must be shown once it is done. A MutationObserver installed before
+each ask records every change of `body[data-state]` and `#answer[data-tokens]` in order, so "tokens arrived before
+`done`" is checked from the page's own history rather than by racing it with polls.
+
+Skipped only where Debian's chromium or chromedriver is absent (the README's set-up installs both).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from service.api.app import create_app
+from service.engine.engine import StitchEngine
+from service.retrieval.embedder import Embedder
+from service.settings import Settings
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()),
+        reason=f"the chat-page test drives Debian's chromium: {CHROMIUM} or {CHROMEDRIVER} is missing "
+        "(apt-get install -y chromium chromium-driver)",
+    ),
+]
+
+# Generous: two CPU cores load MiniLM, run the start-up gate, embed and precompute while Chromium runs too.
+READY_TIMEOUT_S = 300
+INGEST_TIMEOUT_S = 180
+ASK_TIMEOUT_S = 180
+
+PAGE_SETTINGS: dict[str, Any] = {
+    "device": "cpu",
+    "chunk_size": 48,
+    "chunk_overlap": 8,
+    "max_precompute_tokens": 256,
+    "gpu_cache_mb": 0,
+    "host_cache_mb": 4,
+    "disk_cache_mb": 512,
+    "redis_url": None,  # embedded index, queue and in-process worker, whatever the environment says
+}
+API_KEY = "page-test-key-0123"
+
+OTTERS = (
+    "Sea otters hold hands while they sleep so that they do not drift apart on the water.\n\n"
+    "Each otter keeps a favourite stone in a pouch of loose skin under its forearm and uses it to crack shells."
+)
+VOLCANOES = (
+    "Shield volcanoes are built almost entirely of fluid lava flows. Mauna Loa on Hawaii is the largest active "
+    "volcano on Earth by volume, and its eruptions are rarely explosive."
+)
+BREAD = "# Sourdough\n\nSourdough bread rises because wild yeast and lactic acid bacteria ferment the flour slowly."
+QUESTION = "Why do sea otters hold hands while they sleep?"
+MAX_NEW_TOKENS = 24
+TIMING_STAGES = ("retrieve", "queue", "load", "h2d", "precompute", "stitch", "prefill", "decode")
+
+TTFT_RE = re.compile(r"TTFT (\d+(?:\.\d+)?) ms")
+BROWSER_TTFT_RE = re.compile(r"first token after (\d+(?:\.\d+)?) ms in the browser")
+OUTPUT_TOKENS_RE = re.compile(r"(\d+) tokens?\b")
+TIMING_RE = re.compile(r"(\w+) (\d+(?:\.\d+)?) ms")
+TIERS_RE = re.compile(r"KV tiers: gpu (\d+) · host (\d+) · disk (\d+) · miss (\d+)")
+
+# Records, in order, every change of body[data-state] and #answer[data-tokens] from now on.
+INSTALL_TRACE_JS = """
+const log = [];
+const push = function (r) { log.push([r.target === document.body ? "state" : "tokens", r.oldValue]); };
+const observer = new MutationObserver(function (records) { records.forEach(push); });
+observer.observe(document.body, { attributes: true, attributeFilter: ["data-state"], attributeOldValue: true });
+observer.observe(document.getElementById("answer"),
+                 { attributes: true, attributeFilter: ["data-tokens"], attributeOldValue: true });
+window.__chatTrace = { log: log, observer: observer, push: push };
+"""
+# The trace as [what, new value] pairs: a record's new value is the next record's old value (or the current one).
+READ_TRACE_JS = """
+const t = window.__chatTrace;
+t.observer.takeRecords().forEach(t.push);
+const now = { state: document.body.dataset.state, tokens: document.getElementById("answer").dataset.tokens };
+return t.log.map(function (entry, i) {
+  const next = t.log.slice(i + 1).find(function (later) { return later[0] === entry[0]; });
+  return [entry[0], next === undefined ? now[entry[0]] : next[1]];
+});
+"""
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+
+
+@dataclass
+class PageServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the uvicorn server did not stop"
+
+
+StartServer = Callable[..., PageServer]
+
+
+@pytest.fixture(scope="session")
+def chat_page_embedder() -> Embedder:
+    return Embedder()
+
+
+@pytest.fixture
+def chat_page_server(
+    tmp_path: Path,
+    tiny_model_dirs: dict[str, Path],
+    get_engine: Callable[[str, str], StitchEngine],
+    chat_page_embedder: Embedder,
+) -> Iterator[StartServer]:
+    """Starts a real uvicorn server on a free port (its own data dir) and waits until /readyz answers 200."""
+    started: list[PageServer] = []
+
+    def start(**overrides: Any) -> PageServer:
+        settings = Settings(
+            model=str(tiny_model_dirs["qwen2"]),
+            data_dir=tmp_path / f"data-{len(started)}",
+            **{**PAGE_SETTINGS, "api_key": None, **overrides},
+        )
+        app = create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=chat_page_embedder)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))  # bound here and handed over: no window for another process to take it
+        host, port = listener.getsockname()
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="page-server", daemon=True)
+        thread.start()
+        page_server = PageServer(f"http://{host}:{port}", server, thread)
+        started.append(page_server)
+        _wait_ready(page_server)
+        return page_server
+
+    yield start
+    for page_server in reversed(started):
+        page_server.stop()
+
+
+def _wait_ready(page_server: PageServer) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        assert page_server.thread.is_alive(), f"the uvicorn server stopped while starting ({last})"
+        try:
+            reply = httpx.get(f"{page_server.url}/readyz", timeout=5)
+        except httpx.HTTPError as err:
+            last = f"{type(err).__name__}: {err}"
+        else:
+            if reply.status_code == 200:
+                return
+            last = reply.text
+            if "startup" in reply.json()["checks"] and reply.json()["checks"]["startup"] != "loading":
+                raise AssertionError(f"the gateway failed to start: {last}")
+        time.sleep(0.2)
+    raise AssertionError(f"/readyz did not answer 200 within {READY_TIMEOUT_S} s: {last}")
+
+
+@pytest.fixture
+def chat_browser(chat_page_server: StartServer) -> Iterator[WebDriver]:
+    """Headless Debian chromium through Debian's chromedriver (Selenium Manager is never asked to download).
+
+    It depends on the server fixture so that it quits first: no stream is left open while the server stops.
+    """
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1600"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# ---------------------------------------------------------------------------------------------------- the page
+
+
+@dataclass
+class AskOutcome:
+    state: str
+    status: str
+    tokens: int
+    tokens_while_streaming: int
+    states: list[str]
+    answer: str
+    ttft_ms: float
+    ttft_text: str
+    browser_ttft_text: str
+    output_tokens: int
+    tiers: dict[str, int]
+    doc_ids: list[str]
+    timings: dict[str, float]
+
+
+class ChatPage:
+    """What a person does on the page, by the element ids the page promises."""
+
+    def __init__(self, driver: WebDriver, url: str) -> None:
+        self.driver = driver
+        self.url = url
+        driver.get(url + "/")
+        self.wait(lambda d: d.execute_script("return document.body.dataset.state") == "idle", 60, "the page to load")
+
+    def wait(self, condition: Callable[[WebDriver], Any], timeout_s: float, what: str) -> Any:
+        return WebDriverWait(self.driver, timeout_s, poll_frequency=0.1).until(
+            condition, message=f"waited {timeout_s} s for {what}"
+        )
+
+    def by_id(self, element_id: str) -> WebElement:
+        return self.driver.find_element(By.ID, element_id)
+
+    def type_into(self, element_id: str, text: str) -> None:
+        field = self.by_id(element_id)
+        field.clear()
+        if text:
+            field.send_keys(text)
+
+    def text(self, element_id: str) -> str:
+        return str(self.by_id(element_id).get_attribute("textContent") or "").strip()
+
+    def attribute(self, element_id: str, name: str) -> str:
+        return str(self.by_id(element_id).get_attribute(name) or "")
+
+    # ---- ingest
+
+    def ingest(self, doc_id: str = "", text: str = "", upload: Path | None = None) -> str:
+        """Submits the ingest form and waits for its job to end; returns the final status line."""
+        previous_job = self.attribute("ingest-status", "data-job-id")
+        self.type_into("ingest-id", doc_id)
+        self.type_into("ingest-text", text)
+        files = self.by_id("ingest-files")
+        files.clear()
+        if upload is not None:
+            files.send_keys(str(upload))
+        # forget the previous outcome, so an earlier "error" or "done" cannot be taken for this job's
+        self.driver.execute_script("document.getElementById('ingest-status').dataset.state = 'submitting';")
+        self.by_id("ingest-submit").click()
+
+        def finished(_: WebDriver) -> str | None:
+            state = self.attribute("ingest-status", "data-state")
+            if state == "error":
+                return state
+            new_job = self.attribute("ingest-status", "data-job-id") not in ("", previous_job)
+            return state if new_job and state in ("done", "failed") else None
+
+        state = self.wait(finished, INGEST_TIMEOUT_S, f"the ingest job of {doc_id or upload} to finish")
+        status = self.text("ingest-status")
+        assert state == "done", status
+        return status
+
+    # ---- ask
+
+    def ask(self, question: str, mode: str = "turbo", expect: str = "done") -> AskOutcome:
+        Select(self.by_id("mode")).select_by_value(mode)
+        self.type_into("max-new-tokens", str(MAX_NEW_TOKENS))
+        self.type_into("question", question)
+        self.driver.execute_script(INSTALL_TRACE_JS)
+        self.by_id("ask").click()
+
+        def left_streaming(driver: WebDriver) -> list[list[str]] | None:
+            trace: list[list[str]] = driver.execute_script(READ_TRACE_JS)
+            states = [value for what, value in trace if what == "state"]
+            if "streaming" in states and states[-1] != "streaming":
+                return trace
+            return None
+
+        trace = self.wait(left_streaming, ASK_TIMEOUT_S, f"the {mode} answer to end")
+        state = str(self.driver.execute_script("return document.body.dataset.state"))
+        status = self.text("status")
+        assert state == expect, f"the ask ended in state {state!r}: {status}"
+
+        tokens_while_streaming, current_state = 0, ""
+        for what, value in trace:
+            if what == "state":
+                current_state = value
+            elif current_state == "streaming":
+                tokens_while_streaming = max(tokens_while_streaming, int(value))
+        ttft_text = self.text("ttft")
+        ttft = TTFT_RE.fullmatch(ttft_text)
+        output = OUTPUT_TOKENS_RE.match(self.text("output-tokens"))
+        tiers = TIERS_RE.fullmatch(self.text("tiers"))
+        sources = self.driver.find_elements(By.CSS_SELECTOR, "#sources li.source")
+        return AskOutcome(
+            state=state,
+            status=status,
+            tokens=int(self.attribute("answer", "data-tokens")),
+            tokens_while_streaming=tokens_while_streaming,
+            states=[value for what, value in trace if what == "state"],
+            answer=str(self.by_id("answer").get_attribute("textContent") or ""),
+            ttft_ms=float(ttft.group(1)) if ttft else float("nan"),
+            ttft_text=ttft_text,
+            browser_ttft_text=self.text("ttft-client"),
+            output_tokens=int(output.group(1)) if output else -1,
+            tiers=dict(zip(("gpu", "host", "disk", "miss"), map(int, tiers.groups()), strict=True)) if tiers else {},
+            doc_ids=[str(s.get_attribute("data-doc-id")) for s in sources],
+            timings=self.timings(),
+        )
+
+    def timings(self) -> dict[str, float]:
+        """The timings breakdown under the answer, stage by stage."""
+        shown: dict[str, float] = {}
+        for item in self.driver.find_elements(By.CSS_SELECTOR, "#timings li"):
+            entry = TIMING_RE.fullmatch(str(item.get_attribute("textContent") or ""))
+            assert entry is not None, item.get_attribute("textContent")
+            shown[entry.group(1)] = float(entry.group(2))
+        return shown
+
+    def history_modes(self) -> list[str]:
+        rows = self.driver.find_elements(By.CSS_SELECTOR, "#history tbody tr")
+        return [str(row.get_attribute("data-mode")) for row in rows]
+
+
+def assert_answered(outcome: AskOutcome, mode: str) -> None:
+    """Done, tokens seen while streaming, TTFT shown, and the sources led by the otter document."""
+    assert outcome.states[0] == "streaming" and outcome.states[-1] == "done", outcome.states
+    assert outcome.status == "done"
+    assert outcome.tokens_while_streaming > 0, f"no token was shown before `done`: {outcome.states}"
+    assert outcome.tokens == outcome.tokens_while_streaming  # nothing counted after `done`
+    assert outcome.answer != ""
+    # one token event per text delta: an EOS, or bytes of a character still incomplete, make no delta of their own
+    assert 0 < outcome.tokens <= outcome.output_tokens <= MAX_NEW_TOKENS, (outcome.tokens, outcome.output_tokens)
+    assert outcome.ttft_ms > 0, outcome.ttft_text
+    browser_ttft = BROWSER_TTFT_RE.fullmatch(outcome.browser_ttft_text)
+    assert browser_ttft is not None and float(browser_ttft.group(1)) > 0, outcome.browser_ttft_text
+    assert outcome.doc_ids[0] == "otters", outcome.doc_ids
+    assert set(outcome.doc_ids) <= {"otters", "volcanoes", "sourdough.md"}
+    # every stage of the `done` event is shown, the ones that make up the TTFT included (queue, precompute)
+    assert list(outcome.timings) == list(TIMING_STAGES), outcome.timings
+    assert outcome.timings["retrieve"] > 0 and outcome.timings["prefill"] > 0, outcome.timings
+    assert outcome.timings["precompute"] == 0, "no chunk KV was computed at question time (naive: none is used)"
+    assert set(outcome.tiers) == {"gpu", "host", "disk", "miss"}, outcome.tiers
+    if mode == "naive":
+        assert outcome.tiers == {"gpu": 0, "host": 0, "disk": 0, "miss": 0}, "naive mode must use no chunk KV"
+        assert outcome.timings["load"] == outcome.timings["h2d"] == outcome.timings["stitch"] == 0, outcome.timings
+    else:
+        # every retrieved chunk's KV came from a cache tier: the worker precomputed them at ingest
+        assert outcome.tiers["miss"] == 0, outcome.tiers
+        assert outcome.tiers["gpu"] + outcome.tiers["host"] + outcome.tiers["disk"] == len(outcome.doc_ids)
+
+
+def ingest_corpus(page: ChatPage, tmp_path: Path) -> None:
+    for doc_id, text in (("otters", OTTERS), ("volcanoes", VOLCANOES)):
+        status = page.ingest(doc_id, text)
+        assert re.search(r": done — 1 document · [1-9]\d* chunks? · \d+ precomputed · \d+ reused", status), status
+    upload = tmp_path / "sourdough.md"
+    upload.write_text(BREAD, encoding="utf-8")
+    assert ": done — 1 document" in page.ingest(upload=upload)
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+
+
+def test_chat_page_streams_answers_with_ttft_tiers_and_sources(
+    chat_page_server: StartServer, chat_browser: WebDriver, tmp_path: Path
+) -> None:
+    page = ChatPage(chat_browser, chat_page_server().url)
+    assert page.text("status") == "Ready."
+    ingest_corpus(page, tmp_path)
+
+    first = page.ask(QUESTION)
+    assert_answered(first, "turbo")
+
+    second = page.ask(QUESTION)
+    assert_answered(second, "turbo")
+    # the first ask read the blocks the worker wrote to disk and kept them in the pinned host pool
+    assert page.text("tiers") == f"KV tiers: gpu 0 · host {len(second.doc_ids)} · disk 0 · miss 0"
+    assert second.doc_ids == first.doc_ids
+    assert second.answer == first.answer  # greedy decoding over the same stitched KV
+
+    # the text the page assembled from the token events is the server's answer, byte for byte
+    reply = httpx.post(
+        f"{page.url}/ask", json={"question": QUESTION, "max_new_tokens": MAX_NEW_TOKENS, "stream": False}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["answer"] == first.answer
+    assert reply.json()["output_tokens"] == first.output_tokens
+
+    naive = page.ask(QUESTION, mode="naive")
+    assert_answered(naive, "naive")
+    assert naive.doc_ids == first.doc_ids
+    assert page.attribute("ttft", "data-mode") == "naive"
+
+    assert page.history_modes() == ["naive", "turbo", "turbo"]
+    assert "naive / turbo = " in page.text("history-summary")
+
+
+def test_chat_page_asks_for_the_api_key_then_works_with_it(
+    chat_page_server: StartServer, chat_browser: WebDriver, tmp_path: Path
+) -> None:
+    page = ChatPage(chat_browser, chat_page_server(api_key=API_KEY).url)
+    assert page.attribute("api-key", "value") == ""
+
+    refused = page.ask(QUESTION, expect="error")
+    assert refused.status.startswith("Error: HTTP 401"), refused.status
+    assert "API key" in refused.status
+    assert refused.tokens == 0 and refused.doc_ids == []
+    assert page.attribute("status", "data-kind") == "error"
+
+    page.type_into("ingest-id", "otters")
+    page.type_into("ingest-text", OTTERS)
+    page.by_id("ingest-submit").click()
+    page.wait(lambda _: page.attribute("ingest-status", "data-state") == "error", 60, "the refused ingest")
+    assert page.text("ingest-status").startswith("Error: HTTP 401"), page.text("ingest-status")
+    assert "API key" in page.text("ingest-status")
+
+    page.type_into("api-key", "wrong-key")
+    assert "API key" in page.ask(QUESTION, expect="error").status
+
+    page.type_into("api-key", API_KEY)
+    ingest_corpus(page, tmp_path)
+    assert_answered(page.ask(QUESTION), "turbo")
+
+    # the key is kept in this browser: after a reload the page still answers
+    page = ChatPage(chat_browser, page.url)
+    assert page.attribute("api-key", "value") == API_KEY
+    assert_answered(page.ask(QUESTION), "turbo")

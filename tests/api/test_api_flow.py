@@ -1,0 +1,77 @@
+"""The full flow over HTTP: ingest → job status → /ask (both modes, both position modes), SSE order and fields."""
+
+from __future__ import annotations
+
+import pytest
+from api_support import DOCS, QUESTION, ask_events, ingest
+from fastapi.testclient import TestClient
+
+TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode"}
+
+
+def test_ingest_reports_a_finished_job_with_counts(client: TestClient) -> None:
+    status = ingest(client)
+
+    assert status["status"] == "done" and status["error"] is None
+    assert status["documents"] == status["documents_done"] == len(DOCS)
+    assert status["chunks"] == status["chunks_precomputed"] + status["chunks_reused"] >= len(DOCS)
+
+
+def test_an_unknown_job_is_404(client: TestClient) -> None:
+    reply = client.get("/ingest/no-such-job")
+    assert reply.status_code == 404 and "no-such-job" in reply.json()["detail"]
+
+
+@pytest.mark.parametrize("mode", ["turbo", "naive"])
+@pytest.mark.parametrize("positions", ["reordered", "composite"])
+def test_ask_streams_retrieval_tokens_then_done(client: TestClient, mode: str, positions: str) -> None:
+    ingest(client)
+
+    events = ask_events(client, mode=mode, positions=positions, top_k=2, max_new_tokens=12)
+
+    names = [name for name, _ in events]
+    assert names[0] == "retrieval" and names[-1] == "done"
+    assert set(names[1:-1]) == {"token"} and len(names) > 2
+    chunks = events[0][1]["chunks"]
+    assert len(chunks) == 2 and chunks[0]["doc_id"] == "otters"
+    assert set(chunks[0]) >= {"id", "doc_id", "score", "tokens", "text"} and chunks[0]["score"] > chunks[1]["score"]
+    done = events[-1][1]
+    assert (done["mode"], done["positions"]) == (mode, positions)
+    assert done["ttft_ms"] > 0 and 1 <= done["output_tokens"] <= 12
+    assert set(done["timings_ms"]) >= TIMING_KEYS and all(v >= 0 for v in done["timings_ms"].values())
+    assert set(done["kv"]) == {"gpu", "host", "disk", "miss"}
+    assert sum(done["kv"].values()) == (2 if mode == "turbo" else 0)
+
+
+def test_a_repeated_question_is_served_from_the_memory_tier(client: TestClient) -> None:
+    ingest(client)
+
+    first = ask_events(client, top_k=3, max_new_tokens=4)[-1][1]
+    second = ask_events(client, top_k=3, max_new_tokens=4)[-1][1]
+
+    assert first["kv"]["disk"] == 3 and first["kv"]["miss"] == 0  # the worker stored every chunk's KV
+    assert second["kv"]["host"] == 3  # promoted on the first hit (on CPU the host tier is the memory tier)
+
+
+def test_streamed_and_json_answers_agree_and_turbo_matches_itself(client: TestClient) -> None:
+    ingest(client)
+
+    streamed = ask_events(client, max_new_tokens=10)
+    reply = client.post("/ask", json={"question": QUESTION, "stream": False, "max_new_tokens": 10})
+
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["answer"] == "".join(data["text"] for name, data in streamed if name == "token")
+    assert [c["id"] for c in body["chunks"]] == [c["id"] for c in streamed[0][1]["chunks"]]
+    assert body["output_tokens"] == streamed[-1][1]["output_tokens"] and body["ttft_ms"] > 0
+
+
+def test_deleting_a_document_removes_it_from_retrieval(client: TestClient) -> None:
+    ingest(client)
+
+    reply = client.delete("/documents/otters")
+
+    assert reply.status_code == 200 and reply.json()["deleted_chunks"] >= 1
+    chunks = ask_events(client, top_k=5, max_new_tokens=2)[0][1]["chunks"]
+    assert "otters" not in {c["doc_id"] for c in chunks} and len(chunks) == len(DOCS) - 1
+    assert client.delete("/documents/otters").status_code == 404
