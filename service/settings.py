@@ -29,7 +29,9 @@ class Settings(BaseSettings):
     )
     gate_on_start: bool = Field(True, description="Run the stitching correctness gate before reporting ready.")
     gate_tolerance: float | None = Field(
-        None, gt=0, description="Gate tolerance on max |logit diff|; default 1e-4 (fp32) or 10% of the logit scale."
+        None,
+        gt=0,
+        description="Gate tolerance (largest logit difference); default 1e-4 in fp32, 10% of the logit scale in bf16.",
     )
 
     # ---- storage -------------------------------------------------------------------------------------------
@@ -45,7 +47,7 @@ class Settings(BaseSettings):
     qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
     collection: str = Field("kvstitch_chunks", min_length=1, description="Qdrant collection name.")
     gpu_cache_mb: int = Field(8192, ge=0, description="GPU tier budget (MiB of chunk KV kept on the device).")
-    host_cache_mb: int = Field(16384, ge=0, description="Pinned host pool, allocated once at start (MiB).")
+    host_cache_mb: int = Field(4096, ge=0, description="Pinned host pool, allocated once at start (MiB).")
     disk_cache_mb: int = Field(200_000, ge=0, description="Disk tier budget (MiB); least recently used files go.")
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
