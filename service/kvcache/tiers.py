@@ -213,7 +213,7 @@ class DiskTier:
         fingerprint: str,
         spec: ModelSpec,
         budget_bytes: int,
-        direct_io: bool = True,
+        direct_io: bool = False,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError("the disk tier budget must be >= 0")

@@ -122,17 +122,12 @@ class PageServer:
 StartServer = Callable[..., PageServer]
 
 
-@pytest.fixture(scope="session")
-def chat_page_embedder() -> Embedder:
-    return Embedder()
-
-
 @pytest.fixture
 def chat_page_server(
     tmp_path: Path,
     tiny_model_dirs: dict[str, Path],
     get_engine: Callable[[str, str], StitchEngine],
-    chat_page_embedder: Embedder,
+    api_embedder: Embedder,
 ) -> Iterator[StartServer]:
     """Starts a real uvicorn server on a free port (its own data dir) and waits until /readyz answers 200."""
     started: list[PageServer] = []
@@ -143,7 +138,7 @@ def chat_page_server(
             data_dir=tmp_path / f"data-{len(started)}",
             **{**PAGE_SETTINGS, "api_key": None, **overrides},
         )
-        app = create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=chat_page_embedder)
+        app = create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=api_embedder)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))  # bound here and handed over: no window for another process to take it

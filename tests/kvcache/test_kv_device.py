@@ -122,7 +122,7 @@ def test_overlapped_host_and_disk_fetches_stitch_to_the_logits_of_fresh_blocks(
             _, host_logits, _ = engine.prefill_stitched(
                 from_host.blocks, prompt.question, all_logits=True, chunk_ready=from_host.ready
             )
-        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets) as cold:
+        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets, direct_io=True) as cold:
             stall(cold.host.stream)
             from_disk = cold.fetch(prompt.blocks, engine, overlap=True)  # read into pinned slots, O_DIRECT
             _, disk_logits, _ = engine.prefill_stitched(

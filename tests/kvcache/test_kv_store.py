@@ -522,7 +522,7 @@ def test_disk_hits_are_read_with_o_direct_into_the_host_pool(
     writer = stores.open(index)
     writer.fetch(prompt.blocks, engine)
     writer.flush()
-    direct, buffered = stores.open(index), stores.open(index, direct_io=False)
+    direct, buffered = stores.open(index, direct_io=True), stores.open(index)
 
     results = [direct.fetch(prompt.blocks, engine), buffered.fetch(prompt.blocks, engine)]
 
