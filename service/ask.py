@@ -164,7 +164,8 @@ class Asker:
 
     def _fetch(self, prompt: PromptIds) -> FetchResult:
         try:
-            return self.store.fetch(prompt.blocks, self.engine)
+            # Copies may still run when this returns; the stitch waits for each block just before placing it.
+            return self.store.fetch(prompt.blocks, self.engine, overlap=True)
         except (redis.RedisError, ConnectionError, TimeoutError) as err:
             raise DependencyError("the KV index", err) from err
 

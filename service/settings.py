@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     gpu_cache_mb: int = Field(8192, ge=0, description="GPU tier budget (MiB of chunk KV kept on the device).")
     host_cache_mb: int = Field(4096, ge=0, description="Pinned host pool, allocated once at start (MiB).")
     disk_cache_mb: int = Field(200_000, ge=0, description="Disk tier budget (MiB); least recently used files go.")
+    direct_io: bool = Field(
+        False, description="Read KV files with O_DIRECT into the pinned pool (faster on some cold NVMe, not all)."
+    )
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )

@@ -121,7 +121,14 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex) -> KVSt
     if report.reindexed or report.entries_removed or report.corrupt_removed or report.temp_removed:
         log.info("KV cache repaired at start: %s", report)
     budgets = tier_budgets(settings, engine.spec.device)
-    return KVStore.for_engine(engine, kv_dir, index, budgets)
+    return KVStore.for_engine(
+        engine,
+        kv_dir,
+        index,
+        budgets,
+        max_precompute_tokens=settings.max_precompute_tokens,
+        direct_io=settings.direct_io,
+    )
 
 
 def open_queue(settings: Settings) -> tuple[JobQueue, JobStatusStore]:

@@ -48,7 +48,7 @@ WORKER_SETTINGS = {
     "HOST_CACHE_MB": "4",
     "DISK_CACHE_MB": "1024",
 }
-DOCUMENTS = 80
+DOCUMENTS = 30  # 60 paragraphs, ~300 chunks: several seconds of work after the first progress report
 START_TIMEOUT_S = 240.0  # model, MiniLM and Qdrant imports on a loaded 2-core machine
 FINISH_TIMEOUT_S = 240.0
 
@@ -60,7 +60,7 @@ VERBS = ("recorded", "counted", "painted", "repaired", "photographed", "describe
 OBJECTS = ("storm petrels", "copper kettles", "tide pools", "signal flags", "whale bones", "lantern wicks")
 
 
-def corpus(documents: int, paragraphs: int = 3, sentences: int = 4, seed: int = 7) -> list[Document]:
+def corpus(documents: int, paragraphs: int = 2, sentences: int = 4, seed: int = 7) -> list[Document]:
     """Documents of distinct sentences (each names its document, paragraph and sentence), so no chunk repeats."""
     rng = random.Random(seed)
     docs = []
@@ -243,7 +243,7 @@ def test_a_job_whose_worker_is_sigkilled_is_finished_by_another_with_no_chunk_lo
     after_kill = jobs.get(job_id)
     assert after_kill is not None
     assert at_kill.documents_done < at_kill.documents == DOCUMENTS
-    assert (after_kill.status, after_kill.documents_done) != ("done", DOCUMENTS), "A finished before the kill"
+    assert after_kill.status == "running", "A finished the job before it was killed: make the job longer"
     assert queue.pending_count() == 1  # still in the stream, pending on the dead consumer
 
     worker_b = start_worker("b", env)
