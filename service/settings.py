@@ -70,6 +70,10 @@ class Settings(BaseSettings):
         60_000, ge=100, description="A job pending this long on a silent worker is claimed by another."
     )
 
+    inprocess_worker: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run the ingest worker inside the gateway; auto = when Redis or a Qdrant server is unset."
+    )
+
     # ---- gateway -------------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
@@ -95,6 +99,14 @@ class Settings(BaseSettings):
     @property
     def qdrant_path(self) -> Path:
         return self.data_dir / "qdrant"
+
+    @property
+    def worker_in_process(self) -> bool:
+        """Whether the gateway runs the ingest worker itself: always without Redis (nothing else reads the queue)
+        and with embedded Qdrant (no other process may open it), unless forced by `inprocess_worker`."""
+        if self.inprocess_worker != "auto":
+            return self.inprocess_worker == "on"
+        return self.redis_url is None or self.qdrant_url is None
 
     @property
     def embedded(self) -> bool:

@@ -75,7 +75,7 @@ class Gateway:
             if not self.gate.passed:
                 raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
             self.asker = Asker(runtime.engine, runtime.store, runtime.embedder, runtime.collection)
-            if self.settings.embedded:
+            if self.settings.worker_in_process:
                 self._start_worker(runtime)
             log.info("kvstitch ready in %.1f s (model %s)", time.perf_counter() - began, self.model_name)
         except Exception as err:

@@ -16,7 +16,8 @@ def serve(settings: Settings) -> int:
         print("error: no model: pass --model DIR_OR_HUB_ID or set KVSTITCH_MODEL")
         return 2
     logging.getLogger().setLevel(logging.INFO)
-    form = "embedded (in-process worker, local Qdrant and index)" if settings.embedded else "distributed (Redis)"
+    form = "embedded (local Qdrant and index)" if settings.embedded else "distributed (Redis)"
+    form += ", in-process ingest worker" if settings.worker_in_process else ", workers run as `kvstitch worker`"
     print(f"kvstitch serving {settings.model} on http://{settings.host}:{settings.port} — {form}", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     return 0

@@ -75,9 +75,17 @@ def wait_ready(app: FastAPI) -> None:
     assert gateway.ready, f"the gateway failed to start: {gateway.startup_error}"
 
 
-@pytest.fixture
-def client(make_app: MakeApp) -> Iterator[TestClient]:
-    app = make_app()
+@pytest.fixture(params=["embedded", "redis"])
+def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestClient]:
+    """The app in the embedded form, and with Redis (index, ingest stream, job status; Qdrant stays local, so the
+    gateway runs the worker itself)."""
+    backend: dict[str, Any] = {}
+    if request.param == "redis":
+        backend = {
+            "redis_url": request.getfixturevalue("redis_url"),
+            "redis_prefix": request.getfixturevalue("redis_prefix"),
+        }
+    app = make_app(**backend)
     with TestClient(app) as test_client:
         wait_ready(app)
         yield test_client
