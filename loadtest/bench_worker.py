@@ -1,7 +1,7 @@
 """Ingest worker throughput: chunks per second and KV-precompute tokens per second.
 
     python -m loadtest.bench_worker --model DIR --device cpu --docs 200 --runs 3
-    python -m loadtest.bench_worker --precompute-only --shape qwen2-7b --docs 2000 --max-tokens 16384 --runs 3
+    python -m loadtest.bench_worker --precompute-only --shape qwen2-7b --device cuda --docs 100 --runs 3
 
 Full mode runs the real `Ingestor` of `open_runtime` (embedded form: SQLite KV index, embedded Qdrant, the
 bundled MiniLM) on a fresh data dir in a temp folder per run, one job of --docs generated documents of distinct
@@ -102,7 +102,7 @@ def run_full(args: argparse.Namespace) -> list[dict[str, Any]]:
         embedder = Embedder(device=args.embedding_device)
         rows = []
         for run in range(-1, args.runs):  # run -1: the warm-up job
-            docs = corpus(2 if run < 0 else args.docs, args.paragraphs, args.sentences, seed=run + 1)
+            docs = corpus(2 if run < 0 else args.docs, args.paragraphs, args.sentences, seed=0 if run < 0 else 1)
             with open_runtime(settings(root / f"run{run + 1}"), engine=engine, embedder=embedder) as runtime:
                 ingestor = runtime.ingestor()
                 start = time.perf_counter()
@@ -155,6 +155,14 @@ def run_precompute_only(args: argparse.Namespace) -> tuple[list[dict[str, Any]],
     docs = corpus(args.docs, args.paragraphs, args.sentences, seed=1)
     blocks = chunk_blocks(engine, docs, args.chunk_size, args.chunk_overlap)
     batches = precompute_batches(blocks, args.max_tokens)
+    tokens = sum(len(b) for b in blocks)
+    log.info(
+        "%d blocks, %d tokens in %d batches: %.2f GB of KV files per run",
+        len(blocks),
+        tokens,
+        len(batches),
+        tokens * engine.spec.kv_bytes_per_token() / 1e9,
+    )
     engine.precompute(batches[0])  # warm-up: kernels, allocator, cuBLAS handles
     device.synchronize(target)
     info = {

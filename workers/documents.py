@@ -134,7 +134,13 @@ def _format(where: str, value: Any) -> DocumentFormat:
     for name in FORMATS:
         if value == name:
             return name
-    raise JobError(f"{where} must be one of {', '.join(FORMATS)}, got {value!r}")
+    raise JobError(f"{where} must be one of {', '.join(FORMATS)}, got {_clipped_repr(value)}")
+
+
+def _clipped_repr(value: Any, limit: int = 80) -> str:
+    """A value as the error shows it: a huge string sent as a format must not make a huge error and log line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _type(value: Any) -> str:

@@ -95,6 +95,10 @@ CASES: dict[str, Case] = {
     "format-null": Case(
         [{"id": "b", "text": "x", "format": None}], "documents[0].format must be one of text, markdown, got None"
     ),
+    "format-a-huge-string": Case(
+        [{"id": "b", "text": "x", "format": "m" * 100_000}],
+        "documents[0].format must be one of text, markdown, got '" + "m" * 78 + "…",
+    ),
     "duplicate-ids": Case(
         [VALID, {"id": "b", "text": "x"}, {"id": "valid.txt", "text": "another text"}],
         "documents[2].id 'valid.txt' appears twice in one job",
@@ -255,7 +259,7 @@ def xadd(runtime: Runtime, fields: dict[str, Any]) -> None:
     assert isinstance(runtime.queue, RedisStreamQueue)
     client = redis.Redis.from_url(str(runtime.settings.redis_url))
     try:
-        client.xadd(runtime.queue.stream, fields)
+        client.xadd(runtime.queue.stream, {name: value for name, value in fields.items()})  # typed as redis wants
     finally:
         client.close()
 

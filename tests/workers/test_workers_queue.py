@@ -215,7 +215,7 @@ def test_malformed_messages_are_dead_lettered_not_raised(redis_url: str, redis_p
     assert errors[0].startswith("malformed message: payload is not valid JSON")
     assert errors[1] == "malformed message: payload is a JSON list, not an object"
     assert errors[2] == "malformed message: it has no payload field"
-    assert errors[3].startswith("malformed message: payload is not valid JSON")
+    assert errors[3] == "malformed message: payload is not UTF-8 text (invalid start byte at byte 0)"
     assert queue.dead_letters()[0].payload == "{not json"
     assert queue.pending_count() == 1
     queue.close()

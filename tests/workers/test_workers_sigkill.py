@@ -48,7 +48,7 @@ WORKER_SETTINGS = {
     "HOST_CACHE_MB": "4",
     "DISK_CACHE_MB": "1024",
 }
-DOCUMENTS = 30  # 60 paragraphs, ~300 chunks: several seconds of work after the first progress report
+DOCUMENTS = 60  # 120 paragraphs, ~600 chunks: seconds of work left after the first progress report
 START_TIMEOUT_S = 240.0  # model, MiniLM and Qdrant imports on a loaded 2-core machine
 FINISH_TIMEOUT_S = 240.0
 
