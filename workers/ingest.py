@@ -32,7 +32,7 @@ from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
-from workers.batching import precompute_batches
+from workers.batching import precompute_and_store
 from workers.documents import Document, IngestJob, document_version
 
 log = logging.getLogger(__name__)
@@ -158,11 +158,9 @@ class Ingestor:
         counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
         start = time.perf_counter()
-        for batch in precompute_batches(list(missing.values()), self.max_precompute_tokens):
-            with self.engine_lock:
-                blocks = self.engine.precompute(batch)
-            self.store.put(blocks)
-            counts.tokens_precomputed += sum(len(ids) for ids in batch)
+        blocks = list(missing.values())
+        precompute_and_store(self.engine, self.store, blocks, self.max_precompute_tokens, self.engine_lock)
+        counts.tokens_precomputed += sum(len(ids) for ids in blocks)
         counts.add_time("precompute", time.perf_counter() - start)
 
     def _index(self, prepared: _Prepared, counts: IngestCounts) -> None:
