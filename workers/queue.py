@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STREAM = "kvstitch:ingest"
 DEFAULT_GROUP = "kvstitch-workers"
@@ -72,10 +75,19 @@ class DeadLetter:
     failed_at: float
 
 
+DeadLetterHook = Callable[[str, str], None]
+
+
 class JobQueue(Protocol):
-    """What the gateway (producer) and the ingest worker (consumer) need from a queue."""
+    """What the gateway (producer) and the ingest worker (consumer) need from a queue.
+
+    `on_dead_letter(payload_text, error)` is called for messages the queue gives up on by itself while reading
+    (malformed, or abandoned by workers that died every time), so their jobs can still be marked failed; `fail`
+    and `reject` do not call it (their caller knows).
+    """
 
     max_attempts: int
+    on_dead_letter: DeadLetterHook | None
 
     def enqueue(self, payload: Mapping[str, Any]) -> str: ...
 
@@ -156,6 +168,7 @@ class RedisStreamQueue:
     ) -> None:
         self.stream, self.group, self.dead_letter = stream, group, dead_letter
         self.max_attempts = _check_max_attempts(max_attempts)
+        self.on_dead_letter: DeadLetterHook | None = None
         # Raw bytes, decoded here: a field that is not UTF-8 must become a dead letter, not a crash in the reader.
         self._redis: Any = redis.Redis.from_url(url, decode_responses=False)
         self._move = self._redis.register_script(_MOVE_SCRIPT)
@@ -263,10 +276,13 @@ class RedisStreamQueue:
                 _check_utf8(raw_fields, _PAYLOAD)
                 payload = decode_payload(data)
             except ValueError as err:
-                self._bury(message_id, data, str(err), attempt)
+                if self._bury(message_id, data, str(err), attempt):
+                    _notify(self.on_dead_letter, data, str(err))
                 continue
             if attempt > self.max_attempts:
-                self._bury(message_id, data, _abandoned(attempt, fields.get(_LAST_ERROR)), attempt - 1)
+                error = _abandoned(attempt, fields.get(_LAST_ERROR))
+                if self._bury(message_id, data, error, attempt - 1):
+                    _notify(self.on_dead_letter, data, error)
                 continue
             deliveries.append(Delivery(message_id, payload, attempt, consumer, fields.get(_LAST_ERROR)))
         return deliveries
@@ -321,6 +337,16 @@ def _ids(entries: list[tuple[Any, Any]]) -> list[str]:
     return [_text(entry_id) for entry_id, _ in entries]
 
 
+def _notify(hook: DeadLetterHook | None, data: str, error: str) -> None:
+    """Tell the hook; its failure must not stop the queue from handing out the other messages."""
+    if hook is None:
+        return
+    try:
+        hook(data, error)
+    except Exception:
+        log.exception("dead-letter hook failed")
+
+
 def _abandoned(attempt: int, last_error: str | None) -> str:
     reason = f"delivered {attempt - 1} times without an ack (its worker stopped each time)"
     return f"{reason}; last error: {last_error}" if last_error else reason
@@ -356,6 +382,7 @@ class InProcessQueue:
 
     def __init__(self, max_attempts: int = DEFAULT_MAX_ATTEMPTS, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_attempts = _check_max_attempts(max_attempts)
+        self.on_dead_letter: DeadLetterHook | None = None
         self._clock = clock
         self._changed = threading.Condition(threading.RLock())  # re-entrant: fail() re-queues under the lock
         self._ready: deque[str] = deque()
@@ -414,9 +441,9 @@ class InProcessQueue:
                 delivered = message.prior_attempts + message.deliveries
                 if delivered >= self.max_attempts:  # this would be one attempt too many
                     del self._messages[message.message_id]
-                    self._bury(
-                        message.message_id, message.data, _abandoned(delivered + 1, message.last_error), delivered
-                    )
+                    error = _abandoned(delivered + 1, message.last_error)
+                    self._bury(message.message_id, message.data, error, delivered)
+                    _notify(self.on_dead_letter, message.data, error)
                 else:
                     deliveries.append(self._deliver(message, consumer_name))
             return deliveries

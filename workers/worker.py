@@ -13,10 +13,12 @@ Nothing a job contains can stop the loop.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.documents import DocumentLimits, JobError, job_id_of, parse_job
@@ -54,6 +56,9 @@ class IngestWorker:
         self.stopping = threading.Event()
         self.jobs_done = 0
         self.jobs_failed = 0
+        # Called with ("done" | "failed" | "retry", counts or None) as each delivery ends (for metrics).
+        self.on_job_finished: Callable[[str, IngestCounts | None], None] | None = None
+        queue.on_dead_letter = self._dead_lettered
 
     def run(self) -> None:
         """Work until `stop()`; errors of the queue itself (Redis away) are logged and retried."""
@@ -98,6 +103,7 @@ class IngestWorker:
             self._status(job.job_id, len(job.documents), status="done", **counts.status_fields())
             self.queue.ack(delivery)
             self.jobs_done += 1
+            self._finished("done", counts)
             log.info("job %s done: %s", job.job_id, counts)
 
     # ---- outcomes -------------------------------------------------------------------------------------------
@@ -110,11 +116,13 @@ class IngestWorker:
         log.warning("job %s rejected: %s", job_id or delivery.message_id, error)
         self.queue.reject(delivery, error)
         self.jobs_failed += 1
+        self._finished("failed", None)
         if job_id is not None:
             self._status(job_id, _document_count(delivery), status="failed", error=_clip(error))
 
     def _retry(self, delivery: Delivery, job_id: str, error: str) -> None:
         dead = self.queue.fail(delivery, error)
+        self._finished("failed" if dead else "retry", None)
         if dead:
             self.jobs_failed += 1
             message = f"failed after {delivery.attempt} attempts: {error}"
@@ -122,6 +130,27 @@ class IngestWorker:
         else:
             message = f"attempt {delivery.attempt} failed, will retry: {error}"
             self._status(job_id, _document_count(delivery), status="queued", error=_clip(message))
+
+    def _dead_lettered(self, data: str, error: str) -> None:
+        """A message the queue gave up on by itself (its workers kept dying, or it was unreadable)."""
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return
+        job_id = job_id_of(payload) if isinstance(payload, dict) else None
+        if job_id is not None:
+            documents = payload.get("documents")
+            count = len(documents) if isinstance(documents, list) else 0
+            self._status(job_id, count, status="failed", error=_clip(error))
+        self.jobs_failed += 1
+        self._finished("failed", None)
+
+    def _finished(self, outcome: str, counts: IngestCounts | None) -> None:
+        if self.on_job_finished is not None:
+            try:
+                self.on_job_finished(outcome, counts)
+            except Exception:
+                log.exception("job-finished hook failed")
 
     def _status(self, job_id: str, documents: int, **fields: object) -> None:
         """Update the job's status, creating it when the producer did not (or it expired)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from ingest_support import CORPUS, OpenRuntime, expected_chunks, run_job
@@ -171,3 +173,23 @@ def _count_calls(runtime: Runtime, calls: dict[str, int], monkeypatch: pytest.Mo
 
     monkeypatch.setattr(runtime.embedder, "embed_documents", counting_embed)
     monkeypatch.setattr(runtime.engine, "precompute", counting_precompute)
+
+
+def test_a_job_whose_workers_keep_dying_ends_failed_not_running(open_test_runtime: OpenRuntime) -> None:
+    runtime = open_test_runtime(job_max_attempts=1)
+    job_id = submit_job(runtime.queue, runtime.jobs, CORPUS[:1])
+    taken = runtime.queue.consume("doomed-worker", block_ms=10)  # a worker takes the job and dies: no ack
+    assert len(taken) == 1
+    runtime.jobs.update(job_id, status="running")
+    worker = runtime.worker(poll_ms=10)
+    outcomes: list[str] = []
+    worker.on_job_finished = lambda outcome, counts: outcomes.append(outcome)
+
+    time.sleep(0.3)  # past job_claim_idle_ms (200 ms in these tests)
+    worker.run_once()
+
+    status = runtime.jobs.get(job_id)
+    assert status is not None and status.status == "failed"
+    assert status.error is not None and "without an ack" in status.error
+    assert [d.original_id for d in runtime.queue.dead_letters()] == [taken[0].message_id]
+    assert outcomes == ["failed"] and runtime.queue.pending_count() == 0

@@ -297,7 +297,13 @@ def test_a_broken_stream_entry_is_dead_lettered_and_the_worker_goes_on(
     raw = fields.get("payload", "")
     assert dead.payload == (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
     assert runtime.queue.pending_count() == 0
-    assert runtime.jobs.get("latin1") is None and runtime.jobs.get("j1") is None
+    assert runtime.jobs.get("j1") is None  # no usable job id in those: no status
+    latin1 = runtime.jobs.get("latin1")
+    if fields.get("payload") == LATIN1_JOB:  # its job id was readable: the status tells the client why it failed
+        assert latin1 is not None and latin1.status == "failed"
+        assert latin1.error is not None and latin1.error.startswith(error)
+    else:
+        assert latin1 is None
     assert_nothing_stored(runtime)
     assert_good_job_runs(runtime, worker)
 
