@@ -70,6 +70,8 @@ class DoneEvent:
     answer: str
     prompt_tokens: int
     context_tokens: int
+    # Bytes of chunk KV served per tier (metrics only: the `done` event's tier counts say enough to a client).
+    kv_bytes: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The `done` event's data (the answer text itself went out as tokens)."""
@@ -157,6 +159,7 @@ class Asker:
             finish_reason=result.finish_reason,
             timings_ms=_timings(retrieval, fetch, result.timings),
             kv=_tier_counts(fetch),
+            kv_bytes=_tier_bytes(fetch),
             answer=result.text,
             prompt_tokens=result.prompt_tokens,
             context_tokens=result.context_tokens,
@@ -191,3 +194,11 @@ def _tier_counts(fetch: FetchResult | None) -> dict[str, int]:
         for tier, n in fetch.counts.items():
             counts[tier.value] += n
     return counts
+
+
+def _tier_bytes(fetch: FetchResult | None) -> dict[str, int]:
+    sizes = {tier.value: 0 for tier in Tier}
+    if fetch is not None:
+        for tier, n in fetch.bytes_loaded.items():
+            sizes[tier.value] += n
+    return sizes

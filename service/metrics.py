@@ -1,13 +1,23 @@
 """Every Prometheus metric of kvstitch, in one registry per process (one per app in tests).
 
-Names are part of the contract with the Grafana dashboards in deploy/: change them only together.
-Tier usage and hit counters are read from the KV store at scrape time, so they cannot drift from it.
+Names are part of the contract with the Grafana dashboard in deploy/grafana/ (tests/test_deploy_grafana.py checks
+that every query names a metric defined here): change them only together.
+
+Processes: each gateway has one engine process (uvicorn runs one worker; the engine thread and its line live in
+it), and each `kvstitch worker` exposes its own registry on `KVSTITCH_WORKER_METRICS_PORT`. Prometheus scrapes
+every process as its own target and sums across them, so prometheus-client's multiprocess mode is not needed;
+running the gateway under several uvicorn workers would need it (and would split the engine's line), so don't.
+
+Tier usage, hits and corrupt files are read from the KV store at scrape time, and the queue depth and ingest
+backlog from their owners, so none of them can drift from the source.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -15,48 +25,128 @@ from prometheus_client.registry import Collector
 
 from service.kvcache.store import StoreStats
 
+log = logging.getLogger(__name__)
+
 # TTFT is the headline figure: fine buckets where the stitched path lives (ms), coarse ones for naive/cold.
 TTFT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
-STAGES = ("retrieve", "load", "h2d", "precompute", "stitch", "prefill", "decode")
+# Per-token decode time: a 7B model on one GPU decodes in ~10-30 ms, a tiny CPU model in ~1-5 ms.
+TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+# `queue` is the wait for the engine; `precompute` is KV computed online for misses (both part of TTFT).
+STAGES = ("retrieve", "queue", "load", "h2d", "precompute", "stitch", "prefill", "decode")
+# `submitted` at POST /ingest; the others as a worker's delivery ends (`retry`: failed, will be delivered again).
+INGEST_STATUSES = ("submitted", "done", "failed", "retry")
+
+
+class ChunkCounts(Protocol):
+    """What the ingest metrics read from a finished job's counts (workers.ingest.IngestCounts)."""
+
+    @property
+    def chunks_precomputed(self) -> int: ...
+
+    @property
+    def chunks_reused(self) -> int: ...
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvstitch_requests", "HTTP requests answered", ["route", "code"], registry=r)
+        self.requests = Counter("kvstitch_requests", "HTTP requests answered", ["route", "status"], registry=r)
         self.ttft = Histogram(
-            "kvstitch_ttft_seconds", "Time to first token, request start to first token", ["mode"],
+            "kvstitch_ttft_seconds", "Time to first token, request arrival to first token", ["mode", "positions"],
             buckets=TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.stage = Histogram(
             "kvstitch_stage_seconds", "Time per stage of a request", ["stage"], buckets=STAGE_BUCKETS, registry=r
         )
         self.kv_blocks = Counter(
-            "kvstitch_request_kv_blocks", "Chunk KV blocks served to requests, by tier", ["tier"], registry=r
+            "kvstitch_kv_blocks", "Chunk KV blocks served to requests, by tier (miss = computed)", ["tier"], registry=r
+        )
+        self.kv_bytes_loaded = Counter(
+            "kvstitch_kv_bytes_loaded", "Bytes of chunk KV served to requests, by tier", ["tier"], registry=r
         )
         self.output_tokens = Counter("kvstitch_output_tokens", "Tokens generated", ["mode"], registry=r)
+        self.time_per_output_token = Histogram(
+            "kvstitch_time_per_output_token_seconds", "Decode time per token after the first", ["mode"],
+            buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
         self.rejected = Counter("kvstitch_rejected_requests", "Requests refused with 503", ["reason"], registry=r)
-        self.engine_waiting = Gauge("kvstitch_engine_waiting", "Requests waiting for the engine", registry=r)
+        self.disconnects = Counter("kvstitch_client_disconnects", "Streams stopped by the client", registry=r)
+        self.queue_depth = Gauge("kvstitch_queue_depth", "Requests waiting for the engine", registry=r)
         self.ready = Gauge("kvstitch_ready", "1 when /readyz answers 200", registry=r)
         self.gate_diff = Gauge(
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
         )
-        self.ingest_jobs = Counter("kvstitch_ingest_jobs", "Ingest jobs submitted", registry=r)
-        self.disconnects = Counter("kvstitch_client_disconnects", "Streams stopped by the client", registry=r)
+        self.ingest_jobs = Counter("kvstitch_ingest_jobs", "Ingest jobs by outcome", ["status"], registry=r)
+        self.ingest_chunks = Counter(
+            "kvstitch_ingest_chunks", "Chunks ingested, by whether their KV was computed or reused", ["kv"], registry=r
+        )
+        self.ingest_pending = Gauge(
+            "kvstitch_ingest_pending", "Ingest jobs queued or running, not yet acked (stream backlog)", registry=r
+        )
+        # Every label value shows from the start (at 0), so rates and ratios exist before the first event.
+        for status in INGEST_STATUSES:
+            self.ingest_jobs.labels(status)
+        for kv in ("precomputed", "reused"):
+            self.ingest_chunks.labels(kv)
 
-    def observe_answer(self, mode: str, ttft_ms: float, timings_ms: dict[str, float], kv: dict[str, int]) -> None:
-        self.ttft.labels(mode).observe(ttft_ms / 1e3)
+    # ---- answers --------------------------------------------------------------------------------------------
+
+    def observe_answer(
+        self,
+        mode: str,
+        positions: str,
+        ttft_ms: float,
+        timings_ms: dict[str, float],
+        kv: dict[str, int],
+        kv_bytes: dict[str, int],
+        output_tokens: int,
+    ) -> None:
+        self.ttft.labels(mode, positions).observe(ttft_ms / 1e3)
         for stage, ms in timings_ms.items():
             if stage in STAGES:
                 self.stage.labels(stage).observe(ms / 1e3)
         for tier, n in kv.items():
             if n:
                 self.kv_blocks.labels(tier).inc(n)
+        for tier, n in kv_bytes.items():
+            if n:
+                self.kv_bytes_loaded.labels(tier).inc(n)
+        self.output_tokens.labels(mode).inc(output_tokens)
+        # Decode time covers the tokens after the first (the first one is TTFT); one token has no decode rate.
+        if output_tokens > 1:
+            self.time_per_output_token.labels(mode).observe(timings_ms.get("decode", 0.0) / 1e3 / (output_tokens - 1))
+
+    # ---- ingestion ------------------------------------------------------------------------------------------
+
+    def ingest_finished(self, status: str, counts: ChunkCounts | None) -> None:
+        """`IngestWorker.on_job_finished`: one delivery ended with `status` (done, failed, retry)."""
+        self.ingest_jobs.labels(status).inc()
+        if counts is not None:
+            self.ingest_chunks.labels("precomputed").inc(counts.chunks_precomputed)
+            self.ingest_chunks.labels("reused").inc(counts.chunks_reused)
+
+    # ---- read at scrape time ------------------------------------------------------------------------------
+
+    def watch_queue_depth(self, waiting: Callable[[], int]) -> None:
+        self.queue_depth.set_function(lambda: float(waiting()))
+
+    def watch_ingest_backlog(self, pending: Callable[[], int]) -> None:
+        """The ingest stream's backlog at every scrape; NaN while the queue cannot be read (Redis away), so one
+        unreachable dependency does not fail the whole scrape."""
+
+        def read() -> float:
+            try:
+                return float(pending())
+            except Exception as err:  # any backend error: the value is unknown, the scrape goes on
+                log.debug("ingest backlog unreadable: %s", err)
+                return math.nan
+
+        self.ingest_pending.set_function(read)
 
     def watch_store(self, stats: Callable[[], StoreStats]) -> None:
-        """Report the KV store's tier usage, hits and evictions at every scrape."""
+        """Report the KV store's tier usage, hits, evictions and corrupt files at every scrape."""
         self.registry.register(_StoreCollector(stats))
 
     def render(self) -> bytes:
@@ -69,20 +159,23 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         stats = self._stats()
-        used = GaugeMetricFamily("kvstitch_kv_tier_used_bytes", "Bytes held per KV tier", labels=["tier"])
-        budget = GaugeMetricFamily("kvstitch_kv_tier_budget_bytes", "Byte budget per KV tier", labels=["tier"])
+        tier_bytes = GaugeMetricFamily(
+            "kvstitch_tier_bytes", "Bytes per KV tier: held (used) and allowed (budget)", labels=["tier", "kind"]
+        )
         for tier, usage in stats.usage.items():
-            used.add_metric([tier.value], usage.used_bytes)
-            budget.add_metric([tier.value], usage.budget_bytes)
+            tier_bytes.add_metric([tier.value, "used"], usage.used_bytes)
+            tier_bytes.add_metric([tier.value, "budget"], usage.budget_bytes)
         hits = CounterMetricFamily("kvstitch_kv_hits", "Block lookups served per tier", labels=["tier"])
         for tier, n in stats.hits.items():
             hits.add_metric([tier.value], n)
         evictions = CounterMetricFamily("kvstitch_kv_evictions", "Blocks evicted per tier", labels=["tier"])
         for tier, n in stats.evictions.items():
             evictions.add_metric([tier.value], n)
-        yield from (used, budget, hits, evictions)
+        yield from (tier_bytes, hits, evictions)
         yield CounterMetricFamily("kvstitch_kv_misses", "Blocks computed online", value=stats.misses)
         yield CounterMetricFamily("kvstitch_kv_corrupt", "Block files that failed a check", value=stats.corrupt)
+        yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
+        yield CounterMetricFamily("kvstitch_kv_write_errors", "Block files that failed to write", value=stats.write_errors)
         yield GaugeMetricFamily(
             "kvstitch_kv_pending_writes", "Blocks waiting to be written", value=stats.pending_writes
         )

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     inprocess_worker: Literal["auto", "on", "off"] = Field(
         "auto", description="Run the ingest worker inside the gateway; auto = when Redis or a Qdrant server is unset."
     )
+    worker_metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of `kvstitch worker`'s Prometheus metrics (on KVSTITCH_HOST); unset = none.",
+    )
 
     # ---- gateway -------------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")

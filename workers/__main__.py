@@ -7,8 +7,12 @@ import signal
 import sys
 from types import FrameType
 
+from prometheus_client import start_http_server
+
+from service.metrics import Metrics
 from service.settings import Settings
-from workers.runtime import open_runtime
+from workers.runtime import Runtime, open_runtime
+from workers.worker import IngestWorker
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,7 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         return 2
     with open_runtime(settings) as runtime:
         worker = runtime.worker(name)
+        serve_metrics(settings, runtime, worker)
 
         def stop(signum: int, frame: FrameType | None) -> None:
             log.info("signal %d: stopping after the current job", signum)
@@ -34,6 +39,20 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         print(f"kvstitch worker {worker.config.name} ready (model {settings.model})", flush=True)
         worker.run()
     return 0
+
+
+def serve_metrics(settings: Settings, runtime: Runtime, worker: IngestWorker) -> Metrics | None:
+    """Expose this worker's ingest counters, backlog and KV store on `worker_metrics_port` (a daemon thread),
+    so Prometheus scrapes each worker as its own target."""
+    if settings.worker_metrics_port is None:
+        return None
+    metrics = Metrics()
+    metrics.watch_store(runtime.store.stats)
+    metrics.watch_ingest_backlog(runtime.queue.pending_count)
+    worker.on_job_finished = metrics.ingest_finished
+    start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+    log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.worker_metrics_port)
+    return metrics
 
 
 def main() -> int:

@@ -164,18 +164,23 @@ class Ingestor:
         counts.add_time("precompute", time.perf_counter() - start)
 
     def _index(self, prepared: _Prepared, counts: IngestCounts) -> None:
-        """Embed and upsert the document's points unless they are all in place, then drop other versions."""
+        """Embed and upsert the document's points unless they are all in place, then drop other versions.
+
+        One scroll reads what the document has now (embedded Qdrant answers filters by scanning every point, so
+        the number of calls per document decides how ingest scales with the corpus)."""
         doc, version = prepared.doc, prepared.version
-        # Before the upsert: new points overwrite old ones at the same chunk index, taking their keys along.
-        previous_keys = self.collection.document_kv_keys(doc.id, exclude_version=version)
-        if self.collection.count_version(doc.id, version) != len(prepared.chunks):
+        # Read before the upsert: new points overwrite old ones at the same chunk index, taking their keys along.
+        existing = self.collection.document_points(doc.id)
+        previous_keys = {key for v, key in existing if v != version and key}
+        if sum(1 for v, _ in existing if v == version) != len(prepared.chunks):
             start = time.perf_counter()
             vectors = self.embedder.embed_documents([c.text for c in prepared.chunks])
             counts.add_time("embed", time.perf_counter() - start)
             start = time.perf_counter()
             self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata)
             counts.add_time("upsert", time.perf_counter() - start)
-        self.collection.delete_document(doc.id, keep_version=version)
+        if any(v != version for v, _ in existing):
+            self.collection.delete_document(doc.id, keep_version=version)
         counts.blocks_released += self._release(previous_keys - set(prepared.keys))
 
     def _release(self, keys: set[str]) -> int:

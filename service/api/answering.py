@@ -105,9 +105,9 @@ class Answer:
             post(_END)
 
     def _record(self, done: DoneEvent) -> None:
-        metrics = self.gateway.metrics
-        metrics.observe_answer(done.mode, done.ttft_ms, done.timings_ms, done.kv)
-        metrics.output_tokens.labels(done.mode).inc(done.output_tokens)
+        self.gateway.metrics.observe_answer(
+            done.mode, done.positions, done.ttft_ms, done.timings_ms, done.kv, done.kv_bytes, done.output_tokens
+        )
 
 
 async def open_answer(gateway: Gateway, asker: Asker, options: AskOptions) -> Answer:

@@ -50,6 +50,7 @@ def create_app(
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         response = await call_next(request)
+        # The route's template (`/ingest/{job_id}`), not the raw path, so label values stay few.
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
         gateway.metrics.requests.labels(path, str(response.status_code)).inc()

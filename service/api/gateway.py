@@ -45,6 +45,7 @@ class Gateway:
         self.settings = settings
         self.metrics = Metrics()
         self.runner = EngineRunner(settings.max_queue)
+        self.metrics.watch_queue_depth(lambda: self.runner.waiting)
         # One forward at a time on the model: answers run on the engine thread, and the in-process worker's
         # precompute batches take the same lock between them.
         self.engine_lock = threading.Lock()
@@ -71,6 +72,7 @@ class Gateway:
             runtime = open_runtime(self.settings, *self._given)
             self.runtime = runtime
             self.metrics.watch_store(runtime.store.stats)
+            self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
             self.gate = self._run_gate(runtime.engine)
             if not self.gate.passed:
                 raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
@@ -96,6 +98,7 @@ class Gateway:
     def _start_worker(self, runtime: Runtime) -> None:
         worker = runtime.worker(name="in-process", poll_ms=200)
         worker.ingestor.engine_lock = self.engine_lock
+        worker.on_job_finished = self.metrics.ingest_finished
         self._worker = worker
         self._worker_thread = threading.Thread(target=worker.run, name="ingest-worker", daemon=True)
         self._worker_thread.start()

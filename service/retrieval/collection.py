@@ -159,6 +159,25 @@ class ChunkCollection:
         with self._lock:
             return self._client.count(self.name, count_filter=selector, exact=True).count
 
+    def document_points(self, doc_id: str) -> list[tuple[str, str]]:
+        """(version, KV key) of each of a document's points, in one scroll (what an ingest needs to decide)."""
+        pairs: list[tuple[str, str]] = []
+        offset: Any = None
+        while True:
+            with self._lock:
+                records, offset = self._client.scroll(
+                    self.name,
+                    scroll_filter=_document_filter(doc_id, None),
+                    limit=SCROLL_PAGE,
+                    offset=offset,
+                    with_payload=["version", "kv_key"],
+                )
+            for record in records:
+                payload = record.payload or {}
+                pairs.append((str(payload.get("version", "")), str(payload.get("kv_key", ""))))
+            if offset is None:
+                return pairs
+
     def document_kv_keys(self, doc_id: str, exclude_version: str | None = None) -> set[str]:
         """The KV keys a document's points name (of every version but `exclude_version`)."""
         return self._scroll_kv_keys(_document_filter(doc_id, exclude_version))

@@ -29,5 +29,4 @@ def readyz(gateway: GatewayDep) -> Any:
 @router.get("/metrics")
 def metrics(gateway: GatewayDep) -> Response:
     """Prometheus exposition."""
-    gateway.metrics.engine_waiting.set(gateway.runner.waiting)
     return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)

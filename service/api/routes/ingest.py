@@ -32,7 +32,7 @@ def ingest(body: IngestRequest, gateway: GatewayDep, runtime: RuntimeDep) -> Ing
         submit_job(runtime.queue, runtime.jobs, documents, job_id)
     except Exception as err:  # Redis away: the job was not queued, say so
         raise unavailable(f"cannot queue the job: {type(err).__name__}: {err}") from err
-    gateway.metrics.ingest_jobs.inc()
+    gateway.metrics.ingest_jobs.labels("submitted").inc()
     return IngestAccepted(job_id=job_id)
 
 
