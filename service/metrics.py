@@ -175,7 +175,7 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstitch_kv_misses", "Blocks computed online", value=stats.misses)
         yield CounterMetricFamily("kvstitch_kv_corrupt", "Block files that failed a check", value=stats.corrupt)
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
-        yield CounterMetricFamily("kvstitch_kv_write_errors", "Block files that failed to write", value=stats.write_errors)
+        yield CounterMetricFamily("kvstitch_kv_write_errors", "Block writes that failed", value=stats.write_errors)
         yield GaugeMetricFamily(
             "kvstitch_kv_pending_writes", "Blocks waiting to be written", value=stats.pending_writes
         )

@@ -153,12 +153,6 @@ class ChunkCollection:
         with self._lock:
             return self._client.count(self.name, exact=True).count
 
-    def count_version(self, doc_id: str, version: str) -> int:
-        """Points of one version of a document (all its chunks once an ingest of that version finished)."""
-        selector = models.Filter(must=[_match("doc_id", doc_id), _match("version", version)])
-        with self._lock:
-            return self._client.count(self.name, count_filter=selector, exact=True).count
-
     def document_points(self, doc_id: str) -> list[tuple[str, str]]:
         """(version, KV key) of each of a document's points, in one scroll (what an ingest needs to decide)."""
         pairs: list[tuple[str, str]] = []

@@ -1,0 +1,76 @@
+"""GET /metrics after an ingest and two questions: every metric of issue 6 with the values the requests imply."""
+
+from __future__ import annotations
+
+import pytest
+from api_support import DOCS, ask_events, ingest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(client: TestClient) -> Samples:
+    reply = client.get("/metrics")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(reply.text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) -> None:
+    status = ingest(client)
+    turbo = ask_events(client, mode="turbo", positions="composite", top_k=3, max_new_tokens=6)[-1][1]
+    naive = ask_events(client, mode="naive", top_k=3, max_new_tokens=6)[-1][1]
+
+    m = scrape(client)
+
+    assert value(m, "kvstitch_ttft_seconds_count", mode="turbo", positions="composite") == 1
+    assert value(m, "kvstitch_ttft_seconds_count", mode="naive", positions="reordered") == 1
+    # The done event rounds to microseconds.
+    assert value(m, "kvstitch_ttft_seconds_sum", mode="turbo", positions="composite") == pytest.approx(
+        turbo["ttft_ms"] / 1e3, abs=1e-6
+    )
+    for stage in ("retrieve", "queue", "load", "h2d", "stitch", "prefill", "decode"):
+        assert value(m, "kvstitch_stage_seconds_count", stage=stage) == 2, stage
+    # The worker stored every chunk's KV, so the turbo question read its 3 blocks from disk; naive reads none.
+    assert turbo["kv"]["disk"] == 3
+    assert value(m, "kvstitch_kv_blocks_total", tier="disk") == 3
+    assert value(m, "kvstitch_kv_bytes_loaded_total", tier="disk") > 0
+    assert ("kvstitch_kv_blocks_total", frozenset({("tier", "miss")})) not in m
+    assert value(m, "kvstitch_output_tokens_total", mode="turbo") == turbo["output_tokens"]
+    assert value(m, "kvstitch_output_tokens_total", mode="naive") == naive["output_tokens"]
+    tpot = turbo["timings_ms"]["decode"] / 1e3 / (turbo["output_tokens"] - 1)
+    assert abs(value(m, "kvstitch_time_per_output_token_seconds_sum", mode="turbo") - tpot) < 1e-5
+    assert value(m, "kvstitch_requests_total", route="/ask", status="200") == 2
+    assert value(m, "kvstitch_requests_total", route="/ingest", status="202") == 1
+    assert value(m, "kvstitch_requests_total", route="/ingest/{job_id}", status="200") >= 1
+    assert value(m, "kvstitch_queue_depth") == 0
+    assert value(m, "kvstitch_ingest_jobs_total", status="submitted") == 1
+    assert value(m, "kvstitch_ingest_jobs_total", status="done") == 1
+    assert value(m, "kvstitch_ingest_jobs_total", status="failed") == 0
+    assert value(m, "kvstitch_ingest_chunks_total", kv="precomputed") == status["chunks_precomputed"]
+    assert value(m, "kvstitch_ingest_chunks_total", kv="reused") == status["chunks_reused"]
+    assert status["chunks"] >= len(DOCS)
+    assert value(m, "kvstitch_ingest_pending") == 0  # the job was acked
+    assert value(m, "kvstitch_tier_bytes", tier="host", kind="budget") == 8 << 20  # API_SETTINGS' host_cache_mb
+    assert value(m, "kvstitch_tier_bytes", tier="disk", kind="used") > 0
+    assert value(m, "kvstitch_kv_corrupt_total") == 0
+
+
+def test_a_second_ingest_of_the_same_documents_counts_reused_chunks(client: TestClient) -> None:
+    first = ingest(client)
+    ingest(client, [{**doc, "id": f"copy-{doc['id']}"} for doc in DOCS])  # same text: KV is content-addressed
+
+    m = scrape(client)
+
+    assert value(m, "kvstitch_ingest_jobs_total", status="submitted") == 2
+    assert value(m, "kvstitch_ingest_jobs_total", status="done") == 2
+    assert value(m, "kvstitch_ingest_chunks_total", kv="precomputed") == first["chunks_precomputed"]
+    assert value(m, "kvstitch_ingest_chunks_total", kv="reused") == first["chunks"]
