@@ -84,6 +84,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
     api_key: str | None = Field(None, description="Bearer token required on every route but health and metrics.")
+    max_request_mb: int = Field(64, ge=1, description="Largest request body accepted (MiB); larger gets 413.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question accepted.")
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")

@@ -47,9 +47,15 @@ def create_app(
 
     _openai_errors(app)
 
+    limit_bytes = gateway.settings.max_request_mb << 20
+
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
+        if _declared_length(request) > limit_bytes:  # refused before the body is read
+            detail = f"request body larger than {gateway.settings.max_request_mb} MiB (KVSTITCH_MAX_REQUEST_MB)"
+            response: Response = JSONResponse({"detail": detail}, status_code=413)
+        else:
+            response = await call_next(request)
         # The route's template (`/ingest/{job_id}`), not the raw path, so label values stay few.
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
@@ -57,6 +63,13 @@ def create_app(
         return response
 
     return app
+
+
+def _declared_length(request: Request) -> int:
+    try:
+        return int(request.headers.get("content-length", "0"))
+    except ValueError:
+        return 0
 
 
 def _openai_errors(app: FastAPI) -> None:

@@ -183,3 +183,15 @@ def _wait_for(condition: Any, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_body_over_the_size_limit_is_refused_before_it_is_read(make_app: MakeApp) -> None:
+    app = make_app(max_request_mb=1)
+    with TestClient(app) as client:
+        wait_ready(app)
+        huge = {"documents": [{"id": "big", "text": "x" * (2 << 20)}]}
+
+        reply = client.post("/ingest", json=huge)
+
+        assert reply.status_code == 413 and "KVSTITCH_MAX_REQUEST_MB" in reply.json()["detail"]
+        assert client.post("/ingest", json={"documents": [{"id": "ok", "text": "small"}]}).status_code == 202
