@@ -222,9 +222,15 @@ class RedisStreamQueue:
         entries: list[tuple[Any, Any]] = []
         start: Any = "0-0"
         while len(entries) < count:
-            start, claimed, *_ = self._redis.xautoclaim(
-                self.stream, self.group, consumer_name, max(0, min_idle_ms), start, count=count - len(entries)
-            )
+            try:
+                start, claimed, *_ = self._redis.xautoclaim(
+                    self.stream, self.group, consumer_name, max(0, min_idle_ms), start, count=count - len(entries)
+                )
+            except redis.ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                self._ensure_group()  # Redis lost the stream (restart without persistence, flush): nothing is stale
+                return []
             entries.extend((entry_id, fields) for entry_id, fields in claimed if fields)
             if _text(start) == "0-0":
                 break

@@ -227,6 +227,7 @@ def test_consumers_recover_when_the_stream_is_deleted(redis_url: str, redis_pref
     raw = redis.Redis.from_url(redis_url)
     raw.delete(stream)  # a flush or a reset while workers run
     raw.close()
+    assert queue.claim_stale("w", min_idle_ms=0) == []  # a worker's turn starts with this call
     assert queue.consume("w", block_ms=0) == []
     queue.enqueue({"after": "reset"})
     assert [d.payload for d in queue.consume("w", block_ms=100)] == [{"after": "reset"}]
