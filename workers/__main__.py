@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 from types import FrameType
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
@@ -28,7 +29,7 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         return 2
     with open_runtime(settings) as runtime:
         worker = runtime.worker(name)
-        serve_metrics(settings, runtime, worker)
+        metrics_server = serve_metrics(settings, runtime, worker)
 
         def stop(signum: int, frame: FrameType | None) -> None:
             log.info("signal %d: stopping after the current job", signum)
@@ -38,21 +39,23 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         signal.signal(signal.SIGINT, stop)
         print(f"kvstitch worker {worker.config.name} ready (model {settings.model})", flush=True)
         worker.run()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
 
 
-def serve_metrics(settings: Settings, runtime: Runtime, worker: IngestWorker) -> Metrics | None:
+def serve_metrics(settings: Settings, runtime: Runtime, worker: IngestWorker) -> WSGIServer | None:
     """Expose this worker's ingest counters, backlog and KV store on `worker_metrics_port` (a daemon thread),
-    so Prometheus scrapes each worker as its own target."""
+    so Prometheus scrapes each worker as its own target; the server, or None when no port is set."""
     if settings.worker_metrics_port is None:
         return None
     metrics = Metrics()
     metrics.watch_store(runtime.store.stats)
     metrics.watch_ingest_backlog(runtime.queue.pending_count)
     worker.on_job_finished = metrics.ingest_finished
-    start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+    server, _ = start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
     log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.worker_metrics_port)
-    return metrics
+    return server
 
 
 def main() -> int:

@@ -3,21 +3,16 @@ Starlette's TestClient (httpx, lifespan included) or a real uvicorn server on a 
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
+from app_server import LiveServer, MakeApp, wait_ready
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.gateway import Gateway
 from service.engine.engine import StitchEngine
 from service.retrieval.embedder import Embedder
 from service.settings import Settings
@@ -35,15 +30,11 @@ API_SETTINGS: dict[str, Any] = {
     "default_max_new_tokens": 16,
     "max_document_chars": 5000,
 }
-READY_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="session")
 def api_embedder() -> Embedder:
     return Embedder()
-
-
-MakeApp = Callable[..., FastAPI]
 
 
 @pytest.fixture
@@ -64,17 +55,6 @@ def make_app(
     return make
 
 
-def gateway_of(app: FastAPI) -> Gateway:
-    gateway: Gateway = app.state.gateway
-    return gateway
-
-
-def wait_ready(app: FastAPI) -> None:
-    gateway = gateway_of(app)
-    assert gateway.started.wait(READY_TIMEOUT_S), "the gateway did not finish starting"
-    assert gateway.ready, f"the gateway failed to start: {gateway.startup_error}"
-
-
 @pytest.fixture(params=["embedded", "redis"])
 def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestClient]:
     """The app in the embedded form, and with Redis (index, ingest stream, job status; Qdrant stays local, so the
@@ -89,33 +69,6 @@ def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestCl
     with TestClient(app) as test_client:
         wait_ready(app)
         yield test_client
-
-
-class LiveServer:
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the live server did not become ready: {gateway_of(self.app).readiness()}")
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture

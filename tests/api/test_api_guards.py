@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from api_support import QUESTION, ingest, sse
-from conftest import LiveServer, MakeApp, gateway_of, wait_ready
+from app_server import LiveServer, MakeApp, gateway_of, wait_ready
 from fastapi.testclient import TestClient
 
 from service.ask import DependencyError

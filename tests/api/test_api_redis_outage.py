@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from api_support import QUESTION, ingest
-from conftest import MakeApp, wait_ready
+from app_server import MakeApp, wait_ready
 from fastapi.testclient import TestClient
 
 REDIS_SERVER = shutil.which("redis-server")

@@ -1,0 +1,53 @@
+"""A separate `kvstitch worker` serves its own metrics on KVSTITCH_WORKER_METRICS_PORT: the stream backlog, jobs by
+outcome, chunks by whether their KV was computed or reused, and its KV store's tiers."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+from ingest_support import CORPUS
+
+from workers.__main__ import serve_metrics
+from workers.runtime import Runtime
+from workers.submit import submit_job
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def sample(text: str, line_start: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(line_start + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_the_worker_serves_its_ingest_metrics_on_its_port(runtime: Runtime) -> None:
+    settings = runtime.settings.model_copy(update={"worker_metrics_port": free_port(), "host": "127.0.0.1"})
+    worker = runtime.worker(name="metrics-test", poll_ms=50)
+    server = serve_metrics(settings, runtime, worker)
+    assert server is not None
+    url = f"http://127.0.0.1:{settings.worker_metrics_port}/metrics"
+    try:
+        job_id = submit_job(runtime.queue, runtime.jobs, CORPUS)
+        queued = httpx.get(url, timeout=5).text
+        assert worker.run_once() == 1
+        done = httpx.get(url, timeout=5).text
+    finally:
+        server.shutdown()
+
+    status = runtime.jobs.get(job_id)
+    assert status is not None and status.status == "done"
+    assert sample(queued, "kvstitch_ingest_pending") == 1
+    assert sample(done, "kvstitch_ingest_pending") == 0
+    assert sample(done, 'kvstitch_ingest_jobs_total{status="done"}') == 1
+    assert sample(done, 'kvstitch_ingest_jobs_total{status="failed"}') == 0
+    assert sample(done, 'kvstitch_ingest_chunks_total{kv="precomputed"}') == status.chunks_precomputed > 0
+    assert sample(done, 'kvstitch_tier_bytes{kind="used",tier="disk"}') > 0
+
+
+def test_no_port_no_metrics_server(runtime: Runtime) -> None:
+    assert serve_metrics(runtime.settings, runtime, runtime.worker(name="quiet")) is None
