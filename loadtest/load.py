@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from service.commands.ask import SseDecoder
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 MAX_REQUESTS_CAP = 100_000
 MAX_DURATION_S = 3600.0
@@ -166,22 +168,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def sse(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
-    """(event, data) pairs of a text/event-stream body, as they arrive."""
-    event, data = "message", list[str]()
+    """(event, data) pairs of a text/event-stream body, as they arrive (the CLI's own decoder)."""
+    decoder = SseDecoder()
     async for line in lines:
-        if not line:
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "event":
-                event = value
-            elif name == "data":
-                data.append(value)
-    if data:
-        yield event, "\n".join(data)
+        event = decoder.feed(line)
+        if event is not None:
+            yield event
+    last = decoder.finish()
+    if last is not None:
+        yield last
 
 
 async def ingest(client: httpx.AsyncClient, documents: list[dict[str, Any]]) -> int:

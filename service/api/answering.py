@@ -161,6 +161,20 @@ def _question(gateway: Gateway, options: AskOptions) -> Question:
     )
 
 
+async def collect_text(answer: Answer) -> str:
+    """The whole answer, for the non-streaming forms; engine errors become HTTP errors (nothing was sent yet)."""
+    parts: list[str] = []
+    try:
+        async for event in answer.events():
+            if not isinstance(event, DoneEvent):
+                parts.append(event.text)
+    except Exception as err:
+        raise raise_for_engine_error(err) from err
+    finally:
+        answer.close()
+    return "".join(parts)
+
+
 def raise_for_engine_error(err: BaseException) -> HTTPException:
     """Errors raised from the engine thread, as the status the client should see."""
     if isinstance(err, DependencyError):

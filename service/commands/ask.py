@@ -10,25 +10,42 @@ from typing import Any, TextIO
 import httpx
 
 
-def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
-    """(event, data) pairs from the lines of a text/event-stream body."""
-    event, data = "message", list[str]()
-    for line in lines:
+class SseDecoder:
+    """Turns the lines of a text/event-stream body into (event, data) pairs, one line at a time."""
+
+    def __init__(self) -> None:
+        self.event, self.data = "message", list[str]()
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """The event a blank line completes, else None."""
         if not line:
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif line.startswith(":"):
-            continue
-        else:
+            done = (self.event, "\n".join(self.data)) if self.data else None
+            self.event, self.data = "message", []
+            return done
+        if not line.startswith(":"):  # ":" starts a comment (keep-alive pings)
             name, _, value = line.partition(":")
             value = value[1:] if value.startswith(" ") else value
             if name == "event":
-                event = value
+                self.event = value
             elif name == "data":
-                data.append(value)
-    if data:
-        yield event, "\n".join(data)
+                self.data.append(value)
+        return None
+
+    def finish(self) -> tuple[str, str] | None:
+        """An event the body ended without a blank line after."""
+        return self.feed("")
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) pairs of a text/event-stream body."""
+    decoder = SseDecoder()
+    for line in lines:
+        event = decoder.feed(line)
+        if event is not None:
+            yield event
+    last = decoder.finish()
+    if last is not None:
+        yield last
 
 
 def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO = sys.stdout) -> int:

@@ -15,7 +15,7 @@ import contextlib
 import json
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,20 +134,7 @@ class ChunkCollection:
 
     def document_versions(self, doc_id: str) -> set[str]:
         """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
-        versions: set[str] = set()
-        offset: Any = None
-        while True:
-            with self._lock:
-                records, offset = self._client.scroll(
-                    self.name,
-                    scroll_filter=_document_filter(doc_id, None),
-                    limit=SCROLL_PAGE,
-                    offset=offset,
-                    with_payload=["version"],
-                )
-            versions.update(str((r.payload or {}).get("version", "")) for r in records)
-            if offset is None:
-                return versions
+        return {str(p.get("version", "")) for p in self._scroll(_document_filter(doc_id, None), ["version"])}
 
     def count(self) -> int:
         with self._lock:
@@ -155,22 +142,8 @@ class ChunkCollection:
 
     def document_points(self, doc_id: str) -> list[tuple[str, str]]:
         """(version, KV key) of each of a document's points, in one scroll (what an ingest needs to decide)."""
-        pairs: list[tuple[str, str]] = []
-        offset: Any = None
-        while True:
-            with self._lock:
-                records, offset = self._client.scroll(
-                    self.name,
-                    scroll_filter=_document_filter(doc_id, None),
-                    limit=SCROLL_PAGE,
-                    offset=offset,
-                    with_payload=["version", "kv_key"],
-                )
-            for record in records:
-                payload = record.payload or {}
-                pairs.append((str(payload.get("version", "")), str(payload.get("kv_key", ""))))
-            if offset is None:
-                return pairs
+        payloads = self._scroll(_document_filter(doc_id, None), ["version", "kv_key"])
+        return [(str(p.get("version", "")), str(p.get("kv_key", ""))) for p in payloads]
 
     def document_kv_keys(self, doc_id: str, exclude_version: str | None = None) -> set[str]:
         """The KV keys a document's points name (of every version but `exclude_version`)."""
@@ -186,17 +159,22 @@ class ChunkCollection:
         return found
 
     def _scroll_kv_keys(self, selector: models.Filter) -> set[str]:
-        keys: set[str] = set()
+        keys = {str(p.get("kv_key", "")) for p in self._scroll(selector, ["kv_key"])}
+        keys.discard("")
+        return keys
+
+    def _scroll(self, selector: models.Filter, fields: list[str]) -> Iterator[Mapping[str, Any]]:
+        """The chosen payload fields of every point the filter matches, page by page."""
         offset: Any = None
         while True:
             with self._lock:
                 records, offset = self._client.scroll(
-                    self.name, scroll_filter=selector, limit=SCROLL_PAGE, offset=offset, with_payload=["kv_key"]
+                    self.name, scroll_filter=selector, limit=SCROLL_PAGE, offset=offset, with_payload=fields
                 )
-            keys.update(str((r.payload or {}).get("kv_key", "")) for r in records)
+            for record in records:
+                yield record.payload or {}
             if offset is None:
-                keys.discard("")
-                return keys
+                return
 
     def ping(self) -> bool:
         """Whether Qdrant answers and holds the collection (for health checks; never raises)."""

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
 
-from service.api.answering import Answer, AskOptions, open_answer, raise_for_engine_error
+from service.api.answering import Answer, AskOptions, collect_text, open_answer
 from service.api.deps import GatewayDep, ready_asker, require_api_key
 from service.api.schemas import AskRequest
 from service.ask import Asker, DependencyError, DoneEvent
@@ -45,17 +45,9 @@ async def _sse(answer: Answer) -> AsyncIterator[dict[str, str]]:
 
 
 async def _collect(answer: Answer) -> dict[str, Any]:
-    parts: list[str] = []
-    try:
-        async for event in answer.events():
-            if not isinstance(event, DoneEvent):
-                parts.append(event.text)
-    except Exception as err:
-        raise raise_for_engine_error(err) from err
-    finally:
-        answer.close()
+    text = await collect_text(answer)
     assert answer.done is not None
-    return {"answer": "".join(parts), "chunks": answer.sources(), **answer.done.summary()}
+    return {"answer": text, "chunks": answer.sources(), **answer.done.summary()}
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:

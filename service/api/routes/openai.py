@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
 
-from service.api.answering import Answer, AskOptions, open_answer, raise_for_engine_error
+from service.api.answering import Answer, AskOptions, collect_text, open_answer
 from service.api.deps import GatewayDep, field_error, ready_asker, require_api_key
 from service.api.schemas import ChatCompletionRequest, ChatMessage
 from service.ask import Asker, DoneEvent
@@ -68,15 +68,7 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
 
 
 async def _completion(answer: Answer, completion_id: str, model: str) -> dict[str, Any]:
-    parts: list[str] = []
-    try:
-        async for event in answer.events():
-            if not isinstance(event, DoneEvent):
-                parts.append(event.text)
-    except Exception as err:
-        raise raise_for_engine_error(err) from err
-    finally:
-        answer.close()
+    text = await collect_text(answer)
     done = answer.done
     assert done is not None
     return {
@@ -87,7 +79,7 @@ async def _completion(answer: Answer, completion_id: str, model: str) -> dict[st
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(parts)},
+                "message": {"role": "assistant", "content": text},
                 "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
             }
         ],
