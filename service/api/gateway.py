@@ -76,6 +76,7 @@ class Gateway:
             self.gate = self._run_gate(runtime.engine)
             if not self.gate.passed:
                 raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
+            self._warm_decode_graph(runtime.engine)
             self.asker = Asker(runtime.engine, runtime.store, runtime.embedder, runtime.collection)
             if self.settings.worker_in_process:
                 self._start_worker(runtime)
@@ -94,6 +95,23 @@ class Gateway:
         self.metrics.gate_diff.set(result.max_abs_logit_diff)
         log.info("start-up gate: max |logit diff| %.3e (tolerance %.1e)", result.max_abs_logit_diff, result.tolerance)
         return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance)
+
+    def _warm_decode_graph(self, engine: StitchEngine) -> None:
+        """Capture the CUDA-graph decode step for a typical request now, so the first user does not pay for it
+        (30-100 ms on an H200); other sizes are captured on first use."""
+        graphs = engine.decode_graphs
+        if graphs is None:
+            return
+        settings = self.settings
+        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens  # top-5 chunks, a question
+        start = time.perf_counter()
+        try:
+            with self.engine_lock:
+                graphs.warm(min(typical, engine.spec.max_context))
+        except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
+            log.exception("decode graph warm-up failed")
+            return
+        log.info("decode graph captured in %.0f ms", (time.perf_counter() - start) * 1e3)
 
     def _start_worker(self, runtime: Runtime) -> None:
         worker = runtime.worker(name="in-process", poll_ms=200)

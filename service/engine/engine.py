@@ -13,6 +13,7 @@ from enum import StrEnum
 
 import torch
 
+from service.engine.cuda_graph import DecodeGraph, DecodeGraphs, graphs_enabled
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
@@ -68,15 +69,31 @@ class _Stopwatch:
 
 
 class StitchEngine:
-    """One model, its template and the lean forward; stateless across requests except the prefix block."""
+    """One model, its template and the lean forward; stateless across requests except the prefix block
+    and, with CUDA graphs, the captured decode steps.
 
-    def __init__(self, model: LoadedModel, template: PromptTemplate | None = None) -> None:
+    `cuda_graphs`: decode through captured CUDA graphs (`cuda_graph.py`). None (default) turns them on wherever
+    the model is on CUDA: eager decode there is bound by kernel launches, and a graph is captured once per
+    capacity bucket (a few at most per server). False keeps the eager step; on the CPU it is always eager.
+    `graph_attention` picks the graph's attention ("auto", "flash_varlen" or "sdpa_mask").
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        template: PromptTemplate | None = None,
+        cuda_graphs: bool | None = None,
+        graph_attention: str = "auto",
+    ) -> None:
         self.model = model
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.forward = LeanForward(model)
         self.template = template or build_template(model.tokenizer)
         self._prefix_block: KVBlock | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs_enabled(cuda_graphs, self.spec.device):
+            self.decode_graphs = DecodeGraphs(self.forward, graph_attention)
 
     @property
     def prefix_block(self) -> KVBlock:
@@ -237,17 +254,36 @@ class GenerationStream:
     def _decode(self, buffer: KVBuffer, sampler: Sampler, first: int) -> Iterator[int]:
         """Yield accepted token ids (EOS excluded) until EOS, the token budget, or the consumer stops."""
         eos = set() if self._sampling.ignore_eos else self._engine.eos_ids()
+        graphs, graph = self._engine.decode_graphs, None
         token = first
-        while True:
-            self.result.token_ids.append(token)
-            if token in eos:
-                self.result.finish_reason = "stop"
-                return
-            yield token
-            if len(self.result.token_ids) == self._sampling.max_new_tokens:
-                return
-            position = torch.tensor([buffer.next_position])
-            token = sampler.pick(self._engine.forward.extend(buffer, [token], position))
+        try:
+            while True:
+                self.result.token_ids.append(token)
+                if token in eos:
+                    self.result.finish_reason = "stop"
+                    return
+                yield token
+                if len(self.result.token_ids) == self._sampling.max_new_tokens:
+                    return
+                if graphs is not None:
+                    # Leased at the first step that needs it, so one-token answers never copy the buffer; a
+                    # busy bucket (None) leaves this stream eager to the end.
+                    graph = graphs.lease(buffer.capacity)
+                    if graph is not None:
+                        graph.load(buffer)  # from here on the graph's buffer is the sequence's buffer
+                    graphs = None
+                token = self._step(buffer, graph, sampler, token)
+        finally:
+            if graph is not None and self._engine.decode_graphs is not None:
+                self._engine.decode_graphs.release(graph)
+
+    def _step(self, buffer: KVBuffer, graph: DecodeGraph | None, sampler: Sampler, token: int) -> int:
+        """One decode step: a graph replay when leased (argmax inside the graph when greedy), else eager."""
+        if graph is not None:
+            logits = graph.step(token)
+            return graph.greedy_token() if sampler.greedy else sampler.pick(logits)
+        position = torch.tensor([buffer.next_position])
+        return sampler.pick(self._engine.forward.extend(buffer, [token], position))
 
     def _prefill(self, watch: _Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
         engine, timings, extra = self._engine, self.result.timings, self._sampling.max_new_tokens

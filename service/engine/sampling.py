@@ -48,6 +48,11 @@ class Sampler:
             else:
                 self.generator.seed()
 
+    @property
+    def greedy(self) -> bool:
+        """Whether `pick` is a plain argmax (so a caller may take one computed elsewhere)."""
+        return self.generator is None
+
     def pick(self, logits: torch.Tensor) -> int:
         if self.generator is None:
             return int(torch.argmax(logits))
