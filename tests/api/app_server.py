@@ -32,27 +32,38 @@ def wait_ready(app: FastAPI) -> None:
 
 
 class LiveServer:
+    """The app under a real uvicorn server in a thread, on a socket bound here and handed over (no window for
+    another process to take the port); entering waits for /readyz and fails fast when start-up failed."""
+
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        host, self.port = self.listener.getsockname()
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.listener]}, name="live-server", daemon=True
+        )
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
+        gateway = gateway_of(self.app)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
+            assert self.thread.is_alive(), "the uvicorn server stopped while starting"
+            if gateway.startup_error is not None:
+                raise AssertionError(f"the gateway failed to start: {gateway.startup_error}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"the live server did not become ready: {gateway_of(self.app).readiness()}")
+        raise AssertionError(f"the live server did not become ready: {gateway.readiness()}")
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the uvicorn server did not stop"

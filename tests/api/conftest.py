@@ -3,6 +3,7 @@ Starlette's TestClient (httpx, lifespan included) or a real uvicorn server on a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,13 @@ def make_app(
     api_embedder: Embedder,
 ) -> MakeApp:
     """An app on a fresh data dir; keyword arguments override settings."""
+    apps = itertools.count()
 
     def make(**overrides: Any) -> FastAPI:
         settings = Settings(
-            model=str(tiny_model_dirs["qwen2"]), data_dir=tmp_path / "data", **{**API_SETTINGS, **overrides}
+            model=str(tiny_model_dirs["qwen2"]),
+            data_dir=tmp_path / f"data-{next(apps)}",  # embedded Qdrant: one app per folder
+            **{**API_SETTINGS, **overrides},
         )
         return create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=api_embedder)
 

@@ -11,9 +11,6 @@ Skipped only where Debian's chromium or chromedriver is absent (the README's set
 from __future__ import annotations
 
 import re
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,18 +18,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from app_server import LiveServer
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import Select, WebDriverWait
-
-from service.api.app import create_app
-from service.engine.engine import StitchEngine
-from service.retrieval.embedder import Embedder
-from service.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -47,19 +39,12 @@ pytestmark = [
 ]
 
 # Generous: two CPU cores load MiniLM, run the start-up gate, embed and precompute while Chromium runs too.
-READY_TIMEOUT_S = 300
 INGEST_TIMEOUT_S = 180
 ASK_TIMEOUT_S = 180
 
 PAGE_SETTINGS: dict[str, Any] = {
-    "device": "cpu",
-    "chunk_size": 48,
-    "chunk_overlap": 8,
-    "max_precompute_tokens": 256,
-    "gpu_cache_mb": 0,
-    "host_cache_mb": 4,
-    "disk_cache_mb": 512,
     "redis_url": None,  # embedded index, queue and in-process worker, whatever the environment says
+    "default_max_new_tokens": 256,
 }
 API_KEY = "page-test-key-0123"
 
@@ -107,72 +92,22 @@ return t.log.map(function (entry, i) {
 # ---------------------------------------------------------------------------------------------------- fixtures
 
 
-@dataclass
-class PageServer:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive(), "the uvicorn server did not stop"
-
-
-StartServer = Callable[..., PageServer]
+StartServer = Callable[..., LiveServer]
 
 
 @pytest.fixture
-def chat_page_server(
-    tmp_path: Path,
-    tiny_model_dirs: dict[str, Path],
-    get_engine: Callable[[str, str], StitchEngine],
-    api_embedder: Embedder,
-) -> Iterator[StartServer]:
-    """Starts a real uvicorn server on a free port (its own data dir) and waits until /readyz answers 200."""
-    started: list[PageServer] = []
+def chat_page_server(live_server: Callable[..., LiveServer]) -> Iterator[StartServer]:
+    """Starts real uvicorn servers (tests/api/app_server.py) with the page's settings; stops them afterwards."""
+    started: list[LiveServer] = []
 
-    def start(**overrides: Any) -> PageServer:
-        settings = Settings(
-            model=str(tiny_model_dirs["qwen2"]),
-            data_dir=tmp_path / f"data-{len(started)}",
-            **{**PAGE_SETTINGS, "api_key": None, **overrides},
-        )
-        app = create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=api_embedder)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))  # bound here and handed over: no window for another process to take it
-        host, port = listener.getsockname()
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="page-server", daemon=True)
-        thread.start()
-        page_server = PageServer(f"http://{host}:{port}", server, thread)
-        started.append(page_server)
-        _wait_ready(page_server)
-        return page_server
+    def start(**overrides: Any) -> LiveServer:
+        server = live_server(**{**PAGE_SETTINGS, "api_key": None, **overrides})
+        started.append(server.__enter__())
+        return server
 
     yield start
-    for page_server in reversed(started):
-        page_server.stop()
-
-
-def _wait_ready(page_server: PageServer) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        assert page_server.thread.is_alive(), f"the uvicorn server stopped while starting ({last})"
-        try:
-            reply = httpx.get(f"{page_server.url}/readyz", timeout=5)
-        except httpx.HTTPError as err:
-            last = f"{type(err).__name__}: {err}"
-        else:
-            if reply.status_code == 200:
-                return
-            last = reply.text
-            if "startup" in reply.json()["checks"] and reply.json()["checks"]["startup"] != "loading":
-                raise AssertionError(f"the gateway failed to start: {last}")
-        time.sleep(0.2)
-    raise AssertionError(f"/readyz did not answer 200 within {READY_TIMEOUT_S} s: {last}")
+    for server in reversed(started):
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture
