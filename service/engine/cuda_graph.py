@@ -1,14 +1,20 @@
-"""CUDA-graph decode: one captured decode step per KV capacity bucket, replayed with the token copied in.
+"""CUDA graphs for the whole request: the question prefill and every decode step, over one graph-owned buffer.
 
 Eager decode at 8K context on an H200 is bound by the CPU launching ~1,500 small kernels per token (22 ms of
-CPU for 6 ms of GPU work). A CUDA graph records those launches once and replays them with one call. A graph
-fixes every pointer and shape, so the captured step (`LeanForward.decode_static`) reads the token, its position
-and its slot from static device tensors, writes K/V into a buffer the graph owns, and attends over that
-buffer's whole capacity with the slots past the current length kept out on the device: no `.item()`, no Python
-branch on tensor values, no allocation whose size depends on the length.
+CPU for 6 ms of GPU work), and the 128-token question prefill the same way (~38 ms of CPU for 18 ms of GPU). A
+CUDA graph records those launches once and replays them with one call. A graph fixes every pointer and shape, so
+the captured code (`LeanForward.forward_static`) reads its token ids, positions and slots from static device
+tensors, writes K/V into a buffer the graph owns, and attends over that buffer's whole capacity with the slots
+past the live length kept out on the device: no `.item()`, no Python branch on tensor values, no allocation
+whose size depends on the length.
 
-A request's own buffer (stitched context + question) is copied into the graph's buffer once before its first
-decode step (470 MB at 8K context: ~0.2 ms device-to-device), so stitching and prefill stay as they are.
+One `DecodeGraph` per capacity bucket owns a KV buffer, the captured decode step, and prefill graphs for
+questions of bucketed lengths (`QUESTION_BUCKETS`), all over that one buffer: a request's chunks are stitched
+straight into it, its question prefilled there and its answer decoded there, so its KV is placed once. A
+question is padded at the end to its bucket; causal attention keeps real tokens blind to the padding, the
+padded slots' K/V past the live length are never attended (flash's `seqused_k` / the mask follow the live
+length) and the first decode steps overwrite them. A request whose stitched buffer was built elsewhere (the
+naive mode) is copied in once by `load`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +39,13 @@ FLASH_VARLEN = "flash_varlen"
 SDPA_MASK = "sdpa_mask"
 ATTENTION_BACKENDS = (FLASH_VARLEN, SDPA_MASK)
 MIN_BUCKET = 1024
+# Question lengths (tokens of the prefilled suffix) a prefill graph is captured for; longer questions prefill
+# eagerly into the graph's buffer. A 128-token question, the benchmarks' size, fills its bucket exactly.
+QUESTION_BUCKETS = (32, 64, 128, 256, 512)
+# A prefill's attention over the context is split into this many key ranges run side by side and merged by
+# their log-sum-exp (flash-decoding's split-KV): one range per head is only 28 thread blocks for 128 queries on
+# 132 SMs, and each walks the whole context alone (10 ms of a 16K prefill; see docs/benchmarks.md §8).
+PREFILL_KV_SPLITS = 8
 # Agreement between the two attention backends on the start-up probe: both are bf16 kernels with fp32
 # softmax; measured differences are a few bf16 ulps of outputs of size ~1, a wrong length is off by ~0.1.
 _PROBE_TOLERANCE = 2e-2
@@ -48,72 +62,192 @@ def bucket_capacity(tokens: int, max_context: int, minimum: int = MIN_BUCKET) ->
     return min(capacity, max_context)
 
 
+def question_bucket(tokens: int, buckets: Sequence[int] = QUESTION_BUCKETS) -> int | None:
+    """The smallest prefill-graph length holding a question of `tokens` tokens, or None when none does."""
+    if tokens <= 0:
+        raise ValueError("a question needs at least one token")
+    return next((b for b in sorted(buckets) if b >= tokens), None)
+
+
+def graph_tokens(context: int, question: int, extra: int, max_context: int) -> int:
+    """Slots a request's graph buffer must hold: context + question + answer budget, and at least context +
+    the question padded to its bucket (the prefill graph writes K/V for the padding too) where that fits the
+    model's context; where it does not, the question is prefilled eagerly in the graph's buffer."""
+    needed = context + question + extra
+    bucket = question_bucket(question)
+    if bucket is not None and context + bucket <= max_context:
+        needed = max(needed, context + bucket)
+    return needed
+
+
 # ---- attention over a full-capacity buffer ---------------------------------------------------------------
 
 
 def _sdpa_masked(mask: torch.Tensor) -> StaticAttend:
-    """SDPA with an additive mask [1, 1, 1, C] (0 for live slots, -inf past the length).
+    """SDPA with an additive mask (0 for visible slots, -inf elsewhere) over the whole capacity C.
 
-    The query heads of one KV group share their keys, so they go in as that group's G "query tokens":
-    q [1, Hkv, G, D] against k, v [1, Hkv, C, D] reads each key once and needs no GQA expansion.
+    The query heads of one KV group share their keys, so they go in as that group's G * T "query tokens":
+    q [1, Hkv, G * T, D] against k, v [1, Hkv, C, D] reads each key once and needs no GQA expansion. `mask` is
+    [1, 1, 1, C] for one query (broadcast) or [1, 1, G * T, C] (row g * T + t is query t's row).
     """
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        heads, kv_heads, dim = q.shape[1], keys.shape[0], q.shape[-1]
-        grouped = q.reshape(1, kv_heads, heads // kv_heads, dim)
+        tokens, heads, dim = q.shape
+        kv_heads = keys.shape[0]
+        group = heads // kv_heads
+        grouped = q.reshape(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
         out = F.scaled_dot_product_attention(grouped, keys.unsqueeze(0), values.unsqueeze(0), mask, scale=scale)
-        return out.reshape(1, 1, heads, dim)
+        return out.view(kv_heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, heads, dim)
 
     return attend
 
 
-def _flash_varlen(cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, capacity: int) -> StaticAttend:
+def _flash_varlen(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, tokens: int, capacity: int
+) -> StaticAttend:
     """flash-attention's variable-length kernel with `seqused_k`: only the live keys are read at all.
 
+    With several queries it runs causal, which flash aligns to the bottom-right corner of the *used* keys:
+    query t sees keys 0 .. used - tokens + t, i.e. the context and the question up to itself.
     `torch.ops.aten._flash_attention_forward` is a private op; `resolve_attention` checks it against the SDPA
-    path on the device before a graph uses it, and falls back when it is missing or disagrees.
+    path on the device (one query and several) before a graph uses it, and falls back when it is missing or
+    disagrees.
     """
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        heads, dim = q.shape[1], q.shape[-1]
-        out = torch.ops.aten._flash_attention_forward(
-            q.reshape(1, heads, dim),
+        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+            q,
             keys.transpose(0, 1),
             values.transpose(0, 1),
             cu_q,
             cu_k,
-            1,
+            tokens,
             capacity,
             0.0,
-            False,
+            tokens > 1,
             False,
             scale=scale,
             seqused_k=used,
         )[0]
-        result: torch.Tensor = out.reshape(1, 1, heads, dim)
-        return result
+        return out
+
+    return attend
+
+
+def _flash(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash varlen over keys/values [total_k, Hkv, D]; returns the output [total_q, H, D] and its fp32 log-sum-exp."""
+    result = torch.ops.aten._flash_attention_forward(
+        q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    return result[0], result[1]
+
+
+def _lse_rows(lse: torch.Tensor, parts: int, tokens: int, heads: int) -> torch.Tensor:
+    """flash's log-sum-exp as [parts, tokens, heads], whichever layout this build returns: [heads, total_q]
+    (newer flash-attention) or [batch, heads, max_q] (older). An empty key range reports +inf with a zero
+    output; it must weigh nothing, so it becomes -inf."""
+    flat = lse.dim() == 2
+    rows = lse.view(heads, parts, tokens).permute(1, 2, 0) if flat else lse[:, :, :tokens].permute(0, 2, 1)
+    return rows.masked_fill(rows == float("inf"), float("-inf"))
+
+
+def _flash_split(
+    cu_parts: torch.Tensor,
+    cu_context: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_own: torch.Tensor,
+    tokens: int,
+    capacity: int,
+    splits: int,
+) -> StaticAttend:
+    """A prefill's attention as `splits` non-causal context ranges plus the causal question-over-itself part,
+    each a flash varlen "sequence" of the same call shape, merged by log-sum-exp in fp32.
+
+    `cu_context` [splits + 1] holds the range boundaries over slots 0..start (the live context), `cu_own`
+    [start, start + tokens] the question's own slots; both are computed inside the graph from the slots.
+    """
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        heads, dim = q.shape[1], q.shape[2]
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)
+        repeated = q.unsqueeze(0).expand(splits, tokens, heads, dim).reshape(splits * tokens, heads, dim)
+        context_out, context_lse = _flash(repeated, k, v, cu_parts, cu_context, tokens, capacity, False, scale)
+        own_out, own_lse = _flash(q, k, v, cu_q, cu_own, tokens, tokens, True, scale)
+        lse = torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads)))
+        # The question's own part always has a key (itself), so the maximum is finite.
+        weights = torch.exp(lse - lse.amax(dim=0, keepdim=True)).unsqueeze(-1)  # [parts, T, H, 1]
+        outs = torch.cat((context_out.view(splits, tokens, heads, dim), own_out.view(1, tokens, heads, dim)))
+        merged = (outs.float() * weights).sum(dim=0) / weights.sum(dim=0)
+        return merged.to(q.dtype)
 
     return attend
 
 
 class _LengthInputs:
-    """Device tensors that tell the attention how many slots are live, derived from the slot inside the graph."""
+    """Device tensors that tell the attention which slots are live, derived from the slots inside the graph."""
 
-    def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, capacity: int, tokens: int = 1, kv_splits: int = 1) -> None:
+        device = spec.device
         self.capacity = capacity
-        self.dtype = dtype
+        self.tokens = tokens
+        self.kv_splits = kv_splits if tokens > 1 else 1
+        self.group = spec.num_heads // spec.num_kv_heads
+        self.dtype = spec.dtype
         self.arange = torch.arange(capacity, device=device)
-        self.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        self.cu_q = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         self.cu_k = torch.tensor([0, capacity], dtype=torch.int32, device=device)
+        self.splits = torch.arange(self.kv_splits + 1, device=device)
+        self.cu_parts = (self.splits * tokens).to(torch.int32)
 
-    def attend_for(self, backend: str, slot: torch.Tensor) -> StaticAttend:
-        """Build the attention for a step writing at `slot` [1]; slots 0..slot are live."""
+    def attend_for(self, backend: str, slots: torch.Tensor) -> StaticAttend:
+        """The attention for `tokens` queries written at contiguous `slots` [T]: query t sees slots 0..slots[t]."""
+        if backend == FLASH_VARLEN and self.kv_splits > 1:
+            start = slots[:1]
+            cu_context = torch.div(start * self.splits, self.kv_splits, rounding_mode="floor").to(torch.int32)
+            cu_own = torch.cat((start, slots[-1:] + 1)).to(torch.int32)
+            return _flash_split(
+                self.cu_parts, cu_context, self.cu_q, cu_own, self.tokens, self.capacity, self.kv_splits
+            )
         if backend == FLASH_VARLEN:
-            used = (slot + 1).to(torch.int32)
-            return _flash_varlen(self.cu_q, self.cu_k, used, self.capacity)
-        live = self.arange <= slot
-        mask = torch.zeros(self.capacity, dtype=self.dtype, device=slot.device).masked_fill(~live, float("-inf"))
-        return _sdpa_masked(mask.view(1, 1, 1, -1))
+            used = (slots[-1:] + 1).to(torch.int32)
+            return _flash_varlen(self.cu_q, self.cu_k, used, self.tokens, self.capacity)
+        visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=slots.device).masked_fill(~visible, float("-inf"))
+        if self.tokens == 1:
+            return _sdpa_masked(mask.view(1, 1, 1, -1))
+        # One mask per replay (not per layer), repeated for the G query heads of a group stacked as rows.
+        return _sdpa_masked(mask.repeat(self.group, 1).unsqueeze(0).unsqueeze(0))
+
+
+_SPLITS_PROBED: dict[tuple[str, torch.dtype, int, int, int], int] = {}
+
+
+def prefill_kv_splits(spec: ModelSpec, attention: str) -> int:
+    """Key-range splits a flash prefill graph uses: PREFILL_KV_SPLITS when the split path runs and agrees with
+    masked SDPA on the probe (empty ranges included), else 1 (one causal flash call); probed once per shape."""
+    if attention != FLASH_VARLEN:
+        return 1
+    key = (str(spec.device), spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if key not in _SPLITS_PROBED:
+        try:
+            diff = _probe_flash(spec, PREFILL_KV_SPLITS)
+        except Exception as err:  # a refusing private op only means "one range"
+            log.info("split-KV flash prefill unavailable (%s); one causal call", err)
+            diff = float("inf")
+        if not diff <= _PROBE_TOLERANCE:
+            log.warning("split-KV flash prefill differs from SDPA by %.4f; one causal call", diff)
+        _SPLITS_PROBED[key] = PREFILL_KV_SPLITS if diff <= _PROBE_TOLERANCE else 1
+    return _SPLITS_PROBED[key]
 
 
 def resolve_attention(spec: ModelSpec, requested: str = "auto") -> str:
@@ -137,29 +271,125 @@ def resolve_attention(spec: ModelSpec, requested: str = "auto") -> str:
 
 
 @torch.inference_mode()
-def _probe_flash(spec: ModelSpec, capacity: int = 512, live: int = 300) -> float:
-    """Largest |flash-varlen - masked SDPA| on random data whose dead tail holds huge values."""
+def _probe_flash(spec: ModelSpec, kv_splits: int = 1, capacity: int = 512) -> float:
+    """Largest |flash-varlen - masked SDPA| on random data whose dead tail holds huge values, for one query (a
+    decode step) and for several causal queries (a prefill, with `kv_splits` context ranges; a short context
+    leaves some ranges empty); q is a strided slice as in `forward_static`."""
     generator = torch.Generator(device=spec.device).manual_seed(0)
-    dev, d = spec.device, spec.head_dim
-    q = torch.randn((1, spec.num_heads, 1, d), generator=generator, device=dev).to(spec.dtype)
-    kv = torch.randn((2, spec.num_kv_heads, capacity, d), generator=generator, device=dev).to(spec.dtype)
-    kv[:, :, live:] = 1e4
-    inputs = _LengthInputs(capacity, dev, spec.dtype)
-    slot = torch.tensor([live - 1], device=dev)
-    scale = d**-0.5
-    flash = inputs.attend_for(FLASH_VARLEN, slot)(q, kv[0], kv[1], scale)
-    sdpa = inputs.attend_for(SDPA_MASK, slot)(q, kv[0], kv[1], scale)
-    return float((flash.float() - sdpa.float()).abs().max())
+    dev, d, heads = spec.device, spec.head_dim, spec.num_heads
+    worst = 0.0
+    for tokens, live in ((1, 300), (5, 300), (5, 8)):
+        kv = torch.randn((2, spec.num_kv_heads, capacity, d), generator=generator, device=dev).to(spec.dtype)
+        kv[:, :, live:] = 1e4
+        wide = torch.randn((tokens, heads + spec.num_kv_heads, d), generator=generator, device=dev).to(spec.dtype)
+        q = wide[:, :heads]
+        inputs = _LengthInputs(spec, capacity, tokens, kv_splits)
+        slots = torch.arange(live - tokens, live, device=dev)
+        flash = inputs.attend_for(FLASH_VARLEN, slots)(q, kv[0], kv[1], d**-0.5)
+        sdpa = inputs.attend_for(SDPA_MASK, slots)(q, kv[0], kv[1], d**-0.5)
+        worst = max(worst, float((flash.float() - sdpa.float()).abs().max()))
+    return worst
 
 
-# ---- one captured step ----------------------------------------------------------------------------------
+def _capture(graph: torch.cuda.CUDAGraph, run: Callable[[], Any], device: torch.device, pool: Any) -> Any:
+    """Warm `run` up on a side stream (cuBLAS handles and workspaces, lazy kernel loading must not happen
+    inside the capture), then capture it into `graph`; returns the captured run's outputs (static tensors)."""
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    torch.cuda.synchronize(device)
+    return outputs
+
+
+# ---- captured graphs ------------------------------------------------------------------------------------
+
+
+class PrefillGraph:
+    """A captured prefill of `tokens` question tokens (real ones first, padding after) over a graph's buffer.
+
+    Static inputs live in one device tensor filled by one pinned host-to-device copy per replay: the padded ids,
+    the first token's position and slot, and the index of the last real token, whose logits alone are computed
+    (gathered inside the graph before the final norm and the LM head).
+    """
+
+    def __init__(
+        self,
+        forward: LeanForward,
+        data: torch.Tensor,
+        capacity: int,
+        tokens: int,
+        attention: str,
+        pool: Any,
+        kv_splits: int | None = None,
+    ) -> None:
+        spec = forward.spec
+        if tokens > capacity:
+            raise ValueError(f"a prefill of {tokens} tokens does not fit a buffer of {capacity} slots")
+        self.tokens = tokens
+        self.capacity = capacity
+        self._forward = forward
+        self._attention = attention
+        self._data = data
+        # `kv_splits` None: the probed choice (benchmarks force 1 to measure what the split brings).
+        self.kv_splits = prefill_kv_splits(spec, attention) if kv_splits is None else kv_splits
+        self._lengths = _LengthInputs(spec, capacity, tokens, self.kv_splits)
+        self._offsets = torch.arange(tokens, device=spec.device)
+        # [ids..., start position, start slot, last real index]; pinned so the copy is asynchronous DMA.
+        self._host = torch.zeros(tokens + 3, dtype=torch.long, pin_memory=True)
+        self._inputs = torch.zeros(tokens + 3, dtype=torch.long, device=spec.device)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._graph = torch.cuda.CUDAGraph()
+        # Capture at the buffer's last slots: a bucket's graph may be captured while a request's context is
+        # already in the buffer, and context + tokens <= capacity keeps the tail clear of it.
+        self._fill([0] * tokens, capacity - tokens, capacity - tokens, tokens)
+        start = time.perf_counter()
+        self._logits: torch.Tensor = _capture(self._graph, self._run, spec.device, pool)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+
+    def _run(self) -> torch.Tensor:
+        n = self.tokens
+        ids = self._inputs[:n].view(1, n)
+        positions = self._inputs[n] + self._offsets
+        slots = self._inputs[n + 1] + self._offsets
+        last = self._inputs[n + 2 :]
+        attend = self._lengths.attend_for(self._attention, slots)
+        return self._forward.forward_static(self._data, ids, positions, slots, attend, last)
+
+    def _fill(self, question: Sequence[int], position: int, slot: int, real: int) -> None:
+        n = self.tokens
+        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
+        self._copied.synchronize()
+        self._host[: len(question)] = torch.tensor(list(question), dtype=torch.long)
+        self._host[len(question) : n] = 0  # padding: any valid id; its K/V land past the live length
+        self._host[n], self._host[n + 1], self._host[n + 2] = position, slot, real - 1
+        with torch.inference_mode():
+            self._inputs.copy_(self._host, non_blocking=True)
+        self._copied.record()
+
+    def replay(self, question: Sequence[int], position: int, slot: int) -> torch.Tensor:
+        """Prefill `question` (at most `tokens` ids) at `position`.. and slots `slot`..; returns the static fp32
+        logits [vocab] of its last token (overwritten by the next replay of any graph sharing the memory pool)."""
+        if not 0 < len(question) <= self.tokens:
+            raise ValueError(f"a question of {len(question)} tokens does not fit a prefill graph of {self.tokens}")
+        if slot + self.tokens > self.capacity:
+            raise ValueError(f"slots {slot}..{slot + self.tokens} exceed the buffer's {self.capacity}")
+        self._fill(question, position, slot, len(question))
+        self._graph.replay()
+        return self._logits
 
 
 class DecodeGraph:
-    """A captured decode step over a KV buffer of fixed `capacity`, owned by the graph.
+    """A KV buffer of fixed `capacity` owned by the graphs captured over it: one decode step, and a prefill
+    graph per question bucket (captured on first use or by `DecodeGraphs.warm`).
 
-    Use: `load(request_buffer)` once, then `step(token)` per output token (fp32 logits [vocab], static: read
-    before the next step) and `greedy_token()` for the argmax computed inside the graph.
+    Use: stitch a request into `buffer` and `prefill(question)`, or `load(request_buffer)`; then `step(token)`
+    per output token (fp32 logits [vocab], static: read before the next step) and `greedy_token()` for the argmax
+    computed inside the graph.
     """
 
     def __init__(
@@ -176,6 +406,7 @@ class DecodeGraph:
         self.capacity = capacity
         self.attention = resolve_attention(spec, attention)
         self._forward = forward
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.buffer = KVBuffer(spec, capacity)
         # Masked SDPA multiplies dead slots' values by a zero weight: they must be finite (0 * NaN is NaN), and
         # fresh memory may hold NaN bit patterns. Later tenants only ever leave finite model outputs there.
@@ -185,31 +416,20 @@ class DecodeGraph:
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._position = torch.zeros(1, dtype=torch.long, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
-        self._lengths = _LengthInputs(capacity, device, spec.dtype)
+        self._lengths = _LengthInputs(spec, capacity)
         self._graph = torch.cuda.CUDAGraph()
+        self._prefills: dict[int, PrefillGraph] = {}
+        self.prefill_capture_ms: dict[int, float] = {}
         start = time.perf_counter()
-        self._logits, self._next = self._capture(pool)
+        # Writes land at slot 0 of the graph's own buffer before any request owns it.
+        outputs: tuple[torch.Tensor, torch.Tensor] = _capture(self._graph, self._run, device, self._pool)
+        self._logits, self._next = outputs
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         attend = self._lengths.attend_for(self.attention, self._slot)
         logits = self._forward.decode_static(self.buffer.data, self._ids, self._position, self._slot, attend)
         return logits, torch.argmax(logits)
-
-    def _capture(self, pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.spec.device
-        # Warm-up on a side stream first (cuBLAS handles and workspaces, lazy kernel loading must not happen
-        # inside the capture). Writes land at slot 0 of the graph's own buffer, which `load` overwrites.
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):
-                self._run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        with torch.inference_mode(), torch.cuda.graph(self._graph, pool=pool):
-            outputs = self._run()
-        torch.cuda.synchronize(device)
-        return outputs
 
     def load(self, source: KVBuffer) -> None:
         """Take over a request's buffer: copy its live tokens and length into the graph's buffer."""
@@ -220,6 +440,31 @@ class DecodeGraph:
             self.buffer.data[:, :, :, :n].copy_(source.data[:, :, :, :n])
         self.buffer.truncate(0, 0)
         self.buffer.commit(n, source.next_position)
+
+    def prefill_graph(self, tokens: int) -> PrefillGraph:
+        """The prefill graph for questions of up to `tokens` tokens (a bucket), captured now if missing."""
+        graph = self._prefills.get(tokens)
+        if graph is None:
+            graph = PrefillGraph(self._forward, self.buffer.data, self.capacity, tokens, self.attention, self._pool)
+            self._prefills[tokens] = graph
+            self.prefill_capture_ms[tokens] = graph.capture_ms
+            log.info(
+                "captured the %d-token prefill graph over %d slots in %.0f ms", tokens, self.capacity, graph.capture_ms
+            )
+        return graph
+
+    def prefill(self, question: Sequence[int]) -> torch.Tensor | None:
+        """Prefill `question` after the buffer's live tokens through its bucket's graph; returns the static
+        logits of its last token, or None (nothing done) when no bucket holds it or the padding has no room."""
+        bucket = question_bucket(len(question))
+        if bucket is None or self.buffer.length + bucket > self.capacity:
+            return None
+        graph = self.prefill_graph(bucket)
+        slot, position = self.buffer.length, self.buffer.next_position
+        logits = graph.replay(question, position, slot)
+        # Live length = context + real question; the padding's K/V beyond it are overwritten by decode steps.
+        self.buffer.commit(len(question), position + len(question))
+        return logits
 
     def step(self, token: int) -> torch.Tensor:
         """Decode `token` at the buffer's next slot and position; returns the static fp32 logits [vocab]."""
@@ -242,7 +487,7 @@ class DecodeGraphs:
     """Graphs cached by capacity bucket, leased to one stream at a time; at most `max_graphs` are kept.
 
     Each graph holds a KV buffer of its capacity (940 MB at 16K for a 7B model), hence the cap. A bucket whose
-    graph is leased gives None, and that stream decodes eagerly: never wrong, only slower.
+    graph is leased gives None, and that stream runs eagerly: never wrong, only slower.
     """
 
     def __init__(self, forward: LeanForward, attention: str = "auto", max_graphs: int = 4) -> None:
@@ -259,6 +504,13 @@ class DecodeGraphs:
     def capacity_for(self, tokens: int) -> int:
         return bucket_capacity(tokens, self._forward.spec.max_context)
 
+    @property
+    def prefill_capture_ms(self) -> dict[tuple[int, int], float]:
+        """Capture time of every prefill graph kept, by (capacity, question bucket)."""
+        with self._lock:
+            graphs = list(self._graphs.items())
+        return {(c, t): ms for c, g in graphs for t, ms in g.prefill_capture_ms.items()}
+
     def lease(self, tokens: int) -> DecodeGraph | None:
         """A free graph whose capacity holds `tokens` slots, captured now if its bucket has none."""
         capacity = self.capacity_for(tokens)
@@ -274,12 +526,18 @@ class DecodeGraphs:
         with self._lock:
             self._leased.discard(graph.capacity)
 
-    def warm(self, tokens: int) -> DecodeGraph:
-        """Capture (or find) the graph for `tokens` slots ahead of traffic, e.g. at server start-up."""
+    def warm(self, tokens: int, questions: Sequence[int] = QUESTION_BUCKETS) -> DecodeGraph:
+        """Capture (or find) the graphs for `tokens` slots ahead of traffic, e.g. at server start-up: the decode
+        step and the prefill of every question bucket in `questions` that fits the capacity."""
         graph = self.lease(tokens)
         if graph is None:
             raise RuntimeError("that bucket's graph is in use")
-        self.release(graph)
+        try:
+            for bucket in questions:
+                if bucket <= graph.capacity:
+                    graph.prefill_graph(bucket)
+        finally:
+            self.release(graph)
         return graph
 
     def _capture(self, capacity: int) -> DecodeGraph:
@@ -308,9 +566,15 @@ def graphs_enabled(option: bool | None, device: torch.device) -> bool:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "PREFILL_KV_SPLITS",
+    "QUESTION_BUCKETS",
     "DecodeGraph",
     "DecodeGraphs",
+    "PrefillGraph",
     "bucket_capacity",
+    "graph_tokens",
     "graphs_enabled",
+    "prefill_kv_splits",
+    "question_bucket",
     "resolve_attention",
 ]

@@ -13,7 +13,7 @@ from enum import StrEnum
 
 import torch
 
-from service.engine.cuda_graph import DecodeGraph, DecodeGraphs, graphs_enabled
+from service.engine.cuda_graph import DecodeGraph, DecodeGraphs, graph_tokens, graphs_enabled
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
@@ -72,9 +72,11 @@ class StitchEngine:
     """One model, its template and the lean forward; stateless across requests except the prefix block
     and, with CUDA graphs, the captured decode steps.
 
-    `cuda_graphs`: decode through captured CUDA graphs (`cuda_graph.py`). None (default) turns them on wherever
-    the model is on CUDA: eager decode there is bound by kernel launches, and a graph is captured once per
-    capacity bucket (a few at most per server). False keeps the eager step; on the CPU it is always eager.
+    `cuda_graphs`: prefill the question and decode through captured CUDA graphs (`cuda_graph.py`). None
+    (default) turns them on wherever the model is on CUDA: eager prefill and decode there are bound by kernel
+    launches, and graphs are captured once per capacity bucket (and question bucket; a few at most per server).
+    The turbo mode then stitches straight into the graph's buffer; the naive mode prefills eagerly and decodes
+    through the graph. False keeps everything eager; on the CPU it is always eager.
     `graph_attention` picks the graph's attention ("auto", "flash_varlen" or "sdpa_mask").
     """
 
@@ -129,25 +131,65 @@ class StitchEngine:
         positions: PositionMode | str,
         room: int,
         chunk_ready: Sequence[BlockReady | None] | None = None,
+        into: KVBuffer | None = None,
     ) -> tuple[KVBuffer, StitchPlan]:
         """A buffer holding prefix + chunk blocks at their planned positions, with `room` free slots after.
 
         `chunk_ready` (one entry per chunk block, e.g. a KV cache fetch's `ready`) is called just before each
-        block is placed, so blocks still being copied to the device are waited for one by one.
+        block is placed, so blocks still being copied to the device are waited for one by one. `into` reuses a
+        buffer (a leased graph's) instead of allocating one; whatever it held is dropped.
         """
         blocks = [self.prefix_block, *chunk_kv]
         for block in blocks:
             check_block(self.spec, block)
         ready = None if chunk_ready is None else [None, *_ready_for(chunk_kv, chunk_ready)]
         plan = plan_positions(positions, [b.num_tokens for b in blocks])
-        buffer = KVBuffer(self.spec, plan.context_tokens + room)
+        if into is None:
+            buffer = KVBuffer(self.spec, plan.context_tokens + room)
+        elif into.capacity < plan.context_tokens + room:
+            raise ValueError(f"a buffer of {into.capacity} slots cannot hold {plan.context_tokens} + {room}")
+        else:
+            buffer = into
+            buffer.truncate(0, 0)
         stitch_into(buffer, self.forward.rotary, blocks, plan, ready)
         return buffer, plan
 
-    def prefill_question(self, buffer: KVBuffer, question: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Run only the question against a stitched buffer, at its true index."""
+    def prefill_question(
+        self,
+        buffer: KVBuffer,
+        question: Sequence[int],
+        all_logits: bool = False,
+        graph: DecodeGraph | None = None,
+    ) -> torch.Tensor:
+        """Run only the question against a stitched buffer, at its true index.
+
+        With `graph` (leased, and `buffer` being its buffer) the question runs through its bucket's prefill
+        graph where one holds it, else eagerly in the same buffer.
+        """
+        if graph is not None and not all_logits:
+            if buffer is not graph.buffer:
+                raise ValueError("a graph prefill needs the question's context stitched into the graph's buffer")
+            logits = graph.prefill(question)
+            if logits is not None:
+                # A copy: the static output may share pool memory with the decode step's scratch (~0.6 MB).
+                return logits.clone()
         start = buffer.next_position
         return self.forward.extend(buffer, question, torch.arange(start, start + len(question)), all_logits)
+
+    def lease_graph(self, context_tokens: int, question_tokens: int, extra_tokens: int) -> DecodeGraph | None:
+        """A CUDA graph (and its buffer) for a turbo request, or None: graphs off, the bucket's graph busy
+        with another stream, or a sequence longer than the model's context (the eager path reports that).
+        Hand it back with `release_graph` when the request is done."""
+        if self.decode_graphs is None:
+            return None
+        tokens = graph_tokens(context_tokens, question_tokens, extra_tokens, self.spec.max_context)
+        if tokens > self.spec.max_context:
+            return None
+        return self.decode_graphs.lease(tokens)
+
+    def release_graph(self, graph: DecodeGraph) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.release(graph)
 
     def prefill_stitched(
         self,
@@ -157,10 +199,16 @@ class StitchEngine:
         extra_tokens: int = 0,
         all_logits: bool = False,
         chunk_ready: Sequence[BlockReady | None] | None = None,
+        graph: DecodeGraph | None = None,
     ) -> tuple[KVBuffer, torch.Tensor, StitchPlan]:
-        """Stitch prefix + chunk blocks, then run only the question; returns buffer, logits and plan."""
-        buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens, chunk_ready)
-        return buffer, self.prefill_question(buffer, question, all_logits), plan
+        """Stitch prefix + chunk blocks, then run only the question; returns buffer, logits and plan.
+
+        With a leased `graph` (see `lease_graph`) the blocks are stitched into its buffer and the question
+        prefilled through its graph: the buffer returned is then the graph's, valid while the lease lasts.
+        """
+        into = graph.buffer if graph is not None else None
+        buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens, chunk_ready, into)
+        return buffer, self.prefill_question(buffer, question, all_logits, graph), plan
 
     def prefill_naive(
         self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
@@ -228,9 +276,18 @@ class GenerationStream:
         self._positions = positions
         self._chunk_kv = chunk_kv
         self._chunk_ready = chunk_ready
+        self._graph: DecodeGraph | None = None  # leased for the whole request; its buffer is the request's
         self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
 
     def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._generate()
+        finally:
+            if self._graph is not None:
+                self._engine.release_graph(self._graph)
+                self._graph = None
+
+    def _generate(self) -> Iterator[str]:
         engine, timings = self._engine, self.result.timings
         watch = _Stopwatch(engine.spec.device)
         buffer, logits = self._prefill(watch)
@@ -254,28 +311,26 @@ class GenerationStream:
     def _decode(self, buffer: KVBuffer, sampler: Sampler, first: int) -> Iterator[int]:
         """Yield accepted token ids (EOS excluded) until EOS, the token budget, or the consumer stops."""
         eos = set() if self._sampling.ignore_eos else self._engine.eos_ids()
-        graphs, graph = self._engine.decode_graphs, None
+        # A turbo request already holds its graph (its buffer is the graph's); a naive one leases at the first
+        # step that needs it, so one-token answers never copy the buffer. None (graphs off or the bucket busy)
+        # decodes eagerly to the end.
+        graphs = self._engine.decode_graphs if self._graph is None else None
+        graph = self._graph
         token = first
-        try:
-            while True:
-                self.result.token_ids.append(token)
-                if token in eos:
-                    self.result.finish_reason = "stop"
-                    return
-                yield token
-                if len(self.result.token_ids) == self._sampling.max_new_tokens:
-                    return
-                if graphs is not None:
-                    # Leased at the first step that needs it, so one-token answers never copy the buffer; a
-                    # busy bucket (None) leaves this stream eager to the end.
-                    graph = graphs.lease(buffer.capacity)
-                    if graph is not None:
-                        graph.load(buffer)  # from here on the graph's buffer is the sequence's buffer
-                    graphs = None
-                token = self._step(buffer, graph, sampler, token)
-        finally:
-            if graph is not None and self._engine.decode_graphs is not None:
-                self._engine.decode_graphs.release(graph)
+        while True:
+            self.result.token_ids.append(token)
+            if token in eos:
+                self.result.finish_reason = "stop"
+                return
+            yield token
+            if len(self.result.token_ids) == self._sampling.max_new_tokens:
+                return
+            if graphs is not None:
+                graph = self._graph = graphs.lease(buffer.capacity)
+                if graph is not None:
+                    graph.load(buffer)  # from here on the graph's buffer is the sequence's buffer
+                graphs = None
+            token = self._step(buffer, graph, sampler, token)
 
     def _step(self, buffer: KVBuffer, graph: DecodeGraph | None, sampler: Sampler, token: int) -> int:
         """One decode step: a graph replay when leased (argmax inside the graph when greedy), else eager."""
@@ -295,8 +350,13 @@ class GenerationStream:
         if chunk_kv is None:
             chunk_kv = engine.precompute(self._prompt.blocks) if self._prompt.blocks else []
             timings.precompute_ms = watch.lap_ms()
-        buffer, _ = engine.stitch(chunk_kv, self._positions, len(self._prompt.question) + extra, self._chunk_ready)
+        question = self._prompt.question
+        # With graphs the chunks are stitched straight into the leased graph's buffer, so the question prefill
+        # graph and the decode graph find the context where they read it: no copy of the request's KV.
+        graph = self._graph = engine.lease_graph(self._prompt.context_tokens, len(question), extra)
+        into = graph.buffer if graph is not None else None
+        buffer, _ = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
         timings.stitch_ms = watch.lap_ms()
-        logits = engine.prefill_question(buffer, self._prompt.question)
+        logits = engine.prefill_question(buffer, question, graph=graph)
         timings.prefill_ms = watch.lap_ms()
         return buffer, logits

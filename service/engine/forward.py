@@ -20,8 +20,9 @@ from service.engine.kv_layout import KEYS, VALUES, KVBlock
 from service.engine.model import LoadedModel
 from service.engine.rotary import Rotary
 
-# Attention of one decode query q [1, Hq, 1, D] over one layer's full-capacity keys and values [Hkv, C, D] with
-# `scale`; returns [1, 1, Hq, D]. The caller decides how slots past the current length are kept out.
+# Attention of T queries q [T, Hq, D] (rotated, written at contiguous slots) over one layer's full-capacity keys
+# and values [Hkv, C, D] with `scale`; returns [T, Hq, D]. The caller decides which slots each query sees (the
+# live context and, causally, the queries up to itself).
 StaticAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -122,7 +123,7 @@ class LeanForward:
         logits = self._logits(hidden if all_logits else hidden[:, -1:])
         return logits[0] if all_logits else logits[0, -1]
 
-    # ---- one decode step of fixed shape (CUDA graphs) ----------------------------------------------------
+    # ---- fixed-shape steps (CUDA graphs) ------------------------------------------------------------------
 
     @torch.inference_mode()
     def decode_static(
@@ -133,37 +134,56 @@ class LeanForward:
         slot: torch.Tensor,
         attend: StaticAttend,
     ) -> torch.Tensor:
-        """One token through every layer with all inputs in device tensors; returns fp32 logits [vocab].
+        """One decode token (`ids` [1, 1], `positions` and `slot` [1]) through `forward_static`; fp32 logits."""
+        return self.forward_static(data, ids, positions, slot, attend)
 
-        `data` is a KV buffer's storage `[layers, 2, kv_heads, capacity, head_dim]`, `ids` [1, 1] the token,
-        `positions` [1] its rotary position and `slot` [1] where its keys and values are written. Nothing here
-        reads a tensor on the host, branches on a value or sizes anything by the length, so a CUDA graph can
-        capture it once and replay it at any length. Same modules and weights as `extend`, with fewer kernels,
-        since inside a graph each small kernel still costs ~2 us and 50 per layer were half the step: q/k/v and
-        gate/up run as one matmul each, RMSNorm as one fused kernel, q and k are rotated together, and o_proj
-        and down_proj add the residual in their epilogue. The results agree with `extend` to bf16 rounding.
+    @torch.inference_mode()
+    def forward_static(
+        self,
+        data: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        attend: StaticAttend,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """T tokens through every layer with all inputs in device tensors; returns fp32 logits [vocab] of the
+        token at index `last` [1] (default: the last one).
+
+        `data` is a KV buffer's storage `[layers, 2, kv_heads, capacity, head_dim]`, `ids` [1, T] the tokens,
+        `positions` [T] their rotary positions and `slots` [T] where their keys and values are written. Nothing
+        here reads a tensor on the host, branches on a value or sizes anything by the length, so a CUDA graph can
+        capture it once and replay it at any length (a decode step is T = 1, a question prefill T = its bucket).
+        Same modules and weights as `extend`, with fewer kernels, since inside a graph each small kernel still
+        costs ~2 us and 50 per layer were half a decode step: q/k/v and gate/up run as one matmul each, RMSNorm
+        as one fused kernel, q and k are rotated together, and o_proj and down_proj add the residual in their
+        epilogue. The results agree with `extend` to bf16 rounding.
         """
         s = self.spec
         nq, nkv, d, half = s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim // 2
+        tokens = ids.shape[1]
         cos, sin = self.rotary.cos_sin(positions)
         # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one roll, no neg + cat per layer.
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        hidden = self.decoder.embed_tokens(ids)[0]
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+        cos = cos.unsqueeze(1)
+        hidden = self.decoder.embed_tokens(ids)[0]  # [T, hidden]
         for index, layer in enumerate(self.layers):
             fused = self._decode_weights(index)
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
-            qkv = qkv.view(nq + 2 * nkv, d)
-            qk = qkv[: nq + nkv].float()
+            qkv = qkv.view(tokens, nq + 2 * nkv, d)
+            qk = qkv[:, : nq + nkv].float()
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), signed_sin).to(hidden.dtype)
             keys, values = data[index, KEYS], data[index, VALUES]
-            keys.index_copy_(1, slot, qk[nq:].unsqueeze(1))
-            values.index_copy_(1, slot, qkv[nq + nkv :].unsqueeze(1))
-            out = attend(qk[:nq].view(1, nq, 1, d), keys, values, layer.self_attn.scaling)
-            hidden = _linear_plus(layer.self_attn.o_proj, out.reshape(1, -1), hidden)
+            keys.index_copy_(1, slots, qk[:, nq:].transpose(0, 1))
+            values.index_copy_(1, slots, qkv[:, nq + nkv :].transpose(0, 1))
+            out = attend(qk[:, :nq], keys, values, layer.self_attn.scaling)
+            hidden = _linear_plus(layer.self_attn.o_proj, out.reshape(tokens, -1), hidden)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = _linear_plus(layer.mlp.down_proj, layer.mlp.act_fn(gate) * up, hidden)
+        if last is not None:
+            hidden = hidden.index_select(0, last)  # only the wanted token goes through the norm and the LM head
         return self._logits(hidden.unsqueeze(0))[0, -1]
 
     def _decode_weights(self, index: int) -> _DecodeWeights:

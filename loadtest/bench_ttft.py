@@ -1,0 +1,245 @@
+"""Time to first token: naive vs stitched eager vs stitched with the CUDA-graph question prefill (issue 7).
+
+    python -m loadtest.bench_ttft --contexts 4096 8192 16384 --runs 9 --json ttft.json
+
+Without --model it builds a Qwen2-7B-shaped model with random bf16 weights on the GPU (see bench_prefill). TTFT
+is wall clock from "ids and chunk KV handed to the engine" to "first token id on the host", synchronised, median
+of --runs after --warmup, all in one process on the same ids:
+
+- naive: one causal prefill over prefix + chunks + question;
+- stitched eager: chunk KV on the GPU, rotate + place into a fresh buffer, eager question prefill;
+- stitched graph: lease the capacity bucket's graph, stitch into its buffer, replay the question's prefill graph
+  (what `generate` does with `cuda_graphs` on); from the GPU tier, from pinned host blocks (a plain copy inside
+  the stitch), and, with the KV cache importable, from `KVStore`'s pinned host tier with overlapped copies
+  (`fetch(overlap=True)` + `chunk_ready`, as the gateway does).
+
+Also per context: stitch-only and prefill-only times of both paths, the capture time of the decode graph and of
+the prefill graph (a fresh capture each: the once-per-bucket start-up cost), and the largest |graph - eager|
+first-token logit difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loadtest.bench_prefill import build_engine, context_chunks, precompute_all, question_ids, timed
+from service.engine.cuda_graph import PrefillGraph, question_bucket
+from service.engine.engine import StitchEngine
+from service.engine.kv_layout import KVBlock
+from service.engine.prompt import PromptIds
+from service.engine.stitch import BlockReady
+from service.kvcache import device
+
+log = logging.getLogger("bench_ttft")
+Fetch = Callable[[], tuple[list[KVBlock], list[BlockReady | None] | None]]
+
+
+def first_token(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))
+
+
+def graphed(engine: StitchEngine, prompt: PromptIds, extra: int, fetch: Fetch) -> Callable[[], int]:
+    """One turbo TTFT through the graphs: lease, (fetch,) stitch into the graph's buffer, prefill graph, argmax."""
+    question = prompt.question
+
+    def run() -> int:
+        graph = engine.lease_graph(prompt.context_tokens, len(question), extra)
+        if graph is None:
+            raise RuntimeError("no graph leased: are CUDA graphs on and the bucket free?")
+        try:
+            blocks, ready = fetch()
+            _, logits, _ = engine.prefill_stitched(blocks, question, extra_tokens=extra, chunk_ready=ready, graph=graph)
+            return first_token(logits)
+        finally:
+            engine.release_graph(graph)
+
+    return run
+
+
+def kvstore_host_fetch(
+    engine: StitchEngine, prompt: PromptIds, cache_dir: Path, args: argparse.Namespace
+) -> tuple[Any, Fetch] | None:
+    """A fetch served by `KVStore`'s pinned host tier with overlapped copies, or None where the KV cache does not
+    import (its index module needs the redis package)."""
+    try:
+        from loadtest.bench_tiers import Bench
+        from service.kvcache.tiers import Tier
+    except ImportError as err:
+        log.warning("KVStore host tier skipped: %s", err)
+        return None
+    bench = Bench(engine, prompt, cache_dir, args)
+    store = bench.warm["host"]
+    store.fetch(prompt.blocks, engine)  # disk → host tier
+
+    def fetch() -> tuple[list[KVBlock], list[BlockReady | None] | None]:
+        result = store.fetch(prompt.blocks, engine, overlap=True)
+        if result.counts[Tier.HOST] != len(prompt.blocks):
+            raise RuntimeError(f"expected every block from the host tier, got {result.counts}")
+        return result.blocks, list(result.ready)
+
+    return bench, fetch
+
+
+def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
+    chunks = context_chunks(engine, context, args.chunk_tokens, seed=context)
+    prompt = engine.template.prompt(chunks, question_ids(engine, args.question_tokens))
+    question, extra, target = prompt.question, args.answer_tokens, engine.spec.device
+    gpu_kv, _ = precompute_all(engine, list(prompt.blocks), args.precompute_batch)
+    host_kv = [KVBlock(b.token_ids, b.kv.cpu().pin_memory()) for b in gpu_kv]
+    runs, warmup = args.runs, args.warmup
+
+    # Fresh captures for this context's bucket, timed: what a server pays once per bucket.
+    graphs = engine.decode_graphs
+    assert graphs is not None
+    graph = engine.lease_graph(prompt.context_tokens, len(question), extra)
+    assert graph is not None
+    bucket = question_bucket(len(question))
+    assert bucket is not None
+    prefill_graph = graph.prefill_graph(bucket)
+    engine.release_graph(graph)
+
+    # Correctness on the real shape: graph vs eager first-token logits.
+    _, eager_logits, _ = engine.prefill_stitched(gpu_kv, question, extra_tokens=extra)
+    graph = engine.lease_graph(prompt.context_tokens, len(question), extra)
+    assert graph is not None
+    _, graph_logits, plan = engine.prefill_stitched(gpu_kv, question, extra_tokens=extra, graph=graph)
+    engine.release_graph(graph)
+
+    def stitch_graph() -> None:
+        engine.stitch(gpu_kv, "reordered", len(question) + extra, into=graph.buffer)
+
+    def prefill_graph_only() -> int:
+        graph.buffer.truncate(plan.context_tokens, plan.question_start)
+        logits = graph.prefill(question)
+        assert logits is not None
+        return first_token(logits)
+
+    # The same prefill graph with one causal flash call over the whole context instead of split key ranges.
+    single = PrefillGraph(engine.forward, graph.buffer.data, graph.capacity, bucket, graph.attention, None, 1)
+
+    def prefill_single_only() -> int:
+        graph.buffer.truncate(plan.context_tokens, plan.question_start)
+        logits = single.replay(question, plan.question_start, plan.context_tokens)
+        graph.buffer.commit(len(question), plan.question_start + len(question))
+        return first_token(logits)
+
+    eager_buffer, eager_plan = engine.stitch(gpu_kv, "reordered", len(question) + extra)
+
+    def prefill_eager_only() -> int:
+        eager_buffer.truncate(eager_plan.context_tokens, eager_plan.question_start)
+        return first_token(engine.prefill_question(eager_buffer, question))
+
+    row: dict[str, Any] = {
+        "context_tokens": prompt.context_tokens,
+        "question_tokens": len(question),
+        "question_bucket": bucket,
+        "graph_capacity": graph.capacity,
+        "decode_capture_ms": graph.capture_ms,
+        "prefill_capture_ms": prefill_graph.capture_ms,
+        "max_logit_diff_graph_vs_eager": float((graph_logits - eager_logits).abs().max()),
+        "same_first_token": first_token(graph_logits) == first_token(eager_logits),
+        "naive_ms": timed(lambda: first_token(engine.prefill_naive(prompt)[1]), runs, warmup, target),
+        "stitched_eager_gpu_ms": timed(
+            lambda: first_token(engine.prefill_stitched(gpu_kv, question, extra_tokens=extra)[1]), runs, warmup, target
+        ),
+        "stitched_graph_gpu_ms": timed(graphed(engine, prompt, extra, lambda: (gpu_kv, None)), runs, warmup, target),
+        "stitched_graph_host_plain_ms": timed(
+            graphed(engine, prompt, extra, lambda: (host_kv, None)), runs, warmup, target
+        ),
+        "stitch_eager_only_ms": timed(
+            lambda: engine.stitch(gpu_kv, "reordered", len(question) + extra), runs, warmup, target
+        ),
+        "stitch_graph_only_ms": timed(stitch_graph, runs, warmup, target),
+        "prefill_eager_only_ms": timed(prefill_eager_only, runs, warmup, target),
+        "prefill_graph_only_ms": timed(prefill_graph_only, runs, warmup, target),
+        "prefill_graph_one_flash_call_ms": timed(prefill_single_only, runs, warmup, target),
+        "prefill_kv_splits": prefill_graph.kv_splits,
+    }
+    if not args.no_kvstore:
+        found = kvstore_host_fetch(engine, prompt, cache_dir / f"ctx{context}", args)
+        if found is not None:
+            bench, fetch = found
+            try:
+                row["stitched_graph_kvstore_host_ms"] = timed(
+                    graphed(engine, prompt, extra, fetch), runs, warmup, target
+                )
+            finally:
+                bench.close()
+    return {**row, **{f"median_{k}": statistics.median(v) for k, v in row.items() if isinstance(v, list)}}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| context | naive ms | stitched eager, GPU ms | stitched graph, GPU ms | vs naive | graph, pinned host "
+        "(plain copy) ms | graph, KVStore host tier ms | stitch only eager / graph buffer ms | question prefill "
+        "eager / graph (one flash call) ms | capture decode / prefill ms | max logit diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        kvstore = r.get("median_stitched_graph_kvstore_host_ms")
+        lines.append(
+            f"| {r['context_tokens']} | {r['median_naive_ms']:.1f} | {r['median_stitched_eager_gpu_ms']:.1f} "
+            f"| {r['median_stitched_graph_gpu_ms']:.2f} "
+            f"| {r['median_naive_ms'] / r['median_stitched_graph_gpu_ms']:.0f}x "
+            f"| {r['median_stitched_graph_host_plain_ms']:.2f} | {'—' if kvstore is None else f'{kvstore:.2f}'} "
+            f"| {r['median_stitch_eager_only_ms']:.2f} / {r['median_stitch_graph_only_ms']:.2f} "
+            f"| {r['median_prefill_eager_only_ms']:.2f} / {r['median_prefill_graph_only_ms']:.2f} "
+            f"({r['median_prefill_graph_one_flash_call_ms']:.2f}) "
+            f"| {r['decode_capture_ms']:.0f} / {r['prefill_capture_ms']:.0f} "
+            f"| {r['max_logit_diff_graph_vs_eager']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--question-tokens", type=int, default=128)
+    parser.add_argument("--answer-tokens", type=int, default=256, help="answer budget (sizes the graph's bucket)")
+    parser.add_argument("--precompute-batch", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-kvstore", action="store_true", help="skip the KVStore host-tier column")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="parent of the KVStore's files (/var/tmp)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.runs < 7:
+        parser.error("--runs must be at least 7")
+    if not torch.cuda.is_available():
+        log.error("the CUDA-graph prefill needs a CUDA device")
+        return 2
+    engine = build_engine(args.model, torch.device("cuda"))
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    parent = args.cache_dir or Path("/var/tmp")
+    parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvstitch-bench-ttft-", dir=parent) as tmp:
+        for context in args.contexts:
+            row = bench_context(engine, context, args, Path(tmp))
+            report["rows"].append(row)
+            log.info("%s", json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
+            device.synchronize(engine.spec.device)
+            torch.cuda.empty_cache()
+    report["seconds"] = time.perf_counter() - started
+    sys.stdout.write(table(report["rows"]) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
