@@ -13,6 +13,10 @@ of --runs after --warmup, all in one process on the same ids:
   the stitch), and, with the KV cache importable, from `KVStore`'s pinned host tier with overlapped copies
   (`fetch(overlap=True)` + `chunk_ready`, as the gateway does).
 
+The stitch runs through the fused Triton rotate-and-place where triton imports (the engine's default on CUDA);
+the torch stitch is timed beside it (stitch alone, graph TTFT from the GPU and the KVStore host tier), and the
+fused stitch's one-launch variant (every copy waited for first) on the KVStore host tier.
+
 Also per context: stitch-only and prefill-only times of both paths, the capture time of the decode graph and of
 the prefill graph (a fresh capture each: the once-per-bucket start-up cost), and the largest |graph - eager|
 first-token logit difference.
@@ -36,6 +40,7 @@ import torch
 from loadtest.bench_prefill import build_engine, context_chunks, precompute_all, question_ids, timed
 from service.engine.cuda_graph import PrefillGraph, question_bucket
 from service.engine.engine import StitchEngine
+from service.engine.fused_stitch import FusedStitch
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
 from service.engine.stitch import BlockReady
@@ -65,6 +70,34 @@ def graphed(engine: StitchEngine, prompt: PromptIds, extra: int, fetch: Fetch) -
             engine.release_graph(graph)
 
     return run
+
+
+def stitch_with(engine: StitchEngine, fused: FusedStitch | None, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run` with the engine's stitch switched to `fused` (None: the torch stitch) for its duration."""
+
+    def switched() -> Any:
+        saved, engine.fused_stitch = engine.fused_stitch, fused
+        try:
+            return run()
+        finally:
+            engine.fused_stitch = saved
+
+    return switched
+
+
+def one_launch(fused: FusedStitch | None, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run` with the fused stitch waiting for every block's copy, then launching once."""
+
+    def switched() -> Any:
+        if fused is None:
+            return run()
+        fused.overlap = False
+        try:
+            return run()
+        finally:
+            fused.overlap = True
+
+    return switched
 
 
 def kvstore_host_fetch(
@@ -135,6 +168,14 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
         return first_token(logits)
 
     eager_buffer, eager_plan = engine.stitch(gpu_kv, "reordered", len(question) + extra)
+    fused = engine.fused_stitch
+    torch_buffer, _ = stitch_with(engine, None, lambda: engine.stitch(gpu_kv, "reordered", len(question) + extra))()
+    used = eager_plan.context_tokens
+    fused_equal = torch.equal(eager_buffer.data[:, :, :, :used], torch_buffer.data[:, :, :, :used])
+    fused_diff = float(
+        (eager_buffer.data[:, :, :, :used].float() - torch_buffer.data[:, :, :, :used].float()).abs().max()
+    )
+    del torch_buffer
 
     def prefill_eager_only() -> int:
         eager_buffer.truncate(eager_plan.context_tokens, eager_plan.question_start)
@@ -148,6 +189,9 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
         "decode_capture_ms": graph.capture_ms,
         "prefill_capture_ms": prefill_graph.capture_ms,
         "max_logit_diff_graph_vs_eager": float((graph_logits - eager_logits).abs().max()),
+        "fused_stitch": fused is not None,
+        "fused_equals_torch_stitch": fused_equal,
+        "max_abs_diff_fused_vs_torch_stitch": fused_diff,
         "same_first_token": first_token(graph_logits) == first_token(eager_logits),
         "naive_ms": timed(lambda: first_token(engine.prefill_naive(prompt)[1]), runs, warmup, target),
         "stitched_eager_gpu_ms": timed(
@@ -161,6 +205,16 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
             lambda: engine.stitch(gpu_kv, "reordered", len(question) + extra), runs, warmup, target
         ),
         "stitch_graph_only_ms": timed(stitch_graph, runs, warmup, target),
+        "stitch_torch_eager_only_ms": timed(
+            stitch_with(engine, None, lambda: engine.stitch(gpu_kv, "reordered", len(question) + extra)),
+            runs,
+            warmup,
+            target,
+        ),
+        "stitch_torch_graph_only_ms": timed(stitch_with(engine, None, stitch_graph), runs, warmup, target),
+        "stitched_graph_gpu_torch_stitch_ms": timed(
+            stitch_with(engine, None, graphed(engine, prompt, extra, lambda: (gpu_kv, None))), runs, warmup, target
+        ),
         "prefill_eager_only_ms": timed(prefill_eager_only, runs, warmup, target),
         "prefill_graph_only_ms": timed(prefill_graph_only, runs, warmup, target),
         "prefill_graph_one_flash_call_ms": timed(prefill_single_only, runs, warmup, target),
@@ -171,12 +225,41 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
         if found is not None:
             bench, fetch = found
             try:
-                row["stitched_graph_kvstore_host_ms"] = timed(
-                    graphed(engine, prompt, extra, fetch), runs, warmup, target
+                run_host = graphed(engine, prompt, extra, fetch)
+                row["stitched_graph_kvstore_host_ms"] = timed(run_host, runs, warmup, target)
+                row["stitched_graph_kvstore_host_torch_stitch_ms"] = timed(
+                    stitch_with(engine, None, run_host), runs, warmup, target
+                )
+                row["stitched_graph_kvstore_host_one_launch_ms"] = timed(
+                    one_launch(fused, run_host), runs, warmup, target
                 )
             finally:
                 bench.close()
     return {**row, **{f"median_{k}": statistics.median(v) for k, v in row.items() if isinstance(v, list)}}
+
+
+def _ms(row: dict[str, Any], key: str) -> str:
+    value = row.get(f"median_{key}")
+    return "—" if value is None else f"{value:.2f}"
+
+
+def stitch_table(rows: list[dict[str, Any]]) -> str:
+    """Fused vs torch stitch: the stitch alone and the graph TTFT each gives."""
+    lines = [
+        "| context | stitch torch / fused, fresh buffer ms | stitch torch / fused, graph buffer ms | graph TTFT GPU "
+        "tier torch / fused ms | graph TTFT KVStore host torch / fused (one launch) ms | fused == torch |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['context_tokens']} | {_ms(r, 'stitch_torch_eager_only_ms')} / {_ms(r, 'stitch_eager_only_ms')} "
+            f"| {_ms(r, 'stitch_torch_graph_only_ms')} / {_ms(r, 'stitch_graph_only_ms')} "
+            f"| {_ms(r, 'stitched_graph_gpu_torch_stitch_ms')} / {_ms(r, 'stitched_graph_gpu_ms')} "
+            f"| {_ms(r, 'stitched_graph_kvstore_host_torch_stitch_ms')} / {_ms(r, 'stitched_graph_kvstore_host_ms')}"
+            f" ({_ms(r, 'stitched_graph_kvstore_host_one_launch_ms')}) "
+            f"| {r['fused_equals_torch_stitch']} ({r['max_abs_diff_fused_vs_torch_stitch']:.2g}) |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -235,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             device.synchronize(engine.spec.device)
             torch.cuda.empty_cache()
     report["seconds"] = time.perf_counter() - started
-    sys.stdout.write(table(report["rows"]) + "\n")
+    sys.stdout.write(table(report["rows"]) + "\n\n" + stitch_table(report["rows"]) + "\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

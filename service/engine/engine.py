@@ -16,6 +16,7 @@ import torch
 from service.engine.cuda_graph import DecodeGraph, DecodeGraphs, graph_tokens, graphs_enabled
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.forward import LeanForward
+from service.engine.fused_stitch import FusedStitch, fused_stitch_enabled
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
@@ -78,6 +79,8 @@ class StitchEngine:
     The turbo mode then stitches straight into the graph's buffer; the naive mode prefills eagerly and decodes
     through the graph. False keeps everything eager; on the CPU it is always eager.
     `graph_attention` picks the graph's attention ("auto", "flash_varlen" or "sdpa_mask").
+    `fused_stitch`: stitch with the fused Triton rotate-and-place (`fused_stitch.py`). None (default) turns it on
+    wherever the model is on CUDA and triton imports; False keeps the torch stitch.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class StitchEngine:
         template: PromptTemplate | None = None,
         cuda_graphs: bool | None = None,
         graph_attention: str = "auto",
+        fused_stitch: bool | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -93,6 +97,9 @@ class StitchEngine:
         self.forward = LeanForward(model)
         self.template = template or build_template(model.tokenizer)
         self._prefix_block: KVBlock | None = None
+        self.fused_stitch: FusedStitch | None = None
+        if fused_stitch_enabled(fused_stitch, self.spec.device):
+            self.fused_stitch = FusedStitch(self.forward.rotary, self.spec.head_dim)
         self.decode_graphs: DecodeGraphs | None = None
         if graphs_enabled(cuda_graphs, self.spec.device):
             self.decode_graphs = DecodeGraphs(self.forward, graph_attention)
@@ -151,7 +158,7 @@ class StitchEngine:
         else:
             buffer = into
             buffer.truncate(0, 0)
-        stitch_into(buffer, self.forward.rotary, blocks, plan, ready)
+        stitch_into(buffer, self.forward.rotary, blocks, plan, ready, self.fused_stitch)
         return buffer, plan
 
     def prefill_question(

@@ -10,6 +10,10 @@ Blocks may still be arriving on the device when stitching starts (the KV cache c
 Each block can come with a `BlockReady`: a callable that makes the current stream wait for that block's copy.
 It is called just before the block's rotate-and-place, so block 0 is rotated while later blocks still copy,
 instead of the whole stitch waiting for the last copy.
+
+On CUDA with triton the engine hands in a `FusedStitch` (fused_stitch.py): the same rotate-and-place as one
+Triton launch per group of ready blocks, bit-identical to the torch path below, which stays the fallback (CPU,
+no triton, an unsupported dtype).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from enum import StrEnum
 
 import torch
 
+from service.engine.fused_stitch import FusedStitch
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
 from service.engine.rotary import Rotary
@@ -77,10 +82,12 @@ def stitch_into(
     blocks: Sequence[KVBlock],
     plan: StitchPlan,
     ready: Sequence[BlockReady | None] | None = None,
+    fused: FusedStitch | None = None,
 ) -> None:
     """Copy blocks into an empty buffer, keys rotated in fp32 to the plan's positions, values as they are.
 
     `ready`, one entry per block (None: already there), is called right before that block is read.
+    `fused`: place through the Triton kernel where it supports the buffer, else the torch path.
     """
     if buffer.length != 0:
         raise ValueError("stitching needs an empty buffer")
@@ -90,6 +97,10 @@ def stitch_into(
     if len(waits) != len(blocks):
         raise ValueError(f"{len(waits)} ready entries for {len(blocks)} blocks")
     buffer.reserve(plan.context_tokens)
+    if fused is not None and fused.supports(buffer, blocks):
+        fused.place(buffer, blocks, plan.slots, plan.starts, waits)
+        buffer.commit(plan.context_tokens, plan.question_start)
+        return
     for block, wait, slot, start in zip(blocks, waits, plan.slots, plan.starts, strict=True):
         if wait is not None:
             wait()
