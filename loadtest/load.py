@@ -90,6 +90,8 @@ class Result:
     output_tokens: int = 0
     total_ms: float = 0.0
     kv: dict[str, int] = field(default_factory=dict)
+    context_tokens: int = 0  # the done event's: tokens of context the answer saw (stitched or prefilled)
+    timings_ms: dict[str, float] = field(default_factory=dict)  # the done event's server stage times
     error: str | None = None
     refused: bool = False
 
@@ -221,6 +223,8 @@ async def ask(client: httpx.AsyncClient, config: LoadConfig, result: Result) -> 
                     result.server_ttft_ms = float(done["ttft_ms"])
                     result.output_tokens = int(done["output_tokens"])
                     result.kv = {tier: int(done["kv"].get(tier, 0)) for tier in TIERS}
+                    result.context_tokens = int(done.get("context_tokens", 0))
+                    result.timings_ms = {k: float(v) for k, v in done.get("timings_ms", {}).items() if v is not None}
                     # The server's decode time, as kvstitch_time_per_output_token_seconds: the client cannot time
                     # tokens, since a token event carries whatever text is complete (several tokens, or none).
                     if result.output_tokens > 1:
@@ -244,13 +248,13 @@ async def run_load(config: LoadConfig) -> LoadReport:
         began = time.perf_counter()
         chunks = await ingest(client, corpus(config.topics, config.sentences_per_topic, config.seed))
         ingest_s = time.perf_counter() - began
-        results, duration_s = await _load(client, config)
+        results, duration_s = await drive(client, config)
     report = LoadReport(
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "api_key"},
         ingest_s=ingest_s,
         chunks=chunks,
         duration_s=duration_s,
-        modes=[_mode_report(mode, [r for r in results if r.mode == mode], duration_s) for mode in config.modes],
+        modes=[mode_report(mode, [r for r in results if r.mode == mode], duration_s) for mode in config.modes],
     )
     report.table = table(report)
     config.out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,7 +263,8 @@ async def run_load(config: LoadConfig) -> LoadReport:
     return report
 
 
-async def _load(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Result], float]:
+async def drive(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Result], float]:
+    """The load phase alone (the corpus already ingested): every question's result and the seconds it ran."""
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
     # Drawn up front from one seeded generator, so a run's sequence of questions is reproducible.
@@ -285,7 +290,8 @@ async def _load(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Res
 # ---- report -------------------------------------------------------------------------------------------------
 
 
-def _mode_report(mode: str, results: list[Result], duration_s: float) -> ModeReport:
+def mode_report(mode: str, results: list[Result], duration_s: float) -> ModeReport:
+    """One mode's percentiles, throughput, errors and tier hits over its results."""
     ok = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]

@@ -1,0 +1,340 @@
+"""The load test through the real HTTP gateway, in one process: a random Qwen2-7B-shaped engine on the GPU.
+
+    python -m loadtest.serve_random --out $OUT --concurrency 1 4 --duration 40
+
+Builds the engine as `bench_prefill` does (random bf16 weights of the Qwen2-7B shape built on the device, the
+tiny BPE tokenizer standing in; `--model DIR` loads a folder instead), creates the gateway with
+`create_app(settings, engine=engine)` and serves it with uvicorn on loopback in a background thread: the real
+routes, start-up gate, in-process ingest worker, embedded Qdrant, SQLite KV index and KV tiers. Once `/readyz`
+says ready, it drives the server over HTTP with `loadtest.load`: one ingestion of a generated corpus (chunks of
+`--chunk-size` tokens, no overlap), then per concurrency level an untimed warm-up (it captures the CUDA graphs of
+the large context bucket) and a timed phase of Zipf-skewed questions with modes alternating. With the defaults
+(chunks cut at sentence ends under a 640-token cap, ~500 tokens on average; top-k 16) every turbo question
+stitches about 8-9K tokens of context and every naive one prefills as many (a 512 cap averages ~410: ~7K).
+
+The random model's LM head is restricted to ids the stand-in tokenizer can stream (`stream_in_vocab`), so TTFT is
+taken at the first token rather than after the whole decode.
+
+Writes `report.json` (settings, machine, per-phase reports and every request), `table.md` and `ttft.png` under
+--out, and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import uvicorn
+
+from loadtest import load
+from loadtest.bench_prefill import build_engine
+from service.api.app import create_app
+from service.engine.engine import StitchEngine
+from service.settings import Settings
+
+log = logging.getLogger("serve_random")
+READY_TIMEOUT_S = 600.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+def stream_in_vocab(engine: StitchEngine) -> int:
+    """Zero the LM head's rows of every id the stand-in tokenizer cannot turn into text (beyond its vocabulary,
+    and its special ids, EOS included); returns how many. The random Qwen2-7B shape has 152,064 output ids and the
+    tiny BPE 384, so greedy ids would almost never decode to text: no `token` event would stream before the end and
+    TTFT, which both the server and the client take at the first text, would include the whole decode. With the
+    rows zeroed, the largest logit is an in-vocabulary byte (zero beats the maximum of 382 random logits with
+    probability 2^-382), and every answer is `max_new_tokens` long. The LM head keeps its shape, so its cost is
+    unchanged."""
+    tokenizer = engine.tokenizer
+    weight = engine.model.hf.get_output_embeddings().weight
+    silenced = list(range(len(tokenizer), weight.shape[0])) + [int(i) for i in tokenizer.all_special_ids]
+    with torch.no_grad():
+        weight[torch.tensor(silenced, device=weight.device)] = 0
+    return len(silenced)
+
+
+def make_settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        model=args.model or "random-qwen2-7b",
+        device=args.device,
+        data_dir=args.data_dir,
+        embedding_model=str(args.embedding_model),
+        embedding_device=args.embedding_device,
+        chunk_size=args.chunk_size,
+        chunk_overlap=0,
+        gpu_cache_mb=args.gpu_cache_mb,
+        host_cache_mb=args.host_cache_mb,
+        default_max_new_tokens=args.max_new_tokens,
+        max_top_k=max(args.top_k, 1),
+        max_queue=max(16, 2 * max(args.concurrency)),
+        gate_on_start=True,
+        host="127.0.0.1",
+        port=args.port,
+    )
+
+
+class BackgroundServer:
+    """uvicorn serving the app on its own thread and event loop (it installs no signal handlers there)."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def wait_ready(url: str) -> dict[str, Any]:
+    """Poll /readyz until the gateway is ready; raise with its checks if start-up failed or never ended."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            state = httpx.get(f"{url}/readyz", timeout=5).json()
+        except httpx.HTTPError:
+            time.sleep(0.5)
+            continue
+        if state.get("ready"):
+            return state
+        startup = state.get("checks", {}).get("startup")
+        if startup is not None and startup != "loading":
+            raise RuntimeError(f"gateway start-up failed: {state}")
+        time.sleep(0.5)
+    raise TimeoutError(f"gateway not ready after {READY_TIMEOUT_S:.0f} s: {state}")
+
+
+def phase_config(
+    args: argparse.Namespace, url: str, concurrency: int, duration_s: float, requests: int
+) -> load.LoadConfig:
+    return load.LoadConfig(
+        url=url,
+        out_dir=args.out,
+        topics=args.topics,
+        sentences_per_topic=args.sentences,
+        concurrency=concurrency,
+        duration_s=duration_s,
+        max_requests=requests,
+        modes=tuple(args.modes),
+        zipf_s=args.zipf,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed + concurrency,
+    )
+
+
+async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """Ingest once, then a warm-up and a timed phase per concurrency level."""
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 2)
+    timeout = httpx.Timeout(load.REQUEST_TIMEOUT_S)
+    phases: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        began = time.perf_counter()
+        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
+        ingest_s = time.perf_counter() - began
+        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+        for concurrency in args.concurrency:
+            warm = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
+            warm_results, _ = await load.drive(client, warm)
+            warm_errors = [r.error for r in warm_results if r.error]
+            config = phase_config(args, url, concurrency, args.duration, args.max_requests)
+            results, duration_s = await load.drive(client, config)
+            modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
+            contexts = sorted(r.context_tokens for r in results if r.context_tokens)
+            log.info("concurrency %d: %d questions in %.1f s", concurrency, len(results), duration_s)
+            phases.append(
+                {
+                    "concurrency": concurrency,
+                    "duration_s": duration_s,
+                    "warmup_requests": len(warm_results),
+                    "warmup_errors": warm_errors[:5],
+                    "modes": [asdict(m) for m in modes],
+                    "context_tokens": {"min": contexts[0], "median": contexts[len(contexts) // 2], "max": contexts[-1]}
+                    if contexts
+                    else {},
+                    "stage_ms_median": _stage_medians(results),
+                    "results": [asdict(r) for r in results],
+                }
+            )
+        metrics = (await client.get("/metrics")).text
+    return {"chunks": chunks, "ingest_s": ingest_s, "phases": phases, "metrics_tail": _kvstitch_lines(metrics)}
+
+
+def _stage_medians(results: list[load.Result]) -> dict[str, dict[str, float]]:
+    """Per mode, the median of each server stage time (the done events' timings_ms)."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in sorted({r.mode for r in results}):
+        stages: dict[str, list[float]] = {}
+        for r in results:
+            if r.mode == mode and r.error is None:
+                for stage, ms in r.timings_ms.items():
+                    stages.setdefault(stage, []).append(ms)
+        out[mode] = {stage: round(load.percentile(v, 0.5), 2) for stage, v in stages.items()}
+    return out
+
+
+def _kvstitch_lines(metrics: str) -> list[str]:
+    return [line for line in metrics.splitlines() if line.startswith("kvstitch_") and "_bucket" not in line]
+
+
+def table(phases: list[dict[str, Any]]) -> str:
+    head = (
+        "| clients | mode | requests | errors | 503 | TTFT p50 | p95 | p99 (ms) | server TTFT p50 | p95 (ms) "
+        "| TPOT p50 | p95 (ms) | tokens/s | gpu | host | disk | miss |"
+    )
+    rows = [head, "|" + "---|" * 17]
+    for phase in phases:
+        for m in phase["modes"]:
+            t, s, d, kv = m["ttft_ms"], m["server_ttft_ms"], m["tpot_ms"], m["kv"]
+            rows.append(
+                f"| {phase['concurrency']} | {m['mode']} | {m['requests']} | {m['errors']} | {m['refused']} "
+                f"| {t['p50']:.1f} | {t['p95']:.1f} | {t['p99']:.1f} | {s['p50']:.1f} | {s['p95']:.1f} "
+                f"| {d['p50']:.2f} | {d['p95']:.2f} | {m['output_tokens_per_s']:.1f} "
+                f"| {kv['gpu']} | {kv['host']} | {kv['disk']} | {kv['miss']} |"
+            )
+    return "\n".join(rows)
+
+
+def plot(phases: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Per concurrency level, TTFT over the run (a dot per question); and every phase's TTFT CDF, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(phases) + 1, figsize=(5.5 * (len(phases) + 1), 4.5))
+    cdf = axes[-1]
+    for phase, over_time in zip(phases, axes[:-1], strict=True):
+        for mode in sorted({r["mode"] for r in phase["results"]}, reverse=True):
+            points = [(r["started_s"], r["ttft_ms"]) for r in phase["results"] if r["mode"] == mode and r["ttft_ms"]]
+            if not points:
+                continue
+            over_time.scatter([p[0] for p in points], [p[1] for p in points], s=8, label=mode)
+            values = sorted(p[1] for p in points)
+            label = f"{mode}, {phase['concurrency']} client{'s' if phase['concurrency'] > 1 else ''}"
+            cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
+        over_time.set(
+            xlabel="time since start (s)",
+            ylabel="TTFT (ms)",
+            title=f"TTFT per question, {phase['concurrency']} client(s)",
+            yscale="log",
+        )
+    cdf.set(xlabel="TTFT (ms)", ylabel="fraction of questions", title="TTFT distribution", xscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--embedding-model", type=Path, default=REPO / ".minilm16")
+    parser.add_argument("--embedding-device", default=None, help="default: --device")
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/kvstitch-load"))
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--chunk-size", type=int, default=640, help="cap; sentence-aligned cuts average ~500")
+    parser.add_argument("--topics", type=int, default=48)
+    parser.add_argument("--sentences", type=int, default=66, help="sentences per topic document")
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", default=["turbo", "naive"], choices=["turbo", "naive"])
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of each timed phase")
+    parser.add_argument("--max-requests", type=int, default=5000)
+    parser.add_argument("--warmup-s", type=float, default=15.0)
+    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--gpu-cache-mb", type=int, default=4096)
+    parser.add_argument("--host-cache-mb", type=int, default=12288)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("loadtest-out"))
+    args = parser.parse_args(argv)
+    args.embedding_device = args.embedding_device or args.device
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+        return 2
+    shutil.rmtree(args.data_dir, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = make_settings(args)
+
+    began = time.perf_counter()
+    engine = build_engine(args.model, torch.device(args.device))
+    log.info("engine built in %.1f s (%s)", time.perf_counter() - began, engine.model.source)
+    if args.model is None:
+        log.info("zeroed %d LM-head rows the stand-in tokenizer cannot decode", stream_in_vocab(engine))
+    app = create_app(settings, engine=engine)
+    with BackgroundServer(app, args.port) as server:
+        readiness = wait_ready(server.url)
+        log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
+        outcome = asyncio.run(drive_all(args, server.url))
+
+    info = machine()
+    text = table(outcome["phases"])
+    title = (
+        f"kvstitch gateway, {info['device']}, {engine.model.source}, top-k {args.top_k} x {args.chunk_size}-token "
+        f"chunks, {args.max_new_tokens} new tokens"
+    )
+    png = plot(outcome["phases"], args.out / "ttft.png", title)
+    report = {
+        "machine": info,
+        "settings": settings.model_dump(mode="json"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "readiness": readiness,
+        **outcome,
+        "table": text,
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    print(f"{info}; ingested {outcome['chunks']} chunks in {outcome['ingest_s']:.1f} s; plot {png}")
+    for line in outcome["metrics_tail"]:
+        if line.startswith(("kvstitch_kv_hits_total", "kvstitch_ttft_seconds_count", "kvstitch_gate")):
+            print(line)
+    for phase in outcome["phases"]:
+        print(
+            f"clients {phase['concurrency']}: context tokens {phase['context_tokens']}; stage medians (ms) "
+            f"{phase['stage_ms_median']}"
+        )
+    print(text)
+    errors = sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
