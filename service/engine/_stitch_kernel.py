@@ -17,6 +17,7 @@ def rotate_place_kernel(  # type: ignore[no-untyped-def]
     cos_ptr,
     sin_ptr,
     num_heads,
+    first_layer,
     dst_layer_stride,
     dst_kv_stride,
     dst_head_stride,
@@ -26,7 +27,8 @@ def rotate_place_kernel(  # type: ignore[no-untyped-def]
 ):
     """One program: block_t tokens of one block for one (layer, head): keys rotated, values copied.
 
-    Grid (token tiles of the longest block, blocks, layers * heads); tiles past a block's end return at once.
+    Grid (token tiles of the longest block, blocks, layers * heads) over layers first_layer.. (a layer range of a
+    pipelined stitch, or all of them from 0); tiles past a block's end return at once.
     Sources are contiguous `[layers, 2, heads, n, head_dim]`; the destination is the buffer's
     `[layers, 2, heads, capacity, head_dim]` (strides in elements). The rotation is the model's rotate_half form
     on pairs (i, i + D/2) with the model's own fp32 cos/sin rows [position, D]:
@@ -43,7 +45,7 @@ def rotate_place_kernel(  # type: ignore[no-untyped-def]
         slot = tl.load(row + 2)
         position = tl.load(row + 3)
         # int64 offsets: a long buffer of a deep model passes 2**31 elements.
-        layer = (layer_head // num_heads).to(tl.int64)
+        layer = (layer_head // num_heads + first_layer).to(tl.int64)
         head = (layer_head % num_heads).to(tl.int64)
         half = head_dim // 2
         t = t0 + tl.arange(0, block_t)

@@ -19,6 +19,7 @@ naive mode) is copied in once by `load`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -32,6 +33,12 @@ import torch.nn.functional as F
 from service.engine.forward import LeanForward, StaticAttend
 from service.engine.kv_buffer import KVBuffer
 from service.engine.model import ModelSpec
+
+# Layer ranges [first, end) of a pipelined prefill's segments, in order, covering every layer once.
+LayerGroups = tuple[tuple[int, int], ...]
+# Called with a segment's layer range right before that segment replays, on the stream it replays on: the
+# pipelined stitch waits there for those layers' copies and places them.
+BeforeSegment = Callable[[tuple[int, int]], None]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,20 @@ def graph_tokens(context: int, question: int, extra: int, max_context: int) -> i
     if bucket is not None and context + bucket <= max_context:
         needed = max(needed, context + bucket)
     return needed
+
+
+def layer_groups(num_layers: int, groups: int) -> LayerGroups:
+    """`num_layers` split into `groups` contiguous ranges (at most one per layer), the longer ones first."""
+    if num_layers <= 0 or groups <= 0:
+        raise ValueError("layer groups need at least one layer and one group")
+    groups = min(groups, num_layers)
+    size, extra = divmod(num_layers, groups)
+    ranges, first = [], 0
+    for g in range(groups):
+        end = first + size + (1 if g < extra else 0)
+        ranges.append((first, end))
+        first = end
+    return tuple(ranges)
 
 
 # ---- attention over a full-capacity buffer ---------------------------------------------------------------
@@ -315,6 +336,12 @@ class PrefillGraph:
     Static inputs live in one device tensor filled by one pinned host-to-device copy per replay: the padded ids,
     the first token's position and slot, and the index of the last real token, whose logits alone are computed
     (gathered inside the graph before the final norm and the LM head).
+
+    With `layer_groups` the prefill is captured as one graph per layer range (segments), the hidden states passed
+    from one to the next in a static tensor: `replay(..., before=...)` calls `before(layers)` ahead of each
+    segment on the replaying stream, so work queued there (waiting for those layers' KV copies, stitching them)
+    orders just that segment. The segments run the same kernels in the same order as the one-graph prefill, so the
+    logits are the same bit for bit.
     """
 
     def __init__(
@@ -326,6 +353,7 @@ class PrefillGraph:
         attention: str,
         pool: Any,
         kv_splits: int | None = None,
+        layer_groups: LayerGroups | None = None,
     ) -> None:
         spec = forward.spec
         if tokens > capacity:
@@ -343,22 +371,47 @@ class PrefillGraph:
         self._host = torch.zeros(tokens + 3, dtype=torch.long, pin_memory=True)
         self._inputs = torch.zeros(tokens + 3, dtype=torch.long, device=spec.device)
         self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._graph = torch.cuda.CUDAGraph()
+        num_layers = len(forward.layers)
+        self.layer_groups: LayerGroups = layer_groups or ((0, num_layers),)
+        if [r for g in self.layer_groups for r in range(*g)] != list(range(num_layers)):
+            raise ValueError(f"layer groups {self.layer_groups} must cover layers 0..{num_layers - 1} in order")
+        self.segmented = layer_groups is not None
+        self._graphs: list[torch.cuda.CUDAGraph] = []
         # Capture at the buffer's last slots: a bucket's graph may be captured while a request's context is
         # already in the buffer, and context + tokens <= capacity keeps the tail clear of it.
         self._fill([0] * tokens, capacity - tokens, capacity - tokens, tokens)
         start = time.perf_counter()
-        self._logits: torch.Tensor = _capture(self._graph, self._run, spec.device, pool)
+        hidden: torch.Tensor | None = None
+        for g, layers in enumerate(self.layer_groups):
+            graph = torch.cuda.CUDAGraph()
+            last = g == len(self.layer_groups) - 1
+            run = functools.partial(self._run, hidden, layers, last) if self.segmented else self._run_whole
+            out: torch.Tensor = _capture(graph, run, spec.device, pool)
+            self._graphs.append(graph)
+            hidden = out  # a segment's static hidden states: the next segment's input
+        assert hidden is not None
+        self._logits: torch.Tensor = hidden
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
-    def _run(self) -> torch.Tensor:
+    def _static(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.tokens
         ids = self._inputs[:n].view(1, n)
         positions = self._inputs[n] + self._offsets
         slots = self._inputs[n + 1] + self._offsets
-        last = self._inputs[n + 2 :]
+        return ids, positions, slots, self._inputs[n + 2 :]
+
+    def _run_whole(self) -> torch.Tensor:
+        ids, positions, slots, last = self._static()
         attend = self._lengths.attend_for(self._attention, slots)
         return self._forward.forward_static(self._data, ids, positions, slots, attend, last)
+
+    def _run(self, hidden: torch.Tensor | None, layers: tuple[int, int], last_segment: bool) -> torch.Tensor:
+        """One segment: embed (the first), layers [first, end), norm and LM head (the last)."""
+        ids, positions, slots, last = self._static()
+        attend = self._lengths.attend_for(self._attention, slots)
+        states = self._forward.embed_static(ids) if hidden is None else hidden
+        states = self._forward.layers_static(self._data, states, positions, slots, attend, layers)
+        return self._forward.head_static(states, last) if last_segment else states
 
     def _fill(self, question: Sequence[int], position: int, slot: int, real: int) -> None:
         n = self.tokens
@@ -371,15 +424,21 @@ class PrefillGraph:
             self._inputs.copy_(self._host, non_blocking=True)
         self._copied.record()
 
-    def replay(self, question: Sequence[int], position: int, slot: int) -> torch.Tensor:
+    def replay(
+        self, question: Sequence[int], position: int, slot: int, before: BeforeSegment | None = None
+    ) -> torch.Tensor:
         """Prefill `question` (at most `tokens` ids) at `position`.. and slots `slot`..; returns the static fp32
-        logits [vocab] of its last token (overwritten by the next replay of any graph sharing the memory pool)."""
+        logits [vocab] of its last token (overwritten by the next replay of any graph sharing the memory pool).
+        `before(layers)` runs ahead of each segment (once, with every layer, for a one-graph prefill)."""
         if not 0 < len(question) <= self.tokens:
             raise ValueError(f"a question of {len(question)} tokens does not fit a prefill graph of {self.tokens}")
         if slot + self.tokens > self.capacity:
             raise ValueError(f"slots {slot}..{slot + self.tokens} exceed the buffer's {self.capacity}")
         self._fill(question, position, slot, len(question))
-        self._graph.replay()
+        for graph, layers in zip(self._graphs, self.layer_groups, strict=True):
+            if before is not None:
+                before(layers)
+            graph.replay()
         return self._logits
 
 
@@ -418,8 +477,9 @@ class DecodeGraph:
         self._slot = torch.zeros(1, dtype=torch.long, device=device)
         self._lengths = _LengthInputs(spec, capacity)
         self._graph = torch.cuda.CUDAGraph()
-        self._prefills: dict[int, PrefillGraph] = {}
+        self._prefills: dict[tuple[int, LayerGroups | None], PrefillGraph] = {}
         self.prefill_capture_ms: dict[int, float] = {}
+        self.segmented_capture_ms: dict[int, float] = {}
         start = time.perf_counter()
         # Writes land at slot 0 of the graph's own buffer before any request owns it.
         outputs: tuple[torch.Tensor, torch.Tensor] = _capture(self._graph, self._run, device, self._pool)
@@ -441,27 +501,45 @@ class DecodeGraph:
         self.buffer.truncate(0, 0)
         self.buffer.commit(n, source.next_position)
 
-    def prefill_graph(self, tokens: int) -> PrefillGraph:
-        """The prefill graph for questions of up to `tokens` tokens (a bucket), captured now if missing."""
-        graph = self._prefills.get(tokens)
+    def prefill_graph(self, tokens: int, groups: LayerGroups | None = None) -> PrefillGraph:
+        """The prefill graph for questions of up to `tokens` tokens (a bucket), captured now if missing; with
+        `groups`, the one captured as a segment per layer group (the pipelined prefill)."""
+        graph = self._prefills.get((tokens, groups))
         if graph is None:
-            graph = PrefillGraph(self._forward, self.buffer.data, self.capacity, tokens, self.attention, self._pool)
-            self._prefills[tokens] = graph
-            self.prefill_capture_ms[tokens] = graph.capture_ms
+            graph = PrefillGraph(
+                self._forward, self.buffer.data, self.capacity, tokens, self.attention, self._pool, layer_groups=groups
+            )
+            self._prefills[(tokens, groups)] = graph
+            (self.segmented_capture_ms if groups else self.prefill_capture_ms)[tokens] = graph.capture_ms
             log.info(
-                "captured the %d-token prefill graph over %d slots in %.0f ms", tokens, self.capacity, graph.capture_ms
+                "captured the %d-token prefill graph (%d segments) over %d slots in %.0f ms",
+                tokens,
+                len(graph.layer_groups),
+                self.capacity,
+                graph.capture_ms,
             )
         return graph
 
-    def prefill(self, question: Sequence[int]) -> torch.Tensor | None:
+    def fits_prefill(self, context: int, question: int) -> bool:
+        """True when `prefill` would run a graph for a question of `question` tokens after `context` live ones."""
+        bucket = question_bucket(question)
+        return bucket is not None and context + bucket <= self.capacity
+
+    def prefill(
+        self, question: Sequence[int], before: BeforeSegment | None = None, groups: LayerGroups | None = None
+    ) -> torch.Tensor | None:
         """Prefill `question` after the buffer's live tokens through its bucket's graph; returns the static
-        logits of its last token, or None (nothing done) when no bucket holds it or the padding has no room."""
+        logits of its last token, or None (nothing done) when no bucket holds it or the padding has no room.
+
+        With `groups` the bucket's segmented graph runs, `before(layers)` ahead of each segment (see
+        `PrefillGraph`): the pipelined stitch places each layer group there, so the context's length must be
+        committed to the buffer before this is called although its KV is still being placed."""
         bucket = question_bucket(len(question))
         if bucket is None or self.buffer.length + bucket > self.capacity:
             return None
-        graph = self.prefill_graph(bucket)
+        graph = self.prefill_graph(bucket, groups)
         slot, position = self.buffer.length, self.buffer.next_position
-        logits = graph.replay(question, position, slot)
+        logits = graph.replay(question, position, slot, before)
         # Live length = context + real question; the padding's K/V beyond it are overwritten by decode steps.
         self.buffer.commit(len(question), position + len(question))
         return logits
@@ -490,8 +568,16 @@ class DecodeGraphs:
     graph is leased gives None, and that stream runs eagerly: never wrong, only slower.
     """
 
-    def __init__(self, forward: LeanForward, attention: str = "auto", max_graphs: int = 4) -> None:
+    def __init__(
+        self,
+        forward: LeanForward,
+        attention: str = "auto",
+        max_graphs: int = 4,
+        pipeline_groups: LayerGroups | None = None,
+    ) -> None:
         self._forward = forward
+        # Layer groups of the pipelined prefill (the engine's), warmed beside the one-graph prefill; None: none.
+        self.pipeline_groups = pipeline_groups
         self._requested = attention
         self._attention: str | None = None
         self.max_graphs = max_graphs
@@ -536,6 +622,8 @@ class DecodeGraphs:
             for bucket in questions:
                 if bucket <= graph.capacity:
                     graph.prefill_graph(bucket)
+                    if self.pipeline_groups is not None:
+                        graph.prefill_graph(bucket, self.pipeline_groups)
         finally:
             self.release(graph)
         return graph
@@ -570,10 +658,12 @@ __all__ = [
     "QUESTION_BUCKETS",
     "DecodeGraph",
     "DecodeGraphs",
+    "LayerGroups",
     "PrefillGraph",
     "bucket_capacity",
     "graph_tokens",
     "graphs_enabled",
+    "layer_groups",
     "prefill_kv_splits",
     "question_bucket",
     "resolve_attention",

@@ -13,7 +13,14 @@ from enum import StrEnum
 
 import torch
 
-from service.engine.cuda_graph import DecodeGraph, DecodeGraphs, graph_tokens, graphs_enabled
+from service.engine.cuda_graph import (
+    DecodeGraph,
+    DecodeGraphs,
+    LayerGroups,
+    graph_tokens,
+    graphs_enabled,
+    layer_groups,
+)
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.forward import LeanForward
 from service.engine.fused_stitch import FusedStitch, fused_stitch_enabled
@@ -22,7 +29,18 @@ from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.sampling import Sampler, SamplingParams
-from service.engine.stitch import BlockReady, PositionMode, StitchPlan, plan_positions, stitch_into
+from service.engine.stitch import (
+    BlockReady,
+    LayeredReady,
+    PositionMode,
+    StitchPlan,
+    plan_positions,
+    stitch_into,
+    stitch_layers,
+)
+
+# Layer groups of the pipelined host-tier prefill: 4 x 7 layers for a 28-layer model (docs/benchmarks.md §8.2).
+DEFAULT_PIPELINE_GROUPS = 4
 
 
 class GenerationMode(StrEnum):
@@ -81,6 +99,10 @@ class StitchEngine:
     `graph_attention` picks the graph's attention ("auto", "flash_varlen" or "sdpa_mask").
     `fused_stitch`: stitch with the fused Triton rotate-and-place (`fused_stitch.py`). None (default) turns it on
     wherever the model is on CUDA and triton imports; False keeps the torch stitch.
+    `pipeline`: with graphs on, overlap blocks still arriving by layer groups (the KV cache's host tier copies
+    `pipeline_layers` group by group when it asks) with the question prefill, run as one graph segment per layer
+    group: group g is stitched, then its segment replays, while group g + 1 is still copying. None (default) and
+    True: on wherever graphs are; False: off (blocks arrive whole, the stitch then the one-graph prefill).
     """
 
     def __init__(
@@ -90,6 +112,8 @@ class StitchEngine:
         cuda_graphs: bool | None = None,
         graph_attention: str = "auto",
         fused_stitch: bool | None = None,
+        pipeline: bool | None = None,
+        pipeline_groups: int = DEFAULT_PIPELINE_GROUPS,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -101,8 +125,12 @@ class StitchEngine:
         if fused_stitch_enabled(fused_stitch, self.spec.device):
             self.fused_stitch = FusedStitch(self.forward.rotary, self.spec.head_dim)
         self.decode_graphs: DecodeGraphs | None = None
+        # Layer ranges the KV cache copies host blocks by (and the prefill segments run by); None: no pipelining.
+        self.pipeline_layers: LayerGroups | None = None
         if graphs_enabled(cuda_graphs, self.spec.device):
-            self.decode_graphs = DecodeGraphs(self.forward, graph_attention)
+            if pipeline is not False and pipeline_groups > 1 and self.spec.num_layers > 1:
+                self.pipeline_layers = layer_groups(self.spec.num_layers, pipeline_groups)
+            self.decode_graphs = DecodeGraphs(self.forward, graph_attention, pipeline_groups=self.pipeline_layers)
 
     @property
     def prefix_block(self) -> KVBlock:
@@ -213,9 +241,71 @@ class StitchEngine:
         With a leased `graph` (see `lease_graph`) the blocks are stitched into its buffer and the question
         prefilled through its graph: the buffer returned is then the graph's, valid while the lease lasts.
         """
+        if graph is not None and not all_logits:
+            done = self.prefill_pipelined(chunk_kv, question, positions, extra_tokens, chunk_ready, graph)
+            if done is not None:
+                return done
         into = graph.buffer if graph is not None else None
         buffer, plan = self.stitch(chunk_kv, positions, len(question) + extra_tokens, chunk_ready, into)
         return buffer, self.prefill_question(buffer, question, all_logits, graph), plan
+
+    def pipelines(
+        self,
+        context_tokens: int,
+        question_tokens: int,
+        chunk_ready: Sequence[BlockReady | None] | None,
+        graph: DecodeGraph | None,
+    ) -> bool:
+        """True when `prefill_pipelined` applies: pipelining on, a leased graph whose bucket holds the question,
+        and at least one block arriving by layer groups (with every block resident there is nothing to hide)."""
+        return (
+            self.pipeline_layers is not None
+            and graph is not None
+            and chunk_ready is not None
+            and any(isinstance(r, LayeredReady) for r in chunk_ready)
+            and graph.fits_prefill(context_tokens, question_tokens)
+        )
+
+    def prefill_pipelined(
+        self,
+        chunk_kv: Sequence[KVBlock],
+        question: Sequence[int],
+        positions: PositionMode | str,
+        extra_tokens: int,
+        chunk_ready: Sequence[BlockReady | None] | None,
+        graph: DecodeGraph,
+    ) -> tuple[KVBuffer, torch.Tensor, StitchPlan] | None:
+        """Stitch and prefill layer group by layer group into the leased graph's buffer, or None (nothing done)
+        where `pipelines` says no.
+
+        Ahead of prefill segment g (on the compute stream) the stream waits for layer group g's copies of every
+        block and places those layers (`stitch_layers`); segment g then replays while group g + 1 still copies on
+        the KV cache's stream. Only the order of the work changes: the buffer and the logits are those of the
+        stitch followed by the one-graph prefill.
+        """
+        blocks = [self.prefix_block, *chunk_kv]
+        for block in blocks:
+            check_block(self.spec, block)
+        plan = plan_positions(positions, [b.num_tokens for b in blocks])
+        if not self.pipelines(plan.context_tokens, len(question), chunk_ready, graph):
+            return None
+        assert chunk_ready is not None and self.pipeline_layers is not None
+        ready = [None, *_ready_for(chunk_kv, chunk_ready)]
+        buffer = graph.buffer
+        if buffer.capacity < plan.context_tokens + len(question) + extra_tokens:
+            raise ValueError(f"a buffer of {buffer.capacity} slots cannot hold {plan.context_tokens} + more")
+        buffer.truncate(0, 0)
+        buffer.reserve(plan.context_tokens)
+        # Committed up front: the segments read the context's length now, its layers are placed ahead of each.
+        buffer.commit(plan.context_tokens, plan.question_start)
+        rotary, fused = self.forward.rotary, self.fused_stitch
+
+        def place(layers: tuple[int, int]) -> None:
+            stitch_layers(buffer, rotary, blocks, plan, ready, fused, layers)
+
+        logits = graph.prefill(question, place, self.pipeline_layers)
+        assert logits is not None  # `pipelines` checked that the bucket's graph holds the question
+        return buffer, logits.clone(), plan
 
     def prefill_naive(
         self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
@@ -361,6 +451,11 @@ class GenerationStream:
         # With graphs the chunks are stitched straight into the leased graph's buffer, so the question prefill
         # graph and the decode graph find the context where they read it: no copy of the request's KV.
         graph = self._graph = engine.lease_graph(self._prompt.context_tokens, len(question), extra)
+        if graph is not None:
+            done = engine.prefill_pipelined(chunk_kv, question, self._positions, extra, self._chunk_ready, graph)
+            if done is not None:  # stitch and prefill interleaved by layer group: one time for both
+                timings.prefill_ms = watch.lap_ms()
+                return done[0], done[1]
         into = graph.buffer if graph is not None else None
         buffer, _ = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
         timings.stitch_ms = watch.lap_ms()

@@ -159,15 +159,35 @@ class LeanForward:
         as one fused kernel, q and k are rotated together, and o_proj and down_proj add the residual in their
         epilogue. The results agree with `extend` to bf16 rounding.
         """
+        hidden = self.embed_static(ids)
+        hidden = self.layers_static(data, hidden, positions, slots, attend, (0, len(self.layers)))
+        return self.head_static(hidden, last)
+
+    def embed_static(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states [T, hidden] of `ids` [1, T]: the first piece of `forward_static`."""
+        embedded: torch.Tensor = self.decoder.embed_tokens(ids)[0]
+        return embedded
+
+    def layers_static(
+        self,
+        data: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        attend: StaticAttend,
+        layers: tuple[int, int],
+    ) -> torch.Tensor:
+        """`hidden` [T, hidden] through layers [first, end) of `forward_static` (the same kernels in the same
+        order, so a prefill run as several layer-range segments computes the very same numbers)."""
         s = self.spec
         nq, nkv, d, half = s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim // 2
-        tokens = ids.shape[1]
+        tokens = hidden.shape[0]
         cos, sin = self.rotary.cos_sin(positions)
         # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one roll, no neg + cat per layer.
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
         cos = cos.unsqueeze(1)
-        hidden = self.decoder.embed_tokens(ids)[0]  # [T, hidden]
-        for index, layer in enumerate(self.layers):
+        for index in range(*layers):
+            layer = self.layers[index]
             fused = self._decode_weights(index)
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
             qkv = qkv.view(tokens, nq + 2 * nkv, d)
@@ -182,6 +202,10 @@ class LeanForward:
             gate_up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = _linear_plus(layer.mlp.down_proj, layer.mlp.act_fn(gate) * up, hidden)
+        return hidden
+
+    def head_static(self, hidden: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [vocab] of the token at index `last` [1] of `hidden` [T, hidden] (default: the last)."""
         if last is not None:
             hidden = hidden.index_select(0, last)  # only the wanted token goes through the norm and the LM head
         return self._logits(hidden.unsqueeze(0))[0, -1]

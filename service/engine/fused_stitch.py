@@ -93,14 +93,19 @@ class FusedStitch:
         slots: Sequence[int],
         starts: Sequence[int],
         waits: Sequence[Any],
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Write every block at its slot, keys rotated to positions start.., in one launch per wait group."""
+        """Write every block at its slot, keys rotated to positions start.., in one launch per wait group;
+        only layers [first, end) of `layers` when given (one layer group of a pipelined stitch)."""
         if not blocks:
             return
         data = buffer.data
         device = data.device
         kernel = _kernel()
-        layers, _, heads, _, head_dim = data.shape
+        num_layers, _, heads, _, head_dim = data.shape
+        first_layer, end_layer = (0, num_layers) if layers is None else layers
+        if not 0 <= first_layer < end_layer <= num_layers:
+            raise ValueError(f"layer range {layers} outside 0..{num_layers}")
         # Host-resident blocks (a pinned plain copy) go over first, as the torch path would copy them.
         sources = [_device_source(block.kv, device) for block in blocks]
         rows = [
@@ -120,13 +125,14 @@ class FusedStitch:
             if wait is not None and self.overlap:
                 wait()
             longest = max(b.num_tokens for b in blocks[first:end])
-            grid = ((longest + _BLOCK_T - 1) // _BLOCK_T, end - first, layers * heads)
+            grid = ((longest + _BLOCK_T - 1) // _BLOCK_T, end - first, (end_layer - first_layer) * heads)
             kernel[grid](
                 table[first:end],
                 data,
                 cos,
                 sin,
                 heads,
+                first_layer,
                 strides[0],
                 strides[1],
                 strides[2],

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +33,24 @@ from service.engine.rotary import Rotary
 # Orders the current stream after one block's arrival (device-side; the host does not block). The engine
 # knows nothing of where it comes from: the KV cache hands in `Arrival` objects.
 BlockReady = Callable[[], None]
+
+
+@runtime_checkable
+class LayeredReady(Protocol):
+    """A `BlockReady` whose block arrives layer group by layer group (the KV cache's pipelined host copies):
+    calling it waits for the whole block, `layers(start, end)` gives the wait for layers start..end-1 alone."""
+
+    def __call__(self) -> None: ...
+
+    def layers(self, start: int, end: int) -> BlockReady: ...
+
+
+def layer_wait(ready: BlockReady | None, start: int, end: int) -> BlockReady | None:
+    """The wait for layers [start, end) of a block: its layer group's wait when it arrives by layers, else the
+    whole block's (the same object for every range, so a waited block is waited for once per range)."""
+    if ready is None:
+        return None
+    return ready.layers(start, end) if isinstance(ready, LayeredReady) else ready
 
 
 class PositionMode(StrEnum):
@@ -108,11 +127,45 @@ def stitch_into(
     buffer.commit(plan.context_tokens, plan.question_start)
 
 
-def _place(buffer: KVBuffer, rotary: Rotary, block: KVBlock, slot: int, start: int) -> None:
-    """One block's keys rotated to positions start.. and its values, written at slots slot.."""
+def stitch_layers(
+    buffer: KVBuffer,
+    rotary: Rotary,
+    blocks: Sequence[KVBlock],
+    plan: StitchPlan,
+    ready: Sequence[BlockReady | None] | None,
+    fused: FusedStitch | None,
+    layers: tuple[int, int],
+) -> None:
+    """Place layers [start, end) of every block, waiting for just those layers (`layer_wait`).
+
+    One layer group of a pipelined stitch: the caller reserved the context's slots beforehand, stitches each
+    group right before the prefill segment that reads it, and commits the context once (`stitch_into` checks and
+    commits a whole stitch; this only writes).
+    """
+    start, end = layers
+    waits = [layer_wait(r, start, end) for r in ready] if ready is not None else [None] * len(blocks)
+    if len(waits) != len(blocks):
+        raise ValueError(f"{len(waits)} ready entries for {len(blocks)} blocks")
+    if fused is not None and fused.supports(buffer, blocks):
+        fused.place(buffer, blocks, plan.slots, plan.starts, waits, layers)
+        return
+    issued: set[int] = set()
+    for block, wait, slot, first in zip(blocks, waits, plan.slots, plan.starts, strict=True):
+        if wait is not None and id(wait) not in issued:
+            issued.add(id(wait))
+            wait()
+        _place(buffer, rotary, block, slot, first, layers)
+
+
+def _place(
+    buffer: KVBuffer, rotary: Rotary, block: KVBlock, slot: int, start: int, layers: tuple[int, int] | None = None
+) -> None:
+    """One block's keys rotated to positions start.. and its values, written at slots slot.. (only layers
+    [first, end) of `layers` when given)."""
     device = buffer.data.device
-    kv = block.kv.to(device, non_blocking=True)
+    first, last = (0, buffer.data.shape[0]) if layers is None else layers
+    kv = block.kv[first:last].to(device, non_blocking=True)
     end = slot + block.num_tokens
     keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device))
-    buffer.data[:, KEYS, :, slot:end].copy_(keys)
-    buffer.data[:, VALUES, :, slot:end].copy_(kv[:, VALUES])
+    buffer.data[first:last, KEYS, :, slot:end].copy_(keys)
+    buffer.data[first:last, VALUES, :, slot:end].copy_(kv[:, VALUES])

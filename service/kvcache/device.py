@@ -14,7 +14,7 @@ benchmarks.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -82,6 +82,32 @@ def copy_to_device(
     return target, event
 
 
+def copy_layers_to_device(
+    hosts: Sequence[torch.Tensor], device: torch.device, groups: Sequence[tuple[int, int]], stream: CopyStream
+) -> tuple[list[torch.Tensor], list[CopyEvent]]:
+    """Start copying host blocks `[layers, ...]` to `device` layer group by layer group: layers of group 0 of
+    every block, an event, group 1 of every block, an event, and so on; returns the new tensors and one event per
+    group. The stream runs in order, so group g's event also marks every earlier group's arrival.
+
+    A consumer that waits for group g's event may read layers up to that group's end of every block while later
+    groups still copy (the pipelined stitch and prefill). The host memory may be reused once the last event
+    completed. CUDA only (the caller checks `uses_cuda` and holds a copy stream).
+    """
+    consumer = torch.cuda.current_stream(device)
+    events: list[CopyEvent] = []
+    with torch.cuda.stream(stream):
+        targets = [torch.empty(host.shape, dtype=host.dtype, device=device) for host in hosts]
+        for first, end in groups:
+            for host, target in zip(hosts, targets, strict=True):
+                target[first:end].copy_(host[first:end], non_blocking=True)
+            event = _event()
+            event.record(stream)
+            events.append(event)
+    for target in targets:
+        target.record_stream(consumer)  # allocated on the copy stream, read on the consumer's (as above)
+    return targets, events
+
+
 def copy_to_host(
     source: torch.Tensor,
     host: torch.Tensor,
@@ -141,6 +167,36 @@ class Arrival:
 
     def __call__(self) -> None:
         wait_on(self.event, self.device)
+
+
+@dataclass(frozen=True)
+class LayeredArrival(Arrival):
+    """The arrival of a block copied layer group by layer group (`copy_layers_to_device`): calling it waits for
+    the whole block (`event` is the last group's), `layers(start, end)` gives the `Arrival` of the group holding
+    layer end - 1, which in stream order also covers every earlier layer. `arrivals` are shared by the blocks
+    copied together, so a stitch sees one wait per layer group, not one per block (engine: `LayeredReady`).
+    """
+
+    groups: tuple[tuple[int, int], ...]
+    arrivals: tuple[Arrival, ...]
+
+    def layers(self, start: int, end: int) -> Arrival:
+        if not 0 <= start < end:
+            raise ValueError(f"bad layer range {start}..{end}")
+        for (_, last), arrived in zip(self.groups, self.arrivals, strict=True):
+            if end <= last:
+                return arrived
+        return self.arrivals[-1]
+
+
+def layered_arrivals(
+    events: Sequence[CopyEvent], groups: Sequence[tuple[int, int]], device: torch.device, count: int
+) -> list[LayeredArrival]:
+    """One `LayeredArrival` per block of a `copy_layers_to_device` call of `count` blocks, sharing the groups'
+    arrivals."""
+    target = torch.device(device)
+    arrivals = tuple(Arrival(event, target) for event in events)
+    return [LayeredArrival(events[-1], target, tuple(groups), arrivals) for _ in range(count)]
 
 
 def arrival(event: CopyEvent | None, device: torch.device) -> Arrival | None:

@@ -14,7 +14,10 @@ Every block copied to the device comes with its `Arrival` in `FetchResult.ready`
 the caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does
 not: the caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
 `prefill_stitched` and `generate`), which waits for each block just before placing it, so the first blocks are
-rotated while later ones are still copying.
+rotated while later ones are still copying. When the engine pipelines (`engine.pipeline_layers`, CUDA graphs on)
+an overlapped fetch copies the host-tier hits layer group by layer group across all of them instead, and their
+`ready` entries are `LayeredArrival`s: the engine stitches group g and replays prefill segment g while group g + 1
+is still copying (`StitchEngine.prefill_pipelined`).
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class FetchResult:
     sources: list[Tier]
     counts: dict[Tier, int]
     bytes_loaded: dict[Tier, int]
-    ready: list[device.Arrival | None] = field(default_factory=list)
+    ready: list[device.Arrival | None] = field(default_factory=list)  # LayeredArrival for layer-group copies
     corrupt: int = 0
     timings: FetchTimings = field(default_factory=FetchTimings)
 
@@ -339,6 +342,7 @@ class _Fetch:
         self.blocks: dict[str, KVBlock] = {}
         self.sources: dict[str, Tier] = {}
         self.arriving: dict[str, CopyEvent] = {}  # the copy each block copied to the device lands on
+        self.layered: dict[str, device.LayeredArrival] = {}  # blocks copied by layer groups
         self.clock = device.CopyClock(store.host.stream)
         self.corrupt = 0
         self.timings = FetchTimings(copies=self.clock)
@@ -347,8 +351,12 @@ class _Fetch:
         by_tier = {t: [b for b in self.unique.values() if b.tier is t] for t in Tier}
         for planned in by_tier[Tier.GPU]:
             self._take_from_gpu(planned)
-        for planned in by_tier[Tier.HOST]:
-            self._take_from_host(planned)
+        groups = self.engine.pipeline_layers if overlap else None
+        if groups is not None and len(by_tier[Tier.HOST]) > 0:
+            self._take_from_host_by_layers(by_tier[Tier.HOST], groups)
+        else:
+            for planned in by_tier[Tier.HOST]:
+                self._take_from_host(planned)
         if by_tier[Tier.DISK]:
             self._take_from_disk(by_tier[Tier.DISK])
         missing = [b for b in self.unique.values() if b.key not in self.blocks]
@@ -371,6 +379,25 @@ class _Fetch:
         with self.clock.timing():
             block, event = self.store.host.to_device(slot)
         self._found(planned, block, Tier.HOST, event)
+
+    def _take_from_host_by_layers(
+        self, planned_blocks: list[PlannedBlock], groups: tuple[tuple[int, int], ...]
+    ) -> None:
+        """Every host hit copied group-major (layers of group 0 of every block first), one event per group."""
+        found = [(p, slot) for p in planned_blocks if (slot := self.store.host.get(p.key)) is not None]
+        if not found:
+            return
+        with self.clock.timing():
+            copied = self.store.host.to_device_by_layers([slot for _, slot in found], groups)
+        if copied is None:  # plain copies (CPU): nothing to pipeline
+            for planned, _ in found:
+                self._take_from_host(planned)
+            return
+        blocks, events = copied
+        arrivals = device.layered_arrivals(events, groups, self.store.target, len(found))
+        for (planned, _), block, arrived in zip(found, blocks, arrivals, strict=True):
+            self._found(planned, block, Tier.HOST, events[-1])
+            self.layered[planned.key] = arrived
 
     def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
@@ -462,7 +489,7 @@ class _Fetch:
             sources=sources,
             counts=_count(sources),
             bytes_loaded=_sum_bytes(zip(sources, (b.nbytes for b in ordered), strict=True)),
-            ready=[device.arrival(self.arriving.get(b.key), target) for b in ordered],
+            ready=[self.layered.get(b.key) or device.arrival(self.arriving.get(b.key), target) for b in ordered],
             corrupt=self.corrupt,
             timings=self.timings,
         )

@@ -179,6 +179,20 @@ class HostTier:
             slot.pending = event  # queued after any earlier copy of this slot, on the same stream
         return KVBlock(slot.token_ids, kv), event
 
+    def to_device_by_layers(
+        self, slots: list[HostSlot], groups: tuple[tuple[int, int], ...]
+    ) -> tuple[list[KVBlock], list[CopyEvent]] | None:
+        """Start the H2D copies of held blocks layer group by layer group (`device.copy_layers_to_device`);
+        returns the blocks and one event per group, or None where copies are plain (a CPU device: use
+        `to_device`). Every slot stays busy until the last group's event completed."""
+        if self.stream is None or not device.uses_cuda(self.target):
+            return None
+        hosts = [self.pool.view(slot) for slot in slots]
+        kvs, events = device.copy_layers_to_device(hosts, self.target, groups, self.stream)
+        for slot in slots:
+            slot.pending = events[-1]
+        return [KVBlock(slot.token_ids, kv) for slot, kv in zip(slots, kvs, strict=True)], events
+
     def store(self, key: str, block: KVBlock) -> bool:
         """Copy a block in (demotion from the device, or a computed block); False when it cannot be held."""
         if self.pool.get(key) is not None:
