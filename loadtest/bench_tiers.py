@@ -2,6 +2,10 @@
 
     python -m loadtest.bench_tiers --json tiers.json                       # H200: Qwen2-7B shape, 8K context
     python -m loadtest.bench_tiers --device cpu --model DIR --context 2048 --chunk-tokens 256   # smoke run
+    python -m loadtest.bench_tiers --disk-format native int8 --tiers disk_cold disk_warm   # 8-bit files
+
+With several --disk-format values each form gets its own cache dir, files and table (one engine for all);
+"disk GB/s" is then the files' bytes over the fetch time, which for an 8-bit form is about half the KV's bytes.
 
 Without --model it builds a Qwen2-7B-shaped model with random bf16 weights on the GPU (as bench_prefill does).
 The context (default 8K tokens of 512-token chunks) is precomputed once and `put` on disk, then, median of
@@ -41,6 +45,7 @@ from service.engine.prompt import PromptIds
 from service.kvcache import device
 from service.kvcache.fileformat import ALIGNMENT
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
+from service.kvcache.quant import DISK_FORMATS, DiskFormat
 from service.kvcache.store import FetchResult, KVStore, TierBudgets
 from service.kvcache.tiers import Tier
 
@@ -147,8 +152,16 @@ def filesystem_of(path: Path) -> str:
 class Bench:
     """The engine, the prompt, its block files and a store per tier, over one cache dir and index."""
 
-    def __init__(self, engine: StitchEngine, prompt: PromptIds, cache_dir: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        engine: StitchEngine,
+        prompt: PromptIds,
+        cache_dir: Path,
+        args: argparse.Namespace,
+        disk_format: DiskFormat = "native",
+    ) -> None:
         self.engine, self.prompt, self.args = engine, prompt, args
+        self.disk_format = disk_format
         self.target = engine.spec.device
         self.cache_dir = cache_dir
         self.index = SqliteIndex(cache_dir / SQLITE_FILENAME)
@@ -160,11 +173,12 @@ class Bench:
         # Misses: an empty cache dir and index, and no tier that keeps anything, so every fetch computes.
         self.miss_index = SqliteIndex(cache_dir / "miss" / SQLITE_FILENAME)
         self.miss = KVStore.for_engine(engine, cache_dir / "miss", self.miss_index, TierBudgets())
+        self.file_bytes = sum(p.stat().st_size for p in self.files)
         self.cold: KVStore | None = None
 
     def store(self, gpu: int, host: int) -> KVStore:
         budgets = TierBudgets(gpu_bytes=gpu, host_bytes=host, disk_bytes=4 * self.room)
-        return KVStore.for_engine(self.engine, self.cache_dir, self.index, budgets)
+        return KVStore.for_engine(self.engine, self.cache_dir, self.index, budgets, disk_format=self.disk_format)
 
     def fetcher(self, tier: str) -> Callable[[], FetchResult]:
         """A fetch that `tier` serves entirely (after `preparer(tier)` ran); checks that it did."""
@@ -257,6 +271,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         rows[tier] = {
             **{f"median_{k}": median(v) for k, v in raw.items()},
             "achieved_gbps": achieved,
+            "disk_gbps": report["file_bytes"] / GB / (fetch / 1e3) if tier.startswith("disk") else float("nan"),
             "reference_gbps": reference,
             "share_of_reference": achieved / reference,
             "ttft_speedup_vs_naive": naive / median(raw["ttft_ms"]),
@@ -272,8 +287,8 @@ def table(report: dict[str, Any]) -> str:
     rows = report["summary"]
     lines = [
         "| tier | fetch ms | GB/s | reference GB/s | of reference | disk read ms | H2D ms | precompute ms "
-        "| TTFT ms | TTFT speedup vs naive |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT ms | TTFT speedup vs naive | disk GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     columns = [
         ("median_fetch_ms", ".2f"),
@@ -287,12 +302,14 @@ def table(report: dict[str, Any]) -> str:
         ("ttft_speedup_vs_naive", ".1f"),
     ]
     for tier, r in rows.items():
-        lines.append(f"| {tier} | " + " | ".join(_num(r[name], spec) for name, spec in columns) + "x |")
+        cells = " | ".join(_num(r[name], spec) for name, spec in columns)
+        lines.append(f"| {tier} | {cells}x | {_num(r['disk_gbps'], '.2f')} |")
     lines.append(f"| naive (no cache, full prefill) | | | | | | | | {median(report['naive_ttft_ms']):.2f} | 1.0x |")
     lines.append("")
     lines.append(
         f"{report['device']}, {report['context_tokens']} context tokens in {report['blocks']} blocks, "
-        f"{report['kv_bytes'] / 1e6:.0f} MB of chunk KV; cache dir on {report['filesystem']}; "
+        f"{report['kv_bytes'] / 1e6:.0f} MB of chunk KV, stored {report['disk_format']} in "
+        f"{report['file_bytes'] / 1e6:.0f} MB of files; cache dir on {report['filesystem']}; "
         f"raw disk read {median(report['raw_disk_gbps']):.2f} GB/s ({report['raw_disk_mode']}); "
         f"pinned H2D {median(report['pinned_h2d_gbps']):.1f} GB/s; median of {report['runs']} runs."
     )
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=None, help="parent of the bench's cache (default: /var/tmp)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--disk-format", nargs="+", choices=DISK_FORMATS, default=["native"])
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.runs < 5:
@@ -323,19 +342,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parent = args.cache_dir or Path("/var/tmp")
     parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvstitch-bench-tiers-", dir=parent) as tmp:
-        report = run(args, Path(tmp))
-    sys.stdout.write(table(report) + "\n")
+    engine = build_engine(args.model, torch.device(args.device))
+    reports = {}
+    for disk_format in args.disk_format:
+        with tempfile.TemporaryDirectory(prefix="kvstitch-bench-tiers-", dir=parent) as tmp:
+            reports[disk_format] = run(args, Path(tmp), engine, disk_format)
+        sys.stdout.write(table(reports[disk_format]) + "\n\n")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        only = reports[args.disk_format[0]] if len(reports) == 1 else reports
+        args.json.write_text(json.dumps(only, indent=2))
     return 0
 
 
-def run(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, cache_dir: Path, engine: StitchEngine, disk_format: DiskFormat = "native"
+) -> dict[str, Any]:
     started = time.perf_counter()
-    engine = build_engine(args.model, torch.device(args.device))
     prompt = make_prompt(engine, args)
-    bench = Bench(engine, prompt, cache_dir, args)
+    bench = Bench(engine, prompt, cache_dir, args, disk_format)
     try:
         log.info(
             "filled %d blocks (%.0f MB) in %.1f s",
@@ -349,13 +373,15 @@ def run(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
             "context_tokens": prompt.context_tokens,
             "blocks": len(prompt.blocks),
             "kv_bytes": bench.kv_bytes,
+            "disk_format": disk_format,
+            "file_bytes": bench.file_bytes,
             "runs": args.runs,
             "filesystem": filesystem_of(cache_dir),
             "pinned_h2d_gbps": pinned_h2d(bench.kv_bytes, bench.target, args.runs, args.warmup),
         }
         report["raw_disk_gbps"], report["raw_disk_mode"] = raw_disk_read(bench.files, args.runs)
         report["naive_ttft_ms"] = measure_naive(bench, args.runs, args.warmup)
-        report["tiers"] = {tier: measure_tier(bench, tier, args.runs, args.warmup) for tier in TIERS}
+        report["tiers"] = {tier: measure_tier(bench, tier, args.runs, args.warmup) for tier in args.tiers}
         report["summary"] = summarise(report)
         report["seconds"] = time.perf_counter() - started
         return report

@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     direct_io: bool = Field(
         False, description="Read KV files with O_DIRECT into the pinned pool (faster on some cold NVMe, not all)."
     )
+    kv_disk_format: Literal["native", "int8", "fp8"] = Field(
+        "native",
+        description="Stored form of KV files: native (bit-exact) or 8-bit int8/fp8 (half the bytes; see README).",
+    )
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )

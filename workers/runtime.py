@@ -128,6 +128,7 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex) -> KVSt
         budgets,
         max_precompute_tokens=settings.max_precompute_tokens,
         direct_io=settings.direct_io,
+        disk_format=settings.kv_disk_format,
     )
 
 

@@ -14,7 +14,7 @@ benchmarks.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -58,7 +58,10 @@ def _event(timing: bool = False) -> CopyEvent:
 
 
 def copy_to_device(
-    host: torch.Tensor, device: torch.device, stream: CopyStream | None
+    host: torch.Tensor,
+    device: torch.device,
+    stream: CopyStream | None,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, CopyEvent | None]:
     """Start copying a host tensor to `device`; returns the new tensor and the event that marks its arrival.
 
@@ -66,14 +69,19 @@ def copy_to_device(
     the source memory again before the event completed (`wait_host`) and must make its compute stream wait
     on the event (`wait_on`) before reading the result. On a CPU device the result is an independent clone
     (never a view of `host`, whose memory the host pool may reuse) and the event is None.
+
+    `then`, when given, turns the copied tensor into the result on the copy stream, before the event (the
+    dequantisation of an 8-bit block: the copy moves the 8-bit bytes, and consumers still wait on one event).
     """
     if stream is None or not uses_cuda(device):
         target = torch.empty(host.shape, dtype=host.dtype, device=device)
         target.copy_(host)
-        return target, None
+        return (target if then is None else then(target)), None
     consumer = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         target = host.to(device, non_blocking=True)
+        if then is not None:
+            target = then(target)  # the raw copy is only read on this stream, which frees it in order
         event = _event()
         event.record(stream)
     # `target` was allocated on the copy stream; tell the caching allocator the consumer uses it too, so its

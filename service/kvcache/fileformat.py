@@ -10,6 +10,12 @@ Layout (all integers little-endian):
                zero padding up to the next multiple of 4096
     offset P   payload: the C-contiguous tensor bytes   payload_bytes
 
+An 8-bit stored form (`quant` in the header: "int8" or "fp8", see `quant.py`) keeps this layout; its payload is
+the 8-bit tensor, zero padding to the next page, then the float32 scales, all under the one payload checksum.
+The header's `dtype` is then the 8-bit dtype and `quant` names the form, the compute dtype it dequantises to and
+where the scales are and how many; a reader asks for one form and treats any other as a mismatch (corrupt), so a
+bf16 reader never reads 8-bit bytes as bf16 (block keys differ by form as well).
+
 The payload starts 4096-aligned so it can be read with O_DIRECT straight into a page-aligned (pinned) buffer:
 the header is read buffered and checked first, then, given a `DirectReads` and a destination that starts on a
 page and has room for the payload rounded up to whole pages, the payload is read with O_DIRECT (no page-cache
@@ -43,7 +49,9 @@ import xxhash
 
 from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION, KVBlock, block_shape
 from service.engine.model import ModelSpec
+from service.kvcache import quant
 from service.kvcache.keys import dtype_name, is_block_key
+from service.kvcache.quant import DiskFormat, QuantizedKV
 
 MAGIC = b"KVSTITCH"
 FORMAT_VERSION = 1
@@ -55,8 +63,9 @@ TEMP_SUFFIX = ".tmp"
 CHECKSUM_ALGORITHM = "xxh3_128"
 FORMAT_NAME = "kvstitch-kv-block"
 STORABLE_DTYPES: dict[str, torch.dtype] = {
-    dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+    dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, quant.FP8_DTYPE)
 }
+NATIVE_DTYPES = frozenset(STORABLE_DTYPES.values()) - {quant.FP8_DTYPE}  # fp8 only as an 8-bit stored form
 # `.<key>.kvblock.<pid>.<random>.tmp`, written next to the final file and renamed over it.
 TEMP_NAME_PATTERN = re.compile(r"\.[0-9a-f]+\.kvblock\.\d+\.[0-9a-f]+\.tmp")
 # O_DIRECT needs the file offset, the buffer address and the length in whole logical blocks of the device;
@@ -121,6 +130,32 @@ class BlockHeader:
     checksum_algorithm: str
     checksum: str
     created: float
+    quant: QuantField | None = None  # set for an 8-bit stored form
+
+
+@dataclass(frozen=True)
+class QuantField:
+    """The header's `quant` object: which 8-bit form, what it dequantises to, where its scales are."""
+
+    format: DiskFormat
+    compute_dtype: torch.dtype
+    scales_dtype: str
+    scales_offset: int  # from the start of the payload
+    scales_count: int
+
+
+@dataclass(frozen=True)
+class QuantBlock:
+    """A block read in an 8-bit stored form: `payload` is its flat uint8 bytes (a view of `into` when given),
+    `kv` views of its data and scales inside them."""
+
+    token_ids: tuple[int, ...]
+    payload: torch.Tensor
+    kv: QuantizedKV
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def block_relpath(key: str) -> str:
@@ -138,8 +173,10 @@ def is_temp_file(path: Path) -> bool:
 # ---- writing -----------------------------------------------------------------------------------------------
 
 
-def write_block(path: Path, key: str, fingerprint: str, block: KVBlock) -> int:
+def write_block(path: Path, key: str, fingerprint: str, block: KVBlock, fmt: DiskFormat = "native") -> int:
     """Write a block atomically (temp file, fsync, rename, fsync dir) and return the file's size in bytes.
+
+    `fmt` "int8" or "fp8" stores the block quantised (its KV must be finite floats); "native" stores its bytes.
 
     Concurrent writers of one key each rename a complete file over the name; readers see the old or the new
     file, never a mix, because a rename swaps the directory entry while open files keep their inode.
@@ -147,7 +184,19 @@ def write_block(path: Path, key: str, fingerprint: str, block: KVBlock) -> int:
     if not is_block_key(key):
         raise ValueError(f"not a block key: {key!r}")
     payload = _payload_bytes_of(block)
-    header = _encode_header(key, fingerprint, block, payload)
+    quant_fields = None
+    if fmt != "native":
+        q = quant.quantize(block.kv.detach().to("cpu"), fmt)
+        payload = quant.pack(q).numpy().data  # the memoryview keeps the packed tensor alive
+        shape = tuple(q.data.shape)
+        quant_fields = {
+            "format": fmt,
+            "compute_dtype": dtype_name(block.kv.dtype),
+            "scales_dtype": dtype_name(quant.SCALE_DTYPE),
+            "scales_offset": quant.scales_offset(shape),
+            "scales_count": quant.scale_count(fmt, shape),
+        }
+    header = _encode_header(key, fingerprint, block, payload, quant_fields)
     path = Path(path)
     created_dir = _ensure_dir(path.parent)
     temp = path.parent / f".{key}{BLOCK_SUFFIX}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
@@ -172,21 +221,24 @@ def _payload_bytes_of(block: KVBlock) -> memoryview:
     kv = block.kv.detach().to("cpu").contiguous()
     if kv.dim() != 5:
         raise ValueError(f"KV of shape {tuple(kv.shape)} is not in the 5-axis block layout")
-    if dtype_name(kv.dtype) not in STORABLE_DTYPES:
+    if kv.dtype not in NATIVE_DTYPES:
         raise ValueError(f"cannot store KV of dtype {kv.dtype}; storable: {', '.join(STORABLE_DTYPES)}")
     if kv.shape[3] != block.num_tokens or block.num_tokens == 0:
         raise ValueError(f"KV shape {tuple(kv.shape)} does not hold the block's {block.num_tokens} tokens")
     return kv.reshape(-1).view(torch.uint8).numpy().data
 
 
-def _encode_header(key: str, fingerprint: str, block: KVBlock, payload: memoryview) -> bytes:
+def _encode_header(
+    key: str, fingerprint: str, block: KVBlock, payload: memoryview, quant_fields: dict[str, Any] | None
+) -> bytes:
     """Preamble, JSON header and zero padding up to the aligned payload offset."""
+    stored = block.kv.dtype if quant_fields is None else quant.storage_dtype(quant_fields["format"])
     fields: dict[str, Any] = {
         "format": FORMAT_NAME,
         "key": key,
         "model_fingerprint": fingerprint,
         "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION},
-        "dtype": dtype_name(block.kv.dtype),
+        "dtype": dtype_name(stored),
         "shape": list(block.kv.shape),
         "num_tokens": block.num_tokens,
         "token_ids": [int(t) for t in block.token_ids],
@@ -194,6 +246,8 @@ def _encode_header(key: str, fingerprint: str, block: KVBlock, payload: memoryvi
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": xxhash.xxh3_128_hexdigest(payload)},
         "created": time.time(),
     }
+    if quant_fields is not None:
+        fields["quant"] = quant_fields
     # The offset is written into the header it precedes; growing digits can push it one boundary further,
     # so iterate to the fixed point (at most two rounds in practice).
     offset = 0
@@ -267,17 +321,65 @@ def read_block(
     failed check and `MissingBlockError` (a `FileNotFoundError`) when there is no file.
     """
     path = Path(path)
+    expected = _Expected(expected_key, expected_fingerprint, spec, dtype or spec.dtype, "native", expected_token_ids)
+    header, target = _read_checked_payload(path, expected, into, direct)
+    kv = target.view(header.dtype).view(header.shape)
+    return KVBlock(token_ids=header.token_ids, kv=kv)
+
+
+def read_quant_block(
+    path: Path,
+    expected_key: str,
+    expected_fingerprint: str,
+    spec: ModelSpec,
+    fmt: DiskFormat,
+    into: torch.Tensor | None = None,
+    expected_token_ids: Sequence[int] | None = None,
+    direct: DirectReads | None = None,
+) -> QuantBlock:
+    """Read and check a block stored in the 8-bit form `fmt`, to be dequantised into `spec.dtype`.
+
+    Like `read_block` (same checks, `into` and `direct`), plus: the file must be in this form for this compute
+    dtype, the padding between data and scales must be zero and every scale finite and positive. The payload
+    stays 8-bit: `quant.dequantize(block.kv)` (on the device, after copying `block.payload`) makes the KV.
+    """
+    path = Path(path)
+    storage = quant.storage_dtype(fmt)
+    expected = _Expected(expected_key, expected_fingerprint, spec, storage, fmt, expected_token_ids)
+    header, target = _read_checked_payload(path, expected, into, direct)
+    q = quant.unpack(target, fmt, header.shape, spec.dtype)
+    gap = target[math.prod(header.shape) : quant.scales_offset(header.shape)]
+    if bool(gap.any()):
+        raise CorruptBlockError(f"{path}: non-zero bytes between the 8-bit data and its scales")
+    if not bool((torch.isfinite(q.scales) & (q.scales > 0)).all()):
+        raise CorruptBlockError(f"{path}: a scale is not a finite positive number")
+    return QuantBlock(token_ids=header.token_ids, payload=target, kv=q)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    key: str
+    fingerprint: str
+    spec: ModelSpec
+    dtype: torch.dtype  # of the stored payload
+    fmt: DiskFormat
+    token_ids: Sequence[int] | None
+
+
+def _read_checked_payload(
+    path: Path, expected: _Expected, into: torch.Tensor | None, direct: DirectReads | None
+) -> tuple[BlockHeader, torch.Tensor]:
+    """The checked header and the checksummed payload bytes (flat uint8, a view of `into` when given)."""
     with _open_block(path) as f:
         header = _read_checked_header(f, path)
-        _check_expected(header, path, expected_key, expected_fingerprint, spec, dtype or spec.dtype)
-        if expected_token_ids is not None and header.token_ids != tuple(int(t) for t in expected_token_ids):
+        _check_expected(header, path, expected)
+        if expected.token_ids is not None and header.token_ids != tuple(int(t) for t in expected.token_ids):
             raise CorruptBlockError(f"{path}: token ids differ from the requested block (key collision)")
         target = _payload_target(into, header)
         if not _read_payload_direct(f, path, header, into, direct):
             _read_payload(f, path, header, target)
     _verify_payload(path, header, target)
-    kv = target.view(header.dtype).view(header.shape)
-    return KVBlock(token_ids=header.token_ids, kv=kv)
+    return header, target
 
 
 def _open_block(path: Path) -> io.FileIO:
@@ -332,6 +434,7 @@ def _parse_header(body: bytes, path: Path) -> BlockHeader:
             checksum_algorithm=_str(checksum, "algorithm"),
             checksum=_str(checksum, "value"),
             created=_float(fields, "created"),
+            quant=_quant_field(fields, path),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptBlockError(f"{path}: unreadable header: {err}") from err
@@ -348,9 +451,7 @@ def _check_layout(header: BlockHeader, path: Path, header_end: int, file_size: i
         problems.append(f"shape {header.shape} does not hold {header.num_tokens} tokens in the KV layout")
     if header.num_tokens < 1 or len(header.token_ids) != header.num_tokens:
         problems.append(f"{len(header.token_ids)} token ids stored for a token count of {header.num_tokens}")
-    element = torch.empty((), dtype=header.dtype).element_size()
-    if header.payload_bytes != math.prod(header.shape) * element:
-        problems.append(f"payload of {header.payload_bytes} bytes does not match shape {header.shape}")
+    problems += _payload_problems(header)
     if header.payload_offset != _aligned(header_end):
         problems.append(f"payload offset {header.payload_offset} is not the aligned end of the header")
     if header.checksum_algorithm != CHECKSUM_ALGORITHM:
@@ -364,10 +465,46 @@ def _check_layout(header: BlockHeader, path: Path, header_end: int, file_size: i
         raise CorruptBlockError(f"{path}: " + "; ".join(problems))
 
 
-def _check_expected(
-    header: BlockHeader, path: Path, key: str, fingerprint: str, spec: ModelSpec, dtype: torch.dtype
-) -> None:
-    """The file holds the block that was asked for, made by this model, in the shape this spec needs."""
+def _payload_problems(header: BlockHeader) -> list[str]:
+    """The payload's size (and for an 8-bit form, its scales) agrees with the dtype and shape."""
+    q = header.quant
+    if q is None:
+        if header.dtype not in NATIVE_DTYPES:
+            return [f"dtype {dtype_name(header.dtype)} is stored only in an 8-bit form"]
+        element = torch.empty((), dtype=header.dtype).element_size()
+        if header.payload_bytes != math.prod(header.shape) * element:
+            return [f"payload of {header.payload_bytes} bytes does not match shape {header.shape}"]
+        return []
+    if len(header.shape) != 5:
+        return []  # reported by the shape check
+    problems = []
+    if header.dtype != quant.storage_dtype(q.format):
+        problems.append(f"{q.format} form stored as {dtype_name(header.dtype)}")
+    if q.scales_dtype != dtype_name(quant.SCALE_DTYPE):
+        problems.append(f"scales of dtype {q.scales_dtype!r}, not {dtype_name(quant.SCALE_DTYPE)}")
+    if q.scales_offset != quant.scales_offset(header.shape):
+        problems.append(f"scales at {q.scales_offset}, not {quant.scales_offset(header.shape)}")
+    if q.scales_count != quant.scale_count(q.format, header.shape):
+        problems.append(
+            f"{q.scales_count} scales for shape {header.shape} in {q.format} form, "
+            f"not {quant.scale_count(q.format, header.shape)}"
+        )
+    if header.payload_bytes != quant.payload_nbytes(q.format, header.shape):
+        problems.append(f"payload of {header.payload_bytes} bytes does not match shape {header.shape} + scales")
+    return problems
+
+
+def _check_expected(header: BlockHeader, path: Path, expected: _Expected) -> None:
+    """The file holds the block that was asked for, made by this model, in the shape and form this spec needs."""
+    key, fingerprint, spec, dtype = expected.key, expected.fingerprint, expected.spec, expected.dtype
+    form = "native" if header.quant is None else header.quant.format
+    if form != expected.fmt:
+        raise CorruptBlockError(f"{path}: stored form mismatch: file holds {form}, expected {expected.fmt}")
+    if header.quant is not None and header.quant.compute_dtype != spec.dtype:
+        raise CorruptBlockError(
+            f"{path}: compute dtype mismatch: file dequantises to {dtype_name(header.quant.compute_dtype)}, "
+            f"expected {dtype_name(spec.dtype)}"
+        )
     if header.key != key:
         raise CorruptBlockError(f"{path}: key mismatch: file holds {header.key}, expected {key}")
     if header.model_fingerprint != fingerprint:
@@ -398,7 +535,8 @@ def _payload_target(into: torch.Tensor | None, header: BlockHeader) -> torch.Ten
     if flat.numel() < header.payload_bytes:
         raise ValueError(f"`into` holds {flat.numel()} bytes; the block needs {header.payload_bytes}")
     target = flat[: header.payload_bytes]
-    element = torch.empty((), dtype=header.dtype).element_size()
+    # An 8-bit form's float32 scales are viewed in place, so they set the alignment it needs.
+    element = quant.SCALE_DTYPE.itemsize if header.quant else torch.empty((), dtype=header.dtype).element_size()
     if target.data_ptr() % element:
         raise ValueError(f"`into` is not aligned for {dtype_name(header.dtype)} elements")
     return target
@@ -527,6 +665,22 @@ def _float(fields: dict[str, Any], name: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         raise TypeError(f"field {name!r} is not a finite number")
     return float(value)
+
+
+def _quant_field(fields: dict[str, Any], path: Path) -> QuantField | None:
+    if "quant" not in fields:
+        return None
+    q = _dict(fields, "quant")
+    fmt = _str(q, "format")
+    if fmt not in quant.QUANT_FORMATS:
+        raise CorruptBlockError(f"{path}: unknown 8-bit form {fmt!r}")
+    return QuantField(
+        format="int8" if fmt == "int8" else "fp8",
+        compute_dtype=_dtype(_str(q, "compute_dtype"), path),
+        scales_dtype=_str(q, "scales_dtype"),
+        scales_offset=_int(q, "scales_offset"),
+        scales_count=_int(q, "scales_count"),
+    )
 
 
 def _dtype(name: str, path: Path) -> torch.dtype:

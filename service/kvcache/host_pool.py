@@ -24,6 +24,7 @@ import torch
 
 from service.kvcache import device
 from service.kvcache.device import CopyEvent
+from service.kvcache.quant import DiskFormat
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,11 @@ class HostSlot:
     shape: tuple[int, ...]
     pending: CopyEvent | None = None
     busy: bool = False
+    # "native": the slot holds the block's tensor; an 8-bit form ("int8", "fp8"): its stored payload (flat
+    # bytes, `dtype` uint8), dequantised on the device after each copy.
+    fmt: DiskFormat = "native"
+    kv_shape: tuple[int, ...] = ()  # the block's KV shape when `fmt` is an 8-bit form
+    compute_dtype: torch.dtype | None = None  # what an 8-bit form dequantises to
 
 
 class HostPool:

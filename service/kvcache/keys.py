@@ -140,16 +140,25 @@ def _parameters_identity(state: dict[str, torch.Tensor]) -> str:
 # ---- block key ---------------------------------------------------------------------------------------------
 
 
-def block_key(fingerprint: str, template_version: str, dtype: torch.dtype, token_ids: Sequence[int]) -> str:
-    """The cache key of one block: identical across processes and machines for identical inputs."""
+def block_key(
+    fingerprint: str, template_version: str, dtype: torch.dtype, token_ids: Sequence[int], stored: str = "native"
+) -> str:
+    """The cache key of one block: identical across processes and machines for identical inputs.
+
+    `stored` is the disk form ("native", "int8", "fp8"). An 8-bit form adds a field, so its blocks never share
+    a key (file, index entry) with native ones, while native keys stay what they were before 8-bit forms existed.
+    """
     digest = hashlib.sha256()
-    for field in (
+    fields = [
         f"kvstitch-block-key/{BLOCK_KEY_VERSION}",
         fingerprint,
         template_version,
         f"{LAYOUT_NAME}/{LAYOUT_VERSION}",
         dtype_name(dtype),
-    ):
+    ]
+    if stored != "native":
+        fields.append(f"stored:{stored}")
+    for field in fields:
         _add_field(digest, field)
     digest.update(pack_token_ids(token_ids))
     return digest.hexdigest()[:BLOCK_KEY_HEX_CHARS]

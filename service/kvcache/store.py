@@ -34,15 +34,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+import torch
+
 from service.engine.engine import StitchEngine
 from service.engine.kv_layout import KVBlock, block_shape, check_block
 from service.engine.model import ModelSpec
 from service.kvcache import device
 from service.kvcache.device import CopyEvent
-from service.kvcache.fileformat import CorruptBlockError, MissingBlockError
+from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, QuantBlock
 from service.kvcache.host_pool import HostPool, HostSlot
 from service.kvcache.index import KVIndex
 from service.kvcache.keys import block_key, model_fingerprint
+from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
 from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier
 from service.kvcache.writeback import WriteBack
 
@@ -157,7 +160,9 @@ class KVStore:
     pool where the filesystem allows it. It is off by default because it measured slower on the H200 machine
     (8K context, 15 files: cold 211-233 ms against 169 ms buffered; warm 283 ms against 58 ms, as O_DIRECT
     bypasses the page cache); on the 2-core development box it was faster cold (154 against 211 ms). Turn it
-    on where a cold fetch measures faster with it.
+    on where a cold fetch measures faster with it. `disk_format` "int8" or "fp8" stores block files in an 8-bit
+    form (`quant.py`: half the bytes to read, pin and copy; dequantised on the device after the copy), under
+    keys of their own; "native" (the default) stores the compute dtype's bytes, bit-exact.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class KVStore:
         read_threads: int = DEFAULT_READ_THREADS,
         max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
         direct_io: bool = False,
+        disk_format: DiskFormat = "native",
     ) -> None:
         if max_precompute_tokens <= 0:
             raise ValueError("max_precompute_tokens must be positive")
@@ -182,7 +188,8 @@ class KVStore:
         self.gpu = GpuTier(budgets.gpu_bytes)
         pool = HostPool(budgets.host_bytes, pinned=device.uses_cuda(self.target))
         self.host = HostTier(pool, self.target, device.new_copy_stream(self.target))
-        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io)
+        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io, disk_format)
+        self.disk_format = disk_format
         self._writeback = WriteBack(self.disk, self.target)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
         self._lock = threading.Lock()
@@ -203,6 +210,7 @@ class KVStore:
         read_threads: int = DEFAULT_READ_THREADS,
         max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
         direct_io: bool = False,
+        disk_format: DiskFormat = "native",
     ) -> KVStore:
         """A store keyed by this engine's model fingerprint, template version and dtype."""
         return cls(
@@ -215,13 +223,14 @@ class KVStore:
             read_threads,
             max_precompute_tokens=max_precompute_tokens,
             direct_io=direct_io,
+            disk_format=disk_format,
         )
 
     def key_of(self, token_ids: Sequence[int]) -> str:
         return self._cached_key(tuple(map(int, token_ids)))
 
     def _compute_key(self, token_ids: TokenIds) -> str:
-        return block_key(self.fingerprint, self.template_version, self.spec.dtype, token_ids)
+        return block_key(self.fingerprint, self.template_version, self.spec.dtype, token_ids, self.disk_format)
 
     # ---- planning ----------------------------------------------------------------------------------------
 
@@ -385,6 +394,10 @@ class _Fetch:
     ) -> None:
         """Every host hit copied group-major (layers of group 0 of every block first), one event per group."""
         found = [(p, slot) for p in planned_blocks if (slot := self.store.host.get(p.key)) is not None]
+        for planned, slot in found:
+            if slot.fmt != "native":  # 8-bit slots are dequantised whole after their copy
+                self._take_from_host(planned)
+        found = [(p, slot) for p, slot in found if slot.fmt == "native"]
         if not found:
             return
         with self.clock.timing():
@@ -403,7 +416,8 @@ class _Fetch:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
         copy as soon as its read is done, so the copies overlap the reads still running."""
         host = self.store.host
-        slots = {p.key: host.reserve(p.key, p.token_ids, self.store.spec.dtype, self._shape(p)) for p in planned_blocks}
+        fmt, dtype = self.store.disk_format, self.store.spec.dtype
+        slots = {p.key: host.reserve(p.key, p.token_ids, dtype, self._shape(p), fmt) for p in planned_blocks}
         start = time.perf_counter()
         reads = {self.store.readers.submit(self._read, p, slots[p.key]): p for p in planned_blocks}
         try:
@@ -417,12 +431,14 @@ class _Fetch:
                 if slot is not None and slot.busy:
                     host.discard(key)
 
-    def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock:
+    def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock | QuantBlock:
         """Runs on a reader thread: the checked block, in its host slot when it has one."""
         buffer = None if slot is None else self.store.host.buffer(slot)
         return self.store.disk.read(planned.key, planned.token_ids, buffer)
 
-    def _arrived(self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock]) -> None:
+    def _arrived(
+        self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock | QuantBlock]
+    ) -> None:
         host = self.store.host
         try:
             block = read.result()
@@ -438,6 +454,12 @@ class _Fetch:
             if slot is not None:
                 host.filled(slot)
                 block, event = host.to_device(slot)
+            elif isinstance(block, QuantBlock):  # no room in the host pool: copy the 8-bit read, then dequantise
+                q = block.kv
+                kv, event = device.copy_to_device(
+                    block.payload, self.store.target, host.stream, lambda flat: dequantize(_moved(q, flat))
+                )
+                block = KVBlock(block.token_ids, kv)
             else:  # no room in the host pool: copy from the pageable buffer the read allocated
                 kv, event = device.copy_to_device(block.kv, self.store.target, host.stream)
                 block = KVBlock(block.token_ids, kv)
@@ -514,6 +536,11 @@ def precompute_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
         else:
             batches.append([i])
     return [sorted(batch) for batch in batches]
+
+
+def _moved(q: QuantizedKV, flat: torch.Tensor) -> QuantizedKV:
+    """`q`'s data and scales as views of its payload copied elsewhere (`flat`)."""
+    return unpack(flat, q.fmt, tuple(q.data.shape), q.compute_dtype)
 
 
 def _count(tiers: Iterable[Tier]) -> dict[Tier, int]:

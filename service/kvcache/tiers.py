@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import StrEnum
 from pathlib import Path
 
@@ -19,14 +19,16 @@ import torch
 
 from service.engine.kv_layout import KVBlock
 from service.engine.model import ModelSpec
-from service.kvcache import device
+from service.kvcache import device, quant
 from service.kvcache.device import CopyEvent, CopyStream
 from service.kvcache.fileformat import (
     CorruptBlockError,
     DirectReads,
     MissingBlockError,
+    QuantBlock,
     block_relpath,
     read_block,
+    read_quant_block,
     write_block,
 )
 from service.kvcache.host_pool import HostPool, HostSlot
@@ -156,13 +158,26 @@ class HostTier:
         return self.pool.get(key)
 
     def reserve(
-        self, key: str, token_ids: tuple[int, ...], dtype: torch.dtype, shape: tuple[int, ...]
+        self,
+        key: str,
+        token_ids: tuple[int, ...],
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        fmt: quant.DiskFormat = "native",
     ) -> HostSlot | None:
         """A busy slot for a block about to be read from disk; None when the pool cannot hold it now.
 
-        The caller calls `filled` once the read succeeded, or `discard` when it failed.
+        With an 8-bit `fmt` the slot holds the stored payload (half the bytes) and every copy to the device
+        dequantises it into `dtype`. The caller calls `filled` once the read succeeded, or `discard` when it
+        failed.
         """
-        return self.pool.reserve(key, token_ids, dtype, shape, busy=True)
+        if fmt == "native":
+            return self.pool.reserve(key, token_ids, dtype, shape, busy=True)
+        nbytes = quant.payload_nbytes(fmt, shape)
+        slot = self.pool.reserve(key, token_ids, torch.uint8, (nbytes,), busy=True)
+        if slot is not None:
+            slot.fmt, slot.kv_shape, slot.compute_dtype = fmt, shape, dtype
+        return slot
 
     def filled(self, slot: HostSlot) -> None:
         self.pool.release_busy(slot)
@@ -173,8 +188,15 @@ class HostTier:
         return self.pool.span_of(slot)
 
     def to_device(self, slot: HostSlot) -> tuple[KVBlock, CopyEvent | None]:
-        """Start the H2D copy of a held block; the slot stays busy until the returned event completed."""
-        kv, event = device.copy_to_device(self.pool.view(slot), self.target, self.stream)
+        """Start the H2D copy of a held block; the slot stays busy until the returned event completed.
+
+        An 8-bit slot copies its payload and is dequantised on the copy stream; the event marks the result.
+        """
+        dequantize = _dequantizer(slot)
+        if dequantize is None:
+            kv, event = device.copy_to_device(self.pool.view(slot), self.target, self.stream)
+        else:
+            kv, event = device.copy_to_device(self.pool.view(slot), self.target, self.stream, dequantize)
         if event is not None:
             slot.pending = event  # queued after any earlier copy of this slot, on the same stream
         return KVBlock(slot.token_ids, kv), event
@@ -187,6 +209,8 @@ class HostTier:
         `to_device`). Every slot stays busy until the last group's event completed."""
         if self.stream is None or not device.uses_cuda(self.target):
             return None
+        if any(slot.fmt != "native" for slot in slots):
+            raise ValueError("8-bit slots are copied whole (to_device), not by layer groups")
         hosts = [self.pool.view(slot) for slot in slots]
         kvs, events = device.copy_layers_to_device(hosts, self.target, groups, self.stream)
         for slot in slots:
@@ -205,6 +229,14 @@ class HostTier:
 
     def discard(self, key: str) -> bool:
         return self.pool.discard(key)
+
+
+def _dequantizer(slot: HostSlot) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What turns a copied 8-bit payload into the block's KV (None for a native slot)."""
+    fmt, shape, dtype = slot.fmt, slot.kv_shape, slot.compute_dtype
+    if fmt == "native" or dtype is None:
+        return None
+    return lambda flat: quant.dequantize(quant.unpack(flat, fmt, shape, dtype))
 
 
 # ---- disk --------------------------------------------------------------------------------------------------
@@ -228,9 +260,13 @@ class DiskTier:
         spec: ModelSpec,
         budget_bytes: int,
         direct_io: bool = False,
+        fmt: quant.DiskFormat = "native",
     ) -> None:
         if budget_bytes < 0:
             raise ValueError("the disk tier budget must be >= 0")
+        if fmt not in quant.DISK_FORMATS:
+            raise ValueError(f"unknown disk format {fmt!r}; one of {', '.join(quant.DISK_FORMATS)}")
+        self.fmt = fmt
         self.cache_dir = Path(cache_dir)
         self.index = index
         self.fingerprint = fingerprint
@@ -250,14 +286,25 @@ class DiskTier:
     def used_bytes(self) -> int:
         return self.index.total_bytes()
 
-    def read(self, key: str, token_ids: tuple[int, ...], into: torch.Tensor | None) -> KVBlock:
-        """The checked block, read straight into `into` when given.
+    def read(self, key: str, token_ids: tuple[int, ...], into: torch.Tensor | None) -> KVBlock | QuantBlock:
+        """The checked block, read straight into `into` when given; in an 8-bit form, still quantised.
 
         Raises `CorruptBlockError` after deleting a bad file and its entry, and `MissingBlockError` after
         dropping an entry whose file is gone; both mean: recompute.
         """
         path = self.path_of(key)
         try:
+            if self.fmt != "native":
+                return read_quant_block(
+                    path,
+                    key,
+                    self.fingerprint,
+                    self.spec,
+                    self.fmt,
+                    into,
+                    expected_token_ids=token_ids,
+                    direct=self.direct,
+                )
             return read_block(
                 path, key, self.fingerprint, self.spec, into=into, expected_token_ids=token_ids, direct=self.direct
             )
@@ -278,13 +325,17 @@ class DiskTier:
 
     def write(self, key: str, block: KVBlock) -> int:
         """Store a block unless it already is; returns the bytes written (0 when stored already or too big)."""
-        if not self.wants(key, block.nbytes()):
+        if not self.wants(key, self.stored_nbytes(block)):
             return 0
-        size = write_block(self.path_of(key), key, self.fingerprint, block)
+        size = write_block(self.path_of(key), key, self.fingerprint, block, self.fmt)
         now = time.time()
         self.index.put(IndexEntry(key, block_relpath(key), size, block.num_tokens, now, now))
         self.enforce_budget(keep=key)
         return size
+
+    def stored_nbytes(self, block: KVBlock) -> int:
+        """The payload bytes a block takes in this tier's form."""
+        return quant.stored_nbytes(self.fmt, tuple(block.kv.shape), block.kv.element_size())
 
     def touch(self, keys: Iterable[str], now: float) -> None:
         for key in keys:

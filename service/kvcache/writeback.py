@@ -91,7 +91,7 @@ class WriteBack:
 
     def _write(self, key: str, block: KVBlock, ready: CopyEvent | None) -> None:
         try:
-            if not self._disk.wants(key, block.nbytes()):
+            if not self._disk.wants(key, self._disk.stored_nbytes(block)):
                 return  # stored meanwhile (another worker) or over budget: skip the device-to-host copy
             host = _to_host(block.kv, self._stream, ready)
             written = self._disk.write(key, KVBlock(block.token_ids, host))
