@@ -19,6 +19,7 @@ Job statuses live in `workers.job_status`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -181,13 +182,7 @@ class RedisStreamQueue:
         """Up to `count` new messages, waiting at most `block_ms` for one (no wait when block_ms <= 0)."""
         _check_count(count)
         block = block_ms if block_ms > 0 else None  # Redis reads BLOCK 0 as "forever"
-        try:
-            reply = self._read(consumer_name, count, block)
-        except redis.ResponseError as err:
-            if "NOGROUP" not in str(err):
-                raise
-            self._ensure_group()  # the stream was deleted (a flush, a reset) while we ran
-            reply = self._read(consumer_name, count, block)
+        reply = self._in_group(lambda: self._read(consumer_name, count, block))
         entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
         return self._deliveries(entries, consumer_name, times_delivered=dict.fromkeys(_ids(entries), 1))
 
@@ -222,15 +217,16 @@ class RedisStreamQueue:
         entries: list[tuple[Any, Any]] = []
         start: Any = "0-0"
         while len(entries) < count:
-            try:
-                start, claimed, *_ = self._redis.xautoclaim(
-                    self.stream, self.group, consumer_name, max(0, min_idle_ms), start, count=count - len(entries)
-                )
-            except redis.ResponseError as err:
-                if "NOGROUP" not in str(err):
-                    raise
-                self._ensure_group()  # Redis lost the stream (restart without persistence, flush): nothing is stale
-                return []
+            claim = functools.partial(
+                self._redis.xautoclaim,
+                self.stream,
+                self.group,
+                consumer_name,
+                max(0, min_idle_ms),
+                start,
+                count=count - len(entries),
+            )
+            start, claimed, *_ = self._in_group(claim)
             entries.extend((entry_id, fields) for entry_id, fields in claimed if fields)
             if _text(start) == "0-0":
                 break
@@ -256,6 +252,17 @@ class RedisStreamQueue:
         except redis.ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
+
+    def _in_group(self, call: Callable[[], Any]) -> Any:
+        """Run a consumer-group command; when Redis lost the stream and its group (a restart without persistence,
+        a flush) re-create the group and run it once more, so every consumer command recovers the same way."""
+        try:
+            return call()
+        except redis.ResponseError as err:
+            if "NOGROUP" not in str(err):
+                raise
+            self._ensure_group()
+            return call()
 
     def _read(self, consumer_name: str, count: int, block: int | None) -> Any:
         return self._redis.xreadgroup(self.group, consumer_name, {self.stream: ">"}, count=count, block=block)
