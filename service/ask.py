@@ -11,14 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
-from service.engine.prompt import PromptIds
+from service.engine.prompt import PromptIds, TokenIds
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.kvcache.store import FetchResult, KVStore
@@ -44,6 +44,7 @@ class Question:
     mode: GenerationMode = GenerationMode.TURBO
     positions: PositionMode = PositionMode.REORDERED
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    ids: TokenIds = ()  # the question's token ids, set once by `Asker.prepare`
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Asker:
     def _fit(self, hits: Sequence[RetrievedChunk], question: Question) -> list[RetrievedChunk]:
         template = self.engine.template
         fixed = len(template.prefix) + len(template.question_head) + len(template.question_tail)
-        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens - self._question_tokens(question)
+        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens - len(self._ids(question))
         wrapper = len(template.doc_open) + len(template.doc_close)
         kept = []
         for hit in hits:
@@ -120,24 +121,26 @@ class Asker:
                 room -= len(hit.token_ids) + wrapper
         return kept
 
-    def _question_tokens(self, question: Question) -> int:
-        return len(self.engine.encode_question(question.text))
+    def _ids(self, question: Question) -> TokenIds:
+        return question.ids or self.engine.encode_question(question.text)
 
-    def check_fits(self, question: Question) -> None:
-        """ValueError when the question and the answer budget alone exceed the model's context."""
-        needed = self._question_tokens(question) + question.sampling.max_new_tokens + len(self.engine.template.prefix)
+    def prepare(self, question: Question) -> Question:
+        """The question with its token ids (encoded once for the request); ValueError when the question and the
+        answer budget alone exceed the model's context."""
+        ids = self.engine.encode_question(question.text)
+        needed = len(ids) + question.sampling.max_new_tokens + len(self.engine.template.prefix)
         if needed > self.engine.spec.max_context:
             raise ValueError(
-                f"question ({self._question_tokens(question)} tokens) plus max_new_tokens "
+                f"question ({len(ids)} tokens) plus max_new_tokens "
                 f"({question.sampling.max_new_tokens}) exceed the model's context of {self.engine.spec.max_context}"
             )
+        return replace(question, ids=ids)
 
     def answer(
         self, question: Question, retrieval: Retrieval, started: float, cancelled: threading.Event | None = None
     ) -> Iterator[TokenEvent | DoneEvent]:
         """Generate on the calling (engine) thread; `started` is the request's perf_counter start (for TTFT)."""
-        question_ids = self.engine.encode_question(question.text)
-        prompt = self.engine.template.prompt([c.token_ids for c in retrieval.chunks], question_ids)
+        prompt = self.engine.template.prompt([c.token_ids for c in retrieval.chunks], self._ids(question))
         fetch = self._fetch(prompt) if question.mode is GenerationMode.TURBO else None
         chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
         ready = fetch.ready if fetch is not None and fetch.ready else None

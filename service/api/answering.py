@@ -115,7 +115,7 @@ async def open_answer(gateway: Gateway, asker: Asker, options: AskOptions) -> An
     started = time.perf_counter()
     question = _question(gateway, options)
     try:
-        await run_in_threadpool(asker.check_fits, question)
+        question = await run_in_threadpool(asker.prepare, question)
     except ValueError as err:
         raise field_error("max_new_tokens", str(err)) from err
     try:

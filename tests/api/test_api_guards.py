@@ -195,3 +195,17 @@ def test_a_body_over_the_size_limit_is_refused_before_it_is_read(make_app: MakeA
 
         assert reply.status_code == 413 and "KVSTITCH_MAX_REQUEST_MB" in reply.json()["detail"]
         assert client.post("/ingest", json={"documents": [{"id": "ok", "text": "small"}]}).status_code == 202
+
+
+def test_a_question_whose_answer_budget_exceeds_the_context_is_a_422(make_app: MakeApp) -> None:
+    app = make_app(max_new_tokens_limit=8192)
+    with TestClient(app) as client:
+        wait_ready(app)
+        context = gateway_of(app).asker.engine.spec.max_context  # type: ignore[union-attr]
+
+        reply = client.post("/ask", json={"question": QUESTION, "max_new_tokens": context})
+
+        assert reply.status_code == 422
+        error = reply.json()["detail"][0]
+        assert error["loc"][-1] == "max_new_tokens" and f"exceed the model's context of {context}" in error["msg"]
+        assert client.post("/ask", json={"question": QUESTION, "stream": False, "max_new_tokens": 4}).status_code == 200
