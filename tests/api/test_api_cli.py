@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import free_port
+
 STARTUP_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _kvstitch(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -28,7 +22,7 @@ def _kvstitch(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
 
 
 def test_serve_ingest_and_ask_from_the_command_line(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
@@ -69,7 +63,7 @@ def test_serve_ingest_and_ask_from_the_command_line(tiny_model_dirs: dict[str, P
 
 
 def test_ask_without_a_server_says_it_cannot_connect(tmp_path: Path) -> None:
-    result = _kvstitch("ask", "hello", "--url", f"http://127.0.0.1:{_free_port()}", env=dict(os.environ))
+    result = _kvstitch("ask", "hello", "--url", f"http://127.0.0.1:{free_port()}", env=dict(os.environ))
     assert result.returncode == 1 and "cannot talk to the server" in result.stderr
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -18,18 +17,12 @@ from api_support import ask_events, ingest
 from app_server import LiveServer
 
 from service.metrics import TTFT_BUCKETS
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class PrometheusServer:

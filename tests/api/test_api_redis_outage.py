@@ -16,6 +16,8 @@ from api_support import QUESTION, ingest
 from app_server import MakeApp, wait_ready
 from fastapi.testclient import TestClient
 
+from tests.ports import free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 
 
@@ -23,9 +25,7 @@ class RedisProcess:
     """A private redis-server on a free port, without persistence, that a test may stop and start again."""
 
     def __init__(self, workdir: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.workdir = workdir
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -3,21 +3,13 @@ outcome, chunks by whether their KV was computed or reused, and its KV store's t
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 from ingest_support import CORPUS
 
+from tests.ports import free_port
 from workers.__main__ import serve_metrics
 from workers.runtime import Runtime
 from workers.submit import submit_job
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def sample(text: str, line_start: str) -> float:
