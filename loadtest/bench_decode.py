@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_prefill import build_engine, context_chunks, precompute_all, question_ids
+from loadtest.bench_prefill import add_workload_arguments, build_engine, context_chunks, precompute_all, question_ids
 from service.engine.cuda_graph import ATTENTION_BACKENDS, DecodeGraph, bucket_capacity, resolve_attention
 from service.engine.engine import StitchEngine
 from service.engine.kv_buffer import KVBuffer
@@ -138,11 +138,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--question-tokens", type=int, default=128)
-    parser.add_argument("--precompute-batch", type=int, default=16)
+    add_workload_arguments(parser)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -191,13 +191,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload options every GPU benchmark shares: model, context lengths, chunk and question sizes."""
     parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--question-tokens", type=int, default=128)
     parser.add_argument("--precompute-batch", type=int, default=16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)

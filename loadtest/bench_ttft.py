@@ -42,7 +42,14 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_prefill import build_engine, context_chunks, precompute_all, question_ids, timed
+from loadtest.bench_prefill import (
+    add_workload_arguments,
+    build_engine,
+    context_chunks,
+    precompute_all,
+    question_ids,
+    timed,
+)
 from service.engine.cuda_graph import LayerGroups, PrefillGraph, layer_groups, question_bucket
 from service.engine.engine import StitchEngine
 from service.engine.fused_stitch import FusedStitch
@@ -337,12 +344,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--question-tokens", type=int, default=128)
+    add_workload_arguments(parser)
     parser.add_argument("--answer-tokens", type=int, default=256, help="answer budget (sizes the graph's bucket)")
-    parser.add_argument("--precompute-batch", type=int, default=16)
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-kvstore", action="store_true", help="skip the KVStore host-tier column")
