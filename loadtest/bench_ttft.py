@@ -84,45 +84,33 @@ def graphed(engine: StitchEngine, prompt: PromptIds, extra: int, fetch: Fetch) -
     return run
 
 
-def stitch_with(engine: StitchEngine, fused: FusedStitch | None, run: Callable[[], Any]) -> Callable[[], Any]:
-    """`run` with the engine's stitch switched to `fused` (None: the torch stitch) for its duration."""
+def with_attribute(target: Any, name: str, value: Any, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run` with `target.name` set to `value` for its duration (restored afterwards, whatever happens)."""
 
     def switched() -> Any:
-        saved, engine.fused_stitch = engine.fused_stitch, fused
+        saved = getattr(target, name)
+        setattr(target, name, value)
         try:
             return run()
         finally:
-            engine.fused_stitch = saved
+            setattr(target, name, saved)
 
     return switched
+
+
+def stitch_with(engine: StitchEngine, fused: FusedStitch | None, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run` with the engine's stitch switched to `fused` (None: the torch stitch)."""
+    return with_attribute(engine, "fused_stitch", fused, run)
 
 
 def one_launch(fused: FusedStitch | None, run: Callable[[], Any]) -> Callable[[], Any]:
     """`run` with the fused stitch waiting for every block's copy, then launching once."""
-
-    def switched() -> Any:
-        if fused is None:
-            return run()
-        fused.overlap = False
-        try:
-            return run()
-        finally:
-            fused.overlap = True
-
-    return switched
+    return run if fused is None else with_attribute(fused, "overlap", False, run)
 
 
 def pipelined_with(engine: StitchEngine, groups: LayerGroups | None, run: Callable[[], Any]) -> Callable[[], Any]:
-    """`run` with the engine's pipeline layer groups set to `groups` (None: no pipelining) for its duration."""
-
-    def switched() -> Any:
-        saved, engine.pipeline_layers = engine.pipeline_layers, groups
-        try:
-            return run()
-        finally:
-            engine.pipeline_layers = saved
-
-    return switched
+    """`run` with the engine's pipeline layer groups set to `groups` (None: no pipelining)."""
+    return with_attribute(engine, "pipeline_layers", groups, run)
 
 
 def kvstore_host_fetch(
