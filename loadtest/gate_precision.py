@@ -19,10 +19,10 @@ import torch
 import service.engine.engine as engine_module
 from loadtest.bench_prefill import random_qwen2_7b
 from service.engine.engine import StitchEngine
-from service.engine.gate import DEFAULT_CHUNK_LENGTHS, synthetic_ids
+from service.engine.gate import gate_cases
 from service.engine.model import LoadedModel
 from service.engine.reference import prompt_reference_logits
-from service.engine.stitch import PositionMode, StitchPlan, plan_positions
+from service.engine.stitch import StitchPlan, plan_positions
 
 
 def off_by_one(mode: str, lengths: list[int]) -> StitchPlan:
@@ -32,29 +32,26 @@ def off_by_one(mode: str, lengths: list[int]) -> StitchPlan:
 
 def main() -> int:
     engine = StitchEngine(random_qwen2_7b(torch.device("cuda")))
-    chunks = synthetic_ids(engine, DEFAULT_CHUNK_LENGTHS, 0)
-    question = synthetic_ids(engine, [9], 1)[0]
     cases: list[dict[str, Any]] = []
-    for order in (list(range(len(chunks))), list(reversed(range(len(chunks))))):
-        for mode in PositionMode:
-            prompt = engine.template.prompt([chunks[i] for i in order], question)
-            kv = engine.precompute(prompt.blocks)
-            stitched = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
-            engine_module.plan_positions = off_by_one  # type: ignore[attr-defined,assignment]  # deliberate break
-            broken = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
-            engine_module.plan_positions = plan_positions  # type: ignore[attr-defined]
-            ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
-            cases.append(
-                {
-                    "order": order,
-                    "mode": mode.value,
-                    "stitched": stitched,
-                    "broken": broken,
-                    "ref16": ref16,
-                    "prompt": prompt,
-                    "positions": mode,
-                }
-            )
+    for order, mode, chunks, question in gate_cases(engine):
+        prompt = engine.template.prompt(chunks, question)
+        kv = engine.precompute(prompt.blocks)
+        stitched = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
+        engine_module.plan_positions = off_by_one  # type: ignore[attr-defined,assignment]  # deliberate break
+        broken = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1]
+        engine_module.plan_positions = plan_positions  # type: ignore[attr-defined]
+        ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
+        cases.append(
+            {
+                "order": order,
+                "mode": mode.value,
+                "stitched": stitched,
+                "broken": broken,
+                "ref16": ref16,
+                "prompt": prompt,
+                "positions": mode,
+            }
+        )
     hf32 = engine.model.hf.float()
     model32 = LoadedModel(hf32, engine.tokenizer, dataclasses.replace(engine.spec, dtype=torch.float32), "fp32")
     rows = []

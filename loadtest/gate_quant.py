@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from loadtest.bench_prefill import build_engine
-from service.engine.gate import DEFAULT_CHUNK_LENGTHS, synthetic_ids
+from service.engine.gate import gate_cases
 from service.engine.kv_layout import KVBlock
 from service.engine.model import LoadedModel
 from service.engine.reference import prompt_reference_logits
-from service.engine.stitch import PositionMode
 from service.kvcache import quant
 
 
@@ -36,25 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 reference (it needs fp32 weights)")
     args = parser.parse_args(argv)
     engine = build_engine(args.model, torch.device(args.device))
-    chunks = synthetic_ids(engine, DEFAULT_CHUNK_LENGTHS, 0)
-    question = synthetic_ids(engine, [9], 1)[0]
     cases: list[dict[str, Any]] = []
-    for order in (list(range(len(chunks))), list(reversed(range(len(chunks))))):
-        for mode in PositionMode:
-            prompt = engine.template.prompt([chunks[i] for i in order], question)
-            kv = engine.precompute(prompt.blocks)
-            stitched = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1].float()
-            ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
-            row: dict[str, Any] = {"order": order, "mode": mode.value, "prompt": prompt, "stitched16": stitched}
-            row["stitched16_vs_ref16"] = float((stitched - ref16).abs().max())
-            row["max_abs_logit"] = float(ref16.abs().max())
-            for fmt in quant.QUANT_FORMATS:
-                blocks = [KVBlock(b.token_ids, quant.dequantize(quant.quantize(b.kv, fmt))) for b in kv]
-                logits = engine.prefill_stitched(blocks, prompt.question, mode, all_logits=True)[1].float()
-                row[f"stitched_{fmt}"] = logits
-                row[f"{fmt}_vs_stitched16"] = float((logits - stitched).abs().max())
-                row[f"{fmt}_vs_ref16"] = float((logits - ref16).abs().max())
-            cases.append(row)
+    for order, mode, chunks, question in gate_cases(engine):
+        prompt = engine.template.prompt(chunks, question)
+        kv = engine.precompute(prompt.blocks)
+        stitched = engine.prefill_stitched(kv, prompt.question, mode, all_logits=True)[1].float()
+        ref16 = prompt_reference_logits(engine.model, prompt, mode)[-len(prompt.question) :]
+        row: dict[str, Any] = {"order": order, "mode": mode.value, "prompt": prompt, "stitched16": stitched}
+        row["stitched16_vs_ref16"] = float((stitched - ref16).abs().max())
+        row["max_abs_logit"] = float(ref16.abs().max())
+        for fmt in quant.QUANT_FORMATS:
+            blocks = [KVBlock(b.token_ids, quant.dequantize(quant.quantize(b.kv, fmt))) for b in kv]
+            logits = engine.prefill_stitched(blocks, prompt.question, mode, all_logits=True)[1].float()
+            row[f"stitched_{fmt}"] = logits
+            row[f"{fmt}_vs_stitched16"] = float((logits - stitched).abs().max())
+            row[f"{fmt}_vs_ref16"] = float((logits - ref16).abs().max())
+        cases.append(row)
     if not args.no_fp32:
         hf32 = engine.model.hf.float()
         spec32 = dataclasses.replace(engine.spec, dtype=torch.float32)

@@ -6,7 +6,7 @@ Run by the tests, by `kvstitch verify`, and by the server at startup.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +86,21 @@ def compare_with_reference(
     return float((stitched - ref).abs().max()), float(ref.abs().max())
 
 
+def gate_cases(
+    engine: StitchEngine,
+    chunk_lengths: Sequence[int] = DEFAULT_CHUNK_LENGTHS,
+    question_length: int = DEFAULT_QUESTION_LENGTH,
+    seed: int = 0,
+) -> Iterator[tuple[tuple[int, ...], PositionMode, list[list[int]], list[int]]]:
+    """The gate's cases: (order, position mode, chunk ids in that order, question ids) for uneven synthetic chunks
+    in two orders and both position modes (also used by the precision scripts in loadtest/)."""
+    chunks = synthetic_ids(engine, chunk_lengths, seed)
+    question = synthetic_ids(engine, [question_length], seed + 1)[0]
+    for order in (tuple(range(len(chunks))), tuple(reversed(range(len(chunks))))):
+        for mode in PositionMode:
+            yield order, mode, [chunks[i] for i in order], question
+
+
 def run_gate(
     engine: StitchEngine,
     chunk_lengths: Sequence[int] = DEFAULT_CHUNK_LENGTHS,
@@ -94,15 +109,11 @@ def run_gate(
     seed: int = 0,
 ) -> GateResult:
     """Several uneven chunks, in two orders, in both position modes."""
-    chunks = synthetic_ids(engine, chunk_lengths, seed)
-    question = synthetic_ids(engine, [question_length], seed + 1)[0]
-    orders = [tuple(range(len(chunks))), tuple(reversed(range(len(chunks))))]
     result = GateResult(tolerance if tolerance is not None else FP32_TOLERANCE)
-    for order in orders:
-        for mode in PositionMode:
-            diff, scale = compare_with_reference(engine, [chunks[i] for i in order], question, mode)
-            result.cases.append(GateCase(order, mode, diff))
-            result.logit_scale = max(result.logit_scale, scale)
+    for order, mode, chunks, question in gate_cases(engine, chunk_lengths, question_length, seed):
+        diff, scale = compare_with_reference(engine, chunks, question, mode)
+        result.cases.append(GateCase(order, mode, diff))
+        result.logit_scale = max(result.logit_scale, scale)
     if tolerance is None and engine.spec.dtype != torch.float32:
         result.tolerance = BF16_RELATIVE_TOLERANCE * result.logit_scale
     return result
