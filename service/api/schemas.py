@@ -32,21 +32,23 @@ class IngestAccepted(BaseModel):
 
 class JobStatusOut(BaseModel):
     job_id: str
+    kind: Literal["ingest", "delete"]
     status: Literal["queued", "running", "done", "failed"]
     documents: int
     documents_done: int
     chunks: int
     chunks_precomputed: int
     chunks_reused: int
+    chunks_deleted: int
+    blocks_released: int
     error: str | None
     created_at: float
     finished_at: float | None
 
 
-class DocumentDeleted(BaseModel):
+class DeleteAccepted(BaseModel):
     doc_id: str
-    deleted_chunks: int
-    released_blocks: int
+    job_id: str
 
 
 class AskRequest(Body):

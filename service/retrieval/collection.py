@@ -22,7 +22,7 @@ from typing import Any
 
 from qdrant_client import QdrantClient, models
 
-from service.engine.prompt import TokenIds
+from service.engine.kv_layout import TokenIds
 from service.retrieval.chunker import Chunk
 
 # Fixed forever: changing it would re-key every stored point.
