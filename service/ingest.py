@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptTemplate
 from service.jobs.documents import DeleteJob, Document, IngestJob, document_version
-from service.jobs.ordering import DocumentOrder, superseded
+from service.jobs.ordering import DocumentOrder, applying
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_and_store
 from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
@@ -132,11 +132,11 @@ class Ingestor:
         for group in self._groups(job.documents, counts):
             self._store_kv(group, counts)
             for prepared in group:
-                with self.order.hold(prepared.doc.id):
-                    if superseded(self.order, prepared.doc.id, job.sequence):
-                        counts.documents_superseded += 1
-                    else:
+                with applying(self.order, prepared.doc.id, job.sequence) as current:
+                    if current:
                         self._index(prepared, counts)
+                    else:
+                        counts.documents_superseded += 1
                 counts.documents_done += 1
             if progress is not None:
                 progress(counts)
@@ -144,8 +144,8 @@ class Ingestor:
 
     def delete(self, job: DeleteJob) -> DeleteCounts:
         """Remove a document's points and release its KV blocks, unless a later job for it was submitted."""
-        with self.order.hold(job.doc_id):
-            if superseded(self.order, job.doc_id, job.sequence):
+        with applying(self.order, job.doc_id, job.sequence) as current:
+            if not current:
                 return DeleteCounts(superseded=True)
             keys = self.collection.document_kv_keys(job.doc_id)
             deleted = self.collection.delete_document(job.doc_id)

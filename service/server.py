@@ -211,8 +211,8 @@ class Server:
         except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
             raise UnavailableError("Qdrant", err) from err
         try:
-            # Known: stored now, or submitted (an ingest still queued must be deletable right after it is sent).
-            if not stored and runtime.order.latest(doc_id) == 0:
+            # Known: stored now, or a job for it still to run (an ingest just sent must be deletable at once).
+            if not stored and not runtime.order.pending(doc_id):
                 raise UnknownDocumentError(f"no document {doc_id!r}")
             job_id = submit_delete(runtime.queue, runtime.jobs, runtime.order, doc_id)
         except UnknownDocumentError:

@@ -45,6 +45,14 @@ class DocumentOrder(Protocol):
         """Exclusive use of a document while a job changes it."""
         ...
 
+    def applied(self, doc_id: str, sequence: int) -> None:
+        """Record that the job with this sequence number was applied to the document (under `hold`)."""
+        ...
+
+    def pending(self, doc_id: str) -> bool:
+        """Whether a job submitted for the document has not been applied yet."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -54,12 +62,26 @@ def superseded(order: DocumentOrder, doc_id: str, sequence: Mapping[str, int]) -
     return mine is not None and order.latest(doc_id) > mine
 
 
+@contextlib.contextmanager
+def applying(order: DocumentOrder, doc_id: str, sequence: Mapping[str, int]) -> Iterator[bool]:
+    """Hold the document; yields whether the job may change it (False: superseded). When the block ends without
+    an error the job counts as applied."""
+    with order.hold(doc_id):
+        if superseded(order, doc_id, sequence):
+            yield False
+            return
+        yield True
+        if doc_id in sequence:
+            order.applied(doc_id, sequence[doc_id])
+
+
 class InMemoryDocumentOrder:
     """For the embedded form: counters and locks in this process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
+        self._applied: dict[str, int] = {}
         self._held: dict[str, threading.Lock] = {}
 
     def claim(self, doc_ids: Sequence[str]) -> dict[str, int]:
@@ -79,13 +101,21 @@ class InMemoryDocumentOrder:
         with lock:
             yield
 
+    def applied(self, doc_id: str, sequence: int) -> None:
+        with self._lock:
+            self._applied[doc_id] = max(sequence, self._applied.get(doc_id, 0))
+
+    def pending(self, doc_id: str) -> bool:
+        with self._lock:
+            return self._latest.get(doc_id, 0) > self._applied.get(doc_id, 0)
+
     def close(self) -> None:
         """Nothing to release; here for the protocol."""
 
 
 class RedisDocumentOrder:
-    """Counters `{prefix}:seq:{id}` and locks `{prefix}:lock:{id}` (SET NX PX with a token, released only by
-    its holder) shared by the gateways and every worker."""
+    """Counters `{prefix}:seq:{id}`, the last applied `{prefix}:applied:{id}` and locks `{prefix}:lock:{id}` (SET
+    NX PX with a token, released only by its holder), shared by the gateways and every worker."""
 
     def __init__(self, url: str, prefix: str = DEFAULT_ORDER_PREFIX, lock_ttl_ms: int = DEFAULT_LOCK_TTL_MS) -> None:
         self.prefix = prefix
@@ -102,6 +132,14 @@ class RedisDocumentOrder:
 
     def latest(self, doc_id: str) -> int:
         return int(self._redis.get(self._seq_key(doc_id)) or 0)
+
+    def applied(self, doc_id: str, sequence: int) -> None:
+        # Written under the document's lock, and later jobs carry larger numbers: a plain SET keeps the maximum.
+        self._redis.set(self._applied_key(doc_id), sequence)
+
+    def pending(self, doc_id: str) -> bool:
+        latest, applied = self._redis.mget(self._seq_key(doc_id), self._applied_key(doc_id))
+        return int(latest or 0) > int(applied or 0)
 
     @contextlib.contextmanager
     def hold(self, doc_id: str) -> Iterator[None]:
@@ -121,6 +159,9 @@ class RedisDocumentOrder:
 
     def _seq_key(self, doc_id: str) -> str:
         return f"{self.prefix}:seq:{doc_id}"
+
+    def _applied_key(self, doc_id: str) -> str:
+        return f"{self.prefix}:applied:{doc_id}"
 
     def _lock_key(self, doc_id: str) -> str:
         return f"{self.prefix}:lock:{doc_id}"
