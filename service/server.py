@@ -142,8 +142,9 @@ class Server:
         started = time.perf_counter()
         runtime = self._ready_runtime()
         assert self.answerer is not None
+        question = self._question(request)
         try:
-            question = self.answerer.prepare(self._question(request))
+            question = self.answerer.prepare(question)
         except ValueError as err:
             raise InvalidRequestError("max_new_tokens", str(err)) from err
         try:
