@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from service.answer import DoneEvent, Question, Retrieval, TokenEvent
 from service.jobs.documents import Document
 from service.jobs.status import JobStatus
+from service.retrieval.collection import DocumentSummary
 
 # What an answer session hands its listener: events, then None at the end; an exception instead when it failed.
 AnswerItem = TokenEvent | DoneEvent | BaseException | None
@@ -30,6 +31,15 @@ class AnswerRequest:
     temperature: float
     top_p: float
     seed: int | None
+
+
+@dataclass(frozen=True)
+class DocumentPage:
+    """One page of the stored documents, sorted by id; `total` counts them all."""
+
+    total: int
+    offset: int
+    documents: list[DocumentSummary]
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,14 @@ class Facade(Protocol):
         ...
 
     def job_status(self, job_id: str) -> JobStatus | None: ...
+
+    def list_documents(self, offset: int, limit: int) -> DocumentPage:
+        """The stored documents, a page at a time (`UnavailableError` when Qdrant is away)."""
+        ...
+
+    def get_document(self, doc_id: str) -> DocumentSummary:
+        """One stored document; `UnknownDocumentError` when it is not stored."""
+        ...
 
     def metrics_text(self) -> bytes: ...
 

@@ -22,11 +22,12 @@ from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.engine_loop import EngineBusyError
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError, UnknownDocumentError
-from service.facade import AnswerRequest, RequestLimits
+from service.facade import AnswerRequest, DocumentPage, RequestLimits
 from service.jobs.documents import Document, IngestJob, JobError, parse_job
 from service.jobs.status import JobStatus
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
+from service.retrieval.collection import DocumentSummary
 from service.retrieval.embedder import Embedder
 from service.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
 from service.settings import MIB, Settings
@@ -229,6 +230,25 @@ class Server:
             return runtime.jobs.get(job_id)
         except Exception as err:
             raise UnavailableError("the job status store", err) from err
+
+    # ---- documents ------------------------------------------------------------------------------------------
+
+    def list_documents(self, offset: int, limit: int) -> DocumentPage:
+        documents = self._documents(None)
+        return DocumentPage(len(documents), offset, documents[offset : offset + limit])
+
+    def get_document(self, doc_id: str) -> DocumentSummary:
+        found = self._documents(doc_id)
+        if not found:
+            raise UnknownDocumentError(f"no document {doc_id!r}")
+        return found[0]
+
+    def _documents(self, doc_id: str | None) -> list[DocumentSummary]:
+        runtime = self._ready_runtime()
+        try:
+            return runtime.collection.documents(doc_id)
+        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
+            raise UnavailableError("Qdrant", err) from err
 
 
 def _gate_state(gate: GateOutcome | None) -> str:

@@ -46,6 +46,21 @@ class JobStatusOut(BaseModel):
     finished_at: float | None
 
 
+class DocumentOut(BaseModel):
+    id: str
+    version: str
+    chunks: int
+    tokens: int
+    ingested_at: float | None
+    metadata: dict[str, Any]
+
+
+class DocumentList(BaseModel):
+    total: int
+    offset: int
+    documents: list[DocumentOut]
+
+
 class DeleteAccepted(BaseModel):
     doc_id: str
     job_id: str
