@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,8 +24,7 @@ from service.engine.stitch import PositionMode
 from service.errors import UnavailableError
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
-from service.retrieval.collection import ChunkCollection, RetrievedChunk
-from service.retrieval.embedder import Embedder
+from service.retrieval.collection import RetrievedChunk
 
 
 @dataclass(frozen=True)
@@ -82,23 +81,23 @@ class DoneEvent:
         }
 
 
-class Answerer:
-    """Answers questions with one engine, KV store, embedder and collection."""
+# The top-k chunks for a question's text (the runtime's `RetrievalBatcher.retrieve`); `UnavailableError` when
+# Qdrant is away.
+Search = Callable[[str, int], list[RetrievedChunk]]
 
-    def __init__(self, engine: StitchEngine, store: KVStore, embedder: Embedder, collection: ChunkCollection) -> None:
+
+class Answerer:
+    """Answers questions with one engine, KV store and retrieval."""
+
+    def __init__(self, engine: StitchEngine, store: KVStore, search: Search) -> None:
         self.engine = engine
         self.store = store
-        self.embedder = embedder
-        self.collection = collection
+        self.search = search
 
     def retrieve(self, question: Question) -> Retrieval:
         """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away."""
         start = time.perf_counter()
-        vector = self.embedder.embed_query(question.text)
-        try:
-            hits = self.collection.search(vector, top_k=question.top_k)
-        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
-            raise UnavailableError("Qdrant", err) from err
+        hits = self.search(question.text, question.top_k)
         kept = self._fit(hits, question)
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 

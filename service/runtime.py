@@ -36,6 +36,7 @@ from service.kv_for_engine import kv_store_for
 from service.kvcache.index import KVIndex, open_index, repair
 from service.kvcache.precompute import Precompute
 from service.kvcache.store import KVStore, TierBudgets
+from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
@@ -108,6 +109,7 @@ class Runtime:
     jobs: JobStatusStore
     order: DocumentOrder
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
+    retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -175,7 +177,7 @@ class Runtime:
         self._safely(self.queue.close)  # wakes the worker if it waits for a job
         if self._worker_thread is not None:
             self._worker_thread.join(timeout=WORKER_JOIN_S)
-        for close in (self.loop.close, self.jobs.close, self.order.close, self.store.close):
+        for close in (self.loop.close, self.retrieval.close, self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
         for close in (self.index.close, self.collection.close):
             self._safely(close)
@@ -256,6 +258,7 @@ def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedde
     collection = open_collection(settings, embedder.dimension)
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
+    retrieval = RetrievalBatcher(embedder.embed_queries, collection.search_many)
     return Runtime(
         settings,
         engine,
@@ -269,4 +272,5 @@ def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedde
         jobs,
         order,
         precompute,
+        retrieval,
     )

@@ -155,6 +155,21 @@ class ChunkCollection:
             grouped.setdefault(str(payload.get("doc_id", "")), []).append(payload)
         return [_summary(name, grouped[name]) for name in sorted(grouped)]
 
+    def search_many(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+        """`search` for several vectors in one call (one round trip to a Qdrant server)."""
+        if len(vectors) != len(top_ks):
+            raise ValueError(f"{len(vectors)} vectors for {len(top_ks)} top_k values")
+        if any(k < 1 for k in top_ks):
+            raise ValueError("top_k must be positive")
+        for vector in vectors:
+            self._check_vector(vector)
+        requests = [
+            models.QueryRequest(query=list(v), limit=k, with_payload=True) for v, k in zip(vectors, top_ks, strict=True)
+        ]
+        with self._lock:
+            responses = self._client.query_batch_points(self.name, requests=requests)
+        return [[_retrieved(str(h.id), float(h.score), h.payload or {}) for h in r.points] for r in responses]
+
     def document_versions(self, doc_id: str) -> set[str]:
         """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
         return {str(p.get("version", "")) for p in self._scroll(_document_filter(doc_id, None), ["version"])}
