@@ -69,11 +69,13 @@ def read_samples(path: str | Path, limit: int | None = None) -> list[QASample]:
 
 
 def _parse_lines(source: Path) -> Iterator[QASample]:
-    number = 0
-    try:
-        with source.open(encoding="utf-8") as lines:
-            for number, text in enumerate(lines, start=1):
-                if text.strip():
-                    yield parse_line(text, number, source.name)
-    except UnicodeDecodeError:
-        raise QADataError(f"{source.name} line {number + 1}: not UTF-8 text") from None
+    # Read as bytes and decode line by line: a text stream decodes ahead in blocks, so its error would name
+    # the wrong line.
+    with source.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise QADataError(f"{source.name} line {number}: not UTF-8 text") from None
+            if text.strip():
+                yield parse_line(text, number, source.name)
