@@ -97,7 +97,18 @@ def _add_quality_commands(commands: Any) -> None:
     )
     tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
     tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
-    tune.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    tune.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights and optimiser state (default fp32; LoRA base: bf16 on CUDA)",
+    )
+    tune.add_argument(
+        "--compute-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
+    )
     tune.add_argument("--seed", type=int, default=0, help="seed of sample order and mask choice (default 0)")
 
     make_qa = commands.add_parser("make-qa", help="write a synthetic multi-document QA JSONL file")
@@ -175,7 +186,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _finetune(args: argparse.Namespace) -> int:
     from service.quality.commands import run_finetune
 
-    return run_finetune(args, DTYPES.get(args.dtype or ""))
+    return run_finetune(args, DTYPES.get(args.dtype or ""), DTYPES.get(args.compute_dtype or ""))
 
 
 def _make_qa(args: argparse.Namespace) -> int:

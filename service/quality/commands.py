@@ -59,7 +59,7 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     return 0
 
 
-def run_finetune(args: Namespace, dtype: torch.dtype | None) -> int:
+def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torch.dtype | None) -> int:
     from service.engine.model import UnsupportedModelError
     from service.engine.stitch import PositionMode
     from service.quality.dataset import QADataError
@@ -78,6 +78,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None) -> int:
         lora=args.lora,
         device=args.device,
         dtype=dtype,
+        compute_dtype=compute_dtype,
         seed=args.seed,
     )
     logging.getLogger("service.quality").setLevel(logging.INFO)

@@ -12,8 +12,11 @@ TurboRAG trains on 50% document QA under its masks and 50% general data under th
 with only QA data here, 0.5 gives the same balance between the two attention patterns. Block-Attention's
 published recipe is all-block (share 0), which `--full-attention-share 0` reproduces.
 
-Optimiser as in Block-Attention: AdamW, lr 2e-5, linear warm-up over the first 20 steps; weights in the
-device's serving dtype (bf16 on CUDA, like both papers; fp32 on CPU, where the tests run).
+Optimiser as in Block-Attention: AdamW, lr 2e-5, linear warm-up over the first 20 steps. Precision as the
+papers' bf16 training runs it (mixed): matmuls in the device's serving dtype (bf16 on CUDA through autocast, fp32
+on CPU) over fp32 master weights, because an AdamW step of 2e-5 is below bf16's resolution (2^-8 relative) for
+most weights and would round away. With LoRA the frozen base stays in the serving dtype (peft keeps adapters in
+fp32). The folder is saved in the serving dtype, which is what `load_model` would cast it to anyway.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from service.engine.model import LoadedModel, load_model
+from service.engine.model import LoadedModel, default_dtype, load_model
 from service.engine.prompt import PromptIds, PromptTemplate, TokenIds, build_template, encode
 from service.engine.reference import independent_mask
 from service.engine.stitch import PositionMode, plan_positions
@@ -60,7 +63,8 @@ class FinetuneConfig:
     positions: PositionMode = PositionMode.REORDERED
     lora: bool = False
     device: str = "cpu"
-    dtype: torch.dtype | None = None  # None: the device's serving dtype
+    dtype: torch.dtype | None = None  # weights and optimiser state; None: see `choose_precision`
+    compute_dtype: torch.dtype | None = None  # matmuls (autocast); None: the device's serving dtype
     seed: int = 0
 
     def check(self) -> None:
@@ -70,6 +74,23 @@ class FinetuneConfig:
             raise FinetuneError("--lr must be positive")
         if not 0.0 <= self.full_attention_share <= 1.0:
             raise FinetuneError("--full-attention-share must be within 0..1")
+
+
+@dataclass(frozen=True)
+class Precision:
+    weights: torch.dtype  # parameters, gradients and optimiser state
+    compute: torch.dtype  # the forward and backward (autocast where it differs from `weights`), and the save
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute != self.weights
+
+
+def choose_precision(config: FinetuneConfig) -> Precision:
+    """fp32 master weights for full fine-tuning, the serving dtype for a LoRA base; compute in the serving dtype."""
+    serving = default_dtype(torch.device(config.device))
+    weights = config.dtype or (serving if config.lora else torch.float32)
+    return Precision(weights, config.compute_dtype or serving)
 
 
 @dataclass(frozen=True)
@@ -142,7 +163,10 @@ def full_attention_sample(prompt: PromptIds, answer: Sequence[int], eos: int) ->
 
 
 def forward_logits(hf: Any, sample: TrainingSample, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Logits [N, vocab] of the HF forward under the sample's mask and positions (as `reference_logits` runs it)."""
+    """Logits [N, vocab] of the HF forward under the sample's mask and positions (as `reference_logits` runs it).
+
+    `dtype` is the dtype attention computes in (the mask must match the queries' dtype for SDPA).
+    """
     additive = torch.zeros(sample.allowed.shape, dtype=dtype)
     additive.masked_fill_(~sample.allowed, torch.finfo(dtype).min)
     out = hf(
@@ -155,9 +179,10 @@ def forward_logits(hf: Any, sample: TrainingSample, device: torch.device, dtype:
     return logits
 
 
-def sample_loss(hf: Any, sample: TrainingSample, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def sample_loss(hf: Any, sample: TrainingSample, device: torch.device, precision: Precision) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens (and EOS), each predicted from the token before it."""
-    logits = forward_logits(hf, sample, device, dtype)
+    with torch.autocast(device.type, dtype=precision.compute, enabled=precision.autocast):
+        logits = forward_logits(hf, sample, device, precision.compute)
     targets = sample.labels.to(device)
     return torch.nn.functional.cross_entropy(logits[:-1].float(), targets[1:], ignore_index=IGNORE)
 
@@ -233,19 +258,22 @@ def finetune(config: FinetuneConfig) -> FinetuneReport:
     if config.lora:
         import_peft()  # before minutes of loading, not after
     samples = read_samples(config.data)
-    model = load_model(config.model, device=config.device, dtype=config.dtype)
+    precision = choose_precision(config)
+    model = load_model(config.model, device=config.device, dtype=precision.weights)
     template = build_template(model.tokenizer)
     encoded = encode_samples(model, template, samples, Path(config.data).name)
     hf = with_lora(model.hf) if config.lora else model.hf.requires_grad_(True)
     hf.train()
-    report = train(hf, model, encoded, config)
+    report = train(hf, model, encoded, config, precision)
     if config.lora:
         hf = hf.merge_and_unload()
-    save(hf.eval(), model, config, report)
+    save(hf.eval().to(precision.compute), model, config, report)
     return report
 
 
-def train(hf: Any, model: LoadedModel, encoded: Sequence[Encoded], config: FinetuneConfig) -> FinetuneReport:
+def train(
+    hf: Any, model: LoadedModel, encoded: Sequence[Encoded], config: FinetuneConfig, precision: Precision
+) -> FinetuneReport:
     """`config.steps` optimiser steps of `config.batch_size` samples each (gradients accumulated)."""
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
@@ -254,14 +282,14 @@ def train(hf: Any, model: LoadedModel, encoded: Sequence[Encoded], config: Finet
     warmup = max(config.warmup_steps, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: min(1.0, (step + 1) / warmup))
     report, eos = FinetuneReport(config.out), eos_id(model)
-    device, dtype = model.spec.device, model.spec.dtype
+    device = model.spec.device
     order = batches(len(encoded), config.batch_size, rng)
     for step in range(config.steps):
         optimiser.zero_grad(set_to_none=True)
         total = 0.0
         for index in next(order):
             sample = _draw(encoded[index], eos, config, rng, report)
-            loss = sample_loss(hf, sample, device, dtype) / config.batch_size
+            loss = sample_loss(hf, sample, device, precision) / config.batch_size
             loss.backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from service.cli import main
 from service.engine.engine import StitchEngine
@@ -23,8 +24,10 @@ from service.quality.finetune import (
     IGNORE,
     REPORT_NAME,
     FinetuneConfig,
+    Precision,
     answer_ids,
     block_sample,
+    choose_precision,
     finetune,
     forward_logits,
     full_attention_sample,
@@ -186,3 +189,36 @@ def test_the_finetune_command_saves_a_loadable_folder(
     record = json.loads((out / REPORT_NAME).read_text(encoding="utf-8"))
     assert record["config"]["positions"] == "composite" and record["config"]["full_attention_share"] == 0.5
     assert load_model(out).spec.model_type == "mistral"
+
+
+def test_precision_keeps_fp32_master_weights_unless_lora() -> None:
+    cuda = FinetuneConfig("m", "d", "o", device="cuda")
+    assert choose_precision(cuda) == Precision(torch.float32, torch.bfloat16)
+    assert choose_precision(FinetuneConfig("m", "d", "o", device="cuda", lora=True)) == Precision(
+        torch.bfloat16, torch.bfloat16
+    )
+    assert choose_precision(FinetuneConfig("m", "d", "o")) == Precision(torch.float32, torch.float32)
+    assert not choose_precision(FinetuneConfig("m", "d", "o")).autocast and choose_precision(cuda).autocast
+
+
+def test_mixed_precision_trains_fp32_weights_and_saves_the_compute_dtype(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "mixed"
+    config = FinetuneConfig(
+        str(tiny_model_dirs["qwen2"]),
+        str(qa_file),
+        str(out),
+        steps=1,
+        batch_size=2,
+        lr=1e-3,
+        compute_dtype=torch.bfloat16,
+    )
+    report = finetune(config)
+    assert math.isfinite(report.losses[0])
+    with safe_open(str(out / "model.safetensors"), "pt") as saved:
+        weight = saved.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    base = load_model(tiny_model_dirs["qwen2"]).hf.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert weight.dtype == torch.bfloat16
+    assert not torch.equal(weight, base.to(torch.bfloat16))
+    assert run_gate(StitchEngine(load_model(out))).passed
