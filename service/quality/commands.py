@@ -38,7 +38,8 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     if args.max_new_tokens < 1:
         return _error("--max-new-tokens must be at least 1")
     try:
-        variants = table_variants([parse_recompute(s) for s in args.recompute or ["none"]])
+        recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
+        variants = table_variants(list(recomputes))
         for variant in variants:
             check_available(variant)
         samples = read_samples(args.data, args.limit)

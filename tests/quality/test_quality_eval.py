@@ -14,7 +14,7 @@ from service.engine.engine import StitchEngine
 from service.engine.prompt import encode
 from service.engine.sampling import SamplingParams
 from service.quality.dataset import QASample, read_samples
-from service.quality.eval import NAIVE, evaluate, table_variants
+from service.quality.eval import NAIVE, evaluate, prepare, run_variant, table_variants
 from service.quality.generator import write_qa_file
 from service.quality.metrics import normalize_answer
 
@@ -174,6 +174,17 @@ def test_recompute_other_than_none_is_refused_with_exit_2(
     assert message in capsys.readouterr().err
 
 
-def test_recompute_none_runs(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
-    record = _eval_json(tiny_model_dirs["mistral"], qa_file, tmp_path / "r.json", "--recompute", "none", "--limit", "1")
+def test_recompute_none_runs_once(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
+    extra = ["--recompute", "none", "--recompute", "none", "--limit", "1"]
+    record = _eval_json(tiny_model_dirs["mistral"], qa_file, tmp_path / "r.json", *extra)
     assert [r["recompute"] for r in record["rows"]] == ["none", "none", "none"]
+
+
+def test_the_first_token_distribution_is_the_one_decoding_started_from(get_engine: Any, tmp_path: Path) -> None:
+    engine: StitchEngine = get_engine("llama")
+    sample = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=1, chunks=4, seed=9))[0]
+    case = prepare(engine, sample, max_new_tokens=3)
+    sampling = SamplingParams(max_new_tokens=3)
+    for variant in table_variants():
+        outcome = run_variant(engine, case, variant, sampling)
+        assert int(outcome.first_logits.argmax()) == outcome.token_ids[0], variant.label

@@ -222,3 +222,21 @@ def test_mixed_precision_trains_fp32_weights_and_saves_the_compute_dtype(
     assert weight.dtype == torch.bfloat16
     assert not torch.equal(weight, base.to(torch.bfloat16))
     assert run_gate(StitchEngine(load_model(out))).passed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (optional) is not installed")
+def test_lora_merges_into_a_plain_folder_that_passes_the_gate(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
+) -> None:
+    base, out = tiny_model_dirs["qwen2"], tmp_path / "lora"
+    config = FinetuneConfig(
+        str(base), str(qa_file), str(out), steps=2, batch_size=2, lr=1e-2, warmup_steps=0, lora=True
+    )
+    assert math.isfinite(finetune(config).losses[-1])
+    before = dict(load_model(base).hf.named_parameters())
+    after = dict(load_model(out).hf.named_parameters())
+    assert before.keys() == after.keys()  # merged: no adapter weights left in the folder
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert "model.layers.0.self_attn.q_proj.weight" in changed
+    assert not any("mlp" in name for name in changed)  # adapters only on the attention projections
+    assert run_gate(StitchEngine(load_model(out))).passed
