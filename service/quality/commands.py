@@ -45,6 +45,7 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         samples = read_samples(args.data, args.limit)
     except (RecomputeUnavailableError, QADataError, ValueError, OSError) as err:
         return _error(str(err))
+    logging.getLogger("service.quality").setLevel(logging.INFO)  # progress lines on stderr
     try:
         engine = StitchEngine(load_model(args.model, device=args.device, dtype=dtype))
     except (UnsupportedModelError, OSError, ValueError) as err:

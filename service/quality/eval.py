@@ -12,6 +12,7 @@ KL of 0 are a check of determinism that every table carries, not a definition.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,10 @@ from service.engine.stitch import PositionMode
 from service.quality.dataset import QADataError, QASample
 from service.quality.metrics import best_f1, contains_answer, kl_divergence
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_NEW_TOKENS = 32
+PROGRESS_EVERY = 50  # samples between progress lines: a 7B eval of 500 samples runs for minutes
 
 
 class RecomputeKind(StrEnum):
@@ -263,6 +267,8 @@ def evaluate(
         reference = run_variant(engine, case, NAIVE, sampling)
         for score in scores:
             score.add(sample, run_variant(engine, case, score.variant, sampling), reference)
+        if (index + 1) % PROGRESS_EVERY == 0:
+            log.info("%d/%d samples", index + 1, len(samples))
     return EvalReport(len(samples), max_new_tokens, [s.row() for s in scores])
 
 

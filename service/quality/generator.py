@@ -114,8 +114,8 @@ class World:
         year = self.rng.randint(*_YEARS)
         return Person(name or self.person_name(), self.place(), year, self.rng.choice(_PROFESSIONS))
 
-    def organisation(self, name: str | None = None, founder: Person | None = None) -> Organisation:
-        founder = founder or self.person()
+    def organisation(self, name: str | None = None) -> Organisation:
+        founder = self.person()
         org = name or self._unique(lambda: f"{self._word(2)} {self.rng.choice(_ORG_KINDS)}")
         founded = min(founder.birth_year + self.rng.randint(20, 60), _YEARS[1] + 30)
         return Organisation(org, founder, founded, self.place())
