@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from service.engine.model import LoadedModel, default_dtype, load_model
-from service.engine.prompt import PromptIds, PromptTemplate, TokenIds, build_template, encode
+from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.reference import independent_mask
 from service.engine.stitch import PositionMode, plan_positions
 from service.quality.dataset import QADataError, QASample, read_samples
@@ -111,7 +111,7 @@ class FinetuneReport:
     full_attention_samples: int = 0
 
 
-def answer_ids(template: PromptTemplate, tokenizer: Any, answer: str) -> TokenIds:
+def answer_ids(template: PromptTemplate, tokenizer: Any, answer: str) -> tuple[int, ...]:
     """The answer's ids as the model should generate them after the question suffix.
 
     Chat templates end the suffix with a newline (the assistant header) and the answer follows directly; the
@@ -192,7 +192,7 @@ class Encoded:
     """A QA sample as ids: its prompt and the answer the model learns (the first listed)."""
 
     prompt: PromptIds
-    answer: TokenIds
+    answer: tuple[int, ...]
 
 
 def encode_samples(
