@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
 def _add_quality_commands(commands: Any) -> None:
     """eval, finetune and make-qa (service/quality): answer quality of stitched KV and block fine-tuning."""
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    _add_eval(commands, default_device)
+    _add_finetune(commands, default_device)
+    _add_make_qa(commands)
+
+
+def _add_eval(commands: Any, default_device: str) -> None:
     evaluate = commands.add_parser("eval", help="answer a QA JSONL file naive and turbo; accuracy, F1, agreement")
     evaluate.add_argument("--model", required=True, help="HF model folder or hub id")
     evaluate.add_argument("--data", required=True, help='JSONL: {"question", "chunks": [...], "answers": [...]}')
@@ -78,6 +84,8 @@ def _add_quality_commands(commands: Any) -> None:
     evaluate.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")
 
+
+def _add_finetune(commands: Any, default_device: str) -> None:
     tune = commands.add_parser("finetune", help="block fine-tune a model on a QA JSONL file (served mask, positions)")
     tune.add_argument("--model", required=True, help="HF model folder or hub id to start from")
     tune.add_argument("--data", required=True, help="QA JSONL file (the eval's format); the first answer is learnt")
@@ -111,6 +119,8 @@ def _add_quality_commands(commands: Any) -> None:
     )
     tune.add_argument("--seed", type=int, default=0, help="seed of sample order and mask choice (default 0)")
 
+
+def _add_make_qa(commands: Any) -> None:
     make_qa = commands.add_parser("make-qa", help="write a synthetic multi-document QA JSONL file")
     make_qa.add_argument("--out", required=True, help="JSONL file to write")
     make_qa.add_argument("--questions", type=int, required=True, help="number of questions")
