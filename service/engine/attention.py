@@ -92,6 +92,23 @@ def attend_causal_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(1, 2)
 
 
+
+def attend_at_slots(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of q [1, Hq, T, D] for tokens sitting at buffer `slots` [T] (ascending, not contiguous) over one
+    layer's keys and values [Hkv, Tk, D]: each query sees the keys at slots up to its own. Returns [1, T, Hq, D].
+
+    The recompute's shape: a few tokens scattered through a stitched context, each causal over what precedes it.
+    The KV heads are repeated rather than passed as `enable_gqa`, which keeps SDPA on its fused kernels with a mask.
+    """
+    visible = torch.arange(keys.shape[-2], device=q.device).unsqueeze(0) <= slots.unsqueeze(1)  # [T, Tk]
+    group = q.shape[1] // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0).unsqueeze(0)
+    v = values.repeat_interleave(group, dim=0).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return out.transpose(1, 2)
+
 # ---- attention over a full-capacity buffer ---------------------------------------------------------------
 
 

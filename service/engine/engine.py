@@ -28,6 +28,8 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
+from service.engine.recompute import recompute_context
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
 from service.engine.sampling import Sampler, SamplingParams
 from service.engine.stitch import (
     BlockReady,
@@ -54,6 +56,7 @@ class Timings:
 
     precompute_ms: float = 0.0
     stitch_ms: float = 0.0
+    recompute_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
@@ -66,6 +69,7 @@ class GenerationResult:
     finish_reason: str = "length"
     prompt_tokens: int = 0
     context_tokens: int = 0
+    recomputed_tokens: int = 0  # context tokens whose KV were recomputed after the stitch (`recompute`)
     timings: Timings = field(default_factory=Timings)
 
 
@@ -307,6 +311,11 @@ class StitchEngine:
         assert logits is not None  # `pipelines` checked that the bucket's graph holds the question
         return buffer, logits.clone(), plan
 
+    def recompute(self, buffer: KVBuffer, plan: StitchPlan, prompt: PromptIds, spec: RecomputeSpec) -> int:
+        """Recompute the context tokens `spec` chooses in a freshly stitched `buffer` (before the question);
+        returns how many were recomputed (`recompute.py`)."""
+        return recompute_context(self.forward, buffer, plan, prompt.joined()[: plan.context_tokens], spec)
+
     def prefill_naive(
         self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
     ) -> tuple[KVBuffer, torch.Tensor]:
@@ -326,13 +335,17 @@ class StitchEngine:
         positions: PositionMode | str = PositionMode.REORDERED,
         chunk_kv: Sequence[KVBlock] | None = None,
         chunk_ready: Sequence[BlockReady | None] | None = None,
+        recompute: RecomputeSpec | str = NO_RECOMPUTE,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text deltas, then read its `result`.
 
-        `chunk_ready` goes with `chunk_kv` (see `stitch`).
+        `chunk_ready` goes with `chunk_kv` (see `stitch`). `recompute` (turbo only; naive computes everything)
+        recomputes part of the stitched context before the question; such a request skips the pipelined prefill
+        (it needs the whole context stitched first) but keeps the graph question prefill and decode.
         """
+        spec = parse_recompute(recompute) if isinstance(recompute, str) else recompute
         return GenerationStream(
-            self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv, chunk_ready
+            self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv, chunk_ready, spec
         )
 
 
@@ -357,6 +370,7 @@ class GenerationStream:
         positions: PositionMode,
         chunk_kv: Sequence[KVBlock] | None,
         chunk_ready: Sequence[BlockReady | None] | None = None,
+        recompute: RecomputeSpec = NO_RECOMPUTE,
     ) -> None:
         if prompt.prefix != engine.template.prefix:
             raise ValueError("the prompt was not built with this engine's template")
@@ -373,6 +387,7 @@ class GenerationStream:
         self._positions = positions
         self._chunk_kv = chunk_kv
         self._chunk_ready = chunk_ready
+        self._recompute = recompute if mode is GenerationMode.TURBO and recompute.active else None
         self._graph: DecodeGraph | None = None  # leased for the whole request; its buffer is the request's
         self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
 
@@ -391,7 +406,8 @@ class GenerationStream:
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
         first = sampler.pick(logits)
-        timings.ttft_ms = timings.precompute_ms + timings.stitch_ms + timings.prefill_ms + watch.lap_ms()
+        stages = timings.precompute_ms + timings.stitch_ms + timings.recompute_ms + timings.prefill_ms
+        timings.ttft_ms = stages + watch.lap_ms()
         for token in self._decode(buffer, sampler, first):
             delta = detok.push(token)
             if delta:
@@ -451,14 +467,17 @@ class GenerationStream:
         # With graphs the chunks are stitched straight into the leased graph's buffer, so the question prefill
         # graph and the decode graph find the context where they read it: no copy of the request's KV.
         graph = self._graph = engine.lease_graph(self._prompt.context_tokens, len(question), extra)
-        if graph is not None:
+        if graph is not None and self._recompute is None:  # recompute needs the whole context stitched first
             done = engine.prefill_pipelined(chunk_kv, question, self._positions, extra, self._chunk_ready, graph)
             if done is not None:  # stitch and prefill interleaved by layer group: one time for both
                 timings.prefill_ms = watch.lap_ms()
                 return done[0], done[1]
         into = graph.buffer if graph is not None else None
-        buffer, _ = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
+        buffer, plan = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
         timings.stitch_ms = watch.lap_ms()
+        if self._recompute is not None:
+            self.result.recomputed_tokens = engine.recompute(buffer, plan, self._prompt, self._recompute)
+            timings.recompute_ms = watch.lap_ms()
         logits = engine.prefill_question(buffer, question, graph=graph)
         timings.prefill_ms = watch.lap_ms()
         return buffer, logits

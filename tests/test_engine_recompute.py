@@ -1,0 +1,184 @@
+"""Selective recompute after the stitch: its identities (nothing recomputed = turbo, everything = naive), the
+tokens each spec chooses, the KV it leaves, and its spec parser."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from service.engine.engine import StitchEngine
+from service.engine.gate import default_tolerance, synthetic_ids
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import KEYS, VALUES
+from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
+from service.engine.sampling import SamplingParams
+from service.engine.stitch import PositionMode, StitchPlan
+
+CHUNKS = (23, 9, 31, 14)
+GetEngine = Callable[[str, str], StitchEngine]
+
+
+def _prompt(engine: StitchEngine, seed: int = 5) -> PromptIds:
+    chunks = synthetic_ids(engine, CHUNKS, seed=seed)
+    return engine.template.prompt(chunks, synthetic_ids(engine, [10], seed=seed + 50)[0])
+
+
+def _stitched(
+    engine: StitchEngine, prompt: PromptIds, spec: str, positions: PositionMode = PositionMode.REORDERED
+) -> tuple[KVBuffer, StitchPlan, int, torch.Tensor]:
+    """Stitch, recompute `spec`, prefill the question: buffer, plan, recomputed count, question logits [T, vocab]."""
+    buffer, plan = engine.stitch(engine.precompute(prompt.blocks), positions, len(prompt.question))
+    count = engine.recompute(buffer, plan, prompt, parse_recompute(spec))
+    logits = engine.prefill_question(buffer, prompt.question, all_logits=True)
+    return buffer, plan, count, logits
+
+
+def _chunk_tokens(prompt: PromptIds) -> int:
+    return sum(len(b) for b in prompt.blocks)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("positions", list(PositionMode))
+@pytest.mark.parametrize("spec", ["none", "selective:0", "prefix:0"])
+def test_recomputing_nothing_is_plain_turbo(engine: StitchEngine, positions: PositionMode, spec: str) -> None:
+    prompt = _prompt(engine)
+    _, plain, _ = engine.prefill_stitched(
+        engine.precompute(prompt.blocks), prompt.question, positions, all_logits=True
+    )
+    _, _, count, logits = _stitched(engine, prompt, spec, positions)
+    assert count == 0 and torch.equal(logits, plain)
+
+
+@pytest.mark.parametrize("spec", ["selective:1", "prefix:LONGEST", "prefix:1000"])
+def test_recomputing_every_chunk_token_is_the_naive_prefill(engine: StitchEngine, spec: str) -> None:
+    """Reordered positions are naive's, so recomputing all chunk tokens leaves naive's KV and logits."""
+    prompt = _prompt(engine)
+    spec = spec.replace("LONGEST", str(max(len(b) for b in prompt.blocks)))  # a wrapped block: chunk + wrapper
+    naive_buffer, naive = engine.prefill_naive(prompt, all_logits=True)
+    buffer, plan, count, logits = _stitched(engine, prompt, spec)
+    tolerance = default_tolerance(engine.spec.dtype)
+    assert count == _chunk_tokens(prompt)
+    assert _diff(logits, naive[-len(prompt.question) :]) <= tolerance
+    context = plan.context_tokens
+    assert _diff(buffer.data[..., :context, :], naive_buffer.data[..., :context, :]) <= tolerance
+    _, turbo, _ = engine.prefill_stitched(engine.precompute(prompt.blocks), prompt.question, all_logits=True)
+    to_naive = _diff(logits, naive[-len(prompt.question) :])
+    assert _diff(turbo, naive[-len(prompt.question) :]) > 10 * max(to_naive, 1e-6)  # the identity has teeth
+
+
+def _changed_slots(engine: StitchEngine, prompt: PromptIds, after: KVBuffer, positions: PositionMode) -> list[int]:
+    """Context slots whose KV in `after` differ from the plain stitch in any layer."""
+    plain, plan = engine.stitch(engine.precompute(prompt.blocks), positions, len(prompt.question))
+    context = plan.context_tokens
+    differs = (after.data[..., :context, :] != plain.data[..., :context, :]).flatten(0, 2).any(dim=0).any(dim=-1)
+    return differs.nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("positions", list(PositionMode))
+def test_prefix_recomputes_the_first_n_tokens_of_every_chunk(engine: StitchEngine, positions: PositionMode) -> None:
+    prompt = _prompt(engine)
+    n = 12
+    buffer, plan, count, _ = _stitched(engine, prompt, f"prefix:{n}", positions)
+    expected = [s + i for s, length in zip(plan.slots[1:], plan.lengths[1:], strict=True) for i in range(min(n, length))]
+    assert count == len(expected) == sum(min(n, len(b)) for b in prompt.blocks)
+    assert _changed_slots(engine, prompt, buffer, positions) == expected
+    if positions is PositionMode.REORDERED:
+        # The first chunk follows the exact prefix: its first n tokens see exact KV only, so they are naive's.
+        naive_buffer, _ = engine.prefill_naive(prompt)
+        first = slice(plan.slots[1], plan.slots[1] + n)
+        got, want = buffer.data[..., first, :], naive_buffer.data[..., first, :]
+        assert _diff(got, want) <= default_tolerance(engine.spec.dtype)
+
+
+def _deviation_at_layer_one(cached: torch.Tensor, full: torch.Tensor, slots: slice) -> torch.Tensor:
+    """Per-token squared L2 distance of layer-1 keys and values [tokens], computed from whole buffers."""
+    a, b = cached[1, :, :, slots].float(), full[1, :, :, slots].float()
+    return (a - b).square().sum(dim=(0, 1, 3))
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.75])
+def test_selective_recomputes_the_share_whose_kv_deviates_most(engine: StitchEngine, share: float) -> None:
+    """The chosen tokens are the top share by layer-1 KV deviation from naive's (full attention) KV; each of them
+    then holds naive's layer-1 KV, and every other token keeps its cached KV."""
+    if engine.spec.dtype != torch.float32:
+        pytest.skip("bf16 rounding may swap near-tied deviations between the two computations of them")
+    prompt = _prompt(engine, seed=8)
+    plain, plan = engine.stitch(engine.precompute(prompt.blocks), PositionMode.REORDERED, len(prompt.question))
+    naive_buffer, _ = engine.prefill_naive(prompt)
+    chunk = slice(plan.lengths[0], plan.context_tokens)
+    deviation = _deviation_at_layer_one(plain.data, naive_buffer.data, chunk)
+    count = int(share * _chunk_tokens(prompt) + 0.5)
+    expected = sorted((torch.topk(deviation, count).indices + plan.lengths[0]).tolist())
+
+    buffer, _, recomputed, _ = _stitched(engine, prompt, f"selective:{share}")
+
+    assert recomputed == count and 0 < count < _chunk_tokens(prompt)
+    assert _changed_slots(engine, prompt, buffer, PositionMode.REORDERED) == expected
+    chosen = torch.tensor(expected)
+    got = buffer.data[:2].index_select(3, chosen)
+    want = naive_buffer.data[:2].index_select(3, chosen)
+    assert _diff(got, want) <= default_tolerance(engine.spec.dtype)
+
+
+def test_a_buffer_holding_more_than_the_context_is_refused(get_engine: GetEngine) -> None:
+    engine = get_engine("qwen2", "cpu")
+    prompt = _prompt(engine)
+    buffer, _, plan = engine.prefill_stitched(engine.precompute(prompt.blocks), prompt.question)
+    with pytest.raises(ValueError, match="stitched context alone"):
+        engine.recompute(buffer, plan, prompt, parse_recompute("selective:0.5"))
+
+
+def _generate(engine: StitchEngine, prompt: PromptIds, mode: str, recompute: str) -> tuple[list[int], int, float]:
+    stream = engine.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), mode, recompute=recompute)
+    for _ in stream:
+        pass
+    result = stream.result
+    return result.token_ids, result.recomputed_tokens, result.timings.recompute_ms
+
+
+def test_generate_with_everything_recomputed_answers_as_naive(get_engine: GetEngine) -> None:
+    engine = get_engine("llama", "cpu")
+    prompt = _prompt(engine, seed=3)
+    naive, naive_count, _ = _generate(engine, prompt, "naive", "selective:1")
+    tokens, count, recompute_ms = _generate(engine, prompt, "turbo", "selective:1")
+    assert tokens == naive and count == _chunk_tokens(prompt) and recompute_ms > 0
+    assert naive_count == 0  # naive computes every token anyway: nothing to recompute
+    _, none_count, none_ms = _generate(engine, prompt, "turbo", "none")
+    assert (none_count, none_ms) == (0, 0.0)
+    _, prefix_count, _ = _generate(engine, prompt, "turbo", "prefix:4")
+    assert prefix_count == 4 * len(prompt.blocks)
+
+
+# ---- the spec -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("none", RecomputeSpec()),
+        ("prefix:0", RecomputeSpec(RecomputeKind.PREFIX, 0)),
+        ("prefix:16", RecomputeSpec(RecomputeKind.PREFIX, 16)),
+        ("selective:0", RecomputeSpec(RecomputeKind.SELECTIVE, 0.0)),
+        ("selective:0.25", RecomputeSpec(RecomputeKind.SELECTIVE, 0.25)),
+        ("selective:1", RecomputeSpec(RecomputeKind.SELECTIVE, 1.0)),
+    ],
+)
+def test_recompute_specs_parse_and_print_back(spec: str, parsed: RecomputeSpec) -> None:
+    assert parse_recompute(spec) == parsed
+    assert parse_recompute(str(parsed)) == parsed
+    assert parsed.active == (spec in ("prefix:16", "selective:0.25", "selective:1"))
+
+
+@pytest.mark.parametrize(
+    "spec", ["", "all", "none:1", "prefix", "prefix:", "prefix:-1", "prefix:1.5", "prefix:²", "selective:",
+             "selective:1.01", "selective:-0.1", "selective:nan", "selective:x"],
+)  # fmt: skip
+def test_bad_recompute_specs_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="recompute"):
+        parse_recompute(spec)
