@@ -11,7 +11,6 @@ import torch
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
-from service.engine.kv_layout import KEYS, VALUES
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
@@ -48,9 +47,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("spec", ["none", "selective:0", "prefix:0"])
 def test_recomputing_nothing_is_plain_turbo(engine: StitchEngine, positions: PositionMode, spec: str) -> None:
     prompt = _prompt(engine)
-    _, plain, _ = engine.prefill_stitched(
-        engine.precompute(prompt.blocks), prompt.question, positions, all_logits=True
-    )
+    _, plain, _ = engine.prefill_stitched(engine.precompute(prompt.blocks), prompt.question, positions, all_logits=True)
     _, _, count, logits = _stitched(engine, prompt, spec, positions)
     assert count == 0 and torch.equal(logits, plain)
 
@@ -85,7 +82,9 @@ def test_prefix_recomputes_the_first_n_tokens_of_every_chunk(engine: StitchEngin
     prompt = _prompt(engine)
     n = 12
     buffer, plan, count, _ = _stitched(engine, prompt, f"prefix:{n}", positions)
-    expected = [s + i for s, length in zip(plan.slots[1:], plan.lengths[1:], strict=True) for i in range(min(n, length))]
+    expected = [
+        s + i for s, length in zip(plan.slots[1:], plan.lengths[1:], strict=True) for i in range(min(n, length))
+    ]
     assert count == len(expected) == sum(min(n, len(b)) for b in prompt.blocks)
     assert _changed_slots(engine, prompt, buffer, positions) == expected
     if positions is PositionMode.REORDERED:

@@ -92,7 +92,6 @@ def attend_causal_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(1, 2)
 
 
-
 def attend_at_slots(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -108,6 +107,7 @@ def attend_at_slots(
     v = values.repeat_interleave(group, dim=0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return out.transpose(1, 2)
+
 
 # ---- attention over a full-capacity buffer ---------------------------------------------------------------
 

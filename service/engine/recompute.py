@@ -128,4 +128,6 @@ def _check(buffer: KVBuffer, plan: StitchPlan, context_ids: Sequence[int]) -> No
         raise ValueError(f"{len(context_ids)} context ids for a stitch plan of {plan.context_tokens} tokens")
     if buffer.length != plan.context_tokens:
         # After the question the question's KV would be stale; before the stitch there is nothing to attend to.
-        raise ValueError(f"recompute needs the stitched context alone ({plan.context_tokens} tokens), not {buffer.length}")
+        raise ValueError(
+            f"recompute needs the stitched context alone ({plan.context_tokens} tokens), not {buffer.length}"
+        )

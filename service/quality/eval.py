@@ -1,10 +1,11 @@
-"""The quality eval: each variant (naive, turbo reordered, turbo composite, later turbo + recompute) answers every
-sample greedily; rows compare it with the answers and with a naive reference run.
+"""The quality eval: each variant (naive, turbo reordered, turbo composite, each turbo one with a recompute spec)
+answers every sample greedily; rows compare it with the answers and with a naive reference run.
 
 Every sample is built from token ids as the service builds it: each chunk encoded on its own without special
 tokens (the chunker's convention), wrapped by `template.chunk_block`, the question by `engine.encode_question`.
 Chunk KV is precomputed once per sample, outside the timed path, so `ttft_ms` is the served time of a request
-whose blocks are already on the device: stitch + question prefill + first token (naive: the full prefill).
+whose blocks are already on the device: stitch + recompute (if any) + question prefill + first token (naive: the
+full prefill).
 
 The reference is a separate naive run, so the naive row compares two independent runs: its agreement of 1.0 and
 KL of 0 are a check of determinism that every table carries, not a definition.
@@ -16,7 +17,6 @@ import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds, encode
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.quality.dataset import QADataError, QASample
@@ -35,62 +36,13 @@ DEFAULT_MAX_NEW_TOKENS = 32
 PROGRESS_EVERY = 50  # samples between progress lines: a 7B eval of 500 samples runs for minutes
 
 
-class RecomputeKind(StrEnum):
-    NONE = "none"
-    PREFIX = "prefix"  # recompute the first N tokens of every chunk against the stitched context
-    SELECTIVE = "selective"  # recompute the share R of context tokens whose KV deviates most
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """How much of the stitched context a variant recomputes: tokens for `prefix`, a share for `selective`."""
-
-    kind: RecomputeKind = RecomputeKind.NONE
-    amount: float = 0.0
-
-    def __str__(self) -> str:
-        if self.kind is RecomputeKind.NONE:
-            return "none"
-        if self.kind is RecomputeKind.PREFIX:
-            return f"prefix:{int(self.amount)}"
-        return f"selective:{self.amount:g}"
-
-
-class RecomputeUnavailableError(ValueError):
-    """A valid recompute spec the engine cannot run yet."""
-
-
-def parse_recompute(spec: str) -> Recompute:
-    """`none`, `prefix:N` (N ≥ 0 tokens) or `selective:R` (0 ≤ R ≤ 1); ValueError naming what is wrong."""
-    kind_text, _, value = spec.strip().partition(":")
-    try:
-        kind = RecomputeKind(kind_text)
-    except ValueError:
-        raise ValueError(f"recompute {spec!r}: the kind must be none, prefix:N or selective:R") from None
-    if kind is RecomputeKind.NONE:
-        if value:
-            raise ValueError(f"recompute {spec!r}: none takes no value")
-        return Recompute()
-    if kind is RecomputeKind.PREFIX:
-        if not value.isdigit():
-            raise ValueError(f"recompute {spec!r}: prefix:N needs N, a whole number of tokens ≥ 0")
-        return Recompute(kind, float(int(value)))
-    try:
-        share = float(value)
-    except ValueError:
-        share = float("nan")
-    if not 0.0 <= share <= 1.0:  # nan fails this too
-        raise ValueError(f"recompute {spec!r}: selective:R needs R, a share of tokens within 0..1")
-    return Recompute(kind, share)
-
-
 @dataclass(frozen=True)
 class Variant:
     """One way of answering: a row of the table. `positions` is None for naive (plain positions 0..N-1)."""
 
     mode: GenerationMode
     positions: PositionMode | None = None
-    recompute: Recompute = field(default_factory=Recompute)
+    recompute: RecomputeSpec = NO_RECOMPUTE
 
     @property
     def label(self) -> str:
@@ -100,7 +52,7 @@ class Variant:
 NAIVE = Variant(GenerationMode.NAIVE)
 
 
-def table_variants(recomputes: Sequence[Recompute] = (Recompute(),)) -> list[Variant]:
+def table_variants(recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,)) -> list[Variant]:
     """Naive, then turbo reordered and composite for each recompute setting (TurboRAG's Table 1 rows)."""
     turbo = [
         Variant(GenerationMode.TURBO, positions, recompute)
@@ -108,15 +60,6 @@ def table_variants(recomputes: Sequence[Recompute] = (Recompute(),)) -> list[Var
         for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
     ]
     return [NAIVE, *turbo]
-
-
-def check_available(variant: Variant) -> None:
-    """Raise `RecomputeUnavailableError` for what the engine cannot run yet (any recompute)."""
-    if variant.recompute.kind is not RecomputeKind.NONE:
-        raise RecomputeUnavailableError(
-            f"recompute {variant.recompute} is not available yet: the engine has no recompute step "
-            "(only 'none' runs today)"
-        )
 
 
 @dataclass(frozen=True)
@@ -157,15 +100,19 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
     if variant.mode is GenerationMode.NAIVE:
         return engine.prefill_naive(case.prompt)[1].float().cpu()
     positions = variant.positions or PositionMode.REORDERED
-    return engine.prefill_stitched(case.chunk_kv, case.prompt.question, positions)[1].float().cpu()
+    question = case.prompt.question
+    buffer, plan = engine.stitch(case.chunk_kv, positions, len(question))
+    engine.recompute(buffer, plan, case.prompt, variant.recompute)  # as `generate` does, before the question
+    return engine.prefill_question(buffer, question).float().cpu()
 
 
 def run_variant(engine: StitchEngine, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
     """Generate greedily through the served path (`generate`), then read the first-token distribution."""
-    check_available(variant)
     positions = variant.positions or PositionMode.REORDERED
     chunk_kv = case.chunk_kv if variant.mode is GenerationMode.TURBO else None
-    stream = engine.generate(case.prompt, sampling, variant.mode, positions, chunk_kv=chunk_kv)
+    stream = engine.generate(
+        case.prompt, sampling, variant.mode, positions, chunk_kv=chunk_kv, recompute=variant.recompute
+    )
     for _ in stream:
         pass
     result = stream.result
@@ -255,8 +202,6 @@ def evaluate(
     Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
     allocator growth would otherwise land in the first TTFTs).
     """
-    for variant in variants:
-        check_available(variant)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = [Scores(v) for v in variants]
     for index, sample in enumerate(samples):

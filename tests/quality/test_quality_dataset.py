@@ -1,4 +1,7 @@
-"""The QA JSONL parser names the file, line and field of every bad line; recompute specs parse or are refused."""
+"""The QA JSONL parser names the file, line and field of every bad line; the table's variants per recompute spec.
+
+(The recompute spec parser is tested with the engine, in tests/test_engine_recompute.py.)
+"""
 
 from __future__ import annotations
 
@@ -7,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from service.engine.recompute_spec import parse_recompute
 from service.quality.dataset import QADataError, parse_line, read_samples
-from service.quality.eval import (
-    Recompute,
-    RecomputeKind,
-    RecomputeUnavailableError,
-    Variant,
-    check_available,
-    parse_recompute,
-    table_variants,
-)
+from service.quality.eval import table_variants
 
 GOOD = {
     "question": "Where was Zorvath Keel born?",
@@ -89,33 +85,8 @@ def test_an_empty_file_and_non_utf8_are_refused(tmp_path: Path) -> None:
         read_samples(binary)
 
 
-@pytest.mark.parametrize(
-    ("spec", "parsed"),
-    [
-        ("none", Recompute()),
-        ("prefix:0", Recompute(RecomputeKind.PREFIX, 0)),
-        ("prefix:16", Recompute(RecomputeKind.PREFIX, 16)),
-        ("selective:0", Recompute(RecomputeKind.SELECTIVE, 0.0)),
-        ("selective:0.25", Recompute(RecomputeKind.SELECTIVE, 0.25)),
-        ("selective:1", Recompute(RecomputeKind.SELECTIVE, 1.0)),
-    ],
-)
-def test_recompute_specs_parse_and_print_back(spec: str, parsed: Recompute) -> None:
-    assert parse_recompute(spec) == parsed
-    assert parse_recompute(str(parsed)) == parsed
-
-
-@pytest.mark.parametrize(
-    "spec", ["", "all", "none:1", "prefix", "prefix:", "prefix:-1", "prefix:1.5", "selective:", "selective:1.01",
-             "selective:-0.1", "selective:nan", "selective:x"],
-)  # fmt: skip
-def test_bad_recompute_specs_are_refused(spec: str) -> None:
-    with pytest.raises(ValueError, match="recompute"):
-        parse_recompute(spec)
-
-
-def test_table_variants_add_two_turbo_rows_per_recompute_and_only_none_is_available() -> None:
-    variants = table_variants([Recompute(), parse_recompute("prefix:8")])
+def test_table_variants_add_two_turbo_rows_per_recompute() -> None:
+    variants = table_variants([parse_recompute("none"), parse_recompute("prefix:8")])
     assert [v.label for v in variants] == [
         "naive/-/none",
         "turbo/reordered/none",
@@ -123,7 +94,3 @@ def test_table_variants_add_two_turbo_rows_per_recompute_and_only_none_is_availa
         "turbo/reordered/prefix:8",
         "turbo/composite/prefix:8",
     ]
-    for variant in variants[:3]:
-        check_available(variant)
-    with pytest.raises(RecomputeUnavailableError, match="prefix:8 is not available yet"):
-        check_available(Variant(variants[3].mode, variants[3].positions, variants[3].recompute))

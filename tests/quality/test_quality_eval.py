@@ -159,19 +159,44 @@ def test_a_prompt_longer_than_the_context_names_its_line(
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("prefix:4", "recompute prefix:4 is not available yet"),
-        ("selective:0.2", "recompute selective:0.2 is not available yet"),
         ("prefix:-3", "prefix:N needs N, a whole number of tokens"),
         ("selective:2", "selective:R needs R, a share of tokens within 0..1"),
         ("everything", "the kind must be none, prefix:N or selective:R"),
     ],
 )
-def test_recompute_other_than_none_is_refused_with_exit_2(
+def test_a_malformed_recompute_spec_exits_2(
     tiny_model_dirs: dict[str, Path], qa_file: Path, spec: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(qa_file), "--device", "cpu"]
     assert main([*args, "--recompute", "none", "--recompute", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_recompute_specs_give_rows_and_recomputing_everything_agrees_with_naive(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
+) -> None:
+    """selective:1 and prefix:N over the longest block recompute every chunk token, which with reordered positions
+    is the naive prefill: full agreement, KL at float noise. prefix:2 and composite rows are real rows too."""
+    extra = ["--recompute", "selective:1", "--recompute", "prefix:2", "--recompute", "prefix:4096"]
+    record = _eval_json(tiny_model_dirs["qwen2"], qa_file, tmp_path / "r.json", *extra, "--max-new-tokens", "6")
+    rows = {(r["positions"], r["recompute"]): r for r in record["rows"]}
+    assert list(rows) == [
+        (None, "none"),
+        ("reordered", "selective:1"),
+        ("composite", "selective:1"),
+        ("reordered", "prefix:2"),
+        ("composite", "prefix:2"),
+        ("reordered", "prefix:4096"),
+        ("composite", "prefix:4096"),
+    ]
+    for spec in ("selective:1", "prefix:4096"):
+        full = rows["reordered", spec]
+        assert full["answer_agreement"] == 1.0 and full["first_token_agreement"] == 1.0
+        assert full["kl_first_token"] < 1e-6
+        assert full["accuracy"] == rows[None, "none"]["accuracy"] and full["f1"] == rows[None, "none"]["f1"]
+    # Composite positions are not naive's: recomputing every token does not make them so.
+    assert rows["composite", "selective:1"]["kl_first_token"] > 1e-3
+    assert rows["reordered", "prefix:2"]["kl_first_token"] > rows["reordered", "selective:1"]["kl_first_token"]
 
 
 def test_recompute_none_runs_once(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
