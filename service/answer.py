@@ -19,6 +19,7 @@ import redis
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock, TokenIds
 from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.errors import UnavailableError
@@ -36,6 +37,7 @@ class Question:
     mode: GenerationMode = GenerationMode.TURBO
     positions: PositionMode = PositionMode.REORDERED
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    recompute: RecomputeSpec = NO_RECOMPUTE  # part of the stitched context recomputed before the question (turbo)
     ids: TokenIds = ()  # the question's token ids, set once by `Answerer.prepare`
 
 
@@ -65,6 +67,8 @@ class DoneEvent:
     context_tokens: int
     # Bytes of chunk KV served per tier (metrics only: the `done` event's tier counts say enough to a client).
     kv_bytes: dict[str, int] = field(default_factory=dict)
+    recompute: str = "none"
+    recomputed_tokens: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The `done` event's data (the answer text itself went out as tokens)."""
@@ -78,6 +82,8 @@ class DoneEvent:
             "kv": self.kv,
             "prompt_tokens": self.prompt_tokens,
             "context_tokens": self.context_tokens,
+            "recompute": self.recompute,
+            "recomputed_tokens": self.recomputed_tokens,
         }
 
 
@@ -137,7 +143,9 @@ class Answerer:
         fetch = self._fetch(prompt) if question.mode is GenerationMode.TURBO else None
         chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
         ready = fetch.ready if fetch is not None and fetch.ready else None
-        stream = self.engine.generate(prompt, question.sampling, question.mode, question.positions, chunk_kv, ready)
+        stream = self.engine.generate(
+            prompt, question.sampling, question.mode, question.positions, chunk_kv, ready, question.recompute
+        )
         first_token_at: float | None = None
         for delta in stream:
             if cancelled is not None and cancelled.is_set():
@@ -159,6 +167,8 @@ class Answerer:
             answer=result.text,
             prompt_tokens=result.prompt_tokens,
             context_tokens=result.context_tokens,
+            recompute=str(question.recompute),
+            recomputed_tokens=result.recomputed_tokens,
         )
 
     def _fetch(self, prompt: PromptIds) -> FetchResult:
@@ -179,6 +189,7 @@ def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: An
         "h2d": h2d,
         "precompute": precompute,
         "stitch": engine_timings.stitch_ms,
+        "recompute": engine_timings.recompute_ms,
         "prefill": engine_timings.prefill_ms,
         "decode": engine_timings.decode_ms,
     }

@@ -31,6 +31,7 @@ class AnswerRequest:
     temperature: float
     top_p: float
     seed: int | None
+    recompute: str | None = None  # none | prefix:N | selective:R; None: the server's default setting
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from service.answer import Answerer, Question
 from service.answer_session import AnswerSession
 from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.engine_loop import EngineBusyError
@@ -182,13 +183,23 @@ class Server:
             )
         except ValueError as err:
             raise InvalidRequestError("sampling", str(err)) from err
+        mode = GenerationMode(request.mode)
         return Question(
             text=request.question,
             top_k=request.top_k,
-            mode=GenerationMode(request.mode),
+            mode=mode,
             positions=PositionMode(request.positions),
             sampling=sampling,
+            recompute=self._recompute(request.recompute) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
         )
+
+    def _recompute(self, spec: str | None) -> RecomputeSpec:
+        """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`); naive answers
+        compute every token anyway, so they carry none."""
+        try:
+            return parse_recompute(self.settings.recompute if spec is None else spec)
+        except ValueError as err:
+            raise InvalidRequestError("recompute", str(err)) from err
 
     # ---- jobs -----------------------------------------------------------------------------------------------
 

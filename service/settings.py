@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.engine.recompute_spec import parse_recompute
 
 MIB = 1 << 20
 
@@ -59,6 +61,10 @@ class Settings(BaseSettings):
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )
+    recompute: str = Field(
+        "none",
+        description="Recompute for turbo answers that name none: none, prefix:N or selective:R (README, Quality).",
+    )
 
     # ---- retrieval and ingestion ---------------------------------------------------------------------------
     embedding_model: str | None = Field(
@@ -94,6 +100,12 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request gives none.")
     max_top_k: int = Field(50, ge=1, le=50, description="Largest top_k a request may ask for.")
+
+    @field_validator("recompute")
+    @classmethod
+    def _check_recompute(cls, value: str) -> str:
+        parse_recompute(value)  # a bad default fails at start-up, not on the first question
+        return value.strip()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:

@@ -76,6 +76,8 @@ class AskRequest(Body):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    # none | prefix:N | selective:R, checked by the service (422 naming it); unset: KVSTITCH_RECOMPUTE.
+    recompute: str | None = Field(None, max_length=64)
 
 
 class ChatMessage(BaseModel):
@@ -101,3 +103,4 @@ class ChatCompletionRequest(BaseModel):
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     mode: Literal["turbo", "naive"] = "turbo"
     positions: Literal["reordered", "composite"] = "reordered"
+    recompute: str | None = Field(None, max_length=64)

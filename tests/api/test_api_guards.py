@@ -31,6 +31,7 @@ ASK_ERRORS = [
     ({"seed": -1}, "seed"),
     ({"mode": "fast"}, "mode"),
     ({"positions": "random"}, "positions"),
+    ({"recompute": "selective:1.5"}, "recompute"),
     ({"stream": "maybe"}, "stream"),
     ({"questoin": "typo"}, "questoin"),
 ]

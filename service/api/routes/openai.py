@@ -2,7 +2,7 @@
 
 The last user message is the question; retrieval and stitching apply as for `/ask`, and the sources, TTFT and
 tier hits travel in an extra `kvstitch` field (on the last chunk when streaming). kvstitch's own options
-(`top_k`, `mode`, `positions`) can be sent through the openai client's `extra_body`.
+(`top_k`, `mode`, `positions`, `recompute`) can be sent through the openai client's `extra_body`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep) -> An
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
+        recompute=body.recompute,
     )
     session = await open_answer(facade, request)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"

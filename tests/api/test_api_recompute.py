@@ -1,0 +1,86 @@
+"""Recompute over HTTP: `recompute` on /ask and in the OpenAI extra body, the KVSTITCH_RECOMPUTE default, and what
+the `done` event reports (the spec applied, `recomputed_tokens`, `timings_ms.recompute`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from api_support import QUESTION, ingest
+from app_server import MakeApp, wait_ready
+from fastapi.testclient import TestClient
+
+from service.engine.engine import StitchEngine
+
+
+def _ask(client: TestClient, **body: Any) -> dict[str, Any]:
+    reply = client.post("/ask", json={"question": QUESTION, "stream": False, "top_k": 3, **body})
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    return answer
+
+
+def _chunk_tokens(answer: dict[str, Any], get_engine: Callable[[str, str], StitchEngine]) -> int:
+    """Tokens of the answer's chunk blocks (wrappers included): the context less the template prefix."""
+    return int(answer["context_tokens"]) - len(get_engine("qwen2", "cpu").template.prefix)
+
+
+def test_recomputing_every_chunk_token_answers_as_naive(
+    client: TestClient, get_engine: Callable[[str, str], StitchEngine]
+) -> None:
+    ingest(client)
+
+    naive = _ask(client, mode="naive", max_new_tokens=16, recompute="selective:1")
+    full = _ask(client, max_new_tokens=16, recompute="selective:1")
+    turbo = _ask(client, max_new_tokens=16)
+
+    assert full["answer"] == naive["answer"] and full["output_tokens"] == naive["output_tokens"]
+    assert full["recompute"] == "selective:1" and full["recomputed_tokens"] == _chunk_tokens(full, get_engine) > 0
+    assert full["timings_ms"]["recompute"] > 0
+    # Naive computes every token anyway: it carries no recompute; plain turbo recomputes nothing.
+    assert (naive["recompute"], naive["recomputed_tokens"], naive["timings_ms"]["recompute"]) == ("none", 0, 0)
+    assert (turbo["recompute"], turbo["recomputed_tokens"], turbo["timings_ms"]["recompute"]) == ("none", 0, 0)
+
+
+@pytest.mark.parametrize("spec", ["selective:2", "all", "prefix:-1", "none:3"])
+def test_a_bad_spec_is_a_422_naming_recompute(client: TestClient, spec: str) -> None:
+    reply = client.post("/ask", json={"question": QUESTION, "recompute": spec})
+
+    assert reply.status_code == 422
+    error = reply.json()["detail"][0]
+    assert error["loc"] == ["body", "recompute"] and spec in error["msg"]
+
+
+def test_the_setting_is_the_default_and_a_request_overrides_it(
+    make_app: MakeApp, get_engine: Callable[[str, str], StitchEngine]
+) -> None:
+    app = make_app(recompute="prefix:4")
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+
+        default = _ask(client, max_new_tokens=4)
+        overridden = _ask(client, max_new_tokens=4, recompute="none")
+
+    assert default["recompute"] == "prefix:4" and default["recomputed_tokens"] == 4 * len(default["chunks"])
+    assert (overridden["recompute"], overridden["recomputed_tokens"]) == ("none", 0)
+
+
+def test_the_openai_extra_body_carries_recompute(
+    client: TestClient, get_engine: Callable[[str, str], StitchEngine]
+) -> None:
+    ingest(client)
+    oai = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client, max_retries=0)
+    messages: Any = [{"role": "user", "content": QUESTION}]
+
+    completion = oai.chat.completions.create(
+        model="qwen2", messages=messages, max_tokens=8, temperature=0, extra_body={"recompute": "selective:1"}
+    )
+
+    extra = completion.model_extra["kvstitch"] if completion.model_extra else {}
+    assert extra["recompute"] == "selective:1" and extra["recomputed_tokens"] == _chunk_tokens(extra, get_engine)
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        oai.chat.completions.create(model="qwen2", messages=messages, extra_body={"recompute": "selective:9"})
+    assert refused.value.body["param"] == "recompute"  # type: ignore[index]
