@@ -144,7 +144,7 @@ class Answerer:
         chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
         ready = fetch.ready if fetch is not None and fetch.ready else None
         stream = self.engine.generate(
-            prompt, question.sampling, question.mode, question.positions, chunk_kv, ready, question.recompute
+            prompt, question.sampling, question.mode, question.positions, chunk_kv, ready, recompute=question.recompute
         )
         first_token_at: float | None = None
         for delta in stream:

@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--positions", choices=("reordered", "composite"), default="reordered")
     ask.add_argument("--top-k", type=int, default=5)
     ask.add_argument("--max-new-tokens", type=int, default=None)
+    ask.add_argument("--recompute", default=None, metavar="SPEC", help="none | prefix:N | selective:R (server default)")
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
     _add_runtime_options(worker)
@@ -219,6 +220,8 @@ def _ask(args: argparse.Namespace) -> int:
     body = {"question": args.question, "mode": args.mode, "positions": args.positions, "top_k": args.top_k}
     if args.max_new_tokens is not None:
         body["max_new_tokens"] = args.max_new_tokens
+    if args.recompute is not None:
+        body["recompute"] = args.recompute
     return ask(_server_url(args), body, args.api_key or os.environ.get("KVSTITCH_API_KEY"))
 
 
