@@ -154,6 +154,21 @@ def test_generate_with_everything_recomputed_answers_as_naive(get_engine: GetEng
     assert prefix_count == 4 * len(prompt.blocks)
 
 
+@pytest.mark.parametrize("spec", ["selective:0.3", "prefix:5"])
+def test_generate_serves_the_recomputed_context(engine: StitchEngine, spec: str) -> None:
+    """Through `generate` (on CUDA: stitched into a leased graph's buffer, question prefilled by its graph) the first
+    token is the one the eager stitch + recompute + question prefill gives, and the count is reported."""
+    prompt = _prompt(engine, seed=11)
+    _, _, count, logits = _stitched(engine, prompt, spec)
+    stream = engine.generate(
+        prompt, SamplingParams(max_new_tokens=3), chunk_kv=engine.precompute(prompt.blocks), recompute=spec
+    )
+    for _ in stream:
+        pass
+    assert stream.result.recomputed_tokens == count > 0
+    assert stream.result.token_ids[0] == int(logits[-1].argmax())
+
+
 # ---- the spec -------------------------------------------------------------------------------------------------
 
 
