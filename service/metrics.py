@@ -32,8 +32,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
 # Per-token decode time: a 7B model on one GPU decodes in ~10-30 ms, a tiny CPU model in ~1-5 ms.
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
-# `queue` is the wait for the engine; `precompute` is KV computed online for misses (both part of TTFT).
-STAGES = ("retrieve", "queue", "load", "h2d", "precompute", "stitch", "prefill", "decode")
+# `queue` is the wait for the engine; `precompute` is KV computed online for misses; `recompute` the part of the
+# stitched context recomputed before the question (all part of TTFT).
+STAGES = ("retrieve", "queue", "load", "h2d", "precompute", "stitch", "recompute", "prefill", "decode")
 # `submitted` at POST /ingest; the others as a worker's delivery ends (`retry`: failed, will be delivered again).
 INGEST_STATUSES = ("submitted", "done", "failed", "retry")
 
