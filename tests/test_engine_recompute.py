@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from service.engine.attention import attend_at_slots, attend_causal_end
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -167,6 +168,22 @@ def test_generate_serves_the_recomputed_context(engine: StitchEngine, spec: str)
         pass
     assert stream.result.recomputed_tokens == count > 0
     assert stream.result.token_ids[0] == int(logits[-1].argmax())
+
+
+def test_attention_at_scattered_slots_is_causal_per_slot() -> None:
+    """On the context's tail it equals the end-aligned causal kernel; at scattered slots each query's output is
+    that of attention over the keys up to its own slot alone."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn((1, 4, 6, 8), generator=generator)
+    keys, values = torch.randn((2, 20, 8), generator=generator), torch.randn((2, 20, 8), generator=generator)
+    tail = attend_at_slots(q, keys, values, torch.arange(14, 20), 0.3)
+    assert _diff(tail, attend_causal_end(q, keys.unsqueeze(0), values.unsqueeze(0), 0.3)) < 1e-6
+    slots = torch.tensor([2, 5, 6, 11, 17, 19])
+    scattered = attend_at_slots(q, keys, values, slots, 0.3)
+    for i, slot in enumerate(slots.tolist()):
+        k, v = keys[:, : slot + 1].unsqueeze(0), values[:, : slot + 1].unsqueeze(0)
+        alone = attend_causal_end(q[:, :, i : i + 1], k, v, 0.3)
+        assert _diff(scattered[:, i : i + 1], alone) < 1e-6
 
 
 # ---- the spec -------------------------------------------------------------------------------------------------

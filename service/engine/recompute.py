@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from service.engine.attention import attend_at_slots
+from service.engine.attention import attend_at_slots, attend_causal_end
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES
@@ -47,18 +47,27 @@ def recompute_context(
     count = chosen_count(spec, candidates.numel())
     if count == 0:
         return 0
+    # Every chunk token chosen: the queries are the context's tail, which the eager causal kernel (flash where it
+    # runs) covers without a mask; known here, on the host, before the slots move to the device.
+    tail = count == candidates.numel() and _is_tail(candidates, plan.context_tokens)
     device = buffer.data.device
     candidates = candidates.to(device)
     ids = torch.tensor(list(context_ids), dtype=torch.long, device=device)[candidates]
     cos, sin = forward.rotary.cos_sin(plan.positions().to(device)[candidates])
     hidden = forward.decoder.embed_tokens(ids.unsqueeze(0))
-    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False)
+    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=tail)
     if count < candidates.numel():
         keep = most_deviating(forward, buffer, hidden, candidates, (cos, sin), count)
         candidates, hidden, cos, sin = candidates[keep], hidden[:, keep], cos[keep], sin[keep]
     for index in range(1, forward.spec.num_layers):
-        hidden = _layer(forward, index, buffer, hidden, candidates, (cos, sin), write=True)
+        hidden = _layer(forward, index, buffer, hidden, candidates, (cos, sin), write=True, tail=tail)
     return count
+
+
+def _is_tail(slots: torch.Tensor, end: int) -> bool:
+    """Whether host `slots` are exactly end - T .. end - 1: every chunk token chosen (after one prefix block)."""
+    count = slots.numel()
+    return count > 0 and int(slots[0]) == end - count and int(slots[-1]) == end - 1
 
 
 def candidate_slots(plan: StitchPlan, spec: RecomputeSpec) -> torch.Tensor:
@@ -108,18 +117,27 @@ def _layer(
     slots: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     write: bool,
+    tail: bool,
 ) -> torch.Tensor:
     """Layer `index` for the tokens at `slots` (`hidden` [1, T, hidden]) over the buffer's context; with `write`
     their fresh K/V replace the cached ones first, so they attend to themselves and to each other as recomputed.
-    The lean forward's own per-layer pieces keep the arithmetic that of `extend`."""
+    `tail`: the slots are the context's last T (one end-aligned causal kernel, no mask). The lean forward's own
+    per-layer pieces keep the arithmetic that of `extend`."""
     layer = forward.layers[index]
     q, k, v = forward._project(layer, layer.input_layernorm(hidden))
     q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
     if write:
         buffer.data[index, KEYS].index_copy_(1, slots, k[0])
         buffer.data[index, VALUES].index_copy_(1, slots, v[0])
-    end = buffer.length
-    out = attend_at_slots(q, buffer.keys(index, end), buffer.values(index, end), slots, layer.self_attn.scaling)
+    keys, values, scale = (
+        buffer.keys(index, buffer.length),
+        buffer.values(index, buffer.length),
+        layer.self_attn.scaling,
+    )
+    if tail:
+        out = attend_causal_end(q, keys.unsqueeze(0), values.unsqueeze(0), scale)
+    else:
+        out = attend_at_slots(q, keys, values, slots, scale)
     return forward._finish_layer(layer, hidden, out)
 
 
