@@ -7,13 +7,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.api.gateway import Gateway
 from service.api.routes import ask, health, ingest, openai
+from service.api.validation import safe_errors
 from service.engine.engine import StitchEngine
 from service.retrieval.embedder import Embedder
 from service.settings import Settings
@@ -91,9 +92,12 @@ def _openai_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own handler echoes the refused input, which may be NaN or a lone surrogate: a 500 from the
+        # JSON encoder instead of the 422. These errors are made writable first.
+        errors = safe_errors(exc.errors())
         if not request.url.path.startswith("/v1/"):
-            return await request_validation_exception_handler(request, exc)
-        message, param = _message_of(list(exc.errors()))
+            return JSONResponse({"detail": errors}, status_code=422)
+        message, param = _message_of(errors)
         return openai_body(422, message, param)
 
 

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
+from service.engine.model import load_model
 from service.retrieval.embedder import Embedder
 from service.settings import Settings
 
@@ -70,6 +71,22 @@ def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestCl
             "redis_prefix": request.getfixturevalue("redis_prefix"),
         }
     app = make_app(**backend)
+    with TestClient(app) as test_client:
+        wait_ready(app)
+        yield test_client
+
+
+@pytest.fixture(scope="module")
+def module_client(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str, Path], api_embedder: Embedder
+) -> Iterator[TestClient]:
+    """One embedded app for a whole module, for tests that only send requests it refuses (nothing is stored), so
+    dozens of cases do not each pay for a start-up."""
+    engine = StitchEngine(load_model(tiny_model_dirs["qwen2"], device="cpu"))
+    settings = Settings(
+        model=str(tiny_model_dirs["qwen2"]), data_dir=tmp_path_factory.mktemp("module-app"), **API_SETTINGS
+    )
+    app = create_app(settings, engine=engine, embedder=api_embedder)
     with TestClient(app) as test_client:
         wait_ready(app)
         yield test_client
