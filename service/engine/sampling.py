@@ -8,11 +8,14 @@ import torch
 
 MAX_NEW_TOKENS_LIMIT = 8192
 MAX_STOP_STRINGS = 8
+# Below this, sampling is an argmax anyway, and dividing by it overflows: 5e-324 is 0 in fp32, so logits / it are
+# inf and the probabilities NaN (a 500 found by the schema fuzz test). Such temperatures are greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -41,7 +44,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
-        if params.temperature > 0:
+        if params.temperature >= MIN_SAMPLING_TEMPERATURE:
             self.generator = torch.Generator(device=device)
             if params.seed is not None:
                 self.generator.manual_seed(params.seed)

@@ -139,3 +139,14 @@ def test_metadata_over_the_size_limit_is_a_422_at_submit(module_client: TestClie
     assert reply.status_code == 422, reply.text
     error = reply.json()["detail"][0]
     assert error["loc"] == ["body", "documents", 0, "metadata"] and "bytes" in error["msg"]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-7])
+def test_a_vanishing_temperature_samples_greedily(module_client: TestClient, temperature: float) -> None:
+    body = {"question": QUESTION, "temperature": temperature, "stream": False, "max_new_tokens": 3}
+
+    reply = module_client.post("/ask", json=body)
+    greedy = module_client.post("/ask", json={**body, "temperature": 0})
+
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["answer"] == greedy.json()["answer"]
