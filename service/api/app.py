@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 
 from service.api.body_limit import BodyLimit
 from service.api.gateway import Gateway
@@ -73,6 +74,8 @@ def _openai_errors(app: FastAPI) -> None:
         error = {"message": message, "type": "invalid_request_error", "param": param, "code": status_code}
         return JSONResponse({"error": error}, status_code=status_code)
 
+    # Starlette's HTTPException, the parent of FastAPI's: FastAPI raises the parent itself for a body it cannot
+    # parse (400), and so does routing (404, 405), and those must come in OpenAI's shape under /v1 too.
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if not request.url.path.startswith("/v1/"):

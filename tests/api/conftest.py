@@ -77,16 +77,28 @@ def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestCl
 
 
 @pytest.fixture(scope="module")
-def module_client(
+def make_module_app(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str, Path], api_embedder: Embedder
-) -> Iterator[TestClient]:
+) -> MakeApp:
+    """Like `make_app`, for an app that serves a whole module (its own engine: `get_engine` is per test)."""
+    engine = StitchEngine(load_model(tiny_model_dirs["qwen2"], device="cpu"))
+
+    def make(**overrides: Any) -> FastAPI:
+        settings = Settings(
+            model=str(tiny_model_dirs["qwen2"]),
+            data_dir=tmp_path_factory.mktemp("module-app"),
+            **{**API_SETTINGS, **overrides},
+        )
+        return create_app(settings, engine=engine, embedder=api_embedder)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def module_client(make_module_app: MakeApp) -> Iterator[TestClient]:
     """One embedded app for a whole module, for tests that only send requests it refuses (nothing is stored), so
     dozens of cases do not each pay for a start-up."""
-    engine = StitchEngine(load_model(tiny_model_dirs["qwen2"], device="cpu"))
-    settings = Settings(
-        model=str(tiny_model_dirs["qwen2"]), data_dir=tmp_path_factory.mktemp("module-app"), **API_SETTINGS
-    )
-    app = create_app(settings, engine=engine, embedder=api_embedder)
+    app = make_module_app()
     with TestClient(app) as test_client:
         wait_ready(app)
         yield test_client

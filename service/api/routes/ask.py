@@ -11,14 +11,16 @@ from sse_starlette import EventSourceResponse
 
 from service.api.answering import Answer, AskOptions, collect_text, open_answer
 from service.api.deps import GatewayDep, ready_asker, require_api_key
+from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest
 from service.ask import Asker, DependencyError, DoneEvent
 
-router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)], responses=errors(401))
 AskerDep = Annotated[Asker, Depends(ready_asker)]
+EVENTS = ("retrieval", "token", "done", "error")
 
 
-@router.post("/ask", response_model=None)
+@router.post("/ask", response_model=None, responses={**streamed("The answer", EVENTS), **errors(400, 413, 422, 503)})
 async def ask(body: AskRequest, gateway: GatewayDep, asker: AskerDep) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
     options = AskOptions(**body.model_dump(exclude={"stream"}))

@@ -8,16 +8,22 @@ from fastapi import APIRouter, Depends, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
 
 from service.api.deps import GatewayDep, field_error, ready_runtime, require_api_key, unavailable
+from service.api.openapi import errors
 from service.api.schemas import DocumentDeleted, IngestAccepted, IngestRequest, JobStatusOut
 from workers.documents import Document, IngestJob, JobError, parse_job
 from workers.runtime import Runtime
 from workers.submit import new_job_id, submit_job
 
-router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
 RuntimeDep = Annotated[Runtime, Depends(ready_runtime)]
 
 
-@router.post("/ingest", status_code=status.HTTP_202_ACCEPTED, response_model=IngestAccepted)
+@router.post(
+    "/ingest",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=IngestAccepted,
+    responses=errors(400, 413, 422, 503),
+)
 def ingest(body: IngestRequest, gateway: GatewayDep, runtime: RuntimeDep) -> IngestAccepted:
     """Queue documents for ingestion; poll GET /ingest/{job_id}."""
     documents = [Document(d.id, d.text, d.metadata, d.format) for d in body.documents]
@@ -36,7 +42,7 @@ def ingest(body: IngestRequest, gateway: GatewayDep, runtime: RuntimeDep) -> Ing
     return IngestAccepted(job_id=job_id)
 
 
-@router.get("/ingest/{job_id}", response_model=JobStatusOut)
+@router.get("/ingest/{job_id}", response_model=JobStatusOut, responses=errors(404, 422, 503))
 def job_status(job_id: Annotated[str, Path(max_length=128)], runtime: RuntimeDep) -> JobStatusOut:
     """Where an ingest job stands."""
     job = runtime.jobs.get(job_id)
@@ -45,7 +51,7 @@ def job_status(job_id: Annotated[str, Path(max_length=128)], runtime: RuntimeDep
     return JobStatusOut.model_validate(job, from_attributes=True)
 
 
-@router.delete("/documents/{doc_id:path}", response_model=DocumentDeleted)
+@router.delete("/documents/{doc_id:path}", response_model=DocumentDeleted, responses=errors(404, 422, 503))
 async def delete_document(doc_id: Annotated[str, Path(max_length=256)], runtime: RuntimeDep) -> DocumentDeleted:
     """Remove a document's chunks and release KV blocks no other document uses."""
     deleted, released = await run_in_threadpool(runtime.ingestor().delete, doc_id)

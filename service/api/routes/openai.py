@@ -18,10 +18,11 @@ from sse_starlette import EventSourceResponse
 
 from service.api.answering import Answer, AskOptions, collect_text, open_answer
 from service.api.deps import GatewayDep, field_error, ready_asker, require_api_key
+from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage
 from service.ask import Asker, DoneEvent
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
 AskerDep = Annotated[Asker, Depends(ready_asker)]
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -33,7 +34,11 @@ def models(gateway: GatewayDep) -> dict[str, Any]:
     return {"object": "list", "data": [entry]}
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses={**streamed("The completion"), **openai_errors(400, 413, 422, 503)},
+)
 async def chat_completions(body: ChatCompletionRequest, gateway: GatewayDep, asker: AskerDep) -> Any:
     """A chat completion answered with retrieval and stitched chunk KV."""
     options = AskOptions(
