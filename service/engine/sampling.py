@@ -80,5 +80,6 @@ def _keep_top_p(scores: torch.Tensor, p: float) -> torch.Tensor:
     cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
     # Drop a token when the mass before it already reaches p; the top token always survives.
     drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= p
+    drop_sorted[0] = False  # a top_p that is 0 in fp32 (5e-324) would drop it too: all -inf, NaN probabilities
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
