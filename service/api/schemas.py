@@ -13,8 +13,9 @@ MAX_SEED = 2**63 - 1
 
 
 class Body(BaseModel):
-    # A misspelt field is an error, not silently a default; NaN and ±Infinity are no numbers to sample with.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # A misspelt field is an error, not silently a default; NaN and ±Infinity are no numbers to sample with;
+    # strict: JSON types as the OpenAPI document gives them (`"seed": true` or `"top_k": "5"` is a 422).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class DocumentIn(Body):
@@ -64,6 +65,8 @@ class AskRequest(Body):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: MessageContent = None
 
@@ -71,7 +74,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion body; unknown OpenAI fields are accepted and ignored, as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     model: Text = Field(min_length=1, max_length=512)
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)

@@ -141,12 +141,43 @@ def test_metadata_over_the_size_limit_is_a_422_at_submit(module_client: TestClie
     assert error["loc"] == ["body", "documents", 0, "metadata"] and "bytes" in error["msg"]
 
 
-@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-7])
-def test_a_vanishing_temperature_samples_greedily(module_client: TestClient, temperature: float) -> None:
-    body = {"question": QUESTION, "temperature": temperature, "stream": False, "max_new_tokens": 3}
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 5e-324}, {"temperature": 1e-300}, {"temperature": 1e-7}, {"temperature": 1, "top_p": 5e-324}],
+)
+def test_a_vanishing_temperature_or_top_p_samples_greedily(
+    module_client: TestClient, sampling: dict[str, float]
+) -> None:
+    body = {"question": QUESTION, **sampling, "stream": False, "max_new_tokens": 3}
 
     reply = module_client.post("/ask", json=body)
     greedy = module_client.post("/ask", json={**body, "temperature": 0})
 
     assert reply.status_code == 200, reply.text
     assert reply.json()["answer"] == greedy.json()["answer"]
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "field"),
+    [
+        ("/ask", {"seed": True}, "seed"),
+        ("/ask", {"top_k": "5"}, "top_k"),
+        ("/ask", {"stream": 1}, "stream"),
+        ("/ask", {"temperature": False}, "temperature"),
+        ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ],
+)
+def test_a_value_of_another_json_type_is_a_422(
+    module_client: TestClient, path: str, change: dict[str, Any], field: str
+) -> None:
+    """What the OpenAPI document says is an integer, number or boolean must be one (pydantic would coerce)."""
+    base = {"question": QUESTION, "stream": False} if path == "/ask" else OPENAI_BODY
+
+    reply = module_client.post(path, json={**base, **change})
+
+    assert reply.status_code == 422, reply.text
+    if path == "/ask":
+        assert [error["loc"] for error in reply.json()["detail"]] == [["body", field]]
+    else:
+        assert reply.json()["error"]["param"] == field
