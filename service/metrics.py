@@ -163,7 +163,8 @@ class _StoreCollector(Collector):
             "kvstitch_tier_bytes", "Bytes per KV tier: held (used) and allowed (budget)", labels=["tier", "kind"]
         )
         for tier, usage in stats.usage.items():
-            tier_bytes.add_metric([tier.value, "used"], usage.used_bytes)
+            used = math.nan if usage.used_bytes is None else usage.used_bytes  # unknown: the index is away
+            tier_bytes.add_metric([tier.value, "used"], used)
             tier_bytes.add_metric([tier.value, "budget"], usage.budget_bytes)
         hits = CounterMetricFamily("kvstitch_kv_hits", "Block lookups served per tier", labels=["tier"])
         for tier, n in stats.hits.items():
@@ -175,7 +176,14 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstitch_kv_misses", "Blocks computed online", value=stats.misses)
         yield CounterMetricFamily("kvstitch_kv_corrupt", "Block files that failed a check", value=stats.corrupt)
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
-        yield CounterMetricFamily("kvstitch_kv_write_errors", "Block writes that failed", value=stats.write_errors)
+        write_errors = CounterMetricFamily(
+            "kvstitch_kv_write_errors",
+            "Background KV writes (block files, index updates) that failed, by reason: index, disk, other",
+            labels=["reason"],
+        )
+        for reason, n in stats.write_errors.items():
+            write_errors.add_metric([reason], n)
+        yield write_errors
         yield GaugeMetricFamily(
             "kvstitch_kv_pending_writes", "Blocks waiting to be written", value=stats.pending_writes
         )
