@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from loadtest.bench_prefill import add_workload_arguments, build_engine, context_chunks, precompute_all, question_ids
-from service.engine.cuda_graph import ATTENTION_BACKENDS, DecodeGraph, bucket_capacity, resolve_attention
+from service.engine.attention import ATTENTION_BACKENDS, resolve_attention
+from service.engine.cuda_graph import DecodeGraph, bucket_capacity
 from service.engine.engine import StitchEngine
 from service.engine.kv_buffer import KVBuffer
 from service.kvcache import device

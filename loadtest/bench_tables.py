@@ -51,6 +51,7 @@ from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.store import KVStore, TierBudgets
@@ -139,7 +140,7 @@ class Context:
 
     def store(self, gpu: int, host: int, cache_dir: Path | None = None, index: SqliteIndex | None = None) -> KVStore:
         budgets = TierBudgets(gpu_bytes=gpu, host_bytes=host, disk_bytes=4 * self.room)
-        return KVStore.for_engine(self.engine, cache_dir or self.cache_dir, index or self.index, budgets)
+        return kv_store_for(self.engine, cache_dir or self.cache_dir, index or self.index, budgets)
 
     def prepare(self, tier: str, count: int) -> Callable[[], KVStore | None]:
         """A function run untimed before each batch; returns the store the batch fetches from (None: naive)."""
@@ -153,13 +154,13 @@ class Context:
                     gpu=self.room if tier == "gpu" else 0, host=self.room if tier == "host" else 0
                 )
                 for prompt in self.prompts:
-                    store.fetch(prompt.blocks, engine)  # disk → the tier
+                    store.fetch(prompt.blocks)  # disk → the tier
             return lambda: store
         if tier == "miss":
             if "miss" not in self.stores:  # an empty cache dir and index, no tier that keeps anything
                 miss_dir = self.cache_dir / "miss"
                 miss_dir.mkdir()
-                self.stores["miss"] = KVStore.for_engine(
+                self.stores["miss"] = kv_store_for(
                     engine, miss_dir, SqliteIndex(miss_dir / SQLITE_FILENAME), TierBudgets()
                 )
             return lambda: self.stores["miss"]
@@ -197,7 +198,7 @@ def one_request(
         stream = engine.generate(prompt, sampling, mode=GenerationMode.NAIVE)
         fetched = start
     else:
-        fetch = store.fetch(prompt.blocks, engine, overlap=True)
+        fetch = store.fetch(prompt.blocks, overlap=True)
         if fetch.counts[EXPECTED[tier]] != len(prompt.blocks):
             raise RuntimeError(f"expected every block from the {tier} tier, got {fetch.counts}")
         fetched = time.perf_counter()

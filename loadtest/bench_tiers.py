@@ -42,6 +42,7 @@ import torch
 from loadtest.bench_prefill import build_engine, context_chunks, question_ids, timed
 from service.engine.engine import StitchEngine
 from service.engine.prompt import PromptIds
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.fileformat import ALIGNMENT
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
@@ -172,24 +173,24 @@ class Bench:
         self.warm = {"gpu": self.store(gpu=self.room, host=0), "host": self.store(gpu=0, host=self.room)}
         # Misses: an empty cache dir and index, and no tier that keeps anything, so every fetch computes.
         self.miss_index = SqliteIndex(cache_dir / "miss" / SQLITE_FILENAME)
-        self.miss = KVStore.for_engine(engine, cache_dir / "miss", self.miss_index, TierBudgets())
+        self.miss = kv_store_for(engine, cache_dir / "miss", self.miss_index, TierBudgets())
         self.file_bytes = sum(p.stat().st_size for p in self.files)
         self.cold: KVStore | None = None
 
     def store(self, gpu: int, host: int) -> KVStore:
         budgets = TierBudgets(gpu_bytes=gpu, host_bytes=host, disk_bytes=4 * self.room)
-        return KVStore.for_engine(self.engine, self.cache_dir, self.index, budgets, disk_format=self.disk_format)
+        return kv_store_for(self.engine, self.cache_dir, self.index, budgets, disk_format=self.disk_format)
 
     def fetcher(self, tier: str) -> Callable[[], FetchResult]:
         """A fetch that `tier` serves entirely (after `preparer(tier)` ran); checks that it did."""
-        blocks, engine = self.prompt.blocks, self.engine
+        blocks = self.prompt.blocks
         if tier in self.warm:
             store = self.warm[tier]
-            self._expect(store.fetch(blocks, engine), Tier.DISK)  # fills the tier
-            return lambda: self._expect(store.fetch(blocks, engine), Tier(tier))
+            self._expect(store.fetch(blocks), Tier.DISK)  # fills the tier
+            return lambda: self._expect(store.fetch(blocks), Tier(tier))
         if tier == "miss":
-            return lambda: self._expect(self.miss.fetch(blocks, engine), Tier.MISS)
-        return lambda: self._expect(self._cold().fetch(blocks, engine), Tier.DISK)
+            return lambda: self._expect(self.miss.fetch(blocks), Tier.MISS)
+        return lambda: self._expect(self._cold().fetch(blocks), Tier.DISK)
 
     def preparer(self, tier: str) -> Callable[[], None] | None:
         """Untimed work before each disk run: a store with empty memory tiers, and for a cold run no page cache."""

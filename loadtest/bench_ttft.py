@@ -126,10 +126,10 @@ def kvstore_host_fetch(
         return None
     bench = Bench(engine, prompt, cache_dir, args)
     store = bench.warm["host"]
-    store.fetch(prompt.blocks, engine)  # disk → host tier
+    store.fetch(prompt.blocks)  # disk → host tier
 
     def fetch() -> tuple[list[KVBlock], list[BlockReady | None] | None]:
-        result = store.fetch(prompt.blocks, engine, overlap=True)
+        result = store.fetch(prompt.blocks, overlap=True)
         if result.counts[Tier.HOST] != len(prompt.blocks):
             raise RuntimeError(f"expected every block from the host tier, got {result.counts}")
         return result.blocks, list(result.ready)

@@ -12,7 +12,7 @@ is Qdrant reads and deletes per document. One untimed warm-up job runs first on 
 `--precompute-only` measures the GPU part alone: the same documents chunked by the same `Chunker`, the distinct
 chunk blocks grouped by `precompute_batches` into batches of at most --max-tokens padded tokens, each batch's
 forward and its `KVStore.put` (file write, fsync, rename, SQLite index) to a disk cache dir, timed apart. It
-imports the engine, the KV cache, the chunker (transformers only) and `workers.batching`, never Qdrant,
+imports the engine, the KV cache, the chunker (transformers only) and `service.kvcache.precompute`, never Qdrant,
 sentence-transformers or pydantic, so it runs on the GPU machine. `--shape qwen2-7b` builds a Qwen2-7B-shaped
 model with random bf16 weights on CUDA, as `loadtest.bench_prefill` does (its tiny BPE tokenizer stands in).
 """
@@ -36,13 +36,14 @@ import torch
 
 from loadtest.bench_prefill import build_engine
 from service.engine.engine import StitchEngine
-from service.engine.prompt import TokenIds
+from service.engine.kv_layout import TokenIds
+from service.jobs.documents import Document, IngestJob
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.index import SqliteIndex
+from service.kvcache.precompute import precompute_and_store, precompute_batches
 from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.chunker import Chunker, ChunkerConfig
-from workers.batching import precompute_and_store, precompute_batches
-from workers.documents import Document, IngestJob
 
 log = logging.getLogger("bench_worker")
 MAX_DOCUMENT_CHARS = 2_000_000
@@ -80,8 +81,8 @@ def corpus(documents: int, paragraphs: int, sentences: int, seed: int = 0) -> li
 def run_full(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median-able rows of the real ingest path, one per run."""
     from service.retrieval.embedder import Embedder
+    from service.runtime import open_engine, open_runtime
     from service.settings import Settings
-    from workers.runtime import open_engine, open_runtime
 
     def settings(data_dir: Path) -> Settings:
         return Settings(
@@ -156,7 +157,7 @@ def run_precompute_only(args: argparse.Namespace) -> tuple[list[dict[str, Any]],
     engine = build_engine(None if args.shape else args.model, target)
     docs = corpus(args.docs, args.paragraphs, args.sentences, seed=1)
     blocks = chunk_blocks(engine, docs, args.chunk_size, args.chunk_overlap)
-    batches = precompute_batches(blocks, args.max_tokens)
+    batches = [[blocks[i] for i in batch] for batch in precompute_batches([len(b) for b in blocks], args.max_tokens)]
     tokens = sum(len(b) for b in blocks)
     log.info(
         "%d blocks, %d tokens in %d batches: %.2f GB of KV files per run",
@@ -191,7 +192,7 @@ def _disk_store(engine: StitchEngine, args: argparse.Namespace) -> Iterator[KVSt
         index = SqliteIndex(Path(tmp) / "index.sqlite3")
         budgets = TierBudgets(gpu_bytes=0, host_bytes=0, disk_bytes=args.disk_cache_mb << 20)
         try:
-            with KVStore.for_engine(engine, Path(tmp) / "kv", index, budgets) as store:
+            with kv_store_for(engine, Path(tmp) / "kv", index, budgets) as store:
                 yield store
         finally:
             index.close()
@@ -203,7 +204,7 @@ def time_pipelined(
     """The worker's own path: `precompute_and_store`, writes overlapping the next batch's forward."""
     device.synchronize(target)
     start = time.perf_counter()
-    precompute_and_store(engine, store, blocks, max_tokens)
+    precompute_and_store(engine.precompute, store.put, blocks, max_tokens)
     seconds = time.perf_counter() - start
     return {"pipelined_s": seconds, "pipelined_tokens_per_s": sum(len(b) for b in blocks) / seconds}
 

@@ -2,15 +2,16 @@
 
     python -m loadtest.serve_random --out $OUT --concurrency 1 4 --duration 40
 
-Builds the engine as `bench_prefill` does (random bf16 weights of the Qwen2-7B shape built on the device, the
-tiny BPE tokenizer standing in; `--model DIR` loads a folder instead), creates the gateway with
-`create_app(settings, engine=engine)` and serves it with uvicorn on loopback in a background thread: the real
-routes, start-up gate, in-process ingest worker, embedded Qdrant, SQLite KV index and KV tiers. Once `/readyz`
-says ready, it drives the server over HTTP with `loadtest.load`: one ingestion of a generated corpus (chunks of
-`--chunk-size` tokens, no overlap), then per concurrency level an untimed warm-up (it captures the CUDA graphs of
-the large context bucket) and a timed phase of Zipf-skewed questions with modes alternating. With the defaults
-(chunks cut at sentence ends under a 640-token cap, ~500 tokens on average; top-k 16) every turbo question
-stitches about 8-9K tokens of context and every naive one prefills as many (a 512 cap averages ~410: ~7K).
+Builds the engine as `bench_prefill` does (random bf16 weights of the Qwen2-7B shape built on the device, the tiny
+BPE tokenizer standing in; `--model DIR` loads a folder instead), creates the gateway with
+`create_app(Server(settings, engine, worker_factory=in_process_worker))` and serves it with uvicorn on loopback in
+a background thread: the real routes, start-up gate, in-process ingest worker, embedded Qdrant, SQLite KV index and
+KV tiers. Once `/readyz` says ready, it drives the server over HTTP with `loadtest.load`: one ingestion of a
+generated corpus (chunks of `--chunk-size` tokens, no overlap), then per concurrency level an untimed warm-up (it
+captures the CUDA graphs of the large context bucket) and a timed phase of Zipf-skewed questions with modes
+alternating. With the defaults (chunks cut at sentence ends under a 640-token cap, ~500 tokens on average; top-k
+16) every turbo question stitches about 8-9K tokens of context and every naive one prefills as many (a 512 cap
+averages ~410: ~7K).
 
 The random model's LM head is restricted to ids the stand-in tokenizer can stream (`stream_in_vocab`), so TTFT is
 taken at the first token rather than after the whole decode.
@@ -42,7 +43,9 @@ from loadtest import load
 from loadtest.bench_prefill import build_engine
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
+from service.server import Server
 from service.settings import Settings
+from workers.worker import in_process_worker
 
 log = logging.getLogger("serve_random")
 READY_TIMEOUT_S = 600.0
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("engine built in %.1f s (%s)", time.perf_counter() - began, engine.model.source)
     if args.model is None:
         log.info("zeroed %d LM-head rows the stand-in tokenizer cannot decode", stream_in_vocab(engine))
-    app = create_app(settings, engine=engine)
+    app = create_app(Server(settings, engine, worker_factory=in_process_worker))
     with BackgroundServer(app, args.port) as server:
         readiness = wait_ready(server.url)
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])

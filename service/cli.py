@@ -1,4 +1,4 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | verify | tiny-model."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | verify | tiny-model | eval | finetune | make-qa."""
 
 from __future__ import annotations
 
@@ -59,7 +59,76 @@ def _parser() -> argparse.ArgumentParser:
     ingest.add_argument("--embedded", action="store_true", help="ingest in this process, no server (needs --model)")
     ingest.add_argument("--batch", type=int, default=100, help="documents per job (default 100)")
     _add_runtime_options(ingest)
+    _add_quality_commands(commands)
     return parser
+
+
+def _add_quality_commands(commands: Any) -> None:
+    """eval, finetune and make-qa (service/quality): answer quality of stitched KV and block fine-tuning."""
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    _add_eval(commands, default_device)
+    _add_finetune(commands, default_device)
+    _add_make_qa(commands)
+
+
+def _add_eval(commands: Any, default_device: str) -> None:
+    evaluate = commands.add_parser("eval", help="answer a QA JSONL file naive and turbo; accuracy, F1, agreement")
+    evaluate.add_argument("--model", required=True, help="HF model folder or hub id")
+    evaluate.add_argument("--data", required=True, help='JSONL: {"question", "chunks": [...], "answers": [...]}')
+    evaluate.add_argument(
+        "--recompute", action="append", metavar="SPEC", help="none | prefix:N | selective:R, repeatable (default none)"
+    )
+    evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
+    evaluate.add_argument("--limit", type=int, default=None, help="use only the first N samples")
+    evaluate.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
+    evaluate.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")
+
+
+def _add_finetune(commands: Any, default_device: str) -> None:
+    tune = commands.add_parser("finetune", help="block fine-tune a model on a QA JSONL file (served mask, positions)")
+    tune.add_argument("--model", required=True, help="HF model folder or hub id to start from")
+    tune.add_argument("--data", required=True, help="QA JSONL file (the eval's format); the first answer is learnt")
+    tune.add_argument("--out", required=True, help="folder for the fine-tuned HF model and tokenizer")
+    tune.add_argument("--steps", type=int, default=100, help="optimiser steps (default 100)")
+    tune.add_argument("--batch-size", type=int, default=8, help="samples per step, gradients accumulated (default 8)")
+    tune.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default 2e-5, Block-Attention)")
+    tune.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps (default 20)")
+    tune.add_argument(
+        "--full-attention-share",
+        type=float,
+        default=0.5,
+        help="share of samples trained with full causal attention (default 0.5, TurboRAG's 50/50 mix)",
+    )
+    tune.add_argument(
+        "--positions", choices=("reordered", "composite"), default="reordered", help="served positions to train"
+    )
+    tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
+    tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
+    tune.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights and optimiser state (default fp32; LoRA base: bf16 on CUDA)",
+    )
+    tune.add_argument(
+        "--compute-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
+    )
+    tune.add_argument("--seed", type=int, default=0, help="seed of sample order and mask choice (default 0)")
+
+
+def _add_make_qa(commands: Any) -> None:
+    make_qa = commands.add_parser("make-qa", help="write a synthetic multi-document QA JSONL file")
+    make_qa.add_argument("--out", required=True, help="JSONL file to write")
+    make_qa.add_argument("--questions", type=int, required=True, help="number of questions")
+    make_qa.add_argument("--chunks", type=int, required=True, help="chunks per question (gold, near-miss, distractors)")
+    make_qa.add_argument("--seed", type=int, required=True, help="seed; the same seed writes the same bytes")
+    make_qa.add_argument(
+        "--two-fact-share", type=float, default=0.3, help="share of questions needing two chunks (default 0.3)"
+    )
 
 
 def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +187,24 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from service.quality.commands import run_eval
+
+    return run_eval(args, DTYPES.get(args.dtype or ""))
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from service.quality.commands import run_finetune
+
+    return run_finetune(args, DTYPES.get(args.dtype or ""), DTYPES.get(args.compute_dtype or ""))
+
+
+def _make_qa(args: argparse.Namespace) -> int:
+    from service.quality.commands import run_make_qa
+
+    return run_make_qa(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from service.commands.serve import serve
 
@@ -174,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ingest": _ingest,
         "verify": _verify,
         "tiny-model": _tiny_model,
+        "eval": _eval,
+        "finetune": _finetune,
+        "make-qa": _make_qa,
     }
     return handlers[args.command](args)
 

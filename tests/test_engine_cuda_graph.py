@@ -11,16 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from service.engine.cuda_graph import (
-    PREFILL_KV_SPLITS,
-    DecodeGraph,
-    _LengthInputs,
-    bucket_capacity,
-    graph_tokens,
-    prefill_kv_splits,
-    question_bucket,
-    resolve_attention,
-)
+from service.engine.attention import PREFILL_KV_SPLITS, LengthInputs, prefill_kv_splits, resolve_attention
+from service.engine.cuda_graph import DecodeGraph, bucket_capacity, graph_tokens, question_bucket
 from service.engine.engine import StitchEngine
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -204,7 +196,7 @@ def _padded_static_prefill(
     offsets = torch.arange(tokens, device=engine.spec.device)
     slots = plan.context_tokens + offsets
     # Private on purpose: the test drives the attention a graph builds, on any device.
-    attend = _LengthInputs(engine.spec, buffer.capacity, tokens).attend_for(backend, slots)
+    attend = LengthInputs(engine.spec, buffer.capacity, tokens).attend_for(backend, slots)
     last = torch.tensor([len(question) - 1], device=engine.spec.device)
     return engine.forward.forward_static(buffer.data, ids, plan.question_start + offsets, slots, attend, last)
 

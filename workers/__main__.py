@@ -11,9 +11,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import start_http_server
 
 from service.metrics import Metrics
+from service.runtime import Runtime, open_runtime
 from service.settings import Settings
-from workers.runtime import Runtime, open_runtime
-from workers.worker import IngestWorker
+from workers.worker import IngestWorker, runtime_worker
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         )
         return 2
     with open_runtime(settings) as runtime:
-        worker = runtime.worker(name)
+        worker = runtime_worker(runtime, name)
         metrics_server = serve_metrics(settings, runtime, worker)
 
         def stop(signum: int, frame: FrameType | None) -> None:

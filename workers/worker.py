@@ -1,4 +1,4 @@
-"""The ingest worker loop: take a job from the queue, run it, record its status, ack it.
+"""The worker loop: take a job (ingest or delete) from the queue, run it, record its status, ack it.
 
 Each turn first claims jobs left pending by a worker that went silent for `claim_idle_ms` (it died), then reads
 new ones. A job is acked only after its status says done, so a worker killed at any point leaves the job to be
@@ -21,11 +21,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from service.ingest import DeleteCounts, IngestCounts, Ingestor
+from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
+from service.jobs.queue import Delivery, JobQueue
+from service.jobs.status import JobStatusStore
 from service.outage import OutageLog
-from workers.documents import DocumentLimits, JobError, job_id_of, parse_job
-from workers.ingest import IngestCounts, Ingestor
-from workers.job_status import JobStatusStore
-from workers.queue import Delivery, JobQueue
+from service.runtime import JobFinished, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -95,21 +96,27 @@ class IngestWorker:
         except JobError as err:
             self._reject(delivery, job_id, str(err))
             return
-        self._status(job.job_id, len(job.documents), status="running", error=None)
-        log.info("job %s: %d documents (attempt %d)", job.job_id, len(job.documents), delivery.attempt)
+        documents = len(job.documents) if isinstance(job, IngestJob) else 1
+        self._status(job.job_id, documents, status="running", error=None, kind=job.kind)
+        log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, documents, delivery.attempt)
         try:
-            counts = self.ingestor.ingest(job, progress=lambda c: self._progress(delivery, job.job_id, c))
+            counts = self._run(job, delivery)
         except JobError as err:
             self._reject(delivery, job.job_id, str(err))
         except Exception as err:
             log.exception("job %s failed on attempt %d", job.job_id, delivery.attempt)
             self._retry(delivery, job.job_id, f"{type(err).__name__}: {err}")
         else:
-            self._status(job.job_id, len(job.documents), status="done", **counts.status_fields())
+            self._status(job.job_id, documents, status="done", kind=job.kind, **counts.status_fields())
             self.queue.ack(delivery)
             self.jobs_done += 1
-            self._finished("done", counts)
+            self._finished("done", counts if isinstance(counts, IngestCounts) else None)
             log.info("job %s done: %s", job.job_id, counts)
+
+    def _run(self, job: IngestJob | DeleteJob, delivery: Delivery) -> IngestCounts | DeleteCounts:
+        if isinstance(job, DeleteJob):
+            return self.ingestor.delete(job)
+        return self.ingestor.ingest(job, progress=lambda c: self._progress(delivery, job.job_id, c))
 
     # ---- outcomes -------------------------------------------------------------------------------------------
 
@@ -157,11 +164,11 @@ class IngestWorker:
             except Exception:
                 log.exception("job-finished hook failed")
 
-    def _status(self, job_id: str, documents: int, **fields: object) -> None:
+    def _status(self, job_id: str, documents: int, kind: str = "ingest", **fields: object) -> None:
         """Update the job's status, creating it when the producer did not (or it expired)."""
         if self.jobs.get(job_id) is None:
             with contextlib.suppress(ValueError):  # created meanwhile by the producer
-                self.jobs.create(job_id, documents)
+                self.jobs.create(job_id, documents, kind=kind)
         self.jobs.update(job_id, **fields)
 
 
@@ -172,3 +179,24 @@ def _document_count(delivery: Delivery) -> int:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def in_process_worker(runtime: Runtime, on_job_finished: JobFinished | None = None) -> IngestWorker:
+    """The worker `kvstitch serve` runs in a thread of the gateway (embedded form): polls often, so a job sent
+    by the chat page starts at once."""
+    return runtime_worker(runtime, name="in-process", poll_ms=200, on_job_finished=on_job_finished)
+
+
+def runtime_worker(
+    runtime: Runtime, name: str | None = None, poll_ms: int = 1000, on_job_finished: JobFinished | None = None
+) -> IngestWorker:
+    """A worker over a runtime's ingestor, queue and job statuses."""
+    config = WorkerConfig(
+        name=name or default_consumer_name(),
+        claim_idle_ms=runtime.settings.job_claim_idle_ms,
+        poll_ms=poll_ms,
+        limits=runtime.limits,
+    )
+    worker = IngestWorker(runtime.ingestor(), runtime.queue, runtime.jobs, config)
+    worker.on_job_finished = on_job_finished
+    return worker

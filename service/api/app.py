@@ -1,4 +1,8 @@
-"""The FastAPI app factory: routes, the chat page, request metrics, and the gateway's start and stop."""
+"""The FastAPI app factory: routes, the chat page, request metrics, and the service's start and stop.
+
+The app sees the service only through its facade (`service.facade.Facade`); the entry point builds the service
+(`kvstitch serve`: `service.server.Server` with the in-process worker when the form needs one) and hands it here.
+"""
 
 from __future__ import annotations
 
@@ -14,33 +18,27 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from service.api.body_limit import BodyLimit
-from service.api.gateway import Gateway
-from service.api.routes import ask, health, ingest, openai
+from service.api.routes import ask, documents, health, ingest, openai
 from service.api.validation import safe_errors
-from service.engine.engine import StitchEngine
-from service.retrieval.embedder import Embedder
-from service.settings import Settings
+from service.facade import Facade
 
 STATIC_DIR = Path(__file__).parent / "static"
 
 
-def create_app(
-    settings: Settings | None = None, engine: StitchEngine | None = None, embedder: Embedder | None = None
-) -> FastAPI:
-    """The app; start-up (model, gate, worker) begins when the server starts it and runs in the background."""
-    gateway = Gateway(settings or Settings(), engine, embedder)
+def create_app(facade: Facade) -> FastAPI:
+    """The app; the service's start-up (model, gate, worker) begins in the background when the server starts."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gateway.start_in_background()
+        facade.start()
         try:
             yield
         finally:
-            gateway.close()
+            facade.close()
 
     app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
-    app.state.gateway = gateway
-    for module in (health, ingest, ask, openai):
+    app.state.facade = facade
+    for module in (health, ingest, documents, ask, openai):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
@@ -51,8 +49,9 @@ def create_app(
     _openai_errors(app)
 
     # Added before the counter below, so it runs inside it: refused bodies are counted under their route as 413s.
-    detail = f"request body larger than {gateway.settings.max_request_mb} MiB (KVSTITCH_MAX_REQUEST_MB)"
-    app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_request_mb << 20, detail=detail)
+    limit_bytes = facade.limits.max_request_bytes
+    detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
+    app.add_middleware(BodyLimit, max_bytes=limit_bytes, detail=detail)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -60,7 +59,7 @@ def create_app(
         # The route's template (`/ingest/{job_id}`), not the raw path, so label values stay few.
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
-        gateway.metrics.requests.labels(path, str(response.status_code)).inc()
+        facade.count_request(path, response.status_code)
         return response
 
     return app

@@ -1,4 +1,4 @@
-"""Dependencies shared by the routes: the gateway, the API key, readiness, and 422s in FastAPI's own shape."""
+"""Dependencies shared by the routes: the facade, the API key, and the service's errors as HTTP statuses."""
 
 from __future__ import annotations
 
@@ -7,22 +7,21 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 
-from service.api.gateway import Gateway
-from service.ask import Asker
-from workers.runtime import Runtime
+from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError, UnknownDocumentError
+from service.facade import Facade
 
 
-def get_gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
+def get_facade(request: Request) -> Facade:
+    facade: Facade = request.app.state.facade
+    return facade
 
 
-GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+FacadeDep = Annotated[Facade, Depends(get_facade)]
 
 
-def require_api_key(request: Request, gateway: GatewayDep) -> None:
+def require_api_key(request: Request, facade: FacadeDep) -> None:
     """Bearer token check when KVSTITCH_API_KEY is set (constant-time compare)."""
-    expected = gateway.settings.api_key
+    expected = facade.limits.api_key
     if not expected:
         return
     header = request.headers.get("authorization", "")
@@ -35,24 +34,19 @@ def require_api_key(request: Request, gateway: GatewayDep) -> None:
         )
 
 
-def ready_runtime(gateway: GatewayDep) -> Runtime:
-    """The runtime, or 503 while the server starts (or after a failed start)."""
-    if gateway.runtime is None or not gateway.ready:
-        raise not_ready(gateway)
-    return gateway.runtime
-
-
-def ready_asker(gateway: GatewayDep) -> Asker:
-    if gateway.asker is None or not gateway.ready:
-        raise not_ready(gateway)
-    return gateway.asker
-
-
-def not_ready(gateway: Gateway) -> HTTPException:
-    reason = gateway.startup_error or "the model is still loading"
-    return HTTPException(
-        status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"not ready: {reason}", headers={"Retry-After": "5"}
-    )
+def http_error(err: Exception) -> HTTPException:
+    """A service error as the status the client should see (500 for anything unexpected)."""
+    if isinstance(err, InvalidRequestError):
+        return field_error(err.field, err.message)
+    if isinstance(err, NotReadyError):
+        return unavailable(f"not ready: {err}")
+    if isinstance(err, BusyError):
+        return unavailable(str(err), retry_after_s=2)
+    if isinstance(err, UnavailableError):
+        return unavailable(str(err))
+    if isinstance(err, UnknownDocumentError):
+        return HTTPException(status.HTTP_404_NOT_FOUND, detail=str(err))
+    return HTTPException(500, detail=f"generation failed: {type(err).__name__}: {err}")
 
 
 def field_error(field: str, message: str, where: str = "body") -> HTTPException:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,21 +35,38 @@ class IngestAccepted(BaseModel):
 
 class JobStatusOut(BaseModel):
     job_id: str
+    kind: Literal["ingest", "delete"]
     status: Literal["queued", "running", "done", "failed"]
     documents: int
     documents_done: int
     chunks: int
     chunks_precomputed: int
     chunks_reused: int
+    chunks_deleted: int
+    blocks_released: int
     error: str | None
     created_at: float
     finished_at: float | None
 
 
-class DocumentDeleted(BaseModel):
+class DocumentOut(BaseModel):
+    id: str
+    version: str
+    chunks: int
+    tokens: int
+    ingested_at: float | None
+    metadata: dict[str, Any]
+
+
+class DocumentList(BaseModel):
+    total: int
+    offset: int
+    documents: list[DocumentOut]
+
+
+class DeleteAccepted(BaseModel):
     doc_id: str
-    deleted_chunks: int
-    released_blocks: int
+    job_id: str
 
 
 class AskRequest(Body):

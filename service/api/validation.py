@@ -15,8 +15,8 @@ from typing import Annotated, Any
 from fastapi.encoders import jsonable_encoder
 from pydantic import AfterValidator
 
+from service.jobs.documents import MAX_METADATA_BYTES
 from service.plain_json import MAX_DEPTH, json_problem, json_safe, text_problem
-from workers.documents import MAX_METADATA_BYTES
 
 
 def _valid_text(text: str) -> str:

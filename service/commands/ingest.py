@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from workers.documents import Document, DocumentFormat
+from service.jobs.documents import Document, DocumentFormat
 
 TEXT_SUFFIXES: dict[str, DocumentFormat] = {".txt": "text", ".md": "markdown", ".markdown": "markdown"}
 DEFAULT_BATCH = 100
@@ -171,12 +171,15 @@ def _ingest_remote(documents: Sequence[Document], url: str, api_key: str | None,
 
 def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) -> int:
     """Open the data dir in this process (no server may hold it) and run the worker here."""
-    from workers.runtime import open_runtime
-    from workers.submit import submit_job
+    from service.jobs.submit import submit_ingest
+    from service.runtime import open_runtime
+    from workers.worker import runtime_worker
 
     with open_runtime(settings) as runtime:
-        worker = runtime.worker(name="kvstitch-ingest", poll_ms=50)
-        job_ids = [submit_job(runtime.queue, runtime.jobs, group) for group in batches(documents, batch)]
+        worker = runtime_worker(runtime, name="kvstitch-ingest", poll_ms=50)
+        job_ids = [
+            submit_ingest(runtime.queue, runtime.jobs, runtime.order, group) for group in batches(documents, batch)
+        ]
 
         def read_status(job_id: str) -> Mapping[str, Any]:
             status = runtime.jobs.get(job_id)

@@ -11,6 +11,8 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.server import Server
+    from workers.worker import in_process_worker
 
     if not settings.model:
         print("error: no model: pass --model DIR_OR_HUB_ID or set KVSTITCH_MODEL")
@@ -19,5 +21,6 @@ def serve(settings: Settings) -> int:
     form = "embedded (local Qdrant and index)" if settings.embedded else "distributed (Redis)"
     form += ", in-process ingest worker" if settings.worker_in_process else ", workers run as `kvstitch worker`"
     print(f"kvstitch serving {settings.model} on http://{settings.host}:{settings.port} — {form}", flush=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    app = create_app(Server(settings, worker_factory=in_process_worker))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0

@@ -1,6 +1,8 @@
-"""Attention kernels: flash-attn when it imports and fits, torch SDPA otherwise.
+"""Attention kernels, all in one place: the eager path (flash-attn when it imports and fits, torch SDPA
+otherwise), and the backends the CUDA graphs attend with over a full-capacity buffer (flash varlen with
+`seqused_k`, split-KV flash for prefills, masked SDPA), with the start-up probe that picks between them.
 
-One shape of attention covers the whole engine: the queries are the last `Tq` of `Tk` keys and see every key up
+Eager: one shape of attention covers the whole engine: the queries are the last `Tq` of `Tk` keys and see every key up
 to their own position ("causal, aligned to the end"). Precompute is the case Tq == Tk (right-padded batches
 stay exact because padding only ever follows real tokens); question prefill over a stitched cache is Tq < Tk;
 a decode step is Tq == 1.
@@ -9,11 +11,32 @@ a decode step is Tq == 1.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from service.engine.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# Attention of T queries q [T, Hq, D] (rotated, written at contiguous slots) over one layer's full-capacity keys
+# and values [Hkv, C, D] with `scale`; returns [T, Hq, D]. The caller decides which slots each query sees (the
+# live context and, causally, the queries up to itself).
+StaticAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+FLASH_VARLEN = "flash_varlen"
+SDPA_MASK = "sdpa_mask"
+ATTENTION_BACKENDS = (FLASH_VARLEN, SDPA_MASK)
+# A prefill's attention over the context is split into this many key ranges run side by side and merged by
+# their log-sum-exp (flash-decoding's split-KV): one range per head is only 28 thread blocks for 128 queries on
+# 132 SMs, and each walks the whole context alone (10 ms of a 16K prefill; see docs/benchmarks.md §8).
+PREFILL_KV_SPLITS = 8
+# Agreement between the two attention backends on the start-up probe: both are bf16 kernels with fp32
+# softmax; measured differences are a few bf16 ulps of outputs of size ~1, a wrong length is off by ~0.1.
+_PROBE_TOLERANCE = 2e-2
 
 
 def _import_flash() -> Callable[..., Any] | None:
@@ -67,3 +90,214 @@ def attend_causal_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         mask = _end_aligned_mask(tq, tk, q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+# ---- attention over a full-capacity buffer ---------------------------------------------------------------
+
+
+def _sdpa_masked(mask: torch.Tensor) -> StaticAttend:
+    """SDPA with an additive mask (0 for visible slots, -inf elsewhere) over the whole capacity C.
+
+    The query heads of one KV group share their keys, so they go in as that group's G * T "query tokens":
+    q [1, Hkv, G * T, D] against k, v [1, Hkv, C, D] reads each key once and needs no GQA expansion. `mask` is
+    [1, 1, 1, C] for one query (broadcast) or [1, 1, G * T, C] (row g * T + t is query t's row).
+    """
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        tokens, heads, dim = q.shape
+        kv_heads = keys.shape[0]
+        group = heads // kv_heads
+        grouped = q.reshape(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
+        out = F.scaled_dot_product_attention(grouped, keys.unsqueeze(0), values.unsqueeze(0), mask, scale=scale)
+        return out.view(kv_heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, heads, dim)
+
+    return attend
+
+
+def _flash_varlen(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, tokens: int, capacity: int
+) -> StaticAttend:
+    """flash-attention's variable-length kernel with `seqused_k`: only the live keys are read at all.
+
+    With several queries it runs causal, which flash aligns to the bottom-right corner of the *used* keys:
+    query t sees keys 0 .. used - tokens + t, i.e. the context and the question up to itself.
+    `torch.ops.aten._flash_attention_forward` is a private op; `resolve_attention` checks it against the SDPA
+    path on the device (one query and several) before a graph uses it, and falls back when it is missing or
+    disagrees.
+    """
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+            q,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            cu_q,
+            cu_k,
+            tokens,
+            capacity,
+            0.0,
+            tokens > 1,
+            False,
+            scale=scale,
+            seqused_k=used,
+        )[0]
+        return out
+
+    return attend
+
+
+def _flash(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash varlen over keys/values [total_k, Hkv, D]; returns the output [total_q, H, D] and its fp32 log-sum-exp."""
+    result = torch.ops.aten._flash_attention_forward(
+        q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    return result[0], result[1]
+
+
+def _lse_rows(lse: torch.Tensor, parts: int, tokens: int, heads: int) -> torch.Tensor:
+    """flash's log-sum-exp as [parts, tokens, heads], whichever layout this build returns: [heads, total_q]
+    (newer flash-attention) or [batch, heads, max_q] (older). An empty key range reports +inf with a zero
+    output; it must weigh nothing, so it becomes -inf."""
+    flat = lse.dim() == 2
+    rows = lse.view(heads, parts, tokens).permute(1, 2, 0) if flat else lse[:, :, :tokens].permute(0, 2, 1)
+    return rows.masked_fill(rows == float("inf"), float("-inf"))
+
+
+def _flash_split(
+    cu_parts: torch.Tensor,
+    cu_context: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_own: torch.Tensor,
+    tokens: int,
+    capacity: int,
+    splits: int,
+) -> StaticAttend:
+    """A prefill's attention as `splits` non-causal context ranges plus the causal question-over-itself part,
+    each a flash varlen "sequence" of the same call shape, merged by log-sum-exp in fp32.
+
+    `cu_context` [splits + 1] holds the range boundaries over slots 0..start (the live context), `cu_own`
+    [start, start + tokens] the question's own slots; both are computed inside the graph from the slots.
+    """
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        heads, dim = q.shape[1], q.shape[2]
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)
+        repeated = q.unsqueeze(0).expand(splits, tokens, heads, dim).reshape(splits * tokens, heads, dim)
+        context_out, context_lse = _flash(repeated, k, v, cu_parts, cu_context, tokens, capacity, False, scale)
+        own_out, own_lse = _flash(q, k, v, cu_q, cu_own, tokens, tokens, True, scale)
+        lse = torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads)))
+        # The question's own part always has a key (itself), so the maximum is finite.
+        weights = torch.exp(lse - lse.amax(dim=0, keepdim=True)).unsqueeze(-1)  # [parts, T, H, 1]
+        outs = torch.cat((context_out.view(splits, tokens, heads, dim), own_out.view(1, tokens, heads, dim)))
+        merged = (outs.float() * weights).sum(dim=0) / weights.sum(dim=0)
+        return merged.to(q.dtype)
+
+    return attend
+
+
+class LengthInputs:
+    """Device tensors that tell the attention which slots are live, derived from the slots inside the graph."""
+
+    def __init__(self, spec: ModelSpec, capacity: int, tokens: int = 1, kv_splits: int = 1) -> None:
+        device = spec.device
+        self.capacity = capacity
+        self.tokens = tokens
+        self.kv_splits = kv_splits if tokens > 1 else 1
+        self.group = spec.num_heads // spec.num_kv_heads
+        self.dtype = spec.dtype
+        self.arange = torch.arange(capacity, device=device)
+        self.cu_q = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        self.cu_k = torch.tensor([0, capacity], dtype=torch.int32, device=device)
+        self.splits = torch.arange(self.kv_splits + 1, device=device)
+        self.cu_parts = (self.splits * tokens).to(torch.int32)
+
+    def attend_for(self, backend: str, slots: torch.Tensor) -> StaticAttend:
+        """The attention for `tokens` queries written at contiguous `slots` [T]: query t sees slots 0..slots[t]."""
+        if backend == FLASH_VARLEN and self.kv_splits > 1:
+            start = slots[:1]
+            cu_context = torch.div(start * self.splits, self.kv_splits, rounding_mode="floor").to(torch.int32)
+            cu_own = torch.cat((start, slots[-1:] + 1)).to(torch.int32)
+            return _flash_split(
+                self.cu_parts, cu_context, self.cu_q, cu_own, self.tokens, self.capacity, self.kv_splits
+            )
+        if backend == FLASH_VARLEN:
+            used = (slots[-1:] + 1).to(torch.int32)
+            return _flash_varlen(self.cu_q, self.cu_k, used, self.tokens, self.capacity)
+        visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=slots.device).masked_fill(~visible, float("-inf"))
+        if self.tokens == 1:
+            return _sdpa_masked(mask.view(1, 1, 1, -1))
+        # One mask per replay (not per layer), repeated for the G query heads of a group stacked as rows.
+        return _sdpa_masked(mask.repeat(self.group, 1).unsqueeze(0).unsqueeze(0))
+
+
+_SPLITS_PROBED: dict[tuple[str, torch.dtype, int, int, int], int] = {}
+
+
+def prefill_kv_splits(spec: ModelSpec, attention: str) -> int:
+    """Key-range splits a flash prefill graph uses: PREFILL_KV_SPLITS when the split path runs and agrees with
+    masked SDPA on the probe (empty ranges included), else 1 (one causal flash call); probed once per shape."""
+    if attention != FLASH_VARLEN:
+        return 1
+    key = (str(spec.device), spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if key not in _SPLITS_PROBED:
+        try:
+            diff = _probe_flash(spec, PREFILL_KV_SPLITS)
+        except Exception as err:  # a refusing private op only means "one range"
+            log.info("split-KV flash prefill unavailable (%s); one causal call", err)
+            diff = float("inf")
+        if not diff <= _PROBE_TOLERANCE:
+            log.warning("split-KV flash prefill differs from SDPA by %.4f; one causal call", diff)
+        _SPLITS_PROBED[key] = PREFILL_KV_SPLITS if diff <= _PROBE_TOLERANCE else 1
+    return _SPLITS_PROBED[key]
+
+
+def resolve_attention(spec: ModelSpec, requested: str = "auto") -> str:
+    """The attention backend a graph uses: `requested`, or for "auto" flash-varlen when it runs and agrees
+    with masked SDPA on a random probe (poisoned tail included), else masked SDPA."""
+    if requested in ATTENTION_BACKENDS:
+        return requested
+    if requested != "auto":
+        raise ValueError(f"attention backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}")
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return SDPA_MASK
+    try:
+        diff = _probe_flash(spec)
+    except Exception as err:  # a missing or refusing private op only means "use SDPA"
+        log.info("flash varlen decode attention unavailable (%s); using masked SDPA", err)
+        return SDPA_MASK
+    if not diff <= _PROBE_TOLERANCE:
+        log.warning("flash varlen decode attention differs from SDPA by %.4f; using masked SDPA", diff)
+        return SDPA_MASK
+    return FLASH_VARLEN
+
+
+@torch.inference_mode()
+def _probe_flash(spec: ModelSpec, kv_splits: int = 1, capacity: int = 512) -> float:
+    """Largest |flash-varlen - masked SDPA| on random data whose dead tail holds huge values, for one query (a
+    decode step) and for several causal queries (a prefill, with `kv_splits` context ranges; a short context
+    leaves some ranges empty); q is a strided slice as in `forward_static`."""
+    generator = torch.Generator(device=spec.device).manual_seed(0)
+    dev, d, heads = spec.device, spec.head_dim, spec.num_heads
+    worst = 0.0
+    for tokens, live in ((1, 300), (5, 300), (5, 8)):
+        kv = torch.randn((2, spec.num_kv_heads, capacity, d), generator=generator, device=dev).to(spec.dtype)
+        kv[:, :, live:] = 1e4
+        wide = torch.randn((tokens, heads + spec.num_kv_heads, d), generator=generator, device=dev).to(spec.dtype)
+        q = wide[:, :heads]
+        inputs = LengthInputs(spec, capacity, tokens, kv_splits)
+        slots = torch.arange(live - tokens, live, device=dev)
+        flash = inputs.attend_for(FLASH_VARLEN, slots)(q, kv[0], kv[1], d**-0.5)
+        sdpa = inputs.attend_for(SDPA_MASK, slots)(q, kv[0], kv[1], d**-0.5)
+        worst = max(worst, float((flash.float() - sdpa.float()).abs().max()))
+    return worst

@@ -7,23 +7,18 @@ the arithmetic is the model's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from service.engine.attention import attend_causal_end
+from service.engine.attention import StaticAttend, attend_causal_end
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
 from service.engine.model import LoadedModel
 from service.engine.rotary import Rotary
-
-# Attention of T queries q [T, Hq, D] (rotated, written at contiguous slots) over one layer's full-capacity keys
-# and values [Hkv, C, D] with `scale`; returns [T, Hq, D]. The caller decides which slots each query sees (the
-# live context and, causally, the queries up to itself).
-StaticAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class LeanForward:

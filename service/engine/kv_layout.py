@@ -13,6 +13,8 @@ import torch
 
 from service.engine.model import ModelSpec
 
+# A block's token ids, as the template builds them and the cache keys them (one definition for every package).
+TokenIds = tuple[int, ...]
 LAYOUT_NAME = "layers,kv,heads,tokens,dim;keys-unroped"
 LAYOUT_VERSION = 1
 KEYS, VALUES = 0, 1
@@ -22,7 +24,7 @@ KEYS, VALUES = 0, 1
 class KVBlock:
     """Position-independent KV of one block of token ids (prefix or wrapped chunk)."""
 
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds
     kv: torch.Tensor
 
     @property

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from service.engine.kv_layout import TokenIds
+
 TEMPLATE_VERSION = "turborag-c/1"
 SYSTEM_TEXT = (
     "You are an accurate and reliable AI assistant capable of answering questions by referencing external "
@@ -30,8 +32,6 @@ DOC_CLOSE = "<|doc_end|>\n"
 PLAIN_ANSWER_CUE = "\nAnswer:"
 _DOCS_SLOT = "\u2060KVSTITCH_DOCS\u2060"
 _QUESTION_SLOT = "\u2060KVSTITCH_QUESTION\u2060"
-
-TokenIds = tuple[int, ...]
 
 
 @dataclass(frozen=True)

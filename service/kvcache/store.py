@@ -1,23 +1,24 @@
 """`KVStore`: the one object the worker asks for a request's chunk KV, whichever tier holds it.
 
-A fetch plans every block (device, host pool, disk, or miss), then loads in an order that cannot evict a block
-it still needs: device hits are taken first, host hits are queued for H2D, disk blocks are read in parallel by
-reader threads into host pool slots (with O_DIRECT when `direct_io` is on and the filesystem allows it; each
-block's H2D copy starts as its read finishes, overlapping the reads still running), and the misses are computed
-in batched `engine.precompute` calls of at most `max_precompute_tokens` padded tokens each (one call when they
-fit). Only then are new blocks promoted into the device tier, whose overflow is demoted into the host pool.
-Misses are written to disk by a background thread, so the request never waits for the disk and the next
-request hits. A block file that fails a check is deleted, counted as corrupt and recomputed like a miss, so the
-answer is the same as without the cache.
+A fetch plans every block (device, host pool, disk, or miss), then loads in an order that cannot evict a block it
+still needs: device hits are taken first, host hits are queued for H2D, disk blocks are read in parallel by reader
+threads into host pool slots (with O_DIRECT when `direct_io` is on and the filesystem allows it; each block's H2D
+copy starts as its read finishes, overlapping the reads still running), and the misses are computed in batched
+calls of the `precompute` callable the store was given (at most `max_precompute_tokens` padded tokens each; one
+call when they fit). The store never sees the engine: the composition root binds that callable and the layer
+groups. Only then are new blocks promoted into the device tier, whose overflow is demoted into the host pool.
+Misses are written to disk by a background thread, so the request never waits for the disk and the next request
+hits. A block file that fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is
+the same as without the cache.
 
-Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders
-the caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does
-not: the caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
+Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders the
+caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does not: the
+caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
 `prefill_stitched` and `generate`), which waits for each block just before placing it, so the first blocks are
-rotated while later ones are still copying. When the engine pipelines (`engine.pipeline_layers`, CUDA graphs on)
-an overlapped fetch copies the host-tier hits layer group by layer group across all of them instead, and their
-`ready` entries are `LayeredArrival`s: the engine stitches group g and replays prefill segment g while group g + 1
-is still copying (`StitchEngine.prefill_pipelined`).
+rotated while later ones are still copying. When the store was given `layer_groups` (the engine pipelines: CUDA
+graphs on, `engine.pipeline_layers`) an overlapped fetch copies the host-tier hits layer group by layer group
+across all of them instead, and their `ready` entries are `LayeredArrival`s: the engine stitches group g and
+replays prefill segment g while group g + 1 is still copying (`StitchEngine.prefill_pipelined`).
 """
 
 from __future__ import annotations
@@ -36,30 +37,28 @@ from typing import Self
 
 import torch
 
-from service.engine.engine import StitchEngine
-from service.engine.kv_layout import KVBlock, block_shape, check_block
+from service.engine.kv_layout import KVBlock, TokenIds, block_shape, check_block
 from service.engine.model import ModelSpec
 from service.kvcache import device
 from service.kvcache.device import CopyEvent
 from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, QuantBlock
 from service.kvcache.host_pool import HostPool, HostSlot
 from service.kvcache.index import INDEX_ERRORS, KVIndex
-from service.kvcache.keys import block_key, model_fingerprint
+from service.kvcache.keys import block_key
+from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_batches
 from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
 from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier
 from service.kvcache.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
-TokenIds = tuple[int, ...]
 CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 # Block files are read in parallel: reads and checksums release the GIL, and an NVMe drive needs several
 # requests in flight to reach its bandwidth.
 DEFAULT_READ_THREADS = 4
 KEY_CACHE_SIZE = 1 << 16
-# Padded tokens (blocks x longest block) per batched precompute of misses. Activations grow with it: at 16K
-# tokens a 7B-class model needs a few GiB beyond its weights, and 32 chunks of 512 tokens still go in one call.
-DEFAULT_MAX_PRECOMPUTE_TOKENS = 16384
+# Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
+LayerGroups = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -153,8 +152,11 @@ class StoreStats:
 class KVStore:
     """Tiered cache of chunk KV for one model, template and dtype.
 
-    Fetches are serialised by a lock (one engine computes one request at a time anyway); `put` and the
-    background writer only touch the disk tier, which is safe across threads and processes. The store does
+    The lock keeps the memory tiers' bookkeeping consistent between a fetch (on the engine loop, the one owner
+    of the device) and readers such as `stats` (the metrics thread); it does not serialise device work. `put` and
+    the background writer only touch the disk tier, which is safe across threads and processes.
+    `precompute` computes missing blocks (batched, in the order given); `layer_groups` are the layer ranges an
+    overlapped fetch copies host-tier hits by (None: whole blocks). The store does
     not own the index it is given and leaves closing it to the caller. `max_precompute_tokens` caps the padded
     tokens of one batched precompute of misses. `direct_io` reads block payloads with O_DIRECT into the host
     pool where the filesystem allows it. It is off by default because it measured slower on the H200 machine
@@ -173,6 +175,8 @@ class KVStore:
         cache_dir: Path,
         index: KVIndex,
         budgets: TierBudgets,
+        precompute: Precompute,
+        layer_groups: LayerGroups | None = None,
         read_threads: int = DEFAULT_READ_THREADS,
         max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
         direct_io: bool = False,
@@ -185,6 +189,8 @@ class KVStore:
         self.template_version = template_version
         self.target = spec.device  # where fetched blocks end up: the engine's device
         self.max_precompute_tokens = max_precompute_tokens
+        self.precompute = precompute
+        self.layer_groups = layer_groups
         self.gpu = GpuTier(budgets.gpu_bytes)
         pool = HostPool(budgets.host_bytes, pinned=device.uses_cuda(self.target))
         self.host = HostTier(pool, self.target, device.new_copy_stream(self.target))
@@ -199,32 +205,6 @@ class KVStore:
         self._hits: Counter[Tier] = Counter()
         self._misses = 0
         self._corrupt = 0
-
-    @classmethod
-    def for_engine(
-        cls,
-        engine: StitchEngine,
-        cache_dir: Path,
-        index: KVIndex,
-        budgets: TierBudgets,
-        read_threads: int = DEFAULT_READ_THREADS,
-        max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
-        direct_io: bool = False,
-        disk_format: DiskFormat = "native",
-    ) -> KVStore:
-        """A store keyed by this engine's model fingerprint, template version and dtype."""
-        return cls(
-            engine.spec,
-            model_fingerprint(engine.model),
-            engine.template.version,
-            cache_dir,
-            index,
-            budgets,
-            read_threads,
-            max_precompute_tokens=max_precompute_tokens,
-            direct_io=direct_io,
-            disk_format=disk_format,
-        )
 
     def key_of(self, token_ids: Sequence[int]) -> str:
         return self._cached_key(tuple(map(int, token_ids)))
@@ -259,19 +239,16 @@ class KVStore:
 
     # ---- fetching ----------------------------------------------------------------------------------------
 
-    def fetch(
-        self, prompt_blocks: Sequence[Sequence[int]], engine: StitchEngine, *, overlap: bool = False
-    ) -> FetchResult:
-        """The KV of every block on the engine's device, in order; misses computed in capped batches.
+    def fetch(self, prompt_blocks: Sequence[Sequence[int]], *, overlap: bool = False) -> FetchResult:
+        """The KV of every block on the target device, in order; misses computed in capped batches.
 
         Without `overlap` the caller's current stream is ordered after every copy before this returns. With
         it, copies may still be running: pass `result.ready` to the stitch, which waits block by block.
         """
-        self._check_engine(engine)
         start = time.perf_counter()
         with self._lock:
             plan = self._plan(prompt_blocks)
-            fetch = _Fetch(self, engine, plan)
+            fetch = _Fetch(self, plan)
             result = fetch.run(overlap)
             self._hits.update(t for t in fetch.sources.values() if t is not Tier.MISS)
             self._misses += sum(1 for t in fetch.sources.values() if t is Tier.MISS)
@@ -280,11 +257,18 @@ class KVStore:
         result.timings.total_ms = (time.perf_counter() - start) * 1e3
         return result
 
-    def _check_engine(self, engine: StitchEngine) -> None:
-        if engine.template.version != self.template_version or engine.spec != self.spec:
-            raise ValueError("this KV store was opened for another model, dtype, device or template")
-
     # ---- ingestion ---------------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        """Whether the block with this key is stored (on disk and in the index)."""
+        return self.disk.contains(key)
+
+    def remove(self, key: str) -> None:
+        """Drop a block from every tier (no point names it any more)."""
+        with self._lock:
+            self.gpu.discard(key)
+            self.host.discard(key)
+        self.disk.remove(key)
 
     def put(self, blocks: Sequence[KVBlock]) -> int:
         """Store blocks on disk and in the index now; returns bytes written (0 for blocks already stored)."""
@@ -350,9 +334,8 @@ class KVStore:
 class _Fetch:
     """One fetch's state: the blocks found so far, the copies in flight and the timings."""
 
-    def __init__(self, store: KVStore, engine: StitchEngine, plan: LoadPlan) -> None:
+    def __init__(self, store: KVStore, plan: LoadPlan) -> None:
         self.store = store
-        self.engine = engine
         self.plan = plan
         self.unique = {b.key: b for b in plan.blocks}  # a chunk repeated in one prompt is loaded once
         self.blocks: dict[str, KVBlock] = {}
@@ -367,7 +350,7 @@ class _Fetch:
         by_tier = {t: [b for b in self.unique.values() if b.tier is t] for t in Tier}
         for planned in by_tier[Tier.GPU]:
             self._take_from_gpu(planned)
-        groups = self.engine.pipeline_layers if overlap else None
+        groups = self.store.layer_groups if overlap else None
         if groups is not None and len(by_tier[Tier.HOST]) > 0:
             self._take_from_host_by_layers(by_tier[Tier.HOST], groups)
         else:
@@ -481,7 +464,7 @@ class _Fetch:
         lengths = [len(b.token_ids) for b in missing]
         for batch in precompute_batches(lengths, self.store.max_precompute_tokens):
             planned_batch = [missing[i] for i in batch]
-            computed = self.engine.precompute([b.token_ids for b in planned_batch])
+            computed = self.store.precompute([b.token_ids for b in planned_batch])
             for planned, block in zip(planned_batch, computed, strict=True):
                 self._found(planned, block, Tier.MISS)
                 self.store.write_back(planned.key, block)
@@ -522,27 +505,6 @@ class _Fetch:
             corrupt=self.corrupt,
             timings=self.timings,
         )
-
-
-def precompute_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of blocks grouped into batches of at most `max_tokens` padded tokens (count x longest).
-
-    Everything in one batch, in order, when it fits. Otherwise blocks are taken longest first, so each batch
-    holds blocks of similar length and pads little; a block longer than the cap goes alone. Within a batch
-    indices stay in request order.
-    """
-    if not lengths:
-        return []
-    if len(lengths) * max(lengths) <= max_tokens:
-        return [list(range(len(lengths)))]
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        # Sorted longest first: a batch's first block is its longest, so the padded size is count x that.
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return [sorted(batch) for batch in batches]
 
 
 def _moved(q: QuantizedKV, flat: torch.Tensor) -> QuantizedKV:

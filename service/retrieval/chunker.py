@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from service.engine.prompt import TokenIds, encode
+from service.engine.kv_layout import TokenIds
+from service.engine.prompt import encode
 from service.retrieval.boundaries import CutPoint, Rank, Span, find_cut_points
 
 # Below this a budget cannot hold even a few words plus the edge effects of tokenizing a span alone.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 from qdrant_client import QdrantClient, models
 
-from service.engine.prompt import TokenIds
+from service.engine.kv_layout import TokenIds
 from service.retrieval.chunker import Chunk
 
 # Fixed forever: changing it would re-key every stored point.
@@ -39,6 +40,18 @@ class CollectionMismatchError(ValueError):
 def point_id(doc_id: str, index: int) -> str:
     """The point id of a chunk; JSON keeps ("a:1", 2) and ("a", 12)-like pairs apart."""
     return str(uuid.uuid5(POINT_ID_NAMESPACE, json.dumps([doc_id, index])))
+
+
+@dataclass(frozen=True)
+class DocumentSummary:
+    """One stored document: its current version, chunks and tokens, when it was written, its metadata."""
+
+    id: str
+    version: str
+    chunks: int
+    tokens: int
+    ingested_at: float | None  # None for points written before the time was recorded
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,31 @@ class ChunkCollection:
             hits = self._client.query_points(self.name, query=list(vector), limit=top_k, with_payload=True).points
         return [_retrieved(str(hit.id), float(hit.score), hit.payload or {}) for hit in hits]
 
+    def documents(self, doc_id: str | None = None) -> list[DocumentSummary]:
+        """Every stored document (or the one named), sorted by id. One scroll over the points' small payload
+        fields: linear in the corpus, fine for the listing API at thousands of documents."""
+        selector = _document_filter(doc_id, None) if doc_id is not None else None
+        fields = ["doc_id", "version", "token_count", "metadata", "ingested_at"]
+        grouped: dict[str, list[Mapping[str, Any]]] = {}
+        for payload in self._scroll(selector, fields):
+            grouped.setdefault(str(payload.get("doc_id", "")), []).append(payload)
+        return [_summary(name, grouped[name]) for name in sorted(grouped)]
+
+    def search_many(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+        """`search` for several vectors in one call (one round trip to a Qdrant server)."""
+        if len(vectors) != len(top_ks):
+            raise ValueError(f"{len(vectors)} vectors for {len(top_ks)} top_k values")
+        if any(k < 1 for k in top_ks):
+            raise ValueError("top_k must be positive")
+        for vector in vectors:
+            self._check_vector(vector)
+        requests = [
+            models.QueryRequest(query=list(v), limit=k, with_payload=True) for v, k in zip(vectors, top_ks, strict=True)
+        ]
+        with self._lock:
+            responses = self._client.query_batch_points(self.name, requests=requests)
+        return [[_retrieved(str(h.id), float(h.score), h.payload or {}) for h in r.points] for r in responses]
+
     def document_versions(self, doc_id: str) -> set[str]:
         """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
         return {str(p.get("version", "")) for p in self._scroll(_document_filter(doc_id, None), ["version"])}
@@ -163,7 +201,7 @@ class ChunkCollection:
         keys.discard("")
         return keys
 
-    def _scroll(self, selector: models.Filter, fields: list[str]) -> Iterator[Mapping[str, Any]]:
+    def _scroll(self, selector: models.Filter | None, fields: list[str]) -> Iterator[Mapping[str, Any]]:
         """The chosen payload fields of every point the filter matches, page by page."""
         offset: Any = None
         while True:
@@ -233,6 +271,7 @@ class ChunkCollection:
             "kv_key": kv_key,
             "token_count": chunk.token_count,
             "token_ids": list(chunk.token_ids),
+            "ingested_at": time.time(),
         }
         return models.PointStruct(id=point_id(chunk.doc_id, chunk.index), vector=list(vector), payload=payload)
 
@@ -245,6 +284,22 @@ def _document_filter(doc_id: str, keep_version: str | None) -> models.Filter:
     if keep_version is None:
         return models.Filter(must=_match("doc_id", doc_id))
     return models.Filter(must=_match("doc_id", doc_id), must_not=_match("version", keep_version))
+
+
+def _summary(doc_id: str, payloads: list[Mapping[str, Any]]) -> DocumentSummary:
+    """A document from its points' payloads; mid re-ingest two versions may coexist: the newest one is shown."""
+    newest = max(payloads, key=lambda p: float(p.get("ingested_at") or 0.0))
+    version = str(newest.get("version", ""))
+    current = [p for p in payloads if str(p.get("version", "")) == version]
+    when = newest.get("ingested_at")
+    return DocumentSummary(
+        id=doc_id,
+        version=version,
+        chunks=len(current),
+        tokens=sum(int(p.get("token_count") or 0) for p in current),
+        ingested_at=float(when) if when is not None else None,
+        metadata=dict(newest.get("metadata") or {}),
+    )
 
 
 def _retrieved(point: str, score: float, payload: Mapping[str, Any]) -> RetrievedChunk:

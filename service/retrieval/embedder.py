@@ -70,7 +70,13 @@ class Embedder:
 
     def embed_query(self, text: str) -> list[float]:
         """The unit vector of a question (with the model's query prompt, where it defines one)."""
-        return self._encode([text], self._prompt_name("query"))[0]
+        return self.embed_queries([text])[0]
+
+    def embed_queries(self, texts: Sequence[str]) -> list[list[float]]:
+        """The unit vectors of several questions in one batch (concurrent requests, `RetrievalBatcher`)."""
+        if not texts:
+            return []
+        return self._encode(list(texts), self._prompt_name("query"))
 
     def _encode(self, texts: list[str], prompt_name: str | None) -> list[list[float]]:
         with self._lock:

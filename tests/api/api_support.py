@@ -26,7 +26,11 @@ QUESTION = "Why do sea otters hold hands?"
 def ingest(client: httpx.Client, documents: list[dict[str, Any]] = DOCS, timeout_s: float = 60) -> dict[str, Any]:
     reply = client.post("/ingest", json={"documents": documents})
     assert reply.status_code == 202, reply.text
-    job_id = reply.json()["job_id"]
+    return wait_job(client, reply.json()["job_id"], timeout_s)
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
+    """The status of a job (ingest or delete) once it is done or failed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status: dict[str, Any] = client.get(f"/ingest/{job_id}").json()

@@ -14,21 +14,22 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from service.api.gateway import Gateway
+from service.server import Server
 
 READY_TIMEOUT_S = 120
 MakeApp = Callable[..., FastAPI]
 
 
-def gateway_of(app: FastAPI) -> Gateway:
-    gateway: Gateway = app.state.gateway
-    return gateway
+def server_of(app: FastAPI) -> Server:
+    """The service behind an app under test (the routes see it only as a `Facade`)."""
+    server: Server = app.state.facade
+    return server
 
 
 def wait_ready(app: FastAPI) -> None:
-    gateway = gateway_of(app)
-    assert gateway.started.wait(READY_TIMEOUT_S), "the gateway did not finish starting"
-    assert gateway.ready, f"the gateway failed to start: {gateway.startup_error}"
+    server = server_of(app)
+    assert server.started.wait(READY_TIMEOUT_S), "the service did not finish starting"
+    assert server.ready, f"the service failed to start: {server.startup_error}"
 
 
 class LiveServer:
@@ -49,19 +50,19 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        gateway = gateway_of(self.app)
+        server = server_of(self.app)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.thread.is_alive(), "the uvicorn server stopped while starting"
-            if gateway.startup_error is not None:
-                raise AssertionError(f"the gateway failed to start: {gateway.startup_error}")
+            if server.startup_error is not None:
+                raise AssertionError(f"the service failed to start: {server.startup_error}")
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"the live server did not become ready: {gateway.readiness()}")
+        raise AssertionError(f"the live server did not become ready: {server.readiness()}")
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True

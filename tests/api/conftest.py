@@ -17,7 +17,9 @@ from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
 from service.retrieval.embedder import Embedder
+from service.server import Server
 from service.settings import Settings
+from workers.worker import in_process_worker
 
 API_SETTINGS: dict[str, Any] = {
     "chunk_size": 48,
@@ -55,7 +57,8 @@ def make_app(
             data_dir=tmp_path / f"data-{next(apps)}",  # embedded Qdrant: one app per folder
             **{**API_SETTINGS, **overrides},
         )
-        return create_app(settings, engine=get_engine("qwen2", "cpu"), embedder=api_embedder)
+        server = Server(settings, get_engine("qwen2", "cpu"), api_embedder, worker_factory=in_process_worker)
+        return create_app(server)
 
     return make
 
@@ -89,7 +92,7 @@ def make_module_app(
             data_dir=tmp_path_factory.mktemp("module-app"),
             **{**API_SETTINGS, **overrides},
         )
-        return create_app(settings, engine=engine, embedder=api_embedder)
+        return create_app(Server(settings, engine, api_embedder, worker_factory=in_process_worker))
 
     return make
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from api_support import DOCS, QUESTION, ask_events, ingest
+from api_support import DOCS, QUESTION, ask_events, ingest, wait_job
 from fastapi.testclient import TestClient
 
 TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode"}
@@ -71,7 +73,48 @@ def test_deleting_a_document_removes_it_from_retrieval(client: TestClient) -> No
 
     reply = client.delete("/documents/otters")
 
-    assert reply.status_code == 200 and reply.json()["deleted_chunks"] >= 1
+    assert reply.status_code == 202 and reply.json()["doc_id"] == "otters"
+    status = wait_job(client, reply.json()["job_id"])
+    assert status["kind"] == "delete" and status["status"] == "done" and status["chunks_deleted"] >= 1
     chunks = ask_events(client, top_k=5, max_new_tokens=2)[0][1]["chunks"]
     assert "otters" not in {c["doc_id"] for c in chunks} and len(chunks) == len(DOCS) - 1
-    assert client.delete("/documents/otters").status_code == 404
+    assert client.delete("/documents/otters").status_code == 404  # gone, and no job for it is waiting
+    assert client.delete("/documents/never-ingested").status_code == 404
+
+
+def test_a_delete_sent_right_after_an_ingest_of_the_same_document_wins(client: TestClient) -> None:
+    """The delete is queued behind the ingest (it used to run inline first, and the document came back)."""
+    ingest(client, DOCS[1:])
+    sent = client.post("/ingest", json={"documents": DOCS[:1]})
+    deleted = client.delete("/documents/otters")  # at once: the ingest has not run yet
+
+    assert sent.status_code == 202 and deleted.status_code == 202
+    ingest_status = wait_job(client, sent.json()["job_id"])
+    delete_status = wait_job(client, deleted.json()["job_id"])
+    assert (ingest_status["status"], delete_status["status"]) == ("done", "done")
+    chunks = ask_events(client, top_k=5, max_new_tokens=2)[0][1]["chunks"]
+    assert "otters" not in {c["doc_id"] for c in chunks}
+
+    assert ingest(client, DOCS[:1])["status"] == "done"  # ingesting it again makes it retrievable
+    chunks = ask_events(client, top_k=5, max_new_tokens=2)[0][1]["chunks"]
+    assert "otters" in {c["doc_id"] for c in chunks}
+
+
+def test_the_documents_api_lists_pages_and_describes_what_is_stored(client: TestClient) -> None:
+    before = time.time()
+    ingest(client)
+
+    listed = client.get("/documents").json()
+    page = client.get("/documents", params={"offset": 1, "limit": 1}).json()
+    otters = client.get("/documents/otters")
+
+    assert listed["total"] == len(DOCS) and [d["id"] for d in listed["documents"]] == sorted(d["id"] for d in DOCS)
+    assert all(d["chunks"] >= 1 and d["tokens"] > 0 and d["ingested_at"] >= before for d in listed["documents"])
+    assert page["total"] == len(DOCS) and [d["id"] for d in page["documents"]] == ["otters"]
+    assert otters.status_code == 200 and otters.json()["metadata"] == {"k": 1}
+    assert otters.json()["version"] == next(d for d in listed["documents"] if d["id"] == "otters")["version"]
+    assert client.get("/documents/never-ingested").status_code == 404
+    assert client.get("/documents", params={"limit": 0}).status_code == 422
+    wait_job(client, client.delete("/documents/otters").json()["job_id"])
+    assert client.get("/documents/otters").status_code == 404
+    assert client.get("/documents").json()["total"] == len(DOCS) - 1

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 from api_support import QUESTION, ingest, sse
-from app_server import LiveServer, MakeApp, gateway_of, wait_ready
+from app_server import LiveServer, MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
 
-from service.ask import DependencyError
+from service.errors import UnavailableError
 
 ASK_ERRORS = [
     ({"question": "x" * 501}, "question"),
@@ -95,19 +95,20 @@ def test_a_full_line_answers_503_with_retry_after(make_app: MakeApp) -> None:
     app = make_app(max_queue=1)
     with TestClient(app) as client:
         wait_ready(app)
-        gateway = gateway_of(app)
+        loop = server_of(app).runtime.loop  # type: ignore[union-attr]
         body = {"question": QUESTION, "stream": False, "max_new_tokens": 2}
         replies: list[int] = []
-        gateway.engine_lock.acquire()  # the engine is busy with something long
+        busy = threading.Event()
+        loop.submit(busy.wait)  # the engine loop is busy with something long
         try:
             waiting = [threading.Thread(target=lambda: replies.append(client.post("/ask", json=body).status_code))]
             waiting.append(threading.Thread(target=lambda: replies.append(client.post("/ask", json=body).status_code)))
             for thread in waiting:
                 thread.start()
-            _wait_for(lambda: gateway.runner.admitted == 2)
+            _wait_for(lambda: loop.admitted == 2)
             refused = client.post("/ask", json=body)
         finally:
-            gateway.engine_lock.release()
+            busy.set()
         for thread in waiting:
             thread.join(timeout=60)
 
@@ -121,7 +122,7 @@ def test_a_client_disconnecting_mid_stream_stops_generation(live_server: Any) ->
     server: LiveServer
     with live_server() as server, httpx.Client(base_url=server.url, timeout=60) as client:
         ingest(client)
-        gateway = gateway_of(server.app)
+        loop = server_of(server.app).runtime.loop  # type: ignore[union-attr]
         body = {"question": QUESTION, "max_new_tokens": 1000}
         full = client.post("/ask", json={**body, "stream": False}).json()
         assert full["output_tokens"] > 100, "the answer must be long for this test to mean anything"
@@ -131,7 +132,7 @@ def test_a_client_disconnecting_mid_stream_stops_generation(live_server: Any) ->
                 seen += name == "token"
                 if seen == 3:
                     break  # leaving the block closes the connection mid-stream
-        _wait_for(lambda: gateway.runner.admitted == 0)
+        _wait_for(lambda: loop.admitted == 0)
         metrics = client.get("/metrics").text
 
     assert "kvstitch_client_disconnects_total 1.0" in metrics
@@ -143,13 +144,13 @@ def test_qdrant_away_gives_503_and_readyz_says_so_then_service_resumes(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ingest(client)
-    collection = gateway_of(client.app).runtime.collection  # type: ignore[arg-type,union-attr]
+    collection = server_of(client.app).runtime.collection  # type: ignore[arg-type,union-attr]
 
     def unreachable(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionRefusedError("connection refused")
 
     with monkeypatch.context() as patch:
-        patch.setattr(collection, "search", unreachable)
+        patch.setattr(collection._client, "query_batch_points", unreachable)  # the Qdrant client itself
         patch.setattr(collection, "ping", lambda: False)
         reply = client.post("/ask", json={"question": QUESTION})
         ready = client.get("/readyz")
@@ -164,13 +165,13 @@ def test_the_kv_index_away_mid_request_ends_the_stream_with_an_error_event(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ingest(client)
-    asker = gateway_of(client.app).asker  # type: ignore[arg-type]
-    assert asker is not None
+    answerer = server_of(client.app).answerer  # type: ignore[arg-type]
+    assert answerer is not None
 
     def index_down(*args: Any, **kwargs: Any) -> Any:
-        raise DependencyError("the KV index", ConnectionError("redis went away"))
+        raise UnavailableError("the KV index", ConnectionError("redis went away"))
 
-    monkeypatch.setattr(asker, "_fetch", index_down)
+    monkeypatch.setattr(answerer, "_fetch", index_down)
     with client.stream("POST", "/ask", json={"question": QUESTION}) as reply:
         events = list(sse(reply.iter_lines()))
 
@@ -201,7 +202,7 @@ def test_a_question_whose_answer_budget_exceeds_the_context_is_a_422(make_app: M
     app = make_app(max_new_tokens_limit=8192)
     with TestClient(app) as client:
         wait_ready(app)
-        context = gateway_of(app).asker.engine.spec.max_context  # type: ignore[union-attr]
+        context = server_of(app).answerer.engine.spec.max_context  # type: ignore[union-attr]
 
         reply = client.post("/ask", json={"question": QUESTION, "max_new_tokens": context})
 

@@ -80,7 +80,7 @@ def test_redis_going_away_gives_503_then_service_resumes(make_app: MakeApp, priv
 
         assert ready.status_code == 503 and ready.json()["checks"]["index"].startswith("unreachable")
         assert asked.status_code == 503 and "KV index is unreachable" in asked.json()["detail"]
-        assert queued.status_code == 503 and "cannot queue the job" in queued.json()["detail"]
+        assert queued.status_code == 503 and "job queue is unreachable" in queued.json()["detail"]
 
         private_redis.start()  # empty: no persistence, so every block is a miss and is computed again
         deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """Schemathesis against /openapi.json on a live server: generated valid and invalid requests to every operation,
 and no answer may be a 5xx or disagree with the document (status code, content type, response body).
 
-Bounded so it runs in the default suite: EXAMPLES cases per operation and mode (about 300 requests), answers of
+Bounded so it runs in the default suite: EXAMPLES cases per operation and mode (about 400 requests), answers of
 at most a few tokens: well under a minute on 2 CPU cores. KVSTITCH_FUZZ_EXAMPLES=500 makes a longer, randomized run.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import positive_data_acceptance
 from schemathesis.generation.modes import GenerationMode
 
-# The default run is the same every time (derandomized, ~300 requests); a longer one explores new inputs.
+# The default run is the same every time (derandomized, ~400 requests); a longer one explores new inputs.
 EXAMPLES = int(os.environ.get("KVSTITCH_FUZZ_EXAMPLES", "30"))
 DERANDOMIZE = "KVSTITCH_FUZZ_EXAMPLES" not in os.environ
 # Every operation, and whether it takes inputs (only those have invalid requests to generate).
@@ -29,6 +29,8 @@ OPERATIONS = {
     "GET /metrics": False,
     "POST /ingest": True,
     "GET /ingest/{job_id}": True,
+    "GET /documents": True,
+    "GET /documents/{doc_id}": True,
     "DELETE /documents/{doc_id}": True,
     "POST /ask": True,
     "GET /v1/models": False,
@@ -69,9 +71,11 @@ def test_the_document_declares_streams_text_and_every_error_status(fuzzed_server
     assert statuses("/ingest", "post") == {"202", "400", "401", "413", "422", "503"}
     assert (
         statuses("/ingest/{job_id}", "get")
-        == statuses("/documents/{doc_id}", "delete")
+        == statuses("/documents/{doc_id}", "get")
         == {"200", "401", "404", "422", "503"}
     )
+    assert statuses("/documents/{doc_id}", "delete") == {"202", "401", "404", "422", "503"}
+    assert statuses("/documents", "get") == {"200", "401", "422", "503"}
     assert statuses("/readyz", "get") == {"200", "503"}
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     error = paths["/v1/chat/completions"]["post"]["responses"]["422"]["content"]["application/json"]["schema"]

@@ -11,10 +11,11 @@ from kv_support import bits
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.host_pool import HostPool
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
-from service.kvcache.store import KVStore, TierBudgets
+from service.kvcache.store import TierBudgets
 from service.kvcache.tiers import Tier
 
 HAS_CUDA = torch.cuda.is_available()
@@ -76,12 +77,12 @@ def test_store_on_cuda_is_bit_exact_through_every_tier(get_engine: Callable[...,
     budgets = [TierBudgets(1 << 24, 1 << 24, 1 << 26), TierBudgets(0, 1 << 24, 1 << 26)]
     try:
         for budget, second in zip(budgets, (Tier.GPU, Tier.HOST), strict=True):
-            with KVStore.for_engine(engine, tmp_path / "cache", index, budget) as store:
-                store.fetch(prompt.blocks, engine)
+            with kv_store_for(engine, tmp_path / "cache", index, budget) as store:
+                store.fetch(prompt.blocks)
                 store.flush()
-                results = [store.fetch(prompt.blocks, engine)]
-            with KVStore.for_engine(engine, tmp_path / "cache", index, TierBudgets(0, 1 << 24, 1 << 26)) as cold:
-                results.append(cold.fetch(prompt.blocks, engine))
+                results = [store.fetch(prompt.blocks)]
+            with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(0, 1 << 24, 1 << 26)) as cold:
+                results.append(cold.fetch(prompt.blocks))
             assert results[0].counts[second] == len(fresh)
             assert results[1].counts[Tier.DISK] == len(fresh)
             for result in results:
@@ -112,19 +113,19 @@ def test_overlapped_host_and_disk_fetches_stitch_to_the_logits_of_fresh_blocks(
     budgets = TierBudgets(0, 1 << 24, 1 << 26)
     index = SqliteIndex(tmp_path / SQLITE_FILENAME)
     try:
-        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets) as store:
-            store.fetch(prompt.blocks, engine)  # misses, demoted into the pinned host pool
+        with kv_store_for(engine, tmp_path / "cache", index, budgets) as store:
+            store.fetch(prompt.blocks)  # misses, demoted into the pinned host pool
             store.flush()
             stall(store.host.stream)
-            from_host = store.fetch(prompt.blocks, engine, overlap=True)
+            from_host = store.fetch(prompt.blocks, overlap=True)
             last = from_host.ready[-1]
             returned_early = last is not None and not device.is_done(last.event)
             _, host_logits, _ = engine.prefill_stitched(
                 from_host.blocks, prompt.question, all_logits=True, chunk_ready=from_host.ready
             )
-        with KVStore.for_engine(engine, tmp_path / "cache", index, budgets, direct_io=True) as cold:
+        with kv_store_for(engine, tmp_path / "cache", index, budgets, direct_io=True) as cold:
             stall(cold.host.stream)
-            from_disk = cold.fetch(prompt.blocks, engine, overlap=True)  # read into pinned slots, O_DIRECT
+            from_disk = cold.fetch(prompt.blocks, overlap=True)  # read into pinned slots, O_DIRECT
             _, disk_logits, _ = engine.prefill_stitched(
                 from_disk.blocks, prompt.question, all_logits=True, chunk_ready=from_disk.ready
             )

@@ -11,9 +11,10 @@ import torch
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.sampling import SamplingParams
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
-from service.kvcache.store import KVStore, TierBudgets
+from service.kvcache.store import TierBudgets
 from service.kvcache.tiers import Tier
 
 HAS_CUDA = torch.cuda.is_available()
@@ -50,12 +51,12 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
     list(baseline)
     index = SqliteIndex(tmp_path / SQLITE_FILENAME)
     try:
-        with KVStore.for_engine(engine, tmp_path / "cache", index, TierBudgets(0, 1 << 24, 1 << 26)) as store:
-            store.fetch(prompt.blocks, engine)  # misses, demoted into the pinned host pool
+        with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(0, 1 << 24, 1 << 26)) as store:
+            store.fetch(prompt.blocks)  # misses, demoted into the pinned host pool
             store.flush()
             # The segmented prefill graph is captured on first use, and a capture synchronises the device (as a
             # server's start-up warm-up does): capture it before the stall, so the stall shows the waits are real.
-            warm = store.fetch(prompt.blocks, engine, overlap=True)
+            warm = store.fetch(prompt.blocks, overlap=True)
             graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), EXTRA)
             assert graph is not None
             try:
@@ -65,7 +66,7 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
             finally:
                 engine.release_graph(graph)
             stall(store.host.stream)
-            result = store.fetch(prompt.blocks, engine, overlap=True)
+            result = store.fetch(prompt.blocks, overlap=True)
             assert result.counts[Tier.HOST] == n
             ready = result.ready
             assert all(isinstance(r, device.LayeredArrival) for r in ready)
@@ -84,14 +85,14 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
             finally:
                 engine.release_graph(graph)
             stall(store.host.stream)
-            again = store.fetch(prompt.blocks, engine, overlap=True)
+            again = store.fetch(prompt.blocks, overlap=True)
             stream = engine.generate(
                 prompt, sampling, positions=positions, chunk_kv=again.blocks, chunk_ready=again.ready
             )
             list(stream)
             assert 0 < result.timings.h2d_ms < 60
             # Without overlap the fetch orders the caller's stream after every copy: blocks arrive whole.
-            plain = store.fetch(prompt.blocks, engine)
+            plain = store.fetch(prompt.blocks)
             assert not any(isinstance(r, device.LayeredArrival) for r in plain.ready)
     finally:
         index.close()

@@ -16,6 +16,7 @@ from service.engine.gate import DEFAULT_CHUNK_LENGTHS, synthetic_ids
 from service.engine.kv_layout import KVBlock, block_shape
 from service.engine.model import load_model
 from service.engine.stitch import PositionMode
+from service.kv_for_engine import kv_store_for
 from service.kvcache import quant
 from service.kvcache.fileformat import (
     CorruptBlockError,
@@ -248,14 +249,14 @@ def test_store_in_int8_reads_half_the_bytes_and_stitches_within_the_bound(
     for fmt in ("native", "int8"):
         index = index_opener()
         budgets = TierBudgets(0, MIB, 64 * MIB)
-        writer = KVStore.for_engine(engine, tmp_path / fmt, index, budgets, disk_format=fmt)
+        writer = kv_store_for(engine, tmp_path / fmt, index, budgets, disk_format=fmt)
         opened.append(writer)
-        writer.fetch(prompt.blocks, engine)
+        writer.fetch(prompt.blocks)
         writer.flush()
-        reader = KVStore.for_engine(engine, tmp_path / fmt, index, budgets, disk_format=fmt)
+        reader = kv_store_for(engine, tmp_path / fmt, index, budgets, disk_format=fmt)
         opened.append(reader)
-        from_disk = reader.fetch(prompt.blocks, engine)
-        from_host = reader.fetch(prompt.blocks, engine)  # the host pool kept the 8-bit payloads
+        from_disk = reader.fetch(prompt.blocks)
+        from_host = reader.fetch(prompt.blocks)  # the host pool kept the 8-bit payloads
         assert from_disk.counts[Tier.DISK] == from_host.counts[Tier.HOST] == len(prompt.blocks)
         sizes[fmt] = sum(p.stat().st_size for p in (tmp_path / fmt).rglob("*.kvblock"))
         for a, b, want in zip(from_disk.blocks, from_host.blocks, fresh, strict=True):
@@ -274,18 +275,18 @@ def test_a_damaged_8bit_file_is_recomputed(
     chunks = synthetic_ids(engine, (30, 12), seed=9)
     prompt = engine.template.prompt(chunks, synthetic_ids(engine, [5], seed=10)[0])
     index = index_opener()
-    writer = KVStore.for_engine(engine, tmp_path, index, TierBudgets(0, MIB, 64 * MIB), disk_format="int8")
+    writer = kv_store_for(engine, tmp_path, index, TierBudgets(0, MIB, 64 * MIB), disk_format="int8")
     opened.append(writer)
-    writer.fetch(prompt.blocks, engine)
+    writer.fetch(prompt.blocks)
     writer.flush()
     path = tmp_path / block_relpath(writer.key_of(prompt.blocks[1]))
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x20  # a scale byte
     path.write_bytes(bytes(data))
 
-    reader = KVStore.for_engine(engine, tmp_path, index, TierBudgets(0, MIB, 64 * MIB), disk_format="int8")
+    reader = kv_store_for(engine, tmp_path, index, TierBudgets(0, MIB, 64 * MIB), disk_format="int8")
     opened.append(reader)
-    result = reader.fetch(prompt.blocks, engine)
+    result = reader.fetch(prompt.blocks)
 
     assert result.corrupt == 1 and result.sources[1] is Tier.MISS
     assert torch.equal(result.blocks[1].kv, engine.precompute([prompt.blocks[1]])[0].kv)

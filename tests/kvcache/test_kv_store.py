@@ -15,10 +15,12 @@ from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
+from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
 from service.kvcache.index import KVIndex
-from service.kvcache.store import KVStore, TierBudgets, precompute_batches
+from service.kvcache.precompute import precompute_batches
+from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
 
 EngineFactory = Callable[..., StitchEngine]
@@ -58,7 +60,7 @@ class Stores:
 
     def open(self, index: KVIndex, gpu: int = 0, host: int = MIB, disk: int = 64 * MIB, **options: Any) -> KVStore:
         budgets = TierBudgets(gpu, host, disk)
-        self.opened.append(KVStore.for_engine(self.engine, self.cache_dir, index, budgets, **options))
+        self.opened.append(kv_store_for(self.engine, self.cache_dir, index, budgets, **options))
         return self.opened[-1]
 
 
@@ -107,16 +109,16 @@ def test_miss_then_memory_hit_then_disk_after_restart(
     expected = logits(engine, fresh, prompt)
     store = stores.open(index, gpu=gpu, host=host)
 
-    first = store.fetch(prompt.blocks, engine)
+    first = store.fetch(prompt.blocks)
     assert first.counts == counts(miss=n) and first.corrupt == 0
     assert first.timings.precompute_ms > 0
     store.flush()
-    again = store.fetch(prompt.blocks, engine)
+    again = store.fetch(prompt.blocks)
     store.close()
     index.close()
     restarted = stores.open(index_opener(), gpu=gpu, host=host)  # new store, index reopened, same dir
     assert restarted.plan(prompt.blocks).counts() == counts(disk=n)
-    from_disk = restarted.fetch(prompt.blocks, engine)
+    from_disk = restarted.fetch(prompt.blocks)
 
     assert again.counts == counts(**{second.value: n}) and again.timings.precompute_ms == 0
     assert from_disk.counts == counts(disk=n) and from_disk.corrupt == 0
@@ -137,7 +139,7 @@ def test_generate_accepts_fetched_blocks(
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
     baseline = engine.generate(prompt, sampling)
     list(baseline)
-    fetched = store.fetch(prompt.blocks, engine)
+    fetched = store.fetch(prompt.blocks)
     cached = engine.generate(prompt, sampling, chunk_kv=fetched.blocks)
     list(cached)
     assert cached.result.token_ids == baseline.result.token_ids
@@ -157,7 +159,7 @@ def test_misses_are_computed_in_one_batch_and_repeats_loaded_once(
     store = stores.open(index)
     repeated = (*prompt.blocks, prompt.blocks[0])
 
-    result = store.fetch(repeated, engine)
+    result = store.fetch(repeated)
 
     assert calls == [len(prompt.blocks)]
     assert result.counts == counts(miss=len(repeated))
@@ -170,10 +172,10 @@ def test_a_partial_hit_computes_only_the_new_blocks(
     engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
 ) -> None:
     store = stores.open(index, gpu=0, host=MIB)
-    store.fetch(prompt.blocks[:2], engine)
+    store.fetch(prompt.blocks[:2])
     store.flush()
 
-    result = store.fetch(prompt.blocks, engine)
+    result = store.fetch(prompt.blocks)
 
     assert result.sources == [Tier.HOST, Tier.HOST, Tier.MISS, Tier.MISS]
     stats = store.stats()
@@ -185,12 +187,12 @@ def test_disk_reads_larger_than_the_host_pool_still_arrive_intact(
     engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
 ) -> None:
     writer = stores.open(index)
-    writer.fetch(prompt.blocks, engine)
+    writer.fetch(prompt.blocks)
     writer.flush()
     one_block = max(b.nbytes() for b in fresh) + 4096  # the parallel reads cannot all have a slot at once
     reader = stores.open(index, host=one_block)
 
-    result = reader.fetch(prompt.blocks, engine)
+    result = reader.fetch(prompt.blocks)
 
     assert result.counts == counts(disk=len(fresh))
     assert reader.stats().usage[Tier.HOST].used_bytes <= one_block
@@ -231,7 +233,7 @@ def test_damaged_file_is_counted_recomputed_and_rewritten(
     damage: Callable[[Path, KVStore, KVBlock], None],
 ) -> None:
     writer = stores.open(index)
-    writer.fetch(prompt.blocks, engine)
+    writer.fetch(prompt.blocks)
     writer.flush()
     bad = 2
     key = writer.key_of(prompt.blocks[bad])
@@ -239,7 +241,7 @@ def test_damaged_file_is_counted_recomputed_and_rewritten(
     damage(path, writer, fresh[bad])
 
     reader = stores.open(index)  # empty memory tiers: everything comes from disk
-    result = reader.fetch(prompt.blocks, engine)
+    result = reader.fetch(prompt.blocks)
 
     n = len(prompt.blocks)
     assert result.corrupt == 1 and reader.stats().corrupt == 1
@@ -255,7 +257,7 @@ def test_damaged_file_is_counted_recomputed_and_rewritten(
     rewritten = read_block(path, key, reader.fingerprint, engine.spec, expected_token_ids=prompt.blocks[bad])
     assert torch.equal(bits(rewritten.kv), bits(result.blocks[bad].kv))
     assert index.get(key) is not None
-    assert stores.open(index).fetch(prompt.blocks, engine).counts == counts(disk=n)
+    assert stores.open(index).fetch(prompt.blocks).counts == counts(disk=n)
 
 
 # ---- ingestion ---------------------------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def test_the_same_text_put_twice_is_stored_once(
     assert first == path.stat().st_size and second == 0
     assert block_files(stores.cache_dir) == [path] and path.stat().st_mtime_ns == written_at
     assert index.keys() == [store.key_of(block.token_ids)]
-    assert store.fetch(prompt.blocks[:1], engine).counts == counts(disk=1)
+    assert store.fetch(prompt.blocks[:1]).counts == counts(disk=1)
 
 
 def test_put_refuses_a_block_of_another_shape(fresh: list[KVBlock], stores: Stores, index: KVIndex) -> None:
@@ -297,7 +299,7 @@ def test_every_tier_stays_within_its_budget(
     store = stores.open(index, gpu=gpu_budget, host=host_budget, disk=2 * MIB)
 
     for _ in range(2):
-        result = store.fetch(prompt.blocks, engine)
+        result = store.fetch(prompt.blocks)
         store.flush()
         usage = store.stats().usage
         assert usage[Tier.GPU].used_bytes <= gpu_budget
@@ -328,13 +330,35 @@ def test_disk_budget_holds_after_many_puts(
     assert store.stats().evictions[Tier.DISK] > 0
 
 
-def test_store_refuses_an_engine_of_another_template(
-    engine: StitchEngine, get_engine: EngineFactory, prompt: PromptIds, stores: Stores, index: KVIndex
+def test_store_computes_misses_through_the_callable_it_was_given(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
+) -> None:
+    """The store holds no engine: misses go to its precompute callable (the engine loop's, in the runtime)."""
+    calls: list[int] = []
+
+    def precompute(blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
+        calls.append(len(blocks))
+        return engine.precompute(blocks)
+
+    store = stores.open(index, precompute=precompute)
+    result = store.fetch(prompt.blocks)
+    assert calls == [len(prompt.blocks)]
+    assert result.counts == counts(miss=len(prompt.blocks))
+    fresh = engine.precompute(prompt.blocks)
+    assert all(torch.equal(a.kv, b.kv) for a, b in zip(result.blocks, fresh, strict=True))
+
+
+def test_contains_and_remove_cover_every_tier(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
 ) -> None:
     store = stores.open(index)
-    other = get_engine("llama", "cpu")
-    with pytest.raises(ValueError, match="another model"):
-        store.fetch(prompt.blocks, other)
+    store.fetch(prompt.blocks)
+    store.flush()
+    key = store.key_of(prompt.blocks[0])
+    assert store.contains(key)
+    store.remove(key)
+    assert not store.contains(key)
+    assert store.plan(prompt.blocks[:1]).counts() == counts(miss=1)  # gone from the memory tiers too
 
 
 # ---- per-block arrival: the stitch overlaps the copies -----------------------------------------------------
@@ -382,10 +406,10 @@ def test_an_overlapped_fetch_leaves_each_wait_to_the_stitch_just_before_its_bloc
 ) -> None:
     n = len(prompt.blocks)
     store = stores.open(index, gpu=0, host=MIB)
-    store.fetch(prompt.blocks, engine)  # misses, kept in the host pool
+    store.fetch(prompt.blocks)  # misses, kept in the host pool
     spy = CopySpy(monkeypatch, engine)
 
-    result = store.fetch(prompt.blocks, engine, overlap=True)
+    result = store.fetch(prompt.blocks, overlap=True)
 
     assert result.counts == counts(host=n)
     assert arrival_names(result) == [f"copy{i}" for i in range(n)]
@@ -402,10 +426,10 @@ def test_a_plain_fetch_orders_the_stream_after_every_copy_before_returning(
 ) -> None:
     n = len(prompt.blocks)
     store = stores.open(index, gpu=0, host=MIB)
-    store.fetch(prompt.blocks, engine)
+    store.fetch(prompt.blocks)
     spy = CopySpy(monkeypatch, engine)
 
-    result = store.fetch(prompt.blocks, engine)
+    result = store.fetch(prompt.blocks)
 
     assert spy.waits == [(f"copy{i}", 0) for i in range(n)]  # all before anything was placed
     assert arrival_names(result) == [f"copy{i}" for i in range(n)]  # still reported: waiting again is harmless
@@ -416,16 +440,16 @@ def test_a_device_hit_waits_for_its_copy_until_that_completed(
 ) -> None:
     n = len(prompt.blocks)
     writer = stores.open(index)
-    writer.fetch(prompt.blocks, engine)
+    writer.fetch(prompt.blocks)
     writer.flush()
     store = stores.open(index, gpu=MIB, host=MIB)
     spy = CopySpy(monkeypatch, engine)
 
-    from_disk = store.fetch(prompt.blocks, engine, overlap=True)
-    in_flight = store.fetch(prompt.blocks, engine, overlap=True)
+    from_disk = store.fetch(prompt.blocks, overlap=True)
+    in_flight = store.fetch(prompt.blocks, overlap=True)
     for event in spy.events:
         event.done = True
-    landed = store.fetch(prompt.blocks, engine, overlap=True)
+    landed = store.fetch(prompt.blocks, overlap=True)
 
     assert from_disk.counts == counts(disk=n) and len(spy.events) == n
     assert in_flight.counts == landed.counts == counts(gpu=n)
@@ -440,8 +464,8 @@ def test_on_cpu_nothing_waits_and_overlap_gives_the_same_blocks(
     n = len(prompt.blocks)
     store = stores.open(index, gpu=0, host=MIB)
 
-    computed = store.fetch(prompt.blocks, engine, overlap=True)
-    copied = store.fetch(prompt.blocks, engine, overlap=True)
+    computed = store.fetch(prompt.blocks, overlap=True)
+    copied = store.fetch(prompt.blocks, overlap=True)
 
     assert computed.ready == copied.ready == [None] * n
     assert computed.timings.h2d_ms == 0 and copied.timings.h2d_ms > 0  # host copies timed by the wall clock
@@ -490,7 +514,7 @@ def test_many_misses_are_computed_in_batches_under_the_cap(
     monkeypatch.setattr(engine, "precompute", recording)
     store = stores.open(index, max_precompute_tokens=max_tokens)
 
-    result = store.fetch(blocks, engine)
+    result = store.fetch(blocks)
 
     assert result.counts == counts(miss=len(blocks))
     assert sorted(ids for call in calls for ids in call) == sorted(blocks)  # each computed once
@@ -520,11 +544,11 @@ def test_disk_hits_are_read_with_o_direct_into_the_host_pool(
 ) -> None:
     n = len(prompt.blocks)
     writer = stores.open(index)
-    writer.fetch(prompt.blocks, engine)
+    writer.fetch(prompt.blocks)
     writer.flush()
     direct, buffered = stores.open(index, direct_io=True), stores.open(index)
 
-    results = [direct.fetch(prompt.blocks, engine), buffered.fetch(prompt.blocks, engine)]
+    results = [direct.fetch(prompt.blocks), buffered.fetch(prompt.blocks)]
 
     reads = direct.disk.direct
     assert reads is not None and buffered.disk.direct is None

@@ -11,8 +11,8 @@ import pytest
 
 from service.engine.engine import StitchEngine
 from service.retrieval.embedder import Embedder
+from service.runtime import Runtime, open_runtime
 from service.settings import Settings
-from workers.runtime import Runtime, open_runtime
 
 # Small chunks, so a few paragraphs make several chunks and batches.
 TEST_SETTINGS: dict[str, Any] = {

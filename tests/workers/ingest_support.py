@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workers.documents import Document
-from workers.job_status import JobStatus
-from workers.runtime import Runtime
-from workers.submit import submit_job
+from service.jobs.documents import Document
+from service.jobs.status import JobStatus
+from service.jobs.submit import submit_ingest
+from service.runtime import Runtime
+from workers.worker import runtime_worker
 
 OpenRuntime = Callable[..., Runtime]
 
@@ -58,8 +59,8 @@ def expected_chunks(runtime: Runtime, documents: Sequence[Document]) -> list[Exp
 
 def run_job(runtime: Runtime, documents: Sequence[Document], max_turns: int = 20) -> JobStatus:
     """Submit the documents as one job and work the queue until the job is done or failed."""
-    job_id = submit_job(runtime.queue, runtime.jobs, documents)
-    worker = runtime.worker(poll_ms=10)
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, documents)
+    worker = runtime_worker(runtime, poll_ms=10)
     for _ in range(max_turns):
         worker.run_once()
         status = runtime.jobs.get(job_id)

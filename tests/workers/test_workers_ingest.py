@@ -8,10 +8,11 @@ import pytest
 import torch
 from ingest_support import CORPUS, OpenRuntime, expected_chunks, run_job
 
+from service.jobs.documents import DeleteJob, Document
+from service.jobs.submit import submit_ingest
 from service.kvcache.store import Tier
-from workers.documents import Document
-from workers.runtime import Runtime
-from workers.submit import submit_job
+from service.runtime import Runtime
+from workers.worker import runtime_worker
 
 
 def test_a_job_makes_every_chunk_retrievable_with_its_kv_stored(runtime: Runtime) -> None:
@@ -34,7 +35,7 @@ def test_stored_kv_equals_a_fresh_precompute_of_the_same_block(runtime: Runtime)
     chunk = expected_chunks(runtime, CORPUS[:1])[0]
     block_ids = runtime.engine.template.chunk_block(chunk.token_ids)
 
-    fetched = runtime.store.fetch([block_ids], runtime.engine)
+    fetched = runtime.store.fetch([block_ids])
 
     assert fetched.sources == [Tier.DISK]
     fresh = runtime.engine.precompute([block_ids])[0]
@@ -94,9 +95,9 @@ def test_deleting_a_document_removes_its_points_and_blocks_but_keeps_shared_ones
     drop_keys = {c.kv_key for c in expected_chunks(runtime, [drop])}
     assert kept_keys & drop_keys and drop_keys - kept_keys
 
-    deleted, released = runtime.ingestor().delete("drop")
+    counts = runtime.ingestor().delete(DeleteJob("delete-drop", "drop"))
 
-    assert (deleted, released) == (len(drop_keys), len(drop_keys - kept_keys))
+    assert (counts.chunks_deleted, counts.blocks_released) == (len(drop_keys), len(drop_keys - kept_keys))
     assert runtime.collection.document_versions("drop") == set()
     assert set(runtime.index.keys()) == kept_keys
     assert runtime.collection.count() == len(kept_keys)
@@ -125,8 +126,8 @@ def test_a_failing_step_is_retried_and_then_succeeds(runtime: Runtime, monkeypat
         return real_embed(texts)
 
     monkeypatch.setattr(runtime.embedder, "embed_documents", flaky)
-    job_id = submit_job(runtime.queue, runtime.jobs, CORPUS[:1])
-    worker = runtime.worker(poll_ms=10)
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, CORPUS[:1])
+    worker = runtime_worker(runtime, poll_ms=10)
 
     worker.run_once()
     retrying = runtime.jobs.get(job_id)
@@ -147,8 +148,8 @@ def test_a_job_failing_every_attempt_ends_failed_in_the_dead_letters(
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(runtime.embedder, "embed_documents", broken)
-    job_id = submit_job(runtime.queue, runtime.jobs, CORPUS[:1])
-    worker = runtime.worker(poll_ms=10)
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, CORPUS[:1])
+    worker = runtime_worker(runtime, poll_ms=10)
     worker.run_once()
     worker.run_once()
 
@@ -177,11 +178,11 @@ def _count_calls(runtime: Runtime, calls: dict[str, int], monkeypatch: pytest.Mo
 
 def test_a_job_whose_workers_keep_dying_ends_failed_not_running(open_test_runtime: OpenRuntime) -> None:
     runtime = open_test_runtime(job_max_attempts=1)
-    job_id = submit_job(runtime.queue, runtime.jobs, CORPUS[:1])
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, CORPUS[:1])
     taken = runtime.queue.consume("doomed-worker", block_ms=10)  # a worker takes the job and dies: no ack
     assert len(taken) == 1
     runtime.jobs.update(job_id, status="running")
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
     outcomes: list[str] = []
     worker.on_job_finished = lambda outcome, counts: outcomes.append(outcome)
 

@@ -23,17 +23,17 @@ from ingest_support import OpenRuntime, expected_chunks
 from service.cli import main as kvstitch
 from service.commands.ingest import InputError, collect_documents
 from service.engine.engine import StitchEngine
+from service.jobs.documents import MAX_DOC_ID_CHARS, MAX_METADATA_BYTES, Document
+from service.jobs.queue import RedisStreamQueue
+from service.jobs.status import JobStatus
+from service.jobs.submit import submit_ingest
 from service.kvcache.index import open_index
 from service.plain_json import MAX_DEPTH
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
-from workers.documents import MAX_DOC_ID_CHARS, MAX_METADATA_BYTES, Document
-from workers.job_status import JobStatus
-from workers.queue import RedisStreamQueue
-from workers.runtime import Runtime
-from workers.submit import submit_job
-from workers.worker import IngestWorker
+from service.runtime import Runtime
+from workers.worker import IngestWorker, runtime_worker
 
 MAX_CHARS = 300  # max_document_chars of these tests' runtimes
 MAX_DOCS = 3  # max_documents_per_job
@@ -144,7 +144,7 @@ def assert_nothing_stored(runtime: Runtime) -> None:
 
 def assert_good_job_runs(runtime: Runtime, worker: IngestWorker) -> JobStatus:
     """A well-formed job queued after the bad one is ingested by the same worker object."""
-    job_id = submit_job(runtime.queue, runtime.jobs, [GOOD])
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, [GOOD])
     assert worker.run_once() == 1
     status = runtime.jobs.get(job_id)
     expected = expected_chunks(runtime, [GOOD])
@@ -165,7 +165,7 @@ def test_a_malformed_job_fails_naming_the_field_and_the_worker_goes_on(runtime: 
     if case.documents is None:
         del payload["documents"]
     enqueue_raw(runtime, payload)
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
 
     assert worker.run_once() == 1
 
@@ -187,7 +187,7 @@ def test_a_malformed_job_fails_naming_the_field_and_the_worker_goes_on(runtime: 
 
 def test_a_malformed_job_nobody_gave_a_status_gets_a_failed_one(runtime: Runtime) -> None:
     enqueue_raw(runtime, {"job_id": "no-status", "documents": [{"id": "a", "text": 3.5}]}, create_status=False)
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
 
     worker.run_once()
 
@@ -211,7 +211,7 @@ def test_a_job_without_a_usable_job_id_is_dead_lettered_without_a_status(runtime
     if job_id is not None:
         payload["job_id"] = job_id
     runtime.queue.enqueue(payload)
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
 
     assert worker.run_once() == 1
 
@@ -232,22 +232,24 @@ def test_a_job_without_a_usable_job_id_is_dead_lettered_without_a_status(runtime
 )
 def test_metadata_that_is_not_json_fails_at_submit_with_a_failed_status(runtime: Runtime, metadata: Any) -> None:
     with pytest.raises(ValueError, match="job payload is not JSON-serializable"):
-        submit_job(runtime.queue, runtime.jobs, [Document("a.txt", "some text", metadata)], job_id="unjsonable")
+        submit_ingest(
+            runtime.queue, runtime.jobs, runtime.order, [Document("a.txt", "some text", metadata)], job_id="unjsonable"
+        )
 
     status = runtime.jobs.get("unjsonable")
     assert status is not None and status.status == "failed"
     assert status.error is not None
     assert status.error.startswith("could not queue the job: job payload is not JSON-serializable")
     assert runtime.queue.pending_count() == 0
-    assert_good_job_runs(runtime, runtime.worker(poll_ms=10))
+    assert_good_job_runs(runtime, runtime_worker(runtime, poll_ms=10))
 
 
 def test_the_worker_loop_survives_a_run_of_malformed_jobs(runtime: Runtime, caplog: pytest.LogCaptureFixture) -> None:
     for n, case in enumerate(CASES.values()):
         enqueue_raw(runtime, {"job_id": f"bad-{n}", "documents": case.documents})
     runtime.queue.enqueue({"documents": "no job id either"})
-    good_id = submit_job(runtime.queue, runtime.jobs, [GOOD])
-    worker = runtime.worker(poll_ms=10)
+    good_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, [GOOD])
+    worker = runtime_worker(runtime, poll_ms=10)
 
     with caplog.at_level(logging.WARNING), running(worker):
         final = wait_finished(runtime, good_id, timeout_s=60)
@@ -299,7 +301,7 @@ def test_a_broken_stream_entry_is_dead_lettered_and_the_worker_goes_on(
     runtime: Runtime, fields: dict[str, Any], error: str
 ) -> None:
     xadd(runtime, fields)
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
 
     assert worker.run_once() == 0  # read, but nothing to run
 
@@ -335,7 +337,7 @@ def test_non_finite_numbers_in_a_stream_entry_fail_the_job_naming_the_field(
 ) -> None:
     runtime.jobs.create("nan-job", 1)
     xadd(runtime, {"payload": '{"job_id":"nan-job","documents":[' + document + "]}"})
-    worker = runtime.worker(poll_ms=10)
+    worker = runtime_worker(runtime, poll_ms=10)
 
     assert worker.run_once() == 1
 

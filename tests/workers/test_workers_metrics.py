@@ -6,10 +6,11 @@ from __future__ import annotations
 import httpx
 from ingest_support import CORPUS
 
+from service.jobs.submit import submit_ingest
+from service.runtime import Runtime
 from tests.ports import free_port
 from workers.__main__ import serve_metrics
-from workers.runtime import Runtime
-from workers.submit import submit_job
+from workers.worker import runtime_worker
 
 
 def sample(text: str, line_start: str) -> float:
@@ -19,12 +20,12 @@ def sample(text: str, line_start: str) -> float:
 
 def test_the_worker_serves_its_ingest_metrics_on_its_port(runtime: Runtime) -> None:
     settings = runtime.settings.model_copy(update={"worker_metrics_port": free_port(), "host": "127.0.0.1"})
-    worker = runtime.worker(name="metrics-test", poll_ms=50)
+    worker = runtime_worker(runtime, name="metrics-test", poll_ms=50)
     server = serve_metrics(settings, runtime, worker)
     assert server is not None
     url = f"http://127.0.0.1:{settings.worker_metrics_port}/metrics"
     try:
-        job_id = submit_job(runtime.queue, runtime.jobs, CORPUS)
+        job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, CORPUS)
         queued = httpx.get(url, timeout=5).text
         assert worker.run_once() == 1
         done = httpx.get(url, timeout=5).text
@@ -42,4 +43,4 @@ def test_the_worker_serves_its_ingest_metrics_on_its_port(runtime: Runtime) -> N
 
 
 def test_no_port_no_metrics_server(runtime: Runtime) -> None:
-    assert serve_metrics(runtime.settings, runtime, runtime.worker(name="quiet")) is None
+    assert serve_metrics(runtime.settings, runtime, runtime_worker(runtime, name="quiet")) is None

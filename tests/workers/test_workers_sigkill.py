@@ -24,16 +24,17 @@ import redis
 from qdrant_client import QdrantClient
 
 from service.engine.engine import StitchEngine
+from service.jobs.documents import Document, document_version
+from service.jobs.ordering import RedisDocumentOrder
+from service.jobs.queue import RedisStreamQueue
+from service.jobs.status import JobStatus, RedisJobStatusStore
+from service.jobs.submit import submit_ingest
 from service.kvcache.fileformat import BLOCK_SUFFIX, block_relpath, is_temp_file, read_block
 from service.kvcache.index import RedisIndex
 from service.kvcache.keys import block_key, model_fingerprint
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import point_id
 from service.settings import Settings
-from workers.documents import Document, document_version
-from workers.job_status import JobStatus, RedisJobStatusStore
-from workers.queue import RedisStreamQueue
-from workers.submit import submit_job
 
 pytestmark = pytest.mark.slow
 
@@ -220,7 +221,7 @@ def test_a_job_whose_worker_is_sigkilled_is_finished_by_another_with_no_chunk_lo
 ) -> None:
     data_dir = tmp_path / "data"
     env = worker_env(tiny_model_dirs["qwen2"], data_dir, redis_url, redis_prefix)
-    # The names workers.runtime.open_queue gives the stream, group, dead letters and statuses under the prefix.
+    # The names service.runtime.open_jobs gives the stream, group, dead letters and statuses under the prefix.
     queue = RedisStreamQueue(
         redis_url,
         stream=f"{redis_prefix}:ingest",
@@ -228,8 +229,9 @@ def test_a_job_whose_worker_is_sigkilled_is_finished_by_another_with_no_chunk_lo
         dead_letter=f"{redis_prefix}:ingest:dead",
     )
     jobs = RedisJobStatusStore(redis_url, prefix=f"{redis_prefix}:job")
+    order = RedisDocumentOrder(redis_url, prefix=f"{redis_prefix}:doc")
     documents = corpus(DOCUMENTS)
-    job_id = submit_job(queue, jobs, documents)
+    job_id = submit_ingest(queue, jobs, order, documents)
 
     worker_a = start_worker("a", env)
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.api.deps import GatewayDep
+from service.api.deps import FacadeDep
 from service.api.openapi import Readiness
 
 router = APIRouter(tags=["health"])
@@ -21,13 +21,13 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-def readyz(gateway: GatewayDep) -> Any:
+def readyz(facade: FacadeDep) -> Any:
     """Model loaded, gate passed, KV index and Qdrant reachable; 503 naming what is not."""
-    report = gateway.readiness()
+    report = facade.readiness()
     return JSONResponse(report, status_code=200 if report["ready"] else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-def metrics(gateway: GatewayDep) -> Response:
+def metrics(facade: FacadeDep) -> Response:
     """Prometheus exposition."""
-    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(facade.metrics_text(), media_type=CONTENT_TYPE_LATEST)

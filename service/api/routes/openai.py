@@ -11,26 +11,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
 
-from service.api.answering import Answer, AskOptions, collect_text, open_answer
-from service.api.deps import GatewayDep, field_error, ready_asker, require_api_key
+from service.answer import DoneEvent
+from service.api.deps import FacadeDep, field_error, require_api_key
 from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage
-from service.ask import Asker, DoneEvent
+from service.api.streaming import collect_text, events, open_answer, sources_and_summary
+from service.facade import AnswerRequest, AnswerSession
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
-AskerDep = Annotated[Asker, Depends(ready_asker)]
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 @router.get("/models")
-def models(gateway: GatewayDep) -> dict[str, Any]:
+def models(facade: FacadeDep) -> dict[str, Any]:
     """The one model this server answers with."""
-    entry = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "kvstitch"}
+    entry = {"id": facade.model_name, "object": "model", "created": 0, "owned_by": "kvstitch"}
     return {"object": "list", "data": [entry]}
 
 
@@ -39,9 +39,9 @@ def models(gateway: GatewayDep) -> dict[str, Any]:
     response_model=None,
     responses={**streamed("The completion"), **openai_errors(400, 413, 422, 503)},
 )
-async def chat_completions(body: ChatCompletionRequest, gateway: GatewayDep, asker: AskerDep) -> Any:
+async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep) -> Any:
     """A chat completion answered with retrieval and stitched chunk KV."""
-    options = AskOptions(
+    request = AnswerRequest(
         question=_last_user_text(body.messages),
         top_k=body.top_k,
         mode=body.mode,
@@ -51,11 +51,11 @@ async def chat_completions(body: ChatCompletionRequest, gateway: GatewayDep, ask
         top_p=body.top_p,
         seed=body.seed,
     )
-    answer = await open_answer(gateway, asker, options)
+    session = await open_answer(facade, request)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return EventSourceResponse(_chunks(answer, completion_id, gateway.model_name), ping=15)
-    return await _completion(answer, completion_id, gateway.model_name)
+        return EventSourceResponse(_chunks(session, completion_id, facade.model_name), ping=15)
+    return await _completion(session, completion_id, facade.model_name)
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str:
@@ -72,9 +72,9 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(str(p) for p in parts)
 
 
-async def _completion(answer: Answer, completion_id: str, model: str) -> dict[str, Any]:
-    text = await collect_text(answer)
-    done = answer.done
+async def _completion(session: AnswerSession, completion_id: str, model: str) -> dict[str, Any]:
+    text = await collect_text(session)
+    done = session.done
     assert done is not None
     return {
         "id": completion_id,
@@ -89,11 +89,11 @@ async def _completion(answer: Answer, completion_id: str, model: str) -> dict[st
             }
         ],
         "usage": _usage(done),
-        "kvstitch": _extra(answer, done),
+        "kvstitch": sources_and_summary(session, done),
     }
 
 
-async def _chunks(answer: Answer, completion_id: str, model: str) -> AsyncIterator[dict[str, str]]:
+async def _chunks(session: AnswerSession, completion_id: str, model: str) -> AsyncIterator[dict[str, str]]:
     created = int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
@@ -109,17 +109,15 @@ async def _chunks(answer: Answer, completion_id: str, model: str) -> AsyncIterat
 
     try:
         yield chunk({"role": "assistant", "content": ""})
-        async for event in answer.events():
+        async for event in events(session):
             if isinstance(event, DoneEvent):
                 finish = FINISH_REASONS.get(event.finish_reason, "stop")
-                yield chunk({}, finish, usage=_usage(event), kvstitch=_extra(answer, event))
+                yield chunk({}, finish, usage=_usage(event), kvstitch=sources_and_summary(session, event))
             else:
                 yield chunk({"content": event.text})
         yield {"data": "[DONE]"}
     except Exception as err:  # mid-stream: OpenAI clients read an `error` object from a data line
         yield {"data": json.dumps({"error": {"message": str(err), "type": type(err).__name__}})}
-    finally:
-        answer.close()
 
 
 def _usage(done: DoneEvent) -> dict[str, int]:
@@ -128,7 +126,3 @@ def _usage(done: DoneEvent) -> dict[str, int]:
         "completion_tokens": done.output_tokens,
         "total_tokens": done.prompt_tokens + done.output_tokens,
     }
-
-
-def _extra(answer: Answer, done: DoneEvent) -> dict[str, Any]:
-    return {"sources": answer.sources(), **done.summary()}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from workers.queue import InProcessQueue, JobQueue, RedisStreamQueue
+from service.jobs.queue import InProcessQueue, JobQueue, RedisStreamQueue
 
 QueueFactory = Callable[..., JobQueue]
 

@@ -1,5 +1,7 @@
 """Job statuses (`queued`, `running`, `done`, `failed`, with counts, an error and timestamps) behind one protocol.
 
+A job is an ingest or a delete (`kind`); a delete reports the chunks it removed and the KV blocks it released.
+
 The gateway creates a status when it enqueues a job, the worker updates and increments it, the gateway reads it.
 `RedisJobStatusStore` keeps hashes with a TTL for deployments with separate workers; `InMemoryJobStatusStore` is a
 dict for the embedded mode.
@@ -17,14 +19,23 @@ from typing import Any, Protocol
 import redis
 
 JOB_STATES = ("queued", "running", "done", "failed")
-COUNT_FIELDS = ("documents", "documents_done", "chunks", "chunks_precomputed", "chunks_reused")
+JOB_KINDS = ("ingest", "delete")
+COUNT_FIELDS = (
+    "documents",
+    "documents_done",
+    "chunks",
+    "chunks_precomputed",
+    "chunks_reused",
+    "chunks_deleted",
+    "blocks_released",
+)
 DEFAULT_JOB_PREFIX = "kvstitch:job"
 DEFAULT_JOB_TTL_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
 class JobStatus:
-    """Where an ingest job stands. Timestamps are Unix seconds; `started_at` is the latest start."""
+    """Where a job stands. Timestamps are Unix seconds; `started_at` is the latest start."""
 
     job_id: str
     status: str
@@ -35,6 +46,9 @@ class JobStatus:
     chunks: int = 0
     chunks_precomputed: int = 0
     chunks_reused: int = 0
+    chunks_deleted: int = 0
+    blocks_released: int = 0
+    kind: str = "ingest"
     error: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
@@ -43,7 +57,7 @@ class JobStatus:
 class JobStatusStore(Protocol):
     """Job statuses, written by the gateway (create) and the worker (update, increment), read by the gateway."""
 
-    def create(self, job_id: str, documents: int) -> JobStatus: ...
+    def create(self, job_id: str, documents: int, kind: str = "ingest") -> JobStatus: ...
 
     def update(self, job_id: str, **fields: Any) -> JobStatus: ...
 
@@ -75,6 +89,11 @@ def status_changes(now: float, fields: Mapping[str, Any]) -> dict[str, Any]:
     return changes
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in JOB_KINDS:
+        raise ValueError(f"job kind must be one of {', '.join(JOB_KINDS)}, got {kind!r}")
+
+
 def _check_counts(counts: Mapping[str, int]) -> None:
     unknown = set(counts) - set(COUNT_FIELDS)
     if unknown:
@@ -91,13 +110,16 @@ class InMemoryJobStatusStore:
         self._lock = threading.Lock()
         self._jobs: dict[str, JobStatus] = {}
 
-    def create(self, job_id: str, documents: int) -> JobStatus:
+    def create(self, job_id: str, documents: int, kind: str = "ingest") -> JobStatus:
         now = self._clock()
         status_changes(now, {"documents": documents})  # validates the count
+        _check_kind(kind)
         with self._lock:
             if job_id in self._jobs:
                 raise ValueError(f"job {job_id!r} already exists")
-            self._jobs[job_id] = JobStatus(job_id, "queued", created_at=now, updated_at=now, documents=documents)
+            self._jobs[job_id] = JobStatus(
+                job_id, "queued", created_at=now, updated_at=now, documents=documents, kind=kind
+            )
             return self._jobs[job_id]
 
     def update(self, job_id: str, **fields: Any) -> JobStatus:
@@ -169,10 +191,11 @@ class RedisJobStatusStore:
         self._update = self._redis.register_script(_UPDATE_SCRIPT)
         self._increment = self._redis.register_script(_INCREMENT_SCRIPT)
 
-    def create(self, job_id: str, documents: int) -> JobStatus:
+    def create(self, job_id: str, documents: int, kind: str = "ingest") -> JobStatus:
         now = self._clock()
+        _check_kind(kind)
         fields = status_changes(now, {"status": "queued", "documents": documents})
-        fields.update({"created_at": now, **dict.fromkeys(COUNT_FIELDS[1:], 0)})
+        fields.update({"created_at": now, "kind": kind, **dict.fromkeys(COUNT_FIELDS[1:], 0)})
         if not self._create(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(fields)]):
             raise ValueError(f"job {job_id!r} already exists")
         return self._get_known(job_id)
@@ -224,6 +247,7 @@ def _job_from_hash(job_id: str, fields: dict[str, str]) -> JobStatus | None:
     return JobStatus(
         job_id=job_id,
         status=fields.get("status", "queued"),
+        kind=fields.get("kind") or "ingest",
         created_at=when("created_at") or 0.0,
         updated_at=when("updated_at") or 0.0,
         error=fields.get("error") or None,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from workers.job_status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
+from service.jobs.status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
 
 
 class FakeClock:

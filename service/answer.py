@@ -1,6 +1,6 @@
-"""Answering one question: retrieve → plan and load KV → stitch → prefill the question → decode, as events.
+"""The answer use case: retrieve → plan and load KV → stitch → prefill the question → decode, as events.
 
-`Asker.retrieve` runs on any thread (embedding and Qdrant); `Asker.answer` runs on the engine thread and yields
+`Answerer.retrieve` runs on any thread (embedding and Qdrant); `Answerer.answer` runs on the engine loop and yields
 `TokenEvent`s and then one `DoneEvent` with the TTFT breakdown and where each chunk's KV came from. The HTTP
 layer turns these into SSE or JSON; nothing here knows about HTTP. A `cancelled` event set by the caller (the
 client went away) stops decoding between tokens, and the request's buffers are dropped with the generator.
@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.kv_layout import KVBlock
-from service.engine.prompt import PromptIds, TokenIds
+from service.engine.kv_layout import KVBlock, TokenIds
+from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
+from service.errors import UnavailableError
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
-from service.retrieval.collection import ChunkCollection, RetrievedChunk
-from service.retrieval.embedder import Embedder
-
-
-class DependencyError(RuntimeError):
-    """A backing service (Qdrant, the KV index) cannot be reached; the request may be retried later."""
-
-    def __init__(self, component: str, error: BaseException) -> None:
-        super().__init__(f"{component} is unreachable: {type(error).__name__}: {error}")
-        self.component = component
+from service.retrieval.collection import RetrievedChunk
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,7 @@ class Question:
     mode: GenerationMode = GenerationMode.TURBO
     positions: PositionMode = PositionMode.REORDERED
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    ids: TokenIds = ()  # the question's token ids, set once by `Asker.prepare`
+    ids: TokenIds = ()  # the question's token ids, set once by `Answerer.prepare`
 
 
 @dataclass(frozen=True)
@@ -89,23 +81,23 @@ class DoneEvent:
         }
 
 
-class Asker:
-    """Answers questions with one engine, KV store, embedder and collection."""
+# The top-k chunks for a question's text (the runtime's `RetrievalBatcher.retrieve`); `UnavailableError` when
+# Qdrant is away.
+Search = Callable[[str, int], list[RetrievedChunk]]
 
-    def __init__(self, engine: StitchEngine, store: KVStore, embedder: Embedder, collection: ChunkCollection) -> None:
+
+class Answerer:
+    """Answers questions with one engine, KV store and retrieval."""
+
+    def __init__(self, engine: StitchEngine, store: KVStore, search: Search) -> None:
         self.engine = engine
         self.store = store
-        self.embedder = embedder
-        self.collection = collection
+        self.search = search
 
     def retrieve(self, question: Question) -> Retrieval:
-        """The top-k chunks that fit the context (best first); `DependencyError` when Qdrant is away."""
+        """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away."""
         start = time.perf_counter()
-        vector = self.embedder.embed_query(question.text)
-        try:
-            hits = self.collection.search(vector, top_k=question.top_k)
-        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
-            raise DependencyError("Qdrant", err) from err
+        hits = self.search(question.text, question.top_k)
         kept = self._fit(hits, question)
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 
@@ -139,7 +131,8 @@ class Asker:
     def answer(
         self, question: Question, retrieval: Retrieval, started: float, cancelled: threading.Event | None = None
     ) -> Iterator[TokenEvent | DoneEvent]:
-        """Generate on the calling (engine) thread; `started` is the request's perf_counter start (for TTFT)."""
+        """Generate on the calling thread (the engine loop's); `started` is the request's perf_counter start
+        (for TTFT)."""
         prompt = self.engine.template.prompt([c.token_ids for c in retrieval.chunks], self._ids(question))
         fetch = self._fetch(prompt) if question.mode is GenerationMode.TURBO else None
         chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
@@ -171,9 +164,9 @@ class Asker:
     def _fetch(self, prompt: PromptIds) -> FetchResult:
         try:
             # Copies may still run when this returns; the stitch waits for each block just before placing it.
-            return self.store.fetch(prompt.blocks, self.engine, overlap=True)
+            return self.store.fetch(prompt.blocks, overlap=True)
         except (redis.RedisError, ConnectionError, TimeoutError) as err:
-            raise DependencyError("the KV index", err) from err
+            raise UnavailableError("the KV index", err) from err
 
 
 def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: Any) -> dict[str, float]:

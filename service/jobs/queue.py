@@ -14,7 +14,7 @@ Attempts count deliveries, so a job that kills its worker every time (say, out o
 stream too instead of being claimed forever. A payload is one JSON object; anything else found in the stream is
 dead-lettered with the reason, never raised to the consumer.
 
-Job statuses live in `workers.job_status`.
+Job statuses live in `service.jobs.status`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One ingest job: chunk → precompute and store KV → embed → upsert → drop the old version → release blocks.
+"""The ingest use case: chunk → precompute and store KV → embed → upsert → drop the old version → release
+blocks; and the removal of a document. The worker loop (`workers/`) and `kvstitch ingest --embedded` run it.
 
 Every step is idempotent, so a job redelivered after its worker died simply runs again:
 
@@ -12,6 +13,9 @@ Every step is idempotent, so a job redelivered after its worker died simply runs
 - KV blocks that no point names any more (the old version's, a deleted document's) are removed from the disk
   tier. A block that another document still names is kept.
 
+Jobs for one document apply in submit order (`service.jobs.ordering`): a document's points are written or
+deleted under its lock, and skipped when a later job for it was submitted meanwhile.
+
 Documents are processed in groups of roughly `group_tokens` so that the KV precompute sees batches that fill the
 device (`max_precompute_tokens` per forward, blocks of similar length together) while progress is reported,
 and the job's lease kept alive, between groups.
@@ -19,25 +23,23 @@ and the job's lease kept alive, between groups.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from service.engine.engine import StitchEngine
-from service.engine.prompt import TokenIds
+from service.engine.kv_layout import TokenIds
+from service.engine.prompt import PromptTemplate
+from service.jobs.documents import DeleteJob, Document, IngestJob, document_version
+from service.jobs.ordering import DocumentOrder, applying
+from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_and_store
 from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
-from workers.batching import precompute_and_store
-from workers.documents import Document, IngestJob, document_version
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_PRECOMPUTE_TOKENS = 16_384
 GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
 
 
@@ -51,6 +53,7 @@ class IngestCounts:
     chunks_reused: int = 0
     tokens_precomputed: int = 0
     blocks_released: int = 0
+    documents_superseded: int = 0  # skipped: a later job for the document was submitted
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, stage: str, seconds: float) -> None:
@@ -70,6 +73,18 @@ Progress = Callable[[IngestCounts], None]
 
 
 @dataclass(frozen=True)
+class DeleteCounts:
+    """What a delete job did; `superseded` when a later job for the document made it moot."""
+
+    chunks_deleted: int = 0
+    blocks_released: int = 0
+    superseded: bool = False
+
+    def status_fields(self) -> dict[str, int]:
+        return {"documents_done": 1, "chunks_deleted": self.chunks_deleted, "blocks_released": self.blocks_released}
+
+
+@dataclass(frozen=True)
 class _Prepared:
     """A chunked document and the KV block (token ids) and key of each chunk."""
 
@@ -80,30 +95,36 @@ class _Prepared:
     keys: list[str]
 
 
-class Ingestor:
-    """Runs ingest jobs and document deletions against one engine, KV store, embedder and collection."""
+@dataclass(frozen=True)
+class IngestParts:
+    """What ingestion works with. `precompute` computes chunk KV (the runtime binds it to its engine loop, the
+    one owner of the device); `template` wraps chunk ids into the blocks the engine stitches."""
 
-    def __init__(
-        self,
-        engine: StitchEngine,
-        store: KVStore,
-        embedder: Embedder,
-        collection: ChunkCollection,
-        chunker: Chunker,
-        max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
-    ) -> None:
+    template: PromptTemplate
+    precompute: Precompute
+    store: KVStore
+    embedder: Embedder
+    collection: ChunkCollection
+    chunker: Chunker
+    order: DocumentOrder
+
+
+class Ingestor:
+    """Runs ingest and delete jobs against one KV store, embedder and collection."""
+
+    def __init__(self, parts: IngestParts, max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS) -> None:
         if max_precompute_tokens < 1:
             raise ValueError(f"max_precompute_tokens must be positive, got {max_precompute_tokens}")
-        self.engine = engine
-        self.store = store
-        self.embedder = embedder
-        self.collection = collection
-        self.chunker = chunker
+        self.template = parts.template
+        self.precompute = parts.precompute
+        self.store = parts.store
+        self.embedder = parts.embedder
+        self.collection = parts.collection
+        self.chunker = parts.chunker
+        self.order = parts.order
         self.max_precompute_tokens = max_precompute_tokens
-        # Held around each precompute batch; the gateway shares its engine lock here in embedded mode.
-        self.engine_lock: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        config = chunker.config
-        self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={engine.template.version}"
+        config = parts.chunker.config
+        self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version}"
 
     def ingest(self, job: IngestJob, progress: Progress | None = None) -> IngestCounts:
         """Ingest every document of the job; `progress` is called after each group of documents."""
@@ -111,17 +132,24 @@ class Ingestor:
         for group in self._groups(job.documents, counts):
             self._store_kv(group, counts)
             for prepared in group:
-                self._index(prepared, counts)
+                with applying(self.order, prepared.doc.id, job.sequence) as current:
+                    if current:
+                        self._index(prepared, counts)
+                    else:
+                        counts.documents_superseded += 1
                 counts.documents_done += 1
             if progress is not None:
                 progress(counts)
         return counts
 
-    def delete(self, doc_id: str) -> tuple[int, int]:
-        """Remove a document's points and release its KV blocks; (points deleted, blocks released)."""
-        keys = self.collection.document_kv_keys(doc_id)
-        deleted = self.collection.delete_document(doc_id)
-        return deleted, self._release(keys)
+    def delete(self, job: DeleteJob) -> DeleteCounts:
+        """Remove a document's points and release its KV blocks, unless a later job for it was submitted."""
+        with applying(self.order, job.doc_id, job.sequence) as current:
+            if not current:
+                return DeleteCounts(superseded=True)
+            keys = self.collection.document_kv_keys(job.doc_id)
+            deleted = self.collection.delete_document(job.doc_id)
+            return DeleteCounts(deleted, self._release(keys))
 
     # ---- stages ----------------------------------------------------------------------------------------------
 
@@ -143,7 +171,7 @@ class Ingestor:
 
     def _prepare(self, doc: Document) -> _Prepared:
         chunks = self.chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown")
-        blocks = [self.engine.template.chunk_block(c.token_ids) for c in chunks]
+        blocks = [self.template.chunk_block(c.token_ids) for c in chunks]
         keys = [self.store.key_of(b) for b in blocks]
         return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys)
 
@@ -152,14 +180,14 @@ class Ingestor:
         missing: dict[str, TokenIds] = {}
         for prepared in group:
             for key, block in zip(prepared.keys, prepared.blocks, strict=True):
-                if key not in missing and not self.store.disk.contains(key):
+                if key not in missing and not self.store.contains(key):
                     missing[key] = block
         counts.chunks += sum(len(p.keys) for p in group)
         counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
         start = time.perf_counter()
         blocks = list(missing.values())
-        precompute_and_store(self.engine, self.store, blocks, self.max_precompute_tokens, self.engine_lock)
+        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens)
         counts.tokens_precomputed += sum(len(ids) for ids in blocks)
         counts.add_time("precompute", time.perf_counter() - start)
 
@@ -184,10 +212,10 @@ class Ingestor:
         counts.blocks_released += self._release(previous_keys - set(prepared.keys))
 
     def _release(self, keys: set[str]) -> int:
-        """Remove the blocks no point names any more from the disk tier; how many went."""
+        """Remove the blocks no point names any more from the KV store; how many went."""
         if not keys:
             return 0
         unused = keys - self.collection.referenced_kv_keys(sorted(keys))
         for key in unused:
-            self.store.disk.remove(key)
+            self.store.remove(key)
         return len(unused)

@@ -1,6 +1,11 @@
-"""An ingest job as it travels through the queue, and its validation.
+"""The jobs that travel through the queue (ingest documents, delete a document) and their validation.
 
-A job payload is `{"job_id": str, "documents": [{"id": str, "text": str, "metadata": {...}, "format": ...}]}`.
+An ingest payload is `{"job_id": str, "kind": "ingest", "documents": [{"id": str, "text": str, "metadata": {...},
+"format": ...}], "sequence": {doc_id: n}}`; a delete payload is `{"job_id": str, "kind": "delete", "doc_id": str,
+"sequence": {doc_id: n}}`. `sequence` holds each document's submit order (`ordering.py`): a worker applies a job
+to a document only while no later job for it was submitted, so a delete sent right after an ingest of the same
+document wins whichever worker runs first. A payload without `kind` is an ingest, without `sequence` unordered
+(messages queued by an older version).
 The gateway validates the same limits before enqueueing, but the queue may carry anything (an older client, a
 hand-written message), so the worker checks every field again and refuses the whole job with a message that
 names the field: a job is ingested entirely or not at all.
@@ -13,7 +18,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from service.plain_json import json_problem, text_problem
 
@@ -21,6 +26,8 @@ MAX_DOC_ID_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_JOB_ID_CHARS = 128
 DocumentFormat = Literal["text", "markdown"]
+JobKind = Literal["ingest", "delete"]
+JOB_KINDS: tuple[JobKind, ...] = ("ingest", "delete")
 FORMATS: tuple[DocumentFormat, ...] = ("text", "markdown")
 
 
@@ -43,9 +50,32 @@ class Document:
 class IngestJob:
     job_id: str
     documents: tuple[Document, ...]
+    sequence: Mapping[str, int] = field(default_factory=dict)  # doc id → its submit order (absent: unordered)
+
+    kind: ClassVar[JobKind] = "ingest"
 
     def to_payload(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "documents": [d.to_json() for d in self.documents]}
+        return {
+            "job_id": self.job_id,
+            "kind": self.kind,
+            "documents": [d.to_json() for d in self.documents],
+            "sequence": dict(self.sequence),
+        }
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    job_id: str
+    doc_id: str
+    sequence: Mapping[str, int] = field(default_factory=dict)
+
+    kind: ClassVar[JobKind] = "delete"
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "kind": self.kind, "doc_id": self.doc_id, "sequence": dict(self.sequence)}
+
+
+Job = IngestJob | DeleteJob
 
 
 @dataclass(frozen=True)
@@ -72,11 +102,21 @@ def job_id_of(payload: Mapping[str, Any]) -> str | None:
     return None
 
 
-def parse_job(payload: Mapping[str, Any], limits: DocumentLimits) -> IngestJob:
+def parse_job(payload: Mapping[str, Any], limits: DocumentLimits) -> Job:
     """The job a payload describes; `JobError` naming the first field that is wrong."""
     job_id = job_id_of(payload)
     if job_id is None:
         raise JobError(f"job_id must be a printable string of 1-{MAX_JOB_ID_CHARS} characters")
+    kind = payload.get("kind", "ingest")
+    if kind == "delete":
+        doc_id = _doc_id("doc_id", payload.get("doc_id"))
+        return DeleteJob(job_id, doc_id, _sequence(payload.get("sequence"), {doc_id}))
+    if kind != "ingest":
+        raise JobError(f"kind must be one of {', '.join(JOB_KINDS)}, got {_clipped_repr(kind)}")
+    return _parse_ingest(job_id, payload, limits)
+
+
+def _parse_ingest(job_id: str, payload: Mapping[str, Any], limits: DocumentLimits) -> IngestJob:
     raw_documents = payload.get("documents")
     if not isinstance(raw_documents, list) or not raw_documents:
         raise JobError("documents must be a non-empty list")
@@ -88,24 +128,43 @@ def parse_job(payload: Mapping[str, Any], limits: DocumentLimits) -> IngestJob:
         if doc.id in seen:
             raise JobError(f"documents[{i}].id {doc.id!r} appears twice in one job")
         seen.add(doc.id)
-    return IngestJob(job_id, documents)
+    return IngestJob(job_id, documents, _sequence(payload.get("sequence"), seen))
+
+
+def _sequence(raw: Any, doc_ids: set[str]) -> dict[str, int]:
+    """Each document's submit order: positive ints, for documents of this job only."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise JobError(f"sequence must be an object, got {_type(raw)}")
+    sequence: dict[str, int] = {}
+    for doc_id, n in raw.items():
+        if doc_id not in doc_ids:
+            raise JobError(f"sequence names {_clipped_repr(doc_id)}, which is not a document of this job")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise JobError(f"sequence[{doc_id!r}] must be a positive integer, got {_clipped_repr(n)}")
+        sequence[doc_id] = n
+    return sequence
 
 
 def _parse_document(i: int, raw: Any, limits: DocumentLimits) -> Document:
     where = f"documents[{i}]"
     if not isinstance(raw, Mapping):
         raise JobError(f"{where} must be an object, got {_type(raw)}")
-    doc_id = raw.get("id")
-    if not isinstance(doc_id, str) or not doc_id.strip() or len(doc_id) > MAX_DOC_ID_CHARS:
-        raise JobError(f"{where}.id must be a non-blank string of at most {MAX_DOC_ID_CHARS} characters")
-    if not doc_id.isprintable():
-        raise JobError(f"{where}.id must not contain control characters")
     return Document(
-        id=doc_id,
+        id=_doc_id(f"{where}.id", raw.get("id")),
         text=_text(f"{where}.text", raw.get("text"), limits),
         metadata=_metadata(f"{where}.metadata", raw.get("metadata")),
         format=_format(f"{where}.format", raw.get("format", "text")),
     )
+
+
+def _doc_id(where: str, doc_id: Any) -> str:
+    if not isinstance(doc_id, str) or not doc_id.strip() or len(doc_id) > MAX_DOC_ID_CHARS:
+        raise JobError(f"{where} must be a non-blank string of at most {MAX_DOC_ID_CHARS} characters")
+    if not doc_id.isprintable():
+        raise JobError(f"{where} must not contain control characters")
+    return doc_id
 
 
 def _text(where: str, text: Any, limits: DocumentLimits) -> str:

@@ -1,0 +1,113 @@
+"""What the HTTP layer sees of the service: one narrow protocol and the plain values it exchanges.
+
+As vLLM's API server sees only an `EngineClient`, the routes depend on `Facade` and nothing else: no engine, no
+store, no queue. `service.server.Server` implements it in this process; errors are those of `service.errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from service.answer import DoneEvent, Question, Retrieval, TokenEvent
+from service.jobs.documents import Document
+from service.jobs.status import JobStatus
+from service.retrieval.collection import DocumentSummary
+
+# What an answer session hands its listener: events, then None at the end; an exception instead when it failed.
+AnswerItem = TokenEvent | DoneEvent | BaseException | None
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """A question as the client sent it; the service checks the bounds its settings set."""
+
+    question: str
+    top_k: int
+    mode: str
+    positions: str
+    max_new_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class DocumentPage:
+    """One page of the stored documents, sorted by id; `total` counts them all."""
+
+    total: int
+    offset: int
+    documents: list[DocumentSummary]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds the HTTP layer applies before a request reaches the service."""
+
+    max_request_bytes: int
+    api_key: str | None
+
+
+class AnswerSession(Protocol):
+    """One admitted question, retrieval done; generation starts with `start` and runs on the engine."""
+
+    question: Question
+    retrieval: Retrieval
+    done: DoneEvent | None
+
+    def sources(self) -> list[dict[str, Any]]: ...
+
+    def start(self, listener: Callable[[AnswerItem], None]) -> None:
+        """Generate; `listener` gets each event (from the engine thread), then None, or the error raised."""
+        ...
+
+    def cancel(self) -> None:
+        """The client went away: stop at the next token and free the request's place."""
+        ...
+
+
+class Facade(Protocol):
+    """The service as the HTTP layer uses it."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def limits(self) -> RequestLimits: ...
+
+    def start(self) -> None:
+        """Begin start-up in the background (`readiness` reports progress)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def readiness(self) -> dict[str, Any]: ...
+
+    def open_answer(self, request: AnswerRequest) -> AnswerSession:
+        """Check, admit and retrieve (blocking): `InvalidRequestError`, `BusyError`, `NotReadyError`,
+        `UnavailableError`."""
+        ...
+
+    def submit_ingest(self, documents: Sequence[Document]) -> str:
+        """Queue documents for ingestion; the job id (`InvalidRequestError` naming the field)."""
+        ...
+
+    def submit_delete(self, doc_id: str) -> str:
+        """Queue a document's removal behind earlier jobs for it; `UnknownDocumentError` if never seen."""
+        ...
+
+    def job_status(self, job_id: str) -> JobStatus | None: ...
+
+    def list_documents(self, offset: int, limit: int) -> DocumentPage:
+        """The stored documents, a page at a time (`UnavailableError` when Qdrant is away)."""
+        ...
+
+    def get_document(self, doc_id: str) -> DocumentSummary:
+        """One stored document; `UnknownDocumentError` when it is not stored."""
+        ...
+
+    def metrics_text(self) -> bytes: ...
+
+    def count_request(self, route: str, status: int) -> None: ...

@@ -1,0 +1,48 @@
+"""The KV store for one engine: its model fingerprint, template version and dtype key the blocks, its forward
+computes the misses, its layer groups shape the overlapped copies.
+
+The store itself never imports the engine (it takes a precompute callable); this is where the two meet. It
+imports only the engine and the KV cache, so the GPU benchmarks and the engine/cache tests use it without the
+retrieval stack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from service.engine.engine import StitchEngine
+from service.kvcache.index import KVIndex
+from service.kvcache.keys import model_fingerprint
+from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute
+from service.kvcache.quant import DiskFormat
+from service.kvcache.store import DEFAULT_READ_THREADS, KVStore, TierBudgets
+
+
+def kv_store_for(
+    engine: StitchEngine,
+    cache_dir: Path,
+    index: KVIndex,
+    budgets: TierBudgets,
+    *,
+    precompute: Precompute | None = None,
+    read_threads: int = DEFAULT_READ_THREADS,
+    max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
+    direct_io: bool = False,
+    disk_format: DiskFormat = "native",
+) -> KVStore:
+    """A store keyed for `engine`; misses go to `precompute` (default: the engine's own, on the caller's thread —
+    the runtime passes one that runs on its engine loop)."""
+    return KVStore(
+        engine.spec,
+        model_fingerprint(engine.model),
+        engine.template.version,
+        cache_dir,
+        index,
+        budgets,
+        precompute or engine.precompute,
+        engine.pipeline_layers,
+        read_threads=read_threads,
+        max_precompute_tokens=max_precompute_tokens,
+        direct_io=direct_io,
+        disk_format=disk_format,
+    )

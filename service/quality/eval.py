@@ -1,0 +1,296 @@
+"""The quality eval: each variant (naive, turbo reordered, turbo composite, later turbo + recompute) answers every
+sample greedily; rows compare it with the answers and with a naive reference run.
+
+Every sample is built from token ids as the service builds it: each chunk encoded on its own without special
+tokens (the chunker's convention), wrapped by `template.chunk_block`, the question by `engine.encode_question`.
+Chunk KV is precomputed once per sample, outside the timed path, so `ttft_ms` is the served time of a request
+whose blocks are already on the device: stitch + question prefill + first token (naive: the full prefill).
+
+The reference is a separate naive run, so the naive row compares two independent runs: its agreement of 1.0 and
+KL of 0 are a check of determinism that every table carries, not a definition.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.kv_layout import KVBlock
+from service.engine.prompt import PromptIds, encode
+from service.engine.sampling import SamplingParams
+from service.engine.stitch import PositionMode
+from service.quality.dataset import QADataError, QASample
+from service.quality.metrics import best_f1, contains_answer, kl_divergence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 32
+PROGRESS_EVERY = 50  # samples between progress lines: a 7B eval of 500 samples runs for minutes
+
+
+class RecomputeKind(StrEnum):
+    NONE = "none"
+    PREFIX = "prefix"  # recompute the first N tokens of every chunk against the stitched context
+    SELECTIVE = "selective"  # recompute the share R of context tokens whose KV deviates most
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """How much of the stitched context a variant recomputes: tokens for `prefix`, a share for `selective`."""
+
+    kind: RecomputeKind = RecomputeKind.NONE
+    amount: float = 0.0
+
+    def __str__(self) -> str:
+        if self.kind is RecomputeKind.NONE:
+            return "none"
+        if self.kind is RecomputeKind.PREFIX:
+            return f"prefix:{int(self.amount)}"
+        return f"selective:{self.amount:g}"
+
+
+class RecomputeUnavailableError(ValueError):
+    """A valid recompute spec the engine cannot run yet."""
+
+
+def parse_recompute(spec: str) -> Recompute:
+    """`none`, `prefix:N` (N ≥ 0 tokens) or `selective:R` (0 ≤ R ≤ 1); ValueError naming what is wrong."""
+    kind_text, _, value = spec.strip().partition(":")
+    try:
+        kind = RecomputeKind(kind_text)
+    except ValueError:
+        raise ValueError(f"recompute {spec!r}: the kind must be none, prefix:N or selective:R") from None
+    if kind is RecomputeKind.NONE:
+        if value:
+            raise ValueError(f"recompute {spec!r}: none takes no value")
+        return Recompute()
+    if kind is RecomputeKind.PREFIX:
+        if not value.isdigit():
+            raise ValueError(f"recompute {spec!r}: prefix:N needs N, a whole number of tokens ≥ 0")
+        return Recompute(kind, float(int(value)))
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:  # nan fails this too
+        raise ValueError(f"recompute {spec!r}: selective:R needs R, a share of tokens within 0..1")
+    return Recompute(kind, share)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of answering: a row of the table. `positions` is None for naive (plain positions 0..N-1)."""
+
+    mode: GenerationMode
+    positions: PositionMode | None = None
+    recompute: Recompute = field(default_factory=Recompute)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode.value}/{self.positions.value if self.positions else '-'}/{self.recompute}"
+
+
+NAIVE = Variant(GenerationMode.NAIVE)
+
+
+def table_variants(recomputes: Sequence[Recompute] = (Recompute(),)) -> list[Variant]:
+    """Naive, then turbo reordered and composite for each recompute setting (TurboRAG's Table 1 rows)."""
+    turbo = [
+        Variant(GenerationMode.TURBO, positions, recompute)
+        for recompute in recomputes
+        for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
+    ]
+    return [NAIVE, *turbo]
+
+
+def check_available(variant: Variant) -> None:
+    """Raise `RecomputeUnavailableError` for what the engine cannot run yet (any recompute)."""
+    if variant.recompute.kind is not RecomputeKind.NONE:
+        raise RecomputeUnavailableError(
+            f"recompute {variant.recompute} is not available yet: the engine has no recompute step "
+            "(only 'none' runs today)"
+        )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One sample as the engine sees it: its prompt ids and its chunks' precomputed KV."""
+
+    sample: QASample
+    prompt: PromptIds
+    chunk_kv: list[KVBlock]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One variant's greedy answer to one case."""
+
+    token_ids: tuple[int, ...]  # as generated, a final EOS included
+    text: str
+    first_logits: torch.Tensor  # fp32 [vocab], the distribution of the first answer token
+    ttft_ms: float
+
+
+def prepare(engine: StitchEngine, sample: QASample, max_new_tokens: int, source: str = "data") -> Case:
+    """Token ids of a sample (chunks like the chunker encodes them) and its chunks' KV; QADataError when the
+    prompt and the answer budget do not fit the model's context."""
+    chunk_ids = [encode(engine.tokenizer, chunk) for chunk in sample.chunks]
+    prompt = engine.template.prompt(chunk_ids, engine.encode_question(sample.question))
+    needed = len(prompt.joined()) + max_new_tokens
+    if needed > engine.spec.max_context:
+        raise QADataError(
+            f"{source} line {sample.line}: the prompt ({len(prompt.joined())} tokens) and {max_new_tokens} new "
+            f"tokens exceed the model's context of {engine.spec.max_context}"
+        )
+    return Case(sample, prompt, engine.precompute(prompt.blocks))
+
+
+def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> torch.Tensor:
+    """The variant's logits for the first answer token (a prefill of its own, outside the timed path)."""
+    if variant.mode is GenerationMode.NAIVE:
+        return engine.prefill_naive(case.prompt)[1].float().cpu()
+    positions = variant.positions or PositionMode.REORDERED
+    return engine.prefill_stitched(case.chunk_kv, case.prompt.question, positions)[1].float().cpu()
+
+
+def run_variant(engine: StitchEngine, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
+    """Generate greedily through the served path (`generate`), then read the first-token distribution."""
+    check_available(variant)
+    positions = variant.positions or PositionMode.REORDERED
+    chunk_kv = case.chunk_kv if variant.mode is GenerationMode.TURBO else None
+    stream = engine.generate(case.prompt, sampling, variant.mode, positions, chunk_kv=chunk_kv)
+    for _ in stream:
+        pass
+    result = stream.result
+    logits = first_token_logits(engine, case, variant)
+    return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
+
+
+@dataclass
+class Scores:
+    """Per-sample scores of one variant; `row` reduces them."""
+
+    variant: Variant
+    correct: list[bool] = field(default_factory=list)
+    f1: list[float] = field(default_factory=list)
+    first_token_same: list[bool] = field(default_factory=list)
+    answer_same: list[bool] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+
+    def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> None:
+        self.correct.append(contains_answer(outcome.text, sample.answers))
+        self.f1.append(best_f1(outcome.text, sample.answers))
+        self.first_token_same.append(outcome.token_ids[:1] == reference.token_ids[:1])
+        self.answer_same.append(outcome.token_ids == reference.token_ids)
+        self.kl.append(kl_divergence(reference.first_logits, outcome.first_logits))
+        self.ttft_ms.append(outcome.ttft_ms)
+
+    def row(self) -> Row:
+        return Row(
+            mode=self.variant.mode.value,
+            positions=self.variant.positions.value if self.variant.positions else None,
+            recompute=str(self.variant.recompute),
+            accuracy=_mean(self.correct),
+            f1=_mean(self.f1),
+            first_token_agreement=_mean(self.first_token_same),
+            answer_agreement=_mean(self.answer_same),
+            kl_first_token=_mean(self.kl),
+            ttft_ms=statistics.median(self.ttft_ms) if self.ttft_ms else float("nan"),
+        )
+
+
+def _mean(values: Sequence[float | bool]) -> float:
+    return sum(float(v) for v in values) / len(values) if values else float("nan")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table (and of the JSON `rows`)."""
+
+    mode: str
+    positions: str | None
+    recompute: str
+    accuracy: float
+    f1: float
+    first_token_agreement: float
+    answer_agreement: float
+    kl_first_token: float
+    ttft_ms: float
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    samples: int
+    max_new_tokens: int
+    rows: list[Row]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "max_new_tokens": self.max_new_tokens,
+            "rows": [r.as_json() for r in self.rows],
+        }
+
+
+def evaluate(
+    engine: StitchEngine,
+    samples: Sequence[QASample],
+    variants: Sequence[Variant],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    source: str = "data",
+) -> EvalReport:
+    """Score every variant on every sample against the answers and a naive reference run.
+
+    Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
+    allocator growth would otherwise land in the first TTFTs).
+    """
+    for variant in variants:
+        check_available(variant)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    scores = [Scores(v) for v in variants]
+    for index, sample in enumerate(samples):
+        case = prepare(engine, sample, max_new_tokens, source)
+        if index == 0:
+            for variant in variants:
+                run_variant(engine, case, variant, sampling)
+        reference = run_variant(engine, case, NAIVE, sampling)
+        for score in scores:
+            score.add(sample, run_variant(engine, case, score.variant, sampling), reference)
+        if (index + 1) % PROGRESS_EVERY == 0:
+            log.info("%d/%d samples", index + 1, len(samples))
+    return EvalReport(len(samples), max_new_tokens, [s.row() for s in scores])
+
+
+_COLUMNS = ("mode", "positions", "recompute", "accuracy", "f1", "ftok_agree", "ans_agree", "kl_ftok", "ttft_ms")
+
+
+def format_table(report: EvalReport) -> str:
+    """A fixed-width table of the rows, for the terminal."""
+    lines = [f"{report.samples} samples, greedy, up to {report.max_new_tokens} new tokens"]
+    widths = [8, 10, 14, 9, 7, 11, 10, 10, 9]
+    lines.append(" ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)))
+    for row in report.rows:
+        cells = (
+            row.mode,
+            row.positions or "-",
+            row.recompute,
+            f"{row.accuracy:.3f}",
+            f"{row.f1:.3f}",
+            f"{row.first_token_agreement:.3f}",
+            f"{row.answer_agreement:.3f}",
+            f"{row.kl_first_token:.2e}",
+            f"{row.ttft_ms:.2f}",
+        )
+        lines.append(" ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Retrieval for many concurrent questions: one embedding batch and one Qdrant batch query per round.
+
+Each request thread calls `retrieve(text, top_k)` and blocks. One retrieval thread takes every question waiting
+at that moment, embeds them in one batch and searches them in one batched query, then wakes each caller with its
+hits. Nothing waits for a batch to fill: a lone question goes at once (no added latency at one client), and
+under load the questions that arrive while a round runs form the next round. Retrieval never runs on the engine
+loop, so it overlaps the GPU's work.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from service.errors import UnavailableError
+from service.retrieval.collection import RetrievedChunk
+
+DEFAULT_MAX_BATCH = 64
+
+EmbedMany = Callable[[Sequence[str]], list[list[float]]]
+SearchMany = Callable[[Sequence[Sequence[float]], Sequence[int]], list[list[RetrievedChunk]]]
+
+
+@dataclass
+class _Pending:
+    text: str
+    top_k: int
+    result: concurrent.futures.Future[list[RetrievedChunk]] = field(default_factory=concurrent.futures.Future)
+
+
+class RetrievalBatcher:
+    """Batches concurrent `retrieve` calls; `rounds` and `batched` count what it did (tests, metrics)."""
+
+    def __init__(self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self._embed = embed
+        self._search = search
+        self.max_batch = max_batch
+        self._waiting: queue.Queue[_Pending | None] = queue.Queue()
+        self.rounds = 0
+        self.largest_round = 0
+        self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
+        self._thread.start()
+
+    def retrieve(self, text: str, top_k: int) -> list[RetrievedChunk]:
+        """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
+        pending = _Pending(text, top_k)
+        self._waiting.put(pending)
+        return pending.result.result()
+
+    def close(self) -> None:
+        self._waiting.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (first := self._waiting.get()) is not None:
+            batch = [first]
+            closing = False
+            while len(batch) < self.max_batch:
+                try:
+                    more = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            self._round(batch)
+            if closing:
+                return
+
+    def _round(self, batch: list[_Pending]) -> None:
+        self.rounds += 1
+        self.largest_round = max(self.largest_round, len(batch))
+        try:
+            vectors = self._embed([p.text for p in batch])
+            hits = self._searched(vectors, [p.top_k for p in batch])
+        except BaseException as err:  # every caller of this round learns why
+            for pending in batch:
+                pending.result.set_exception(err)
+            return
+        for pending, found in zip(batch, hits, strict=True):
+            pending.result.set_result(found)
+
+    def _searched(self, vectors: list[list[float]], top_ks: list[int]) -> list[list[RetrievedChunk]]:
+        try:
+            return self._search(vectors, top_ks)
+        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
+            raise UnavailableError("Qdrant", err) from err

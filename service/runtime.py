@@ -1,0 +1,276 @@
+"""The composition root: from `Settings` to everything one process works with, and its lifecycle.
+
+Entry points open it — `kvstitch serve` (through the server behind the HTTP facade), `kvstitch worker` and
+`kvstitch ingest --embedded` — and nothing below them reads settings. Redis configured means the distributed
+form (Redis KV index, Redis Streams queue, job statuses and document order in Redis); unset means the embedded
+form (SQLite index, in-process queue, statuses and order). Qdrant is embedded under the data dir unless a URL is
+set. Every use of the model goes through the runtime's one `EngineLoop`: answers, the KV store's miss precompute,
+ingestion's precompute, the gate and the warm-up.
+
+The in-process ingest worker is started here but built by the entry point (`start_worker(factory)`): the
+worker loop lives in `workers/`, which the core never imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import torch
+
+from service.engine.engine import StitchEngine
+from service.engine.gate import run_gate
+from service.engine.model import load_model
+from service.engine_loop import EngineLoop
+from service.ingest import IngestCounts, Ingestor, IngestParts
+from service.jobs.documents import DocumentLimits
+from service.jobs.ordering import DocumentOrder, InMemoryDocumentOrder, RedisDocumentOrder
+from service.jobs.queue import InProcessQueue, JobQueue, RedisStreamQueue
+from service.jobs.status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
+from service.kv_for_engine import kv_store_for
+from service.kvcache.index import KVIndex, open_index, repair
+from service.kvcache.precompute import Precompute
+from service.kvcache.store import KVStore, TierBudgets
+from service.retrieval.batcher import RetrievalBatcher
+from service.retrieval.chunker import Chunker, ChunkerConfig
+from service.retrieval.collection import ChunkCollection
+from service.retrieval.embedder import Embedder
+from service.settings import MIB, Settings
+
+log = logging.getLogger(__name__)
+
+# The start-up gate: a few short chunks, so it costs a second on a 7B model yet still catches a wrong rotation.
+GATE_CHUNK_LENGTHS = (24, 40, 17)
+GATE_QUESTION_LENGTH = 12
+WORKER_JOIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    passed: bool
+    max_abs_logit_diff: float | None
+    tolerance: float | None
+    skipped: bool = False
+
+
+class BackgroundWorker(Protocol):
+    """An ingest worker loop the runtime runs on a thread (the in-process worker of the embedded form)."""
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+# Called with ("done" | "failed" | "retry", the job's counts or None) as each delivery ends (metrics).
+JobFinished = Callable[[str, IngestCounts | None], None]
+WorkerFactory = Callable[["Runtime", JobFinished | None], BackgroundWorker]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("KVSTITCH_DEVICE=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def tier_budgets(settings: Settings, device: torch.device) -> TierBudgets:
+    """On a CPU host the "GPU" tier would be RAM beside the host tier; only the host tier is kept there."""
+    gpu = settings.gpu_cache_mb * MIB if device.type == "cuda" else 0
+    return TierBudgets(gpu_bytes=gpu, host_bytes=settings.host_cache_mb * MIB, disk_bytes=settings.disk_cache_mb * MIB)
+
+
+@dataclass
+class Runtime:
+    """Everything a gateway or worker process works with; `close` releases it in reverse order."""
+
+    settings: Settings
+    engine: StitchEngine
+    loop: EngineLoop
+    index: KVIndex
+    store: KVStore
+    embedder: Embedder
+    collection: ChunkCollection
+    chunker: Chunker
+    queue: JobQueue
+    jobs: JobStatusStore
+    order: DocumentOrder
+    precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
+    retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
+    closed: bool = field(default=False, init=False)
+    _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
+    _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
+
+    @property
+    def limits(self) -> DocumentLimits:
+        return DocumentLimits(self.settings.max_document_chars, self.settings.max_documents_per_job)
+
+    def ingestor(self) -> Ingestor:
+        parts = IngestParts(
+            self.engine.template,
+            self.precompute,
+            self.store,
+            self.embedder,
+            self.collection,
+            self.chunker,
+            self.order,
+        )
+        return Ingestor(parts, self.settings.max_precompute_tokens)
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+
+    def run_gate(self) -> GateOutcome:
+        """The correctness gate on a small sample, on the engine loop (skipped when the settings say so)."""
+        if not self.settings.gate_on_start:
+            return GateOutcome(True, None, None, skipped=True)
+        result = self.loop.call(
+            lambda: run_gate(self.engine, GATE_CHUNK_LENGTHS, GATE_QUESTION_LENGTH, self.settings.gate_tolerance)
+        )
+        log.info("start-up gate: max |logit diff| %.3e (tolerance %.1e)", result.max_abs_logit_diff, result.tolerance)
+        return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance)
+
+    def warm_up(self) -> None:
+        """Capture the CUDA-graph decode step for a typical request now, so the first user does not pay for it
+        (30-100 ms on an H200); other sizes are captured on first use."""
+        graphs = self.engine.decode_graphs
+        if graphs is None:
+            return
+        settings = self.settings
+        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens  # top-5 chunks, a question
+        start = time.perf_counter()
+        try:
+            self.loop.call(lambda: graphs.warm(min(typical, self.engine.spec.max_context)))
+        except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
+            log.exception("decode graph warm-up failed")
+            return
+        log.info("decode graph captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+
+    def start_worker(self, factory: WorkerFactory, on_job_finished: JobFinished | None = None) -> None:
+        """Run an ingest worker built by `factory` on a thread of this process until `close`."""
+        if self._worker is not None:
+            raise RuntimeError("the in-process worker is already running")
+        self._worker = factory(self, on_job_finished)
+        self._worker_thread = threading.Thread(target=self._worker.run, name="ingest-worker", daemon=True)
+        self._worker_thread.start()
+
+    # ---- shutdown -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._worker is not None:
+            self._worker.stop()
+        self._safely(self.queue.close)  # wakes the worker if it waits for a job
+        if self._worker_thread is not None:
+            self._worker_thread.join(timeout=WORKER_JOIN_S)
+        for close in (self.loop.close, self.retrieval.close, self.jobs.close, self.order.close, self.store.close):
+            self._safely(close)
+        for close in (self.index.close, self.collection.close):
+            self._safely(close)
+
+    @staticmethod
+    def _safely(close: Callable[[], Any]) -> None:
+        try:
+            close()
+        except Exception:  # closing the rest matters more than one failed close
+            log.exception("error while closing %s", close)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_engine(settings: Settings) -> StitchEngine:
+    if not settings.model:
+        raise ValueError("no model configured: pass --model or set KVSTITCH_MODEL")
+    device = resolve_device(settings.device)
+    model = load_model(settings.model, device, resolve_dtype(settings.dtype, device))
+    return StitchEngine(model)
+
+
+def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precompute: Precompute) -> KVStore:
+    kv_dir = settings.kv_dir
+    kv_dir.mkdir(parents=True, exist_ok=True)
+    report = repair(index, kv_dir)
+    if report.reindexed or report.entries_removed or report.corrupt_removed or report.temp_removed:
+        log.info("KV cache repaired at start: %s", report)
+    return kv_store_for(
+        engine,
+        kv_dir,
+        index,
+        tier_budgets(settings, engine.spec.device),
+        precompute=precompute,
+        max_precompute_tokens=settings.max_precompute_tokens,
+        direct_io=settings.direct_io,
+        disk_format=settings.kv_disk_format,
+    )
+
+
+def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrder]:
+    """The job queue, statuses and document order: in Redis when configured, in this process otherwise."""
+    if settings.redis_url:
+        prefix = settings.redis_prefix
+        queue = RedisStreamQueue(
+            settings.redis_url,
+            stream=f"{prefix}:ingest",
+            group=f"{prefix}-workers",
+            dead_letter=f"{prefix}:ingest:dead",
+            max_attempts=settings.job_max_attempts,
+        )
+        jobs = RedisJobStatusStore(settings.redis_url, prefix=f"{prefix}:job")
+        return queue, jobs, RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc")
+    return InProcessQueue(max_attempts=settings.job_max_attempts), InMemoryJobStatusStore(), InMemoryDocumentOrder()
+
+
+def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
+    if settings.qdrant_url:
+        return ChunkCollection(settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+    return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path)
+
+
+def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedder: Embedder | None = None) -> Runtime:
+    """Open every component (the engine and embedder too unless given, e.g. shared by tests)."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = engine or open_engine(settings)
+    loop = EngineLoop(settings.max_queue)
+    precompute = loop.bind(engine.precompute)
+    index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")
+    store = open_store(settings, engine, index, precompute)
+    embedder = embedder or Embedder(settings.embedding_model, device=settings.embedding_device)
+    collection = open_collection(settings, embedder.dimension)
+    config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
+    queue, jobs, order = open_jobs(settings)
+    retrieval = RetrievalBatcher(embedder.embed_queries, collection.search_many)
+    return Runtime(
+        settings,
+        engine,
+        loop,
+        index,
+        store,
+        embedder,
+        collection,
+        Chunker(engine.tokenizer, config),
+        queue,
+        jobs,
+        order,
+        precompute,
+        retrieval,
+    )

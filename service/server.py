@@ -1,0 +1,272 @@
+"""The service in this process, as the HTTP layer sees it (`Facade`): start-up, readiness, answers, jobs, metrics.
+
+Start-up runs on a background thread, so `/healthz` answers while the model loads: open the runtime (the
+composition root), run the correctness gate on a small sample (unless turned off), warm the CUDA graphs, start
+the in-process ingest worker when the settings ask for one, and only then report ready. A failure is kept and
+shown by `readiness`. The worker loop itself is handed in by the entry point (`worker_factory`): the core never
+imports `workers/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from service.answer import Answerer, Question
+from service.answer_session import AnswerSession
+from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.sampling import SamplingParams
+from service.engine.stitch import PositionMode
+from service.engine_loop import EngineBusyError
+from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError, UnknownDocumentError
+from service.facade import AnswerRequest, DocumentPage, RequestLimits
+from service.jobs.documents import Document, IngestJob, JobError, parse_job
+from service.jobs.status import JobStatus
+from service.jobs.submit import new_job_id, submit_delete, submit_ingest
+from service.metrics import Metrics
+from service.retrieval.collection import DocumentSummary
+from service.retrieval.embedder import Embedder
+from service.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
+from service.settings import MIB, Settings
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """Implements `service.facade.Facade` over one runtime."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: StitchEngine | None = None,
+        embedder: Embedder | None = None,
+        worker_factory: WorkerFactory | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.runtime: Runtime | None = None
+        self.answerer: Answerer | None = None
+        self.gate: GateOutcome | None = None
+        self.startup_error: str | None = None
+        self.started = threading.Event()
+        self._given = (engine, embedder)
+        self._worker_factory = worker_factory
+        self._model_name = _model_name(settings.model)
+        self._limits = RequestLimits(settings.max_request_mb * MIB, settings.api_key)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self._limits
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        threading.Thread(target=self.start_now, name="server-start", daemon=True).start()
+
+    def start_now(self) -> None:
+        """Open, check and warm everything (on the calling thread); errors are kept for `readiness`."""
+        try:
+            began = time.perf_counter()
+            runtime = self.runtime = open_runtime(self.settings, *self._given)
+            self.metrics.watch_store(runtime.store.stats)
+            self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
+            self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
+            self.gate = runtime.run_gate()
+            if self.gate.max_abs_logit_diff is not None:
+                self.metrics.gate_diff.set(self.gate.max_abs_logit_diff)
+            if not self.gate.passed:
+                raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
+            runtime.warm_up()
+            self.answerer = Answerer(runtime.engine, runtime.store, runtime.retrieval.retrieve)
+            self._start_worker(runtime)
+            log.info("kvstitch ready in %.1f s (model %s)", time.perf_counter() - began, self.model_name)
+        except Exception as err:
+            log.exception("start-up failed")
+            self.startup_error = f"{type(err).__name__}: {err}"
+        finally:
+            self.started.set()
+
+    def _start_worker(self, runtime: Runtime) -> None:
+        if not self.settings.worker_in_process:
+            return
+        if self._worker_factory is None:
+            raise RuntimeError("this form needs the in-process ingest worker, but the entry point gave none")
+        runtime.start_worker(self._worker_factory, self.metrics.ingest_finished)
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.answerer is not None and self.startup_error is None
+
+    def readiness(self) -> dict[str, Any]:
+        """Each check and why it fails (what `/readyz` reports)."""
+        checks: dict[str, Any] = {}
+        if self.startup_error is not None:
+            checks["startup"] = self.startup_error
+        elif not self.started.is_set():
+            checks["startup"] = "loading"
+        checks["model"] = "loaded" if self.runtime is not None else "not loaded"
+        checks["gate"] = _gate_state(self.gate)
+        if self.runtime is not None:
+            checks["index"] = _probe(self.runtime.index.total_bytes)
+            checks["qdrant"] = "ok" if self.runtime.collection.ping() else "unreachable"
+        ok = self.ready and checks.get("index") == "ok" and checks.get("qdrant") == "ok"
+        self.metrics.ready.set(1 if ok else 0)
+        return {"ready": ok, "checks": checks}
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def count_request(self, route: str, status: int) -> None:
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    def _ready_runtime(self) -> Runtime:
+        if self.runtime is None or not self.ready:
+            raise NotReadyError(self.startup_error or "the model is still loading")
+        return self.runtime
+
+    # ---- answers --------------------------------------------------------------------------------------------
+
+    def open_answer(self, request: AnswerRequest) -> AnswerSession:
+        started = time.perf_counter()
+        runtime = self._ready_runtime()
+        assert self.answerer is not None
+        question = self._question(request)
+        try:
+            question = self.answerer.prepare(question)
+        except ValueError as err:
+            raise InvalidRequestError("max_new_tokens", str(err)) from err
+        try:
+            admission = runtime.loop.admit()
+        except EngineBusyError as err:
+            self.metrics.rejected.labels("busy").inc()
+            raise BusyError(f"server busy: {err}; retry shortly") from err
+        try:
+            retrieval = self.answerer.retrieve(question)
+        except BaseException as err:
+            admission.release()
+            if isinstance(err, UnavailableError):
+                self.metrics.rejected.labels("dependency").inc()
+            raise
+        return AnswerSession(runtime.loop, self.answerer, self.metrics, question, retrieval, admission, started)
+
+    def _question(self, request: AnswerRequest) -> Question:
+        """The request as a `Question`, within the bounds the settings set."""
+        settings = self.settings
+        if len(request.question) > settings.max_question_chars:
+            raise InvalidRequestError(
+                "question", f"at most {settings.max_question_chars} characters (got {len(request.question)})"
+            )
+        if not request.question.strip():
+            raise InvalidRequestError("question", "must not be blank")
+        if request.top_k > settings.max_top_k:
+            raise InvalidRequestError("top_k", f"at most {settings.max_top_k}")
+        max_new = request.max_new_tokens or settings.default_max_new_tokens
+        if max_new > settings.max_new_tokens_limit:
+            raise InvalidRequestError("max_new_tokens", f"at most {settings.max_new_tokens_limit} (got {max_new})")
+        try:
+            sampling = SamplingParams(
+                max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p, seed=request.seed
+            )
+        except ValueError as err:
+            raise InvalidRequestError("sampling", str(err)) from err
+        return Question(
+            text=request.question,
+            top_k=request.top_k,
+            mode=GenerationMode(request.mode),
+            positions=PositionMode(request.positions),
+            sampling=sampling,
+        )
+
+    # ---- jobs -----------------------------------------------------------------------------------------------
+
+    def submit_ingest(self, documents: Sequence[Document]) -> str:
+        runtime = self._ready_runtime()
+        job_id = new_job_id()
+        try:  # the worker's own checks, answered now instead of as a failed job
+            parse_job(IngestJob(job_id, tuple(documents)).to_payload(), runtime.limits)
+        except JobError as err:
+            raise InvalidRequestError("documents", str(err)) from err
+        try:
+            submit_ingest(runtime.queue, runtime.jobs, runtime.order, documents, job_id)
+        except Exception as err:  # Redis away: the job was not queued, say so
+            raise UnavailableError("the job queue", err) from err
+        self.metrics.ingest_jobs.labels("submitted").inc()
+        return job_id
+
+    def submit_delete(self, doc_id: str) -> str:
+        runtime = self._ready_runtime()
+        try:
+            stored = bool(runtime.collection.document_points(doc_id))
+        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
+            raise UnavailableError("Qdrant", err) from err
+        try:
+            # Known: stored now, or a job for it still to run (an ingest just sent must be deletable at once).
+            if not stored and not runtime.order.pending(doc_id):
+                raise UnknownDocumentError(f"no document {doc_id!r}")
+            job_id = submit_delete(runtime.queue, runtime.jobs, runtime.order, doc_id)
+        except UnknownDocumentError:
+            raise
+        except Exception as err:
+            raise UnavailableError("the job queue", err) from err
+        self.metrics.ingest_jobs.labels("submitted").inc()
+        return job_id
+
+    def job_status(self, job_id: str) -> JobStatus | None:
+        runtime = self._ready_runtime()
+        try:
+            return runtime.jobs.get(job_id)
+        except Exception as err:
+            raise UnavailableError("the job status store", err) from err
+
+    # ---- documents ------------------------------------------------------------------------------------------
+
+    def list_documents(self, offset: int, limit: int) -> DocumentPage:
+        documents = self._documents(None)
+        return DocumentPage(len(documents), offset, documents[offset : offset + limit])
+
+    def get_document(self, doc_id: str) -> DocumentSummary:
+        found = self._documents(doc_id)
+        if not found:
+            raise UnknownDocumentError(f"no document {doc_id!r}")
+        return found[0]
+
+    def _documents(self, doc_id: str | None) -> list[DocumentSummary]:
+        runtime = self._ready_runtime()
+        try:
+            return runtime.collection.documents(doc_id)
+        except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
+            raise UnavailableError("Qdrant", err) from err
+
+
+def _gate_state(gate: GateOutcome | None) -> str:
+    if gate is None:
+        return "pending"
+    if gate.skipped:
+        return "skipped"
+    return f"{'passed' if gate.passed else 'failed'} (max |logit diff| {gate.max_abs_logit_diff:.2e})"
+
+
+def _probe(check: Any) -> str:
+    try:
+        check()
+    except Exception as err:  # any failure means the index cannot serve requests now
+        return f"unreachable: {type(err).__name__}: {err}"
+    return "ok"
+
+
+def _model_name(model: str) -> str:
+    """What /v1/models lists: a hub id as given, a folder by its name."""
+    return model.rstrip("/").rsplit("/", 1)[-1] if model.startswith(("/", ".")) else model

@@ -1,0 +1,190 @@
+"""`kvstitch eval` on the tiny CPU models: deterministic rows, --limit, clear exit-2 errors, and the identities
+(naive against an independent naive run agrees fully with zero KL; answers equal to the output score 1.0)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.cli import main
+from service.engine.engine import StitchEngine
+from service.engine.prompt import encode
+from service.engine.sampling import SamplingParams
+from service.quality.dataset import QASample, read_samples
+from service.quality.eval import NAIVE, evaluate, prepare, run_variant, table_variants
+from service.quality.generator import write_qa_file
+from service.quality.metrics import normalize_answer
+
+ROW_FIELDS = {
+    "mode",
+    "positions",
+    "recompute",
+    "accuracy",
+    "f1",
+    "first_token_agreement",
+    "answer_agreement",
+    "kl_first_token",
+    "ttft_ms",
+}
+
+
+@pytest.fixture
+def qa_file(tmp_path: Path) -> Path:
+    return write_qa_file(tmp_path / "qa.jsonl", questions=4, chunks=3, seed=11, two_fact_share=0.5)
+
+
+def _eval_json(model: Path, data: Path, out: Path, *extra: str) -> dict[str, Any]:
+    code = main(["eval", "--model", str(model), "--data", str(data), "--device", "cpu", "--json", str(out), *extra])
+    assert code == 0
+    record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    return record
+
+
+def _without_timing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows minus ttft_ms: wall-clock time is the one column that cannot repeat."""
+    return [{k: v for k, v in row.items() if k != "ttft_ms"} for row in rows]
+
+
+def test_eval_gives_the_same_numbers_twice(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model_dirs["qwen2"]
+    first = _eval_json(model, qa_file, tmp_path / "1.json", "--max-new-tokens", "6")
+    second = _eval_json(model, qa_file, tmp_path / "2.json", "--max-new-tokens", "6")
+    assert _without_timing(first["rows"]) == _without_timing(second["rows"])
+    assert first["samples"] == 4 and first["max_new_tokens"] == 6
+    assert [(r["mode"], r["positions"], r["recompute"]) for r in first["rows"]] == [
+        ("naive", None, "none"),
+        ("turbo", "reordered", "none"),
+        ("turbo", "composite", "none"),
+    ]
+    for row in first["rows"]:
+        assert set(row) == ROW_FIELDS
+        assert row["first_token_agreement"] >= row["answer_agreement"]  # same answer implies same first token
+        assert row["kl_first_token"] >= 0.0 and row["ttft_ms"] > 0.0
+    tables = capsys.readouterr().out  # both runs' tables
+    assert tables.count("4 samples, greedy, up to 6 new tokens") == 2 and tables.count("\nturbo ") == 4
+
+
+def test_limit_takes_the_first_n_samples(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
+    first_two = tmp_path / "two.jsonl"
+    first_two.write_text("".join(qa_file.read_text(encoding="utf-8").splitlines(keepends=True)[:2]), encoding="utf-8")
+    model = tiny_model_dirs["llama"]
+    limited = _eval_json(model, qa_file, tmp_path / "limited.json", "--limit", "2", "--max-new-tokens", "4")
+    direct = _eval_json(model, first_two, tmp_path / "direct.json", "--max-new-tokens", "4")
+    assert limited["samples"] == direct["samples"] == 2
+    assert _without_timing(limited["rows"]) == _without_timing(direct["rows"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_naive_against_a_separate_naive_run_agrees_fully(get_engine: Any, arch: str, tmp_path: Path) -> None:
+    engine: StitchEngine = get_engine(arch)
+    samples = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=3, chunks=3, seed=2))
+    report = evaluate(engine, samples, [NAIVE, NAIVE, *table_variants()[1:]], max_new_tokens=5)
+    naive, again, reordered, composite = report.rows
+    for row in (naive, again):
+        assert row.first_token_agreement == 1.0 and row.answer_agreement == 1.0
+        assert row.kl_first_token == 0.0
+    assert naive.accuracy == again.accuracy and naive.f1 == again.f1
+    # A random model was never trained on block attention: composite positions move its first-token distribution.
+    assert composite.kl_first_token > 0.0
+    assert reordered.kl_first_token >= 0.0 and 0.0 <= reordered.answer_agreement <= 1.0
+
+
+def _naive_answer(engine: StitchEngine, sample: QASample, tokens: int) -> str:
+    chunks = [encode(engine.tokenizer, c) for c in sample.chunks]
+    prompt = engine.template.prompt(chunks, engine.encode_question(sample.question))
+    stream = engine.generate(prompt, SamplingParams(max_new_tokens=tokens), "naive")
+    for _ in stream:
+        pass
+    return stream.result.text
+
+
+def test_answers_equal_to_the_naive_output_score_one(get_engine: Any, tmp_path: Path) -> None:
+    engine: StitchEngine = get_engine("qwen2")
+    samples = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=6, chunks=2, seed=4, two_fact_share=0.0))
+    own = []
+    for s in samples:
+        text = _naive_answer(engine, s, 6)
+        if normalize_answer(text):  # the parser refuses answers that normalise to nothing
+            own.append(QASample(s.question, s.chunks, (text,), s.line))
+    assert own, "the tiny model produced no scorable answer"
+    naive = evaluate(engine, own, [NAIVE], max_new_tokens=6).rows[0]
+    assert naive.accuracy == 1.0 and naive.f1 == 1.0
+    wrong = [QASample(s.question, s.chunks, ("Zzyzx Qworp",), s.line) for s in own]
+    assert evaluate(engine, wrong, [NAIVE], max_new_tokens=6).rows[0].accuracy == 0.0
+
+
+@pytest.mark.parametrize(
+    ("third_line", "message"),
+    [
+        ('{"question": "Q?", "chunks": ["c"], "answers": []}', 'bad.jsonl line 3: "answers" must be a non-empty list'),
+        ('{"question": "Q?", "chunks": "c", "answers": ["a"]}', 'bad.jsonl line 3: "chunks" must be a non-empty list'),
+        ('{"chunks": ["c"], "answers": ["a"]}', 'bad.jsonl line 3: "question" must be a non-empty string'),
+        ('{"question": "Q?", "chunks": ["c"], "answers": ["an"]}', 'bad.jsonl line 3: "answers"[0]'),
+        ('"just a string"', "bad.jsonl line 3: must be a JSON object"),
+        ('{"question": "Q?",', "bad.jsonl line 3: not valid JSON"),
+    ],
+)
+def test_bad_lines_exit_2_naming_line_and_field(
+    tiny_model_dirs: dict[str, Path],
+    qa_file: Path,
+    tmp_path: Path,
+    third_line: str,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    good = qa_file.read_text(encoding="utf-8").splitlines()[:2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*good, third_line, good[0]]) + "\n", encoding="utf-8")
+    code = main(["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(bad), "--device", "cpu"])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_context_names_its_line(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long_line = json.dumps({"question": "Q?", "chunks": ["word " * 5000], "answers": ["word"]})
+    data = tmp_path / "long.jsonl"
+    data.write_text(qa_file.read_text(encoding="utf-8").splitlines()[0] + "\n" + long_line + "\n", encoding="utf-8")
+    code = main(["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(data), "--device", "cpu"])
+    assert code == 2
+    assert "long.jsonl line 2: the prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("prefix:4", "recompute prefix:4 is not available yet"),
+        ("selective:0.2", "recompute selective:0.2 is not available yet"),
+        ("prefix:-3", "prefix:N needs N, a whole number of tokens"),
+        ("selective:2", "selective:R needs R, a share of tokens within 0..1"),
+        ("everything", "the kind must be none, prefix:N or selective:R"),
+    ],
+)
+def test_recompute_other_than_none_is_refused_with_exit_2(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, spec: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(qa_file), "--device", "cpu"]
+    assert main([*args, "--recompute", "none", "--recompute", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recompute_none_runs_once(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
+    extra = ["--recompute", "none", "--recompute", "none", "--limit", "1"]
+    record = _eval_json(tiny_model_dirs["mistral"], qa_file, tmp_path / "r.json", *extra)
+    assert [r["recompute"] for r in record["rows"]] == ["none", "none", "none"]
+
+
+def test_the_first_token_distribution_is_the_one_decoding_started_from(get_engine: Any, tmp_path: Path) -> None:
+    engine: StitchEngine = get_engine("llama")
+    sample = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=1, chunks=4, seed=9))[0]
+    case = prepare(engine, sample, max_new_tokens=3)
+    sampling = SamplingParams(max_new_tokens=3)
+    for variant in table_variants():
+        outcome = run_variant(engine, case, variant, sampling)
+        assert int(outcome.first_logits.argmax()) == outcome.token_ids[0], variant.label

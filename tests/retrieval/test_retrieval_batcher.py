@@ -1,0 +1,86 @@
+"""Concurrent questions share one embedding batch and one batched Qdrant query; each caller gets its own hits."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from service.errors import UnavailableError
+from service.retrieval.batcher import RetrievalBatcher
+from service.retrieval.collection import RetrievedChunk
+
+
+def chunk(text: str, rank: int) -> RetrievedChunk:
+    return RetrievedChunk(
+        id=f"{text}-{rank}",
+        doc_id=text,
+        index=rank,
+        score=1.0 / (rank + 1),
+        text=text,
+        token_ids=(1, 2),
+        version="v",
+        kv_key="k",
+        char_start=0,
+        char_end=len(text),
+    )
+
+
+class SlowBackend:
+    """Embeds a text as [len(text)]; the first round blocks until released, so later questions pile up."""
+
+    def __init__(self) -> None:
+        self.embed_batches: list[list[str]] = []
+        self.search_batches: list[list[int]] = []
+        self.release = threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        self.embed_batches.append(list(texts))
+        if len(self.embed_batches) == 1:
+            assert self.release.wait(10)
+        return [[float(len(t))] for t in texts]
+
+    def search(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+        self.search_batches.append(list(top_ks))
+        return [[chunk(f"len{int(v[0])}", r) for r in range(k)] for v, k in zip(vectors, top_ks, strict=True)]
+
+
+def test_questions_arriving_during_a_round_go_together_in_the_next() -> None:
+    backend = SlowBackend()
+    batcher = RetrievalBatcher(backend.embed, backend.search)
+    results: dict[str, list[RetrievedChunk]] = {}
+
+    def ask(text: str, k: int) -> None:
+        results[text] = batcher.retrieve(text, k)
+
+    first = threading.Thread(target=ask, args=("a", 1))
+    first.start()
+    while not backend.embed_batches:  # the first round is running (and blocked)
+        pass
+    others = [threading.Thread(target=ask, args=("b" * n, n)) for n in range(2, 7)]
+    for thread in others:
+        thread.start()
+    while batcher._waiting.qsize() < len(others):
+        pass
+    backend.release.set()
+    for thread in [first, *others]:
+        thread.join(10)
+    batcher.close()
+
+    assert backend.embed_batches[0] == ["a"]
+    assert sorted(backend.embed_batches[1]) == sorted("b" * n for n in range(2, 7))  # one round for all five
+    assert batcher.rounds == 2 and batcher.largest_round == 5
+    for n in range(2, 7):
+        assert [c.id for c in results["b" * n]] == [f"len{n}-{r}" for r in range(n)]  # each its own hits
+    assert [c.id for c in results["a"]] == ["len1-0"]
+
+
+def test_a_search_failure_reaches_every_caller_as_qdrant_unavailable() -> None:
+    def down(vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+        raise ConnectionRefusedError("connection refused")
+
+    batcher = RetrievalBatcher(lambda texts: [[1.0] for _ in texts], down)
+    with pytest.raises(UnavailableError, match="Qdrant is unreachable"):
+        batcher.retrieve("q", 3)
+    batcher.close()
