@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from service.engine.batch_decode import LOOP, SDPA_GATHER, BatchDecoder, DecodeRows, resolve_batch_attention
+from service.engine.batch_decode import (
+    LOOP,
+    SDPA_GATHER,
+    BatchDecoder,
+    DecodeRows,
+    probe_attention,
+    resolve_batch_attention,
+)
 from service.engine.engine import StitchEngine
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -102,6 +109,15 @@ def steps(scheduler: Scheduler, count: int) -> None:
         scheduler.step()
 
 
+def drain(scheduler: Scheduler, limit: int = 400) -> None:
+    """`run_until_idle` with a bound, so a request that is never admitted fails instead of hanging."""
+    for _ in range(limit):
+        if not scheduler.has_work():
+            return
+        scheduler.step()
+    raise AssertionError(f"still {len(scheduler.waiting)} waiting, {len(scheduler.running)} running")
+
+
 MIXED = (
     Case((30, 17), max_new=12, seed=1),
     Case((5,), positions="composite", max_new=20, seed=2),
@@ -132,7 +148,7 @@ def test_batched_greedy_equals_alone(get_engine: Callable[..., StitchEngine], ar
     scheduler.step()
     assert cancelled.request.finished and cancelled.request.slab is None
     assert scheduler.pool.used_slots < used  # freed in the step that saw the cancel
-    scheduler.run_until_idle()
+    drain(scheduler)
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
     alone = run_alone(engine, cancelled.case)
@@ -159,7 +175,7 @@ def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., S
         others = [Tracked(engine, stop_case), Tracked(engine, eos_case), Tracked(engine, MIXED[0])]
         for t in (with_eos, *others):
             scheduler.add(t.request)
-        scheduler.run_until_idle()
+        drain(scheduler)
     finally:
         config.eos_token_id = saved
     assert alone_eos.reason == "stop" and alone_eos.tokens[-1] == eos_token
@@ -188,7 +204,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(get_engine: Callable[...,
     scheduler.step()  # the first request samples alone for a step, then beside the others
     for t in tracked[1:]:
         scheduler.add(t.request)
-    scheduler.run_until_idle()
+    drain(scheduler)
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
     # The seed matters: the same request with another seed gives another answer.
@@ -207,7 +223,7 @@ def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine]) 
         scheduler.add(earlier.request)
         steps(scheduler, 2)
         start = scheduler.running[0].slab.start if scheduler.running[0].slab else -1
-        scheduler.run_until_idle()
+        drain(scheduler)
         region = scheduler.pool.data[:, :, :, start : start + earlier.request.tokens_needed]
         assert bool(region.isnan().all())  # the finished request's memory is poisoned at once
         if garbage is not None:
@@ -216,7 +232,7 @@ def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine]) 
         scheduler.add(later.request)
         scheduler.step()
         assert later.request.slab is not None and later.request.slab.start == start
-        scheduler.run_until_idle()
+        drain(scheduler)
         later.assert_matches(alone)
 
 
@@ -229,12 +245,15 @@ def test_exhausted_pool_makes_requests_wait_then_complete(get_engine: Callable[.
     for t in tracked:
         scheduler.add(t.request)
     admitted: list[BatchRequest] = []
-    while scheduler.has_work():
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
         scheduler.step()
         assert len(scheduler.running) <= 2 and scheduler.pool.used_slots <= scheduler.pool.slots
         admitted += [r for r in scheduler.running if r not in admitted]
         if len(admitted) < 5:
             assert scheduler.waiting, "a request that fits no free slab must wait"
+    assert not scheduler.has_work()
     assert [t.request for t in tracked if t.request in admitted] == [t.request for t in tracked][: len(admitted)]
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
@@ -249,7 +268,7 @@ def test_max_batch_bounds_the_running_requests(get_engine: Callable[..., StitchE
     scheduler.step()
     assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
     assert [r.status for r in scheduler.waiting] == [RequestStatus.WAITING] * 2
-    scheduler.run_until_idle()
+    drain(scheduler)
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
 
@@ -291,7 +310,7 @@ def test_a_failing_admission_ends_only_that_request(get_engine: Callable[..., St
     )
     scheduler.add(good.request)
     scheduler.add(bad)
-    scheduler.run_until_idle()
+    drain(scheduler)
     assert finished == [bad] and bad.result.finish_reason == "error" and isinstance(bad.error, RuntimeError)
     assert bad.slab is None and scheduler.pool.used_slots == 0
     good.assert_matches(run_alone(engine, MIXED[0]))
@@ -303,7 +322,7 @@ def test_timings_are_reported_per_request(get_engine: Callable[..., StitchEngine
     turbo, naive = Tracked(engine, Case((20,), max_new=4)), Tracked(engine, Case((20,), mode="naive", max_new=4))
     for t in (turbo, naive):
         scheduler.add(t.request)
-    scheduler.run_until_idle()
+    drain(scheduler)
     for t in (turbo, naive):
         timings = t.request.result.timings
         assert timings.prefill_ms > 0 and timings.decode_ms > 0
@@ -315,7 +334,14 @@ def test_timings_are_reported_per_request(get_engine: Callable[..., StitchEngine
 # ---- the batched step itself ----------------------------------------------------------------------------
 
 
-def _stitched_rows(engine: StitchEngine, pool: KVPool, cases: Sequence[Case], extra: int) -> list[tuple]:
+Row = tuple[KVBuffer, KVBuffer, int, int]  # the reference buffer, the slab's buffer, the slab's start, next token
+
+
+def _tolerance(engine: StitchEngine) -> float:
+    return 1e-4 if engine.spec.dtype == torch.float32 else BF16_TOLERANCE
+
+
+def _stitched_rows(engine: StitchEngine, pool: KVPool, cases: Sequence[Case], extra: int) -> list[Row]:
     """Each case stitched and prefilled twice: into its own buffer (the reference) and into a pool slab."""
     out = []
     for case in cases:
@@ -325,15 +351,17 @@ def _stitched_rows(engine: StitchEngine, pool: KVPool, cases: Sequence[Case], ex
         slab = pool.allocate(ref.capacity)
         buffer = pool.buffer(slab)
         engine.stitch(kv, case.positions, len(prompt.question) + extra, into=buffer)
-        assert torch.equal(engine.prefill_question(buffer, prompt.question), logits)
+        in_slab = engine.prefill_question(buffer, prompt.question)
+        assert float((in_slab - logits).abs().max()) <= (0.0 if engine.spec.device.type == "cpu" else 1e-2)
         out.append((ref, buffer, slab.start, int(torch.argmax(logits))))
     return out
 
 
-@pytest.mark.parametrize("attention", [LOOP, SDPA_GATHER])
-def test_batched_step_logits_match_extend(get_engine: Callable[..., StitchEngine], attention: str) -> None:
-    """Teacher-forced: every row of a batched step is the single-sequence step to fp32 rounding."""
-    engine = get_engine("llama", "cpu")
+@pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
+def test_batched_step_logits_match_extend(get_engine: Callable[..., StitchEngine], device: str, attention: str) -> None:
+    """Teacher-forced: every row of a batched step is the single-sequence step, to fp32 rounding on the CPU
+    (to bf16 rounding on CUDA), whatever its neighbours' lengths."""
+    engine = get_engine("llama", device)
     pool = nan_pool(engine, 1200)
     decoder = BatchDecoder(engine.forward, pool, attention)
     rows = _stitched_rows(engine, pool, MIXED[:2] + MIXED[4:5], extra=10)
@@ -347,7 +375,15 @@ def test_batched_step_logits_match_extend(get_engine: Callable[..., StitchEngine
             single = engine.forward.extend(ref, [token], torch.tensor([ref.next_position]))
             worst = max(worst, float((batched[row] - single).abs().max()))
             rows[row] = (ref, buffer, start, int(torch.argmax(single)))
-    assert worst <= 1e-4
+    assert worst <= _tolerance(engine), decoder.attention
+
+
+def test_backends_read_only_live_slots(get_engine: Callable[..., StitchEngine], device: str) -> None:
+    """On a probe whose dead slots hold NaN, every backend the device runs equals the per-request loop."""
+    spec = get_engine("qwen2", device).spec
+    backends = [SDPA_GATHER] if device == "cpu" else [SDPA_GATHER, resolve_batch_attention(spec)]
+    for backend in backends:
+        assert probe_attention(spec, backend) <= (1e-5 if device == "cpu" else 2e-2), backend
 
 
 def test_auto_attention_is_the_loop_on_the_cpu(get_engine: Callable[..., StitchEngine]) -> None:
@@ -391,7 +427,7 @@ def test_gpu_batched_greedy_follows_eager(get_engine: Callable[..., StitchEngine
     steps(scheduler, 3)
     for t in tracked[3:]:
         scheduler.add(t.request)
-    scheduler.run_until_idle()
+    drain(scheduler)
     for t in tracked:
         assert t.request.result.finish_reason == "length"
         _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
