@@ -74,7 +74,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Stopwatch:
+class Stopwatch:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._start = time.perf_counter()
@@ -308,11 +308,14 @@ class StitchEngine:
         return buffer, logits.clone(), plan
 
     def prefill_naive(
-        self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
+        self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False, into: KVBuffer | None = None
     ) -> tuple[KVBuffer, torch.Tensor]:
-        """One causal prefill over the joined ids: the baseline and the fallback."""
+        """One causal prefill over the joined ids: the baseline and the fallback. `into`: an empty buffer to
+        prefill (a pool slab's) instead of a new one."""
         ids = prompt.joined()
-        buffer = KVBuffer(self.spec, len(ids) + extra_tokens)
+        buffer = KVBuffer(self.spec, len(ids) + extra_tokens) if into is None else into
+        if buffer.length != 0:
+            raise ValueError("a naive prefill needs an empty buffer")
         logits = self.forward.extend(buffer, ids, torch.arange(len(ids)), all_logits=all_logits)
         return buffer, logits
 
@@ -334,6 +337,24 @@ class StitchEngine:
         return GenerationStream(
             self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv, chunk_ready
         )
+
+
+def check_request(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    chunk_kv: Sequence[KVBlock] | None,
+    chunk_ready: Sequence[BlockReady | None] | None,
+) -> list[BlockReady | None] | None:
+    """Raise ValueError when a request's parts do not belong together; returns `chunk_ready` as a list."""
+    if prompt.prefix != engine.template.prefix:
+        raise ValueError("the prompt was not built with this engine's template")
+    if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
+        raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
+    if chunk_ready is None:
+        return None
+    if chunk_kv is None:
+        raise ValueError("`chunk_ready` needs the `chunk_kv` it belongs to")
+    return _ready_for(chunk_kv, chunk_ready)
 
 
 def _ready_for(chunk_kv: Sequence[KVBlock], chunk_ready: Sequence[BlockReady | None]) -> list[BlockReady | None]:
@@ -358,14 +379,7 @@ class GenerationStream:
         chunk_kv: Sequence[KVBlock] | None,
         chunk_ready: Sequence[BlockReady | None] | None = None,
     ) -> None:
-        if prompt.prefix != engine.template.prefix:
-            raise ValueError("the prompt was not built with this engine's template")
-        if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
-            raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
-        if chunk_ready is not None:
-            if chunk_kv is None:
-                raise ValueError("`chunk_ready` needs the `chunk_kv` it belongs to")
-            chunk_ready = _ready_for(chunk_kv, chunk_ready)
+        chunk_ready = check_request(engine, prompt, chunk_kv, chunk_ready)
         self._engine = engine
         self._prompt = prompt
         self._sampling = sampling
@@ -386,7 +400,7 @@ class GenerationStream:
 
     def _generate(self) -> Iterator[str]:
         engine, timings = self._engine, self.result.timings
-        watch = _Stopwatch(engine.spec.device)
+        watch = Stopwatch(engine.spec.device)
         buffer, logits = self._prefill(watch)
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
@@ -437,7 +451,7 @@ class GenerationStream:
         position = torch.tensor([buffer.next_position])
         return sampler.pick(self._engine.forward.extend(buffer, [token], position))
 
-    def _prefill(self, watch: _Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
+    def _prefill(self, watch: Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
         engine, timings, extra = self._engine, self.result.timings, self._sampling.max_new_tokens
         if self._mode is GenerationMode.NAIVE:
             buffer, logits = engine.prefill_naive(self._prompt, extra_tokens=extra)
