@@ -25,7 +25,9 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
+from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
+from service.engine.scheduler import Scheduler
 from service.engine_loop import EngineLoop
 from service.ingest import IngestCounts, Ingestor, IngestParts
 from service.jobs.documents import DocumentLimits
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 GATE_CHUNK_LENGTHS = (24, 40, 17)
 GATE_QUESTION_LENGTH = 12
 WORKER_JOIN_S = 30.0
+# The KV pool of running answers when no size is set: room for 32 answers at ~9K context of a 7B model on a GPU
+# (57 KB per token in bf16), a few tiny-model answers on a CPU.
+DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 512}
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,18 @@ class Runtime:
             log.exception("decode graph warm-up failed")
             return
         log.info("decode graph captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+
+    def serve_answers(self) -> Scheduler:
+        """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
+        device = self.engine.spec.device
+        mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
+        pool = KVPool.from_mib(self.engine.spec, mib)
+        scheduler = Scheduler(self.engine, pool, self.settings.max_batch)
+        self.loop.serve_answers(scheduler)
+        log.info(
+            "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
+        )
+        return scheduler
 
     def start_worker(self, factory: WorkerFactory, on_job_finished: JobFinished | None = None) -> None:
         """Run an ingest worker built by `factory` on a thread of this process until `close`."""

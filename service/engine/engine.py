@@ -319,6 +319,33 @@ class StitchEngine:
         logits = self.forward.extend(buffer, ids, torch.arange(len(ids)), all_logits=all_logits)
         return buffer, logits
 
+    def prefill_turbo(
+        self,
+        request: TurboPrefill,
+        watch: Stopwatch,
+        timings: Timings,
+        graph: DecodeGraph | None = None,
+        into: KVBuffer | None = None,
+    ) -> tuple[KVBuffer, torch.Tensor]:
+        """Stitch and prefill the question (timed into `timings`); returns the buffer and the last logits.
+
+        With a leased `graph` the chunks go into its buffer and the question through its prefill graph (layer
+        group by layer group when blocks still arrive: one time for both steps); else into `into` (a pool slab's
+        buffer) or a new buffer, eagerly."""
+        r = request
+        if graph is not None:
+            done = self.prefill_pipelined(r.chunk_kv, r.question, r.positions, r.extra_tokens, r.chunk_ready, graph)
+            if done is not None:
+                timings.prefill_ms = watch.lap_ms()
+                return done[0], done[1]
+            into = graph.buffer
+        room = len(r.question) + r.extra_tokens
+        buffer, _ = self.stitch(r.chunk_kv, r.positions, room, r.chunk_ready, into)
+        timings.stitch_ms = watch.lap_ms()
+        logits = self.prefill_question(buffer, r.question, graph=graph)
+        timings.prefill_ms = watch.lap_ms()
+        return buffer, logits
+
     # ---- generate ------------------------------------------------------------------------------------------
 
     def generate(
@@ -337,6 +364,18 @@ class StitchEngine:
         return GenerationStream(
             self, prompt, sampling, GenerationMode(mode), PositionMode(positions), chunk_kv, chunk_ready
         )
+
+
+@dataclass(frozen=True)
+class TurboPrefill:
+    """What a turbo request's prefill needs: its chunk KV (and when each block lands), question, position mode
+    and the free slots to leave after the question."""
+
+    chunk_kv: Sequence[KVBlock]
+    question: Sequence[int]
+    positions: PositionMode
+    extra_tokens: int
+    chunk_ready: Sequence[BlockReady | None] | None = None
 
 
 def check_request(
@@ -461,18 +500,8 @@ class GenerationStream:
         if chunk_kv is None:
             chunk_kv = engine.precompute(self._prompt.blocks) if self._prompt.blocks else []
             timings.precompute_ms = watch.lap_ms()
-        question = self._prompt.question
         # With graphs the chunks are stitched straight into the leased graph's buffer, so the question prefill
         # graph and the decode graph find the context where they read it: no copy of the request's KV.
-        graph = self._graph = engine.lease_graph(self._prompt.context_tokens, len(question), extra)
-        if graph is not None:
-            done = engine.prefill_pipelined(chunk_kv, question, self._positions, extra, self._chunk_ready, graph)
-            if done is not None:  # stitch and prefill interleaved by layer group: one time for both
-                timings.prefill_ms = watch.lap_ms()
-                return done[0], done[1]
-        into = graph.buffer if graph is not None else None
-        buffer, _ = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
-        timings.stitch_ms = watch.lap_ms()
-        logits = engine.prefill_question(buffer, question, graph=graph)
-        timings.prefill_ms = watch.lap_ms()
-        return buffer, logits
+        self._graph = engine.lease_graph(self._prompt.context_tokens, len(self._prompt.question), extra)
+        turbo = TurboPrefill(chunk_kv, self._prompt.question, self._positions, extra, self._chunk_ready)
+        return engine.prefill_turbo(turbo, watch, timings, self._graph)

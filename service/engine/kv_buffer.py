@@ -55,6 +55,17 @@ class KVBuffer:
         self.length += num_tokens
         self.next_position = next_position
 
+    def copy_from(self, source: KVBuffer) -> None:
+        """Take over another buffer's live tokens and length (a prefill staged in a graph's buffer, moved into a
+        pool slab: a device-to-device copy of the live slots only)."""
+        n = source.length
+        if n > self.capacity:
+            raise ValueError(f"{n} live tokens do not fit a buffer of {self.capacity}")
+        with torch.inference_mode():
+            self.data[:, :, :, :n].copy_(source.data[:, :, :, :n])
+        self.truncate(0, 0)
+        self.commit(n, source.next_position)
+
     def truncate(self, length: int, next_position: int) -> None:
         """Forget every token from slot `length` on (reuse a stitched context for another question)."""
         if not 0 <= length <= self.length:

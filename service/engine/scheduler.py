@@ -20,13 +20,21 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from enum import StrEnum
 
 import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows
 from service.engine.detokenize import IncrementalDetokenizer
-from service.engine.engine import GenerationMode, GenerationResult, StitchEngine, Stopwatch, check_request
+from service.engine.engine import (
+    GenerationMode,
+    GenerationResult,
+    StitchEngine,
+    Stopwatch,
+    TurboPrefill,
+    check_request,
+)
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool, Slab
@@ -53,8 +61,8 @@ class BatchRequest:
     """One request through the scheduler: its inputs, its slab and decoding state while running, its result.
 
     `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
-    scheduler's thread. `result.finish_reason` ends as "length", "stop", "cancelled" or "error" (`error` then
-    holds the exception).
+    scheduler's thread; `on_admit(request)` at admission, before the prefill. `result.finish_reason` ends as
+    "length", "stop", "cancelled" or "error" (`error` then holds the exception).
     """
 
     def __init__(
@@ -67,6 +75,7 @@ class BatchRequest:
         chunk_ready: Sequence[BlockReady | None] | None = None,
         on_text: TextSink | None = None,
         on_finish: Callable[[BatchRequest], None] | None = None,
+        on_admit: Callable[[BatchRequest], None] | None = None,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -76,6 +85,9 @@ class BatchRequest:
         self.chunk_ready = chunk_ready
         self.on_text = on_text
         self.on_finish = on_finish
+        # Called at admission, before the prefill, on the scheduler's thread: where a server fetches the chunk
+        # KV (`chunk_kv`, `chunk_ready`), so blocks occupy device memory only once the request runs.
+        self.on_admit = on_admit
         self.status = RequestStatus.WAITING
         self.cancelled = False
         self.error: BaseException | None = None
@@ -130,6 +142,7 @@ class Scheduler:
         self.decoder = BatchDecoder(engine.forward, pool, attention)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
+        self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
         self._eos = engine.eos_ids()
 
     # ---- the public loop -----------------------------------------------------------------------------------
@@ -155,9 +168,23 @@ class Scheduler:
         """One iteration: reap cancelled, admit, one batched decode step; returns the requests finished in it."""
         finished = self._reap_cancelled()
         finished += self._admit()
+        self.last_batch = len(self.running)
         if self.running:
             finished += self._decode()
         return finished
+
+    def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
+        """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
+        request.error = error
+        self._finish(request, "error")
+
+    def fail_all(self, error: BaseException) -> list[BatchRequest]:
+        """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
+        failed = [*self.waiting, *self.running]
+        for request in failed:
+            request.error = error
+            self._finish(request, "error")
+        return failed
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -197,6 +224,9 @@ class Scheduler:
         request.slab = self.pool.allocate(request.tokens_needed)
         request.kv = self.pool.buffer(request.slab)
         try:
+            if request.on_admit is not None:
+                request.on_admit(request)
+                request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
             logits = self._prefill(request, request.kv)
             request.sampler = Sampler(request.sampling, self.engine.spec.device)
             request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
@@ -210,7 +240,11 @@ class Scheduler:
         return self._accept(request, first)
 
     def _prefill(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
-        """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token."""
+        """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
+
+        With CUDA graphs a turbo request is stitched and prefilled in a leased graph's buffer (the question
+        through its prefill graph, pipelined with the copies still landing) and its live KV then copied into
+        the slab: a device-to-device copy of ~0.1 ms at 8K on an H200 against the ~3x slower eager prefill."""
         engine, timings, prompt = self.engine, request.result.timings, request.prompt
         watch = Stopwatch(engine.spec.device)
         if request.mode is GenerationMode.NAIVE:
@@ -221,11 +255,16 @@ class Scheduler:
         if chunk_kv is None:
             chunk_kv = engine.precompute(prompt.blocks) if prompt.blocks else []
             timings.precompute_ms = watch.lap_ms()
-        room = len(prompt.question) + request.sampling.max_new_tokens
-        engine.stitch(chunk_kv, request.positions, room, request.chunk_ready, into=buffer)
-        timings.stitch_ms = watch.lap_ms()
-        logits = engine.prefill_question(buffer, prompt.question)
-        timings.prefill_ms = watch.lap_ms()
+        extra = request.sampling.max_new_tokens
+        turbo = TurboPrefill(chunk_kv, prompt.question, request.positions, extra, request.chunk_ready)
+        graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
+        if graph is None:
+            return engine.prefill_turbo(turbo, watch, timings, into=buffer)[1]
+        try:
+            staged, logits = engine.prefill_turbo(replace(turbo, extra_tokens=0), watch, timings, graph)
+            buffer.copy_from(staged)
+        finally:
+            engine.release_graph(graph)
         return logits
 
     # ---- run -----------------------------------------------------------------------------------------------
