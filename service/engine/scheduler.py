@@ -25,6 +25,7 @@ from enum import StrEnum
 import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_graph import BatchGraphs
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine, Stopwatch, check_request
 from service.engine.kv_buffer import KVBuffer
@@ -120,7 +121,10 @@ class Scheduler:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_waiting: int | None = None,
         attention: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
+        """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only). Off
+        by default until the lead has validated the captured step on the H200 (test_engine_batch.py, gpu)."""
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self.engine = engine
@@ -128,6 +132,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
+        self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
         self._eos = engine.eos_ids()
@@ -233,14 +238,19 @@ class Scheduler:
     def _decode(self) -> list[BatchRequest]:
         """One batched step over every running request; returns those it finished."""
         batch = list(self.running)
-        logits = self.decoder.step(self._rows(batch))
+        ids, positions, spans = self._rows(batch)
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, positions, spans)
+        else:
+            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
         tokens = pick_rows(logits, [r.running_sampler for r in batch])
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
         return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
 
-    def _rows(self, batch: Sequence[BatchRequest]) -> DecodeRows:
+    def _rows(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
         ids, positions, spans = [], [], []
         for request in batch:
             assert request.slab is not None
@@ -248,7 +258,7 @@ class Scheduler:
             ids.append(request.last_token)
             positions.append(request.buffer.next_position)
             spans.append((request.slab.start, slot + 1))
-        return DecodeRows.build(ids, positions, spans, self.engine.spec.device)
+        return ids, positions, spans
 
     # ---- postprocess ---------------------------------------------------------------------------------------
 
