@@ -473,3 +473,46 @@ def test_gpu_graph_step_matches_the_eager_step(get_engine: Callable[..., StitchE
             tokens[i], lengths[i], positions[i] = int(torch.argmax(expected[i])), lengths[i] + 1, positions[i] + 1
     graphs.close()
     assert graphed_pool.used_slots == sum(r[1].capacity for r in rows)
+
+
+def test_a_failing_text_consumer_is_treated_as_a_disconnect(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    good = Tracked(engine, MIXED[0])
+
+    def closed(_: str) -> None:
+        raise BrokenPipeError("the client went away")
+
+    gone = BatchRequest(Case((20,), max_new=30).prompt(engine), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    gone.on_text = closed
+    for request in (good.request, gone):
+        scheduler.add(request)
+    drain(scheduler)
+    assert gone.result.finish_reason == "cancelled" and len(gone.result.token_ids) < 30
+    good.assert_matches(run_alone(engine, MIXED[0]))
+    assert scheduler.pool.used_slots == 0
+
+
+def test_a_failing_step_ends_its_batch_and_the_loop_goes_on(
+    get_engine: Callable[..., StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    doomed = [Tracked(engine, case) for case in MIXED[:2]]
+    for t in doomed:
+        scheduler.add(t.request)
+    scheduler.step()
+    real_step = scheduler.decoder.step
+
+    def broken(rows: DecodeRows, width: int | None = None) -> torch.Tensor:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(scheduler.decoder, "step", broken)
+    finished = scheduler.step()
+    assert {id(r) for r in finished} == {id(t.request) for t in doomed}
+    assert all(t.request.result.finish_reason == "error" for t in doomed) and scheduler.pool.used_slots == 0
+    monkeypatch.setattr(scheduler.decoder, "step", real_step)
+    later = Tracked(engine, MIXED[2])
+    scheduler.add(later.request)
+    drain(scheduler)
+    later.assert_matches(run_alone(engine, MIXED[2]))

@@ -17,6 +17,7 @@ the next step acts on, so it may be called from anywhere; `add` and `step` from 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from service.engine.kv_pool import KVPool, Slab
 from service.engine.prompt import PromptIds
 from service.engine.sampling import Sampler, SamplingParams, pick_rows
 from service.engine.stitch import BlockReady, PositionMode
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 32
 
@@ -133,6 +136,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
         self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
+        self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
         self._eos = engine.eos_ids()
@@ -145,8 +149,8 @@ class Scheduler:
         need = request.tokens_needed
         if need > self.engine.spec.max_context:
             raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
-        if need > self.pool.slots:
-            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self.pool.slots}")
+        if need > self._max_tokens:
+            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self._max_tokens}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests already wait")
         request.added_at = time.perf_counter()
@@ -238,6 +242,19 @@ class Scheduler:
     def _decode(self) -> list[BatchRequest]:
         """One batched step over every running request; returns those it finished."""
         batch = list(self.running)
+        try:
+            tokens = self._step_tokens(batch)
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(batch))
+            for request in batch:
+                request.error = err
+                self._finish(request, "error")
+            return batch
+        # `_accept` finishes (and takes out of `running`) the requests a token ends.
+        return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+
+    def _step_tokens(self, batch: Sequence[BatchRequest]) -> list[int]:
+        """Feed every request its last token, one batched step; the next token of each."""
         ids, positions, spans = self._rows(batch)
         if self.graphs is not None:
             logits = self.graphs.step(ids, positions, spans)
@@ -245,9 +262,7 @@ class Scheduler:
             logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
-        tokens = pick_rows(logits, [r.running_sampler for r in batch])
-        # `_accept` finishes (and takes out of `running`) the requests a token ends.
-        return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+        return pick_rows(logits, [r.running_sampler for r in batch])
 
     def _rows(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
         """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
@@ -303,5 +318,10 @@ class Scheduler:
 
     @staticmethod
     def _emit(request: BatchRequest, delta: str) -> None:
-        if delta and request.on_text is not None:
+        if not delta or request.on_text is None:
+            return
+        try:
             request.on_text(delta)
+        except Exception:  # the consumer is gone (a closed stream): treat it as a disconnect
+            log.warning("text callback failed; cancelling the request", exc_info=True)
+            request.cancelled = True
