@@ -26,6 +26,7 @@ from service.engine.batch_decode import (
     probe_attention,
     resolve_batch_attention,
 )
+from service.engine.batch_graph import BatchGraphs, batch_bucket
 from service.engine.engine import StitchEngine
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -415,11 +416,14 @@ def _assert_greedy_under_eager(engine: StitchEngine, case: Case, tokens: list[in
 
 @pytest.mark.gpu
 @NEEDS_CUDA
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_gpu_batched_greedy_follows_eager(get_engine: Callable[..., StitchEngine], arch: str, attention: str) -> None:
+def test_gpu_batched_greedy_follows_eager(
+    get_engine: Callable[..., StitchEngine], arch: str, attention: str, graphs: bool
+) -> None:
     engine = get_engine(arch, "cuda")
-    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention)
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention, cuda_graphs=graphs)
     assert attention != "auto" or scheduler.decoder.attention in ("flash_varlen", SDPA_GATHER)
     tracked = [Tracked(engine, case) for case in MIXED]
     for t in tracked[:3]:
@@ -431,4 +435,84 @@ def test_gpu_batched_greedy_follows_eager(get_engine: Callable[..., StitchEngine
     for t in tracked:
         assert t.request.result.finish_reason == "length"
         _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
+    assert scheduler.pool.used_slots == (1 if graphs else 0)  # the graphs' padding slot stays theirs
+
+
+def test_batch_buckets_and_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
+    assert batch_bucket(33) is None
+    engine = get_engine("qwen2", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        BatchGraphs(BatchDecoder(engine.forward, nan_pool(engine, 100)))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
+def test_gpu_graph_step_matches_the_eager_step(get_engine: Callable[..., StitchEngine], attention: str) -> None:
+    """Two pools with the same contents: one decoded through the graphs (3 rows padded to 4, then 1 row), the
+    other eagerly, both fed the eager step's tokens."""
+    engine = get_engine("qwen2", "cuda")
+    graphed_pool = nan_pool(engine, 1200)
+    rows = _stitched_rows(engine, graphed_pool, MIXED[:2] + MIXED[4:5], extra=12)
+    eager_pool = nan_pool(engine, 1200)
+    eager_pool.data.copy_(graphed_pool.data)
+    graphs = BatchGraphs(BatchDecoder(engine.forward, graphed_pool, attention))
+    eager = BatchDecoder(engine.forward, eager_pool, attention)
+    tokens = [r[3] for r in rows]
+    lengths = [r[1].length for r in rows]
+    positions = [r[1].next_position for r in rows]
+    for step in range(10):
+        live = 3 if step < 5 else 1
+        spans = [(rows[i][2], lengths[i] + 1) for i in range(live)]
+        replayed = graphs.step(tokens[:live], positions[:live], spans).clone()
+        expected = eager.step(DecodeRows.build(tokens[:live], positions[:live], spans, engine.spec.device))
+        diff = float((replayed - expected).abs().max())
+        assert diff <= BF16_TOLERANCE, f"step {step}: |graph - eager| = {diff:.4f}"
+        for i in range(live):
+            tokens[i], lengths[i], positions[i] = int(torch.argmax(expected[i])), lengths[i] + 1, positions[i] + 1
+    graphs.close()
+    assert graphed_pool.used_slots == sum(r[1].capacity for r in rows)
+
+
+def test_a_failing_text_consumer_is_treated_as_a_disconnect(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    good = Tracked(engine, MIXED[0])
+
+    def closed(_: str) -> None:
+        raise BrokenPipeError("the client went away")
+
+    gone = BatchRequest(Case((20,), max_new=30).prompt(engine), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    gone.on_text = closed
+    for request in (good.request, gone):
+        scheduler.add(request)
+    drain(scheduler)
+    assert gone.result.finish_reason == "cancelled" and len(gone.result.token_ids) < 30
+    good.assert_matches(run_alone(engine, MIXED[0]))
     assert scheduler.pool.used_slots == 0
+
+
+def test_a_failing_step_ends_its_batch_and_the_loop_goes_on(
+    get_engine: Callable[..., StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    doomed = [Tracked(engine, case) for case in MIXED[:2]]
+    for t in doomed:
+        scheduler.add(t.request)
+    scheduler.step()
+    real_step = scheduler.decoder.step
+
+    def broken(rows: DecodeRows, width: int | None = None) -> torch.Tensor:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(scheduler.decoder, "step", broken)
+    finished = scheduler.step()
+    assert {id(r) for r in finished} == {id(t.request) for t in doomed}
+    assert all(t.request.result.finish_reason == "error" for t in doomed) and scheduler.pool.used_slots == 0
+    monkeypatch.setattr(scheduler.decoder, "step", real_step)
+    later = Tracked(engine, MIXED[2])
+    scheduler.add(later.request)
+    drain(scheduler)
+    later.assert_matches(run_alone(engine, MIXED[2]))

@@ -83,23 +83,29 @@ class BatchDecoder:
         self.attention = resolve_batch_attention(forward.spec, attention)
 
     @torch.inference_mode()
-    def step(self, rows: DecodeRows) -> torch.Tensor:
-        """Feed each row's token, write its K/V into its slab; returns fp32 logits [B, vocab]."""
+    def step(self, rows: DecodeRows, width: int | None = None) -> torch.Tensor:
+        """Feed each row's token, write its K/V into its slab; returns fp32 logits [B, vocab]. `width`: see
+        `batch_attention` (a CUDA graph capturing this step passes its capacity)."""
         fwd = self.forward
         hidden = fwd.embed_static(rows.ids.view(1, -1))
-        attend = batch_attention(self.attention, rows, self.pool.slots)
+        attend = batch_attention(self.attention, rows, self.pool.slots, width)
         hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
         return fwd.head_rows(hidden)
 
 
-def batch_attention(backend: str, rows: DecodeRows, pool_slots: int) -> StaticAttend:
-    """The attention of one query per row over that row's live slots of the pool, built once per step."""
+def batch_attention(backend: str, rows: DecodeRows, pool_slots: int, width: int | None = None) -> StaticAttend:
+    """The attention of one query per row over that row's live slots of the pool, built once per step.
+
+    `width` bounds every row's live length (flash's max_seqlen_k, the gather's width); None: this step's
+    longest. A captured step passes its capacity bucket, having no host lengths to read.
+    """
     if backend == LOOP:
         return _loop(rows.spans)
+    width = rows.max_used if width is None else width
     if backend == FLASH_VARLEN:
-        return _flash_varlen(rows, pool_slots)
+        return _flash_varlen(rows, pool_slots, width)
     if backend == SDPA_GATHER:
-        return _sdpa_gather(rows, rows.max_used, pool_slots)
+        return _sdpa_gather(rows, width, pool_slots)
     raise ValueError(f"batch attention must be one of {', '.join(BATCH_ATTENTION)}")
 
 
@@ -115,14 +121,13 @@ def _loop(spans: Sequence[tuple[int, int]]) -> StaticAttend:
     return attend
 
 
-def _flash_varlen(rows: DecodeRows, pool_slots: int) -> StaticAttend:
+def _flash_varlen(rows: DecodeRows, pool_slots: int, max_k: int) -> StaticAttend:
     batch = len(rows.spans)
     device = rows.ids.device
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     # Row b's keys start at cu_k[b]; seqused_k gives its length, so cu_k need not be increasing.
     cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
     used = rows.used.to(torch.int32)
-    max_k = rows.max_used
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._flash_attention_forward(

@@ -102,6 +102,8 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
     scores = logits / temperature
+    if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
+        return torch.softmax(scores, dim=-1)  # no cut: skip the sort of a ~150K vocabulary
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
     # Top-k keeps every score at least the k-th largest (ties included).
     kth = sorted_scores.gather(1, (top_k - 1).unsqueeze(1))

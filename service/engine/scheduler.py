@@ -17,6 +17,7 @@ the next step acts on, so it may be called from anywhere; `add` and `step` from 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from enum import StrEnum
 import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_graph import BatchGraphs
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import (
     GenerationMode,
@@ -41,6 +43,8 @@ from service.engine.kv_pool import KVPool, Slab
 from service.engine.prompt import PromptIds
 from service.engine.sampling import Sampler, SamplingParams, pick_rows
 from service.engine.stitch import BlockReady, PositionMode
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 32
 
@@ -132,7 +136,10 @@ class Scheduler:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_waiting: int | None = None,
         attention: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
+        """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only). Off
+        by default until the lead has validated the captured step on the H200 (test_engine_batch.py, gpu)."""
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self.engine = engine
@@ -140,6 +147,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
+        self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
+        self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
@@ -153,8 +162,8 @@ class Scheduler:
         need = request.tokens_needed
         if need > self.engine.spec.max_context:
             raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
-        if need > self.pool.slots:
-            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self.pool.slots}")
+        if need > self._max_tokens:
+            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self._max_tokens}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests already wait")
         request.added_at = time.perf_counter()
@@ -272,14 +281,30 @@ class Scheduler:
     def _decode(self) -> list[BatchRequest]:
         """One batched step over every running request; returns those it finished."""
         batch = list(self.running)
-        logits = self.decoder.step(self._rows(batch))
-        for request in batch:
-            request.buffer.commit(1, request.buffer.next_position + 1)
-        tokens = pick_rows(logits, [r.running_sampler for r in batch])
+        try:
+            tokens = self._step_tokens(batch)
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(batch))
+            for request in batch:
+                request.error = err
+                self._finish(request, "error")
+            return batch
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
         return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
 
-    def _rows(self, batch: Sequence[BatchRequest]) -> DecodeRows:
+    def _step_tokens(self, batch: Sequence[BatchRequest]) -> list[int]:
+        """Feed every request its last token, one batched step; the next token of each."""
+        ids, positions, spans = self._rows(batch)
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, positions, spans)
+        else:
+            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
+        for request in batch:
+            request.buffer.commit(1, request.buffer.next_position + 1)
+        return pick_rows(logits, [r.running_sampler for r in batch])
+
+    def _rows(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
         ids, positions, spans = [], [], []
         for request in batch:
             assert request.slab is not None
@@ -287,7 +312,7 @@ class Scheduler:
             ids.append(request.last_token)
             positions.append(request.buffer.next_position)
             spans.append((request.slab.start, slot + 1))
-        return DecodeRows.build(ids, positions, spans, self.engine.spec.device)
+        return ids, positions, spans
 
     # ---- postprocess ---------------------------------------------------------------------------------------
 
@@ -332,5 +357,10 @@ class Scheduler:
 
     @staticmethod
     def _emit(request: BatchRequest, delta: str) -> None:
-        if delta and request.on_text is not None:
+        if not delta or request.on_text is None:
+            return
+        try:
             request.on_text(delta)
+        except Exception:  # the consumer is gone (a closed stream): treat it as a disconnect
+            log.warning("text callback failed; cancelling the request", exc_info=True)
+            request.cancelled = True
