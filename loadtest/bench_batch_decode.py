@@ -26,6 +26,7 @@ import torch
 
 from loadtest.bench_prefill import add_workload_arguments, build_engine, context_chunks, precompute_all, question_ids
 from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_graph import BatchGraphs
 from service.engine.engine import StitchEngine
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool, Slab
@@ -58,9 +59,16 @@ def fill_slabs(
 
 
 def decode_run(
-    decoder: BatchDecoder, slabs: list[Slab], length: int, position: int, first: int, tokens: int
+    decoder: BatchDecoder,
+    slabs: list[Slab],
+    length: int,
+    position: int,
+    first: int,
+    tokens: int,
+    graphs: BatchGraphs | None = None,
 ) -> tuple[float, list[list[int]]]:
-    """Wall ms of `tokens` batched greedy steps from the same state, and each row's tokens."""
+    """Wall ms of `tokens` batched greedy steps from the same state (through `graphs` when given), and each
+    row's tokens."""
     spec = decoder.forward.spec
     samplers = [Sampler(SamplingParams(), spec.device)] * len(slabs)
     ids = [first] * len(slabs)
@@ -69,8 +77,12 @@ def decode_run(
     start = time.perf_counter()
     for step in range(tokens):
         spans = [(slab.start, length + step + 1) for slab in slabs]
-        rows = DecodeRows.build(ids, [position + step] * len(slabs), spans, spec.device)
-        ids = pick_rows(decoder.step(rows), samplers)
+        positions = [position + step] * len(slabs)
+        if graphs is not None:
+            logits = graphs.step(ids, positions, spans)
+        else:
+            logits = decoder.step(DecodeRows.build(ids, positions, spans, spec.device))
+        ids = pick_rows(logits, samplers)
         for row, token in enumerate(ids):
             out[row].append(token)
     return (time.perf_counter() - start) * 1e3, out
@@ -79,13 +91,15 @@ def decode_run(
 def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     prompt = request_prompt(engine, context, args)
     per_request = len(prompt.joined()) + args.tokens
-    pool = KVPool(engine.spec, batch * per_request * engine.spec.kv_bytes_per_token(), poison="zero")
+    # One slot more: the graphs' scratch slot for padding rows.
+    pool = KVPool(engine.spec, (batch * per_request + 1) * engine.spec.kv_bytes_per_token(), poison="zero")
     decoder = BatchDecoder(engine.forward, pool, args.attention)
     slabs, length, position, first = fill_slabs(engine, pool, prompt, batch, args)
+    graphs = BatchGraphs(decoder) if args.graphs else None
     step_ms: list[float] = []
     tokens: list[list[int]] = []
     for i in range(args.warmup + args.runs):
-        ms, tokens = decode_run(decoder, slabs, length, position, first, args.tokens)
+        ms, tokens = decode_run(decoder, slabs, length, position, first, args.tokens, graphs)
         if i >= args.warmup:
             step_ms.append(ms / args.tokens)
     median = statistics.median(step_ms)
@@ -93,6 +107,7 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
         "context_tokens": length,
         "batch": batch,
         "attention": decoder.attention,
+        "graphs": graphs is not None,
         "ms_per_step": step_ms,
         "median_ms_per_step": median,
         "ms_per_token_per_request": median / batch,
@@ -100,7 +115,9 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
         "pool_mib": pool.capacity_bytes / 2**20,
         "same_tokens": all(t == tokens[0] for t in tokens),
     }
-    del decoder, pool
+    if graphs is not None:
+        graphs.close()
+    del decoder, pool, graphs
     return row
 
 
@@ -128,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention", default="auto", help="auto, loop, flash_varlen or sdpa_gather")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with --model")
+    parser.add_argument("--graphs", action="store_true", help="decode through the batch-bucket CUDA graphs")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

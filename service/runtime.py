@@ -168,7 +168,9 @@ class Runtime:
         device = self.engine.spec.device
         mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
         pool = KVPool.from_mib(self.engine.spec, mib)
-        scheduler = Scheduler(self.engine, pool, self.settings.max_batch)
+        # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
+        graphs = self.engine.decode_graphs is not None
+        scheduler = Scheduler(self.engine, pool, self.settings.max_batch, cuda_graphs=graphs)
         self.loop.serve_answers(scheduler)
         log.info(
             "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
