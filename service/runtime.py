@@ -153,11 +153,9 @@ class Runtime:
         graphs = self.engine.decode_graphs
         if graphs is None:
             return
-        settings = self.settings
-        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens  # top-5 chunks, a question
         start = time.perf_counter()
         try:
-            self.loop.call(lambda: graphs.warm(min(typical, self.engine.spec.max_context)))
+            self.loop.call(lambda: graphs.warm(self._typical_tokens()))
         except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
             log.exception("decode graph warm-up failed")
             return
@@ -169,13 +167,28 @@ class Runtime:
         mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
         pool = KVPool.from_mib(self.engine.spec, mib)
         # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
-        graphs = self.engine.decode_graphs is not None
-        scheduler = Scheduler(self.engine, pool, self.settings.max_batch, cuda_graphs=graphs)
+        on_cuda = self.engine.decode_graphs is not None
+        scheduler = Scheduler(self.engine, pool, self.settings.max_batch, cuda_graphs=on_cuda)
         self.loop.serve_answers(scheduler)
+        self.loop.call(lambda: self._warm_batch_graphs(scheduler))
         log.info(
             "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
         )
         return scheduler
+
+    def _warm_batch_graphs(self, scheduler: Scheduler) -> None:
+        """Capture each batch size's decode step for typical and twice-typical contexts (on the engine loop)."""
+        if scheduler.graphs is None:
+            return
+        typical = self._typical_tokens()
+        for tokens in (typical, min(2 * typical, self.engine.spec.max_context)):
+            scheduler.graphs.warm(tokens)
+
+    def _typical_tokens(self) -> int:
+        """Slots of a typical answer: top-5 chunks, a question, the default answer budget."""
+        settings = self.settings
+        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens
+        return min(typical, self.engine.spec.max_context)
 
     def start_worker(self, factory: WorkerFactory, on_job_finished: JobFinished | None = None) -> None:
         """Run an ingest worker built by `factory` on a thread of this process until `close`."""

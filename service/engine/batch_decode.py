@@ -122,7 +122,7 @@ def _loop(spans: Sequence[tuple[int, int]]) -> StaticAttend:
 
 
 def _flash_varlen(rows: DecodeRows, pool_slots: int, max_k: int) -> StaticAttend:
-    batch = len(rows.spans)
+    batch = rows.ids.shape[0]  # not the host spans: a captured step has none
     device = rows.ids.device
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     # Row b's keys start at cu_k[b]; seqused_k gives its length, so cu_k need not be increasing.

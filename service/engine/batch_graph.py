@@ -107,6 +107,13 @@ class BatchGraphs:
             log.info("captured the batch-%d decode step up to %d slots in %.0f ms", batch, capacity, graph.capture_ms)
         return graph
 
+    def warm(self, tokens: int) -> None:
+        """Capture every batch bucket's step for live lengths up to `tokens` now (server start), so the first
+        answers of each batch size do not pay for the capture."""
+        capacity = bucket_capacity(tokens, self.decoder.forward.spec.max_context)
+        for bucket in BATCH_BUCKETS:
+            self._graph(bucket, capacity)
+
     def close(self) -> None:
         """Give the scratch slot back to the pool (the graphs must not replay afterwards)."""
         self._graphs.clear()
