@@ -58,7 +58,7 @@ def turbo_logits(
         try:
             into = graph.buffer if graph is not None else None
             buffer, plan = engine.stitch(chunk_kv, PositionMode.REORDERED, len(question) + extra, into=into)
-            engine.recompute(buffer, plan, prompt, spec)
+            engine.recompute(buffer, plan, chunk_kv, spec)
             return engine.prefill_question(buffer, question, graph=graph)
         finally:
             if graph is not None:
@@ -78,7 +78,7 @@ def recompute_only(
         stitched = engine.stitch(chunk_kv, PositionMode.REORDERED, len(prompt.question))
 
     def run() -> int:
-        return engine.recompute(*stitched, prompt, spec)
+        return engine.recompute(*stitched, chunk_kv, spec)
 
     return prepare, run
 

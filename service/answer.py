@@ -1,23 +1,23 @@
 """The answer use case: retrieve → plan and load KV → stitch → prefill the question → decode, as events.
 
-`Answerer.retrieve` runs on any thread (embedding and Qdrant); `Answerer.answer` runs on the engine loop and yields
-`TokenEvent`s and then one `DoneEvent` with the TTFT breakdown and where each chunk's KV came from. The HTTP
-layer turns these into SSE or JSON; nothing here knows about HTTP. A `cancelled` event set by the caller (the
-client went away) stops decoding between tokens, and the request's buffers are dropped with the generator.
+`Answerer.retrieve` runs on any thread (embedding and Qdrant, batched across concurrent questions);
+`Answerer.prompt` joins the token ids; `Answerer.fetch` brings the chunks' KV to the device at the request's
+admission on the engine loop; the scheduler stitches, prefills and decodes it with the other running answers
+(`service/answer_session.py` drives one answer through it), and `Answerer.done_event` reports the TTFT
+breakdown and where each chunk's KV came from. Events (`TokenEvent`, `DoneEvent`) know nothing about HTTP.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 
-from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.kv_layout import KVBlock, TokenIds
+from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
+from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
@@ -134,28 +134,25 @@ class Answerer:
             )
         return replace(question, ids=ids)
 
-    def answer(
-        self, question: Question, retrieval: Retrieval, started: float, cancelled: threading.Event | None = None
-    ) -> Iterator[TokenEvent | DoneEvent]:
-        """Generate on the calling thread (the engine loop's); `started` is the request's perf_counter start
-        (for TTFT)."""
-        prompt = self.engine.template.prompt([c.token_ids for c in retrieval.chunks], self._ids(question))
-        fetch = self._fetch(prompt) if question.mode is GenerationMode.TURBO else None
-        chunk_kv: list[KVBlock] | None = fetch.blocks if fetch is not None else None
-        ready = fetch.ready if fetch is not None and fetch.ready else None
-        stream = self.engine.generate(
-            prompt, question.sampling, question.mode, question.positions, chunk_kv, ready, recompute=question.recompute
-        )
-        first_token_at: float | None = None
-        for delta in stream:
-            if cancelled is not None and cancelled.is_set():
-                return
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            yield TokenEvent(delta)
-        result = stream.result
-        ttft_ms = ((first_token_at or time.perf_counter()) - started) * 1e3
-        yield DoneEvent(
+    def prompt(self, question: Question, retrieval: Retrieval) -> PromptIds:
+        """The request's prompt as token ids: template prefix, the retrieved chunks' blocks, the question."""
+        return self.engine.template.prompt([c.token_ids for c in retrieval.chunks], self._ids(question))
+
+    def fetch(self, prompt: PromptIds) -> FetchResult:
+        """The chunks' KV on the device, whichever tier holds it (misses computed); on the engine loop, at the
+        request's admission. Copies may still run when this returns: the stitch waits for each block."""
+        return self._fetch(prompt)
+
+    def done_event(
+        self,
+        question: Question,
+        retrieval: Retrieval,
+        fetch: FetchResult | None,
+        result: GenerationResult,
+        ttft_ms: float,
+    ) -> DoneEvent:
+        """The `done` event of a finished answer: TTFT and its breakdown, where the chunks' KV came from."""
+        return DoneEvent(
             mode=question.mode.value,
             positions=question.positions.value,
             ttft_ms=ttft_ms,
@@ -173,7 +170,6 @@ class Answerer:
 
     def _fetch(self, prompt: PromptIds) -> FetchResult:
         try:
-            # Copies may still run when this returns; the stitch waits for each block just before placing it.
             return self.store.fetch(prompt.blocks, overlap=True)
         except (redis.RedisError, ConnectionError, TimeoutError) as err:
             raise UnavailableError("the KV index", err) from err

@@ -1,22 +1,24 @@
-"""One admitted question on its way through the engine loop: generation, cancellation, metrics.
+"""One admitted question on its way through the engine loop: its batched request, events, cancellation, metrics.
 
-`AnswerSession.start` queues the answer on the engine loop (the one owner of the device) and hands each event to
-the listener as it is made; the HTTP layer turns them into SSE or JSON. When the client goes away `cancel` sets
-a flag the generation checks between tokens; the engine loop then stops, gives up the place in line, and the
-request's buffers go with its generator.
+`AnswerSession.start` hands the question to the engine loop's scheduler as a `BatchRequest`: at admission the
+chunks' KV is fetched (`Answerer.fetch`), then the request is stitched and prefilled into its slab of the KV pool
+and decoded together with the other running answers. Each text delta reaches the listener as a `TokenEvent`,
+then a `DoneEvent` and None (the end), or the error and None. When the client goes away `cancel` marks the
+request; the scheduler drops it at its next step, frees its slab, and the place in line is released.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.answer import Answerer, DoneEvent, Question, Retrieval
+from service.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
+from service.engine.engine import GenerationMode
+from service.engine.scheduler import BatchRequest
 from service.engine_loop import Admission, EngineLoop
 from service.facade import AnswerItem
+from service.kvcache.store import FetchResult
 from service.metrics import Metrics
 
 
@@ -29,8 +31,11 @@ class AnswerSession:
     retrieval: Retrieval
     admission: Admission
     started: float  # perf_counter at the request's arrival (TTFT counts from here)
-    cancelled: threading.Event = field(default_factory=threading.Event)
     done: DoneEvent | None = None
+    request: BatchRequest | None = field(default=None, repr=False)
+    fetch: FetchResult | None = field(default=None, repr=False)
+    _listener: Callable[[AnswerItem], None] | None = field(default=None, repr=False)
+    _cancelled: bool = False
 
     def sources(self) -> list[dict[str, Any]]:
         return [
@@ -39,31 +44,60 @@ class AnswerSession:
         ]
 
     def start(self, listener: Callable[[AnswerItem], None]) -> None:
-        self.loop.submit(lambda: self._generate(listener))
+        question = self.question
+        self._listener = listener
+        self.request = BatchRequest(
+            self.answerer.prompt(question, self.retrieval),
+            question.sampling,
+            question.mode,
+            question.positions,
+            on_text=lambda delta: listener(TokenEvent(delta)),
+            on_finish=self._finished,
+            on_admit=self._admitted if question.mode is GenerationMode.TURBO else None,
+            recompute=question.recompute,
+        )
+        try:
+            self.loop.add_answer(self.request)
+        except BaseException:
+            self.admission.release()
+            raise
 
     def cancel(self) -> None:
-        if self.done is None and not self.cancelled.is_set():
+        if self.done is None and not self._cancelled:
             self.metrics.disconnects.inc()
-        self.cancelled.set()
+        self._cancelled = True
+        if self.request is not None and self.done is None:
+            self.loop.cancel_answer(self.request)
+        elif self.request is None:
+            self.admission.release()  # never started: nothing on the engine holds the place
 
-    def _generate(self, listener: Callable[[AnswerItem], None]) -> None:
-        """Runs on the engine loop; the place in line is released however it ends."""
-        queued_ms = (time.perf_counter() - self.started) * 1e3 - self.retrieval.retrieve_ms
+    # ---- on the engine loop ---------------------------------------------------------------------------------
+
+    def _admitted(self, request: BatchRequest) -> None:
+        self.fetch = self.answerer.fetch(request.prompt)
+        request.chunk_kv = self.fetch.blocks
+        request.chunk_ready = self.fetch.ready or None
+
+    def _finished(self, request: BatchRequest) -> None:
+        """The request ended (done, stopped, cancelled or failed): report it and give up the place in line."""
+        listener = self._listener
+        assert listener is not None
         try:
-            if not self.cancelled.is_set():
-                for event in self.answerer.answer(self.question, self.retrieval, self.started, self.cancelled):
-                    if isinstance(event, DoneEvent):
-                        event.timings_ms["queue"] = max(0.0, queued_ms)
-                        self._record(event)
-                    listener(event)
-        except BaseException as err:
-            listener(err)
+            if request.error is not None:
+                listener(request.error)
+            elif request.result.finish_reason != "cancelled":
+                listener(self._done_event(request))
         finally:
             self.admission.release()
             listener(None)
 
-    def _record(self, done: DoneEvent) -> None:
+    def _done_event(self, request: BatchRequest) -> DoneEvent:
+        ttft_ms = (request.first_token_at - self.started) * 1e3
+        done = self.answerer.done_event(self.question, self.retrieval, self.fetch, request.result, ttft_ms)
+        admitted_at = request.added_at + request.queue_ms / 1e3
+        done.timings_ms["queue"] = max(0.0, (admitted_at - self.started) * 1e3 - self.retrieval.retrieve_ms)
         self.done = done
         self.metrics.observe_answer(
             done.mode, done.positions, done.ttft_ms, done.timings_ms, done.kv, done.kv_bytes, done.output_tokens
         )
+        return done

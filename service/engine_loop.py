@@ -1,78 +1,140 @@
 """The one owner of the device: a single engine thread through which every GPU user goes.
 
-Answers (KV fetch, online precompute of misses, stitch, prefill, decode), the in-process worker's precompute
-batches, the start-up gate and the CUDA-graph warm-up all run as work items on this one thread, in the order
-they were submitted; nothing else touches the model, so no lock guards it. Answers wait in a bounded line of at
-most `max_waiting`: one more is refused at once with `EngineBusyError` (the HTTP layer's 503 + Retry-After)
-instead of letting latency grow without bound. The batching scheduler (issue 12) replaces the one-item-at-a-time
-body of this loop; its callers stay as they are.
+Each turn of the loop runs at most one queued work item (the in-process worker's precompute batches, the
+start-up gate, the CUDA-graph warm-up, anything `submit`ted), hands newly arrived answers to the scheduler, and
+then lets the scheduler take one step: admit waiting answers (fetch their chunk KV, stitch, prefill the question
+into a slab of the KV pool) and run one batched decode step over every running answer (`engine/scheduler.py`).
+So answers decode together, join and leave at any step, and an ingest's precompute batch only ever delays the
+running answers by one batch, never by a whole answer. Nothing else touches the model, so no lock guards it.
+
+Answers wait in a bounded line: at most `max_batch` run and `max_waiting` more wait; one more is refused at once
+with `EngineBusyError` (the HTTP layer's 503 + Retry-After) instead of letting latency grow without bound.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
+from collections import deque
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
+
+from service.engine.scheduler import BatchRequest, Scheduler
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+log = logging.getLogger(__name__)
 
 
 class EngineBusyError(RuntimeError):
     """The line in front of the engine is full."""
 
 
+class _Task:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as err:
+            self.future.set_exception(err)
+
+
 class EngineLoop:
-    """One engine thread; `submit` queues work, `call` runs it there and waits, `admit` bounds the answers."""
+    """One engine thread; `submit` queues work, `call` runs it there and waits, `admit` bounds the answers and
+    `add_answer` hands one to the scheduler (once `serve_answers` installed it)."""
 
     def __init__(self, max_waiting: int) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engine", initializer=self._remember_thread
-        )
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self.scheduler: Scheduler | None = None
+        self.on_step: Callable[[int], None] | None = None  # called with each decode step's batch size (metrics)
+        self._wake = threading.Condition()
+        self._tasks: deque[_Task] = deque()
+        self._arrived: deque[BatchRequest] = deque()
+        self._closing = False
         self._admitted = 0  # answers running + waiting
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
 
-    def _remember_thread(self) -> None:
-        self._thread = threading.current_thread()
+    # ---- answers --------------------------------------------------------------------------------------------
+
+    def serve_answers(self, scheduler: Scheduler) -> None:
+        """From now on answers go to this scheduler (installed once the model passed the gate)."""
+        self.scheduler = scheduler
+
+    @property
+    def capacity(self) -> int:
+        running = self.scheduler.max_batch if self.scheduler is not None else 1
+        return running + self.max_waiting
 
     @property
     def admitted(self) -> int:
-        with self._lock:
+        with self._wake:
             return self._admitted
 
     @property
     def waiting(self) -> int:
-        with self._lock:
-            return max(0, self._admitted - 1)
+        """Answers admitted but not decoding yet."""
+        running = len(self.scheduler.running) if self.scheduler is not None else 0
+        return max(0, self.admitted - running)
 
-    def on_loop(self) -> bool:
-        """Whether the calling thread is the engine thread."""
-        return threading.current_thread() is self._thread
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running) if self.scheduler is not None else 0
 
     def admit(self) -> Admission:
         """A place in line for an answer, or `EngineBusyError`; release it with `Admission.release`."""
-        with self._lock:
-            if self._admitted >= self.max_waiting + 1:
+        with self._wake:
+            if self._admitted >= self.capacity:
                 raise EngineBusyError(f"{self._admitted} requests are already running or waiting for the engine")
             self._admitted += 1
         return Admission(self)
 
     def _release(self) -> None:
-        with self._lock:
+        with self._wake:
             self._admitted -= 1
+
+    def add_answer(self, request: BatchRequest) -> None:
+        """Queue an answer for the scheduler (from any thread); it is added on the engine thread."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine loop serves no answers yet")
+        with self._wake:
+            self._arrived.append(request)
+            self._wake.notify()
+
+    def cancel_answer(self, request: BatchRequest) -> None:
+        """Stop an answer at the next step (safe from any thread); the loop wakes to act on it."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    # ---- work items -----------------------------------------------------------------------------------------
+
+    def on_loop(self) -> bool:
+        """Whether the calling thread is the engine thread."""
+        return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Queue `fn` for the engine thread."""
-        return self._executor.submit(fn)
+        task = _Task(fn)
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the engine loop is closed")
+            self._tasks.append(task)
+            self._wake.notify()
+        return task.future
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread and return its result (at once when already there: a fetch's miss
-        precompute runs inside an answer, which is itself a work item)."""
+        precompute runs inside an answer's admission, itself part of a step)."""
         if self.on_loop():
             return fn()
         return self.submit(fn).result()
@@ -86,7 +148,64 @@ class EngineLoop:
         return on_engine
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop after the current turn; queued work items are cancelled, running answers end as errors."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(self._has_work)
+                if self._closing:
+                    break
+                task = self._tasks.popleft() if self._tasks else None
+                arrived = list(self._arrived)
+                self._arrived.clear()
+            if task is not None:
+                task.run()
+            self._step(arrived)
+        self._shut_down()
+
+    def _has_work(self) -> bool:
+        busy = self.scheduler is not None and self.scheduler.has_work()
+        return self._closing or bool(self._tasks) or bool(self._arrived) or busy
+
+    def _step(self, arrived: list[BatchRequest]) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        for request in arrived:
+            try:
+                scheduler.add(request)
+            except Exception as err:  # it can never run (too long for the pool): that request fails alone
+                request.error = err
+                scheduler.finish_unstarted(request, err)
+        if not scheduler.has_work():
+            return
+        try:
+            scheduler.step()
+        except Exception as err:  # the batch's device state is unknown: every request in it fails, the loop lives
+            log.exception("engine step failed; failing %d requests", len(scheduler.running) + len(scheduler.waiting))
+            scheduler.fail_all(err)
+            return
+        if self.on_step is not None and scheduler.last_batch:
+            self.on_step(scheduler.last_batch)
+
+    def _shut_down(self) -> None:
+        with self._wake:
+            tasks, self._tasks = list(self._tasks), deque()
+            arrived, self._arrived = list(self._arrived), deque()
+        for task in tasks:
+            task.future.cancel()
+        if self.scheduler is not None:
+            closed = RuntimeError("the server is shutting down")
+            for request in arrived:
+                self.scheduler.finish_unstarted(request, closed)
+            self.scheduler.fail_all(closed)
 
 
 class Admission:

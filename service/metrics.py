@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
 # Per-token decode time: a 7B model on one GPU decodes in ~10-30 ms, a tiny CPU model in ~1-5 ms.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 # `queue` is the wait for the engine; `precompute` is KV computed online for misses; `recompute` the part of the
 # stitched context recomputed before the question (all part of TTFT).
@@ -75,6 +76,20 @@ class Metrics:
         self.rejected = Counter("kvstitch_rejected_requests", "Requests refused with 503", ["reason"], registry=r)
         self.disconnects = Counter("kvstitch_client_disconnects", "Streams stopped by the client", registry=r)
         self.queue_depth = Gauge("kvstitch_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running_requests = Gauge(
+            "kvstitch_running_requests", "Answers decoding in the current batch (admitted into the KV pool)", registry=r
+        )
+        self.batch_size = Histogram(
+            "kvstitch_batch_size", "Answers in each batched decode step", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.kv_pool_bytes = Gauge(
+            "kvstitch_kv_pool_bytes", "KV pool of running answers: bytes used and the budget", ["kind"], registry=r
+        )
+        # Admission reserves a whole answer's slots, so a running answer never needs more memory and none is ever
+        # preempted: this stays 0, exported so dashboards and alerts hold should that policy change.
+        self.preemptions = Counter(
+            "kvstitch_preemptions", "Running answers preempted to free KV pool memory", registry=r
+        )
         self.ready = Gauge("kvstitch_ready", "1 when /readyz answers 200", registry=r)
         self.gate_diff = Gauge(
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
@@ -133,6 +148,12 @@ class Metrics:
     def watch_queue_depth(self, waiting: Callable[[], int]) -> None:
         self.queue_depth.set_function(lambda: float(waiting()))
 
+    def watch_batching(self, running: Callable[[], int], pool_used: Callable[[], int], pool_budget: int) -> None:
+        """Running answers and the KV pool's use, read at every scrape."""
+        self.running_requests.set_function(lambda: float(running()))
+        self.kv_pool_bytes.labels("used").set_function(lambda: float(pool_used()))
+        self.kv_pool_bytes.labels("budget").set(pool_budget)
+
     def watch_ingest_backlog(self, pending: Callable[[], int]) -> None:
         """The ingest stream's backlog at every scrape; NaN while the queue cannot be read (Redis away), so one
         unreachable dependency does not fail the whole scrape."""
@@ -164,7 +185,8 @@ class _StoreCollector(Collector):
             "kvstitch_tier_bytes", "Bytes per KV tier: held (used) and allowed (budget)", labels=["tier", "kind"]
         )
         for tier, usage in stats.usage.items():
-            tier_bytes.add_metric([tier.value, "used"], usage.used_bytes)
+            used = math.nan if usage.used_bytes is None else usage.used_bytes  # unknown: the index is away
+            tier_bytes.add_metric([tier.value, "used"], used)
             tier_bytes.add_metric([tier.value, "budget"], usage.budget_bytes)
         hits = CounterMetricFamily("kvstitch_kv_hits", "Block lookups served per tier", labels=["tier"])
         for tier, n in stats.hits.items():
@@ -176,7 +198,14 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstitch_kv_misses", "Blocks computed online", value=stats.misses)
         yield CounterMetricFamily("kvstitch_kv_corrupt", "Block files that failed a check", value=stats.corrupt)
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
-        yield CounterMetricFamily("kvstitch_kv_write_errors", "Block writes that failed", value=stats.write_errors)
+        write_errors = CounterMetricFamily(
+            "kvstitch_kv_write_errors",
+            "Background KV writes (block files, index updates) that failed, by reason: index, disk, other",
+            labels=["reason"],
+        )
+        for reason, n in stats.write_errors.items():
+            write_errors.add_metric([reason], n)
+        yield write_errors
         yield GaugeMetricFamily(
             "kvstitch_kv_pending_writes", "Blocks waiting to be written", value=stats.pending_writes
         )

@@ -25,7 +25,9 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
+from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
+from service.engine.scheduler import Scheduler
 from service.engine_loop import EngineLoop
 from service.ingest import IngestCounts, Ingestor, IngestParts
 from service.jobs.documents import DocumentLimits
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 GATE_CHUNK_LENGTHS = (24, 40, 17)
 GATE_QUESTION_LENGTH = 12
 WORKER_JOIN_S = 30.0
+# The KV pool of running answers when no size is set: room for 32 answers at ~9K context of a 7B model on a GPU
+# (57 KB per token in bf16), a few tiny-model answers on a CPU.
+DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 512}
 
 
 @dataclass(frozen=True)
@@ -148,15 +153,42 @@ class Runtime:
         graphs = self.engine.decode_graphs
         if graphs is None:
             return
-        settings = self.settings
-        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens  # top-5 chunks, a question
         start = time.perf_counter()
         try:
-            self.loop.call(lambda: graphs.warm(min(typical, self.engine.spec.max_context)))
+            self.loop.call(lambda: graphs.warm(self._typical_tokens()))
         except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
             log.exception("decode graph warm-up failed")
             return
         log.info("decode graph captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+
+    def serve_answers(self) -> Scheduler:
+        """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
+        device = self.engine.spec.device
+        mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
+        pool = KVPool.from_mib(self.engine.spec, mib)
+        # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
+        on_cuda = self.engine.decode_graphs is not None
+        scheduler = Scheduler(self.engine, pool, self.settings.max_batch, cuda_graphs=on_cuda)
+        self.loop.serve_answers(scheduler)
+        self.loop.call(lambda: self._warm_batch_graphs(scheduler))
+        log.info(
+            "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
+        )
+        return scheduler
+
+    def _warm_batch_graphs(self, scheduler: Scheduler) -> None:
+        """Capture each batch size's decode step for typical and twice-typical contexts (on the engine loop)."""
+        if scheduler.graphs is None:
+            return
+        typical = self._typical_tokens()
+        for tokens in (typical, min(2 * typical, self.engine.spec.max_context)):
+            scheduler.graphs.warm(tokens)
+
+    def _typical_tokens(self) -> int:
+        """Slots of a typical answer: top-5 chunks, a question, the default answer budget."""
+        settings = self.settings
+        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens
+        return min(typical, self.engine.spec.max_context)
 
     def start_worker(self, factory: WorkerFactory, on_job_finished: JobFinished | None = None) -> None:
         """Run an ingest worker built by `factory` on a thread of this process until `close`."""

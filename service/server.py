@@ -85,6 +85,10 @@ class Server:
             if not self.gate.passed:
                 raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
             runtime.warm_up()
+            scheduler = runtime.serve_answers()
+            pool = scheduler.pool
+            self.metrics.watch_batching(lambda: len(scheduler.running), lambda: pool.used_bytes, pool.capacity_bytes)
+            runtime.loop.on_step = self.metrics.batch_size.observe
             self.answerer = Answerer(runtime.engine, runtime.store, runtime.retrieval.retrieve)
             self._start_worker(runtime)
             log.info("kvstitch ready in %.1f s (model %s)", time.perf_counter() - began, self.model_name)

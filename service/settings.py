@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, description="Bearer token required on every route but health and metrics.")
     max_request_mb: int = Field(64, ge=1, description="Largest request body accepted (MiB); larger gets 413.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
+    max_batch: int = Field(32, ge=1, le=256, description="Answers decoded together in one batched step, at most.")
+    kv_pool_mb: int | None = Field(
+        None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 512 on the CPU."
+    )
     max_question_chars: int = Field(4000, ge=1, description="Longest question accepted.")
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request gives none.")

@@ -35,7 +35,7 @@ def store_stats() -> StoreStats:
         blocks_written=4,
         bytes_written=4 << 20,
         pending_writes=0,
-        write_errors=0,
+        write_errors={"index": 1, "disk": 0, "other": 0},
     )
 
 
@@ -45,6 +45,9 @@ def exported() -> dict[str, set[str]]:
     metrics = Metrics()
     metrics.watch_store(store_stats)
     metrics.watch_queue_depth(lambda: 0)
+    metrics.watch_batching(lambda: 2, lambda: 1 << 20, 1 << 30)
+    metrics.batch_size.observe(2)
+    metrics.preemptions.inc(0)
     metrics.watch_ingest_backlog(lambda: 0)
     timings = {stage: 1.0 for stage in STAGES}
     tiers = {tier.value: 1 for tier in Tier}

@@ -30,8 +30,9 @@ def _stitched(
     engine: StitchEngine, prompt: PromptIds, spec: str, positions: PositionMode = PositionMode.REORDERED
 ) -> tuple[KVBuffer, StitchPlan, int, torch.Tensor]:
     """Stitch, recompute `spec`, prefill the question: buffer, plan, recomputed count, question logits [T, vocab]."""
-    buffer, plan = engine.stitch(engine.precompute(prompt.blocks), positions, len(prompt.question))
-    count = engine.recompute(buffer, plan, prompt, parse_recompute(spec))
+    chunk_kv = engine.precompute(prompt.blocks)
+    buffer, plan = engine.stitch(chunk_kv, positions, len(prompt.question))
+    count = engine.recompute(buffer, plan, chunk_kv, parse_recompute(spec))
     logits = engine.prefill_question(buffer, prompt.question, all_logits=True)
     return buffer, plan, count, logits
 
@@ -129,9 +130,10 @@ def test_selective_recomputes_the_share_whose_kv_deviates_most(engine: StitchEng
 def test_a_buffer_holding_more_than_the_context_is_refused(get_engine: GetEngine) -> None:
     engine = get_engine("qwen2", "cpu")
     prompt = _prompt(engine)
-    buffer, _, plan = engine.prefill_stitched(engine.precompute(prompt.blocks), prompt.question)
+    chunk_kv = engine.precompute(prompt.blocks)
+    buffer, _, plan = engine.prefill_stitched(chunk_kv, prompt.question)
     with pytest.raises(ValueError, match="stitched context alone"):
-        engine.recompute(buffer, plan, prompt, parse_recompute("selective:0.5"))
+        engine.recompute(buffer, plan, chunk_kv, parse_recompute("selective:0.5"))
 
 
 def _generate(engine: StitchEngine, prompt: PromptIds, mode: str, recompute: str) -> tuple[list[int], int, float]:

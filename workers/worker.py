@@ -25,6 +25,7 @@ from service.ingest import DeleteCounts, IngestCounts, Ingestor
 from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
 from service.jobs.queue import Delivery, JobQueue
 from service.jobs.status import JobStatusStore
+from service.outage import OutageLog
 from service.runtime import JobFinished, Runtime
 
 log = logging.getLogger(__name__)
@@ -60,16 +61,20 @@ class IngestWorker:
         # Called with ("done" | "failed" | "retry", counts or None) as each delivery ends (for metrics).
         self.on_job_finished: Callable[[str, IngestCounts | None], None] | None = None
         queue.on_dead_letter = self._dead_lettered
+        # While Redis is away every turn fails, once a second: one warning per outage, not a traceback per turn.
+        self._queue_outage = OutageLog(log, f"ingest worker {config.name}: the job queue")
 
     def run(self) -> None:
-        """Work until `stop()`; errors of the queue itself (Redis away) are logged and retried."""
+        """Work until `stop()`; errors of the queue itself (Redis away) are logged once per outage and retried."""
         log.info("ingest worker %s started", self.config.name)
         while not self.stopping.is_set():
             try:
                 self.run_once()
-            except Exception:
-                log.exception("ingest worker %s: queue error; retrying", self.config.name)
+            except Exception as err:
+                self._queue_outage.failed(err)
                 self.stopping.wait(1.0)
+            else:
+                self._queue_outage.succeeded()
         log.info("ingest worker %s stopped", self.config.name)
 
     def stop(self) -> None:

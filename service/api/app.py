@@ -10,13 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi import FastAPI, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 
+from service.api.body_limit import BodyLimit
 from service.api.routes import ask, documents, health, ingest, openai
+from service.api.validation import safe_errors
 from service.facade import Facade
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -45,15 +48,14 @@ def create_app(facade: Facade) -> FastAPI:
 
     _openai_errors(app)
 
+    # Added before the counter below, so it runs inside it: refused bodies are counted under their route as 413s.
     limit_bytes = facade.limits.max_request_bytes
+    detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
+    app.add_middleware(BodyLimit, max_bytes=limit_bytes, detail=detail)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if _declared_length(request) > limit_bytes:  # refused before the body is read
-            detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
-            response: Response = JSONResponse({"detail": detail}, status_code=413)
-        else:
-            response = await call_next(request)
+        response = await call_next(request)
         # The route's template (`/ingest/{job_id}`), not the raw path, so label values stay few.
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
@@ -61,13 +63,6 @@ def create_app(facade: Facade) -> FastAPI:
         return response
 
     return app
-
-
-def _declared_length(request: Request) -> int:
-    try:
-        return int(request.headers.get("content-length", "0"))
-    except ValueError:
-        return 0
 
 
 def _openai_errors(app: FastAPI) -> None:
@@ -78,6 +73,8 @@ def _openai_errors(app: FastAPI) -> None:
         error = {"message": message, "type": "invalid_request_error", "param": param, "code": status_code}
         return JSONResponse({"error": error}, status_code=status_code)
 
+    # Starlette's HTTPException, the parent of FastAPI's: FastAPI raises the parent itself for a body it cannot
+    # parse (400), and so does routing (404, 405), and those must come in OpenAI's shape under /v1 too.
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if not request.url.path.startswith("/v1/"):
@@ -89,9 +86,12 @@ def _openai_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own handler echoes the refused input, which may be NaN or a lone surrogate: a 500 from the
+        # JSON encoder instead of the 422. These errors are made writable first.
+        errors = safe_errors(exc.errors())
         if not request.url.path.startswith("/v1/"):
-            return await request_validation_exception_handler(request, exc)
-        message, param = _message_of(list(exc.errors()))
+            return JSONResponse({"detail": errors}, status_code=422)
+        message, param = _message_of(errors)
         return openai_body(422, message, param)
 
 

@@ -6,19 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.validation import MessageContent, Metadata, Text
+
 MAX_TOP_K = 50
 MAX_SEED = 2**63 - 1
 
 
 class Body(BaseModel):
-    # A misspelt field is an error, not silently a default.
-    model_config = ConfigDict(extra="forbid")
+    # A misspelt field is an error, not silently a default; NaN and ±Infinity are no numbers to sample with;
+    # strict: JSON types as the OpenAPI document gives them (`"seed": true` or `"top_k": "5"` is a 422).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class DocumentIn(Body):
-    id: str = Field(min_length=1, max_length=256)
-    text: str = Field(min_length=1)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    id: Text = Field(min_length=1, max_length=256)
+    text: Text = Field(min_length=1)
+    metadata: Metadata = Field(default_factory=dict)
     format: Literal["text", "markdown"] = "text"
 
 
@@ -67,7 +70,7 @@ class DeleteAccepted(BaseModel):
 
 
 class AskRequest(Body):
-    question: str = Field(min_length=1)
+    question: Text = Field(min_length=1)
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     mode: Literal["turbo", "naive"] = "turbo"
     positions: Literal["reordered", "composite"] = "reordered"
@@ -81,16 +84,18 @@ class AskRequest(Body):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: MessageContent = None
 
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion body; unknown OpenAI fields are accepted and ignored, as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
-    model: str = Field(min_length=1, max_length=512)
+    model: Text = Field(min_length=1, max_length=512)
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)

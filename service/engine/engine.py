@@ -78,7 +78,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Stopwatch:
+class Stopwatch:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._start = time.perf_counter()
@@ -311,18 +311,55 @@ class StitchEngine:
         assert logits is not None  # `pipelines` checked that the bucket's graph holds the question
         return buffer, logits.clone(), plan
 
-    def recompute(self, buffer: KVBuffer, plan: StitchPlan, prompt: PromptIds, spec: RecomputeSpec) -> int:
-        """Recompute the context tokens `spec` chooses in a freshly stitched `buffer` (before the question);
-        returns how many were recomputed (`recompute.py`)."""
-        return recompute_context(self.forward, buffer, plan, prompt.joined()[: plan.context_tokens], spec)
+    def recompute(self, buffer: KVBuffer, plan: StitchPlan, chunk_kv: Sequence[KVBlock], spec: RecomputeSpec) -> int:
+        """Recompute the context tokens `spec` chooses in `buffer`, just stitched from `chunk_kv` (before the
+        question); returns how many were recomputed (`recompute.py`)."""
+        ids = [t for block in (self.prefix_block, *chunk_kv) for t in block.token_ids]
+        return recompute_context(self.forward, buffer, plan, ids, spec)
 
     def prefill_naive(
-        self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False
+        self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False, into: KVBuffer | None = None
     ) -> tuple[KVBuffer, torch.Tensor]:
-        """One causal prefill over the joined ids: the baseline and the fallback."""
+        """One causal prefill over the joined ids: the baseline and the fallback. `into`: an empty buffer to
+        prefill (a pool slab's) instead of a new one."""
         ids = prompt.joined()
-        buffer = KVBuffer(self.spec, len(ids) + extra_tokens)
+        buffer = KVBuffer(self.spec, len(ids) + extra_tokens) if into is None else into
+        if buffer.length != 0:
+            raise ValueError("a naive prefill needs an empty buffer")
         logits = self.forward.extend(buffer, ids, torch.arange(len(ids)), all_logits=all_logits)
+        return buffer, logits
+
+    def prefill_turbo(
+        self,
+        request: TurboPrefill,
+        watch: Stopwatch,
+        result: GenerationResult,
+        graph: DecodeGraph | None = None,
+        into: KVBuffer | None = None,
+    ) -> tuple[KVBuffer, torch.Tensor]:
+        """Stitch, recompute where the request asks, and prefill the question (timed into `result.timings`, the
+        recomputed tokens counted in `result`); returns the buffer and the last logits.
+
+        With a leased `graph` the chunks go into its buffer and the question through its prefill graph (layer
+        group by layer group when blocks still arrive: one time for both steps, unless the request recomputes,
+        which needs the whole context stitched first); else into `into` (a pool slab's buffer) or a new buffer,
+        eagerly. The recompute itself always runs eagerly, between the stitch and the question."""
+        r, timings = request, result.timings
+        if graph is not None:
+            if not r.recompute.active:
+                done = self.prefill_pipelined(r.chunk_kv, r.question, r.positions, r.extra_tokens, r.chunk_ready, graph)
+                if done is not None:
+                    timings.prefill_ms = watch.lap_ms()
+                    return done[0], done[1]
+            into = graph.buffer
+        room = len(r.question) + r.extra_tokens
+        buffer, plan = self.stitch(r.chunk_kv, r.positions, room, r.chunk_ready, into)
+        timings.stitch_ms = watch.lap_ms()
+        if r.recompute.active:
+            result.recomputed_tokens = self.recompute(buffer, plan, r.chunk_kv, r.recompute)
+            timings.recompute_ms = watch.lap_ms()
+        logits = self.prefill_question(buffer, r.question, graph=graph)
+        timings.prefill_ms = watch.lap_ms()
         return buffer, logits
 
     # ---- generate ------------------------------------------------------------------------------------------
@@ -349,6 +386,37 @@ class StitchEngine:
         )
 
 
+@dataclass(frozen=True)
+class TurboPrefill:
+    """What a turbo request's prefill needs: its chunk KV (and when each block lands), question, position mode
+    and the free slots to leave after the question."""
+
+    chunk_kv: Sequence[KVBlock]
+    question: Sequence[int]
+    positions: PositionMode
+    extra_tokens: int
+    chunk_ready: Sequence[BlockReady | None] | None = None
+    recompute: RecomputeSpec = NO_RECOMPUTE  # part of the context recomputed between the stitch and the question
+
+
+def check_request(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    chunk_kv: Sequence[KVBlock] | None,
+    chunk_ready: Sequence[BlockReady | None] | None,
+) -> list[BlockReady | None] | None:
+    """Raise ValueError when a request's parts do not belong together; returns `chunk_ready` as a list."""
+    if prompt.prefix != engine.template.prefix:
+        raise ValueError("the prompt was not built with this engine's template")
+    if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
+        raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
+    if chunk_ready is None:
+        return None
+    if chunk_kv is None:
+        raise ValueError("`chunk_ready` needs the `chunk_kv` it belongs to")
+    return _ready_for(chunk_kv, chunk_ready)
+
+
 def _ready_for(chunk_kv: Sequence[KVBlock], chunk_ready: Sequence[BlockReady | None]) -> list[BlockReady | None]:
     if len(chunk_ready) != len(chunk_kv):
         raise ValueError(f"{len(chunk_ready)} ready entries for {len(chunk_kv)} chunk blocks")
@@ -372,14 +440,7 @@ class GenerationStream:
         chunk_ready: Sequence[BlockReady | None] | None = None,
         recompute: RecomputeSpec = NO_RECOMPUTE,
     ) -> None:
-        if prompt.prefix != engine.template.prefix:
-            raise ValueError("the prompt was not built with this engine's template")
-        if chunk_kv is not None and [b.token_ids for b in chunk_kv] != list(prompt.blocks):
-            raise ValueError("the KV blocks handed in do not hold the prompt's chunk ids")
-        if chunk_ready is not None:
-            if chunk_kv is None:
-                raise ValueError("`chunk_ready` needs the `chunk_kv` it belongs to")
-            chunk_ready = _ready_for(chunk_kv, chunk_ready)
+        chunk_ready = check_request(engine, prompt, chunk_kv, chunk_ready)
         self._engine = engine
         self._prompt = prompt
         self._sampling = sampling
@@ -387,7 +448,7 @@ class GenerationStream:
         self._positions = positions
         self._chunk_kv = chunk_kv
         self._chunk_ready = chunk_ready
-        self._recompute = recompute if mode is GenerationMode.TURBO and recompute.active else None
+        self._recompute = recompute
         self._graph: DecodeGraph | None = None  # leased for the whole request; its buffer is the request's
         self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
 
@@ -401,7 +462,7 @@ class GenerationStream:
 
     def _generate(self) -> Iterator[str]:
         engine, timings = self._engine, self.result.timings
-        watch = _Stopwatch(engine.spec.device)
+        watch = Stopwatch(engine.spec.device)
         buffer, logits = self._prefill(watch)
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
@@ -453,7 +514,7 @@ class GenerationStream:
         position = torch.tensor([buffer.next_position])
         return sampler.pick(self._engine.forward.extend(buffer, [token], position))
 
-    def _prefill(self, watch: _Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
+    def _prefill(self, watch: Stopwatch) -> tuple[KVBuffer, torch.Tensor]:
         engine, timings, extra = self._engine, self.result.timings, self._sampling.max_new_tokens
         if self._mode is GenerationMode.NAIVE:
             buffer, logits = engine.prefill_naive(self._prompt, extra_tokens=extra)
@@ -463,21 +524,10 @@ class GenerationStream:
         if chunk_kv is None:
             chunk_kv = engine.precompute(self._prompt.blocks) if self._prompt.blocks else []
             timings.precompute_ms = watch.lap_ms()
-        question = self._prompt.question
         # With graphs the chunks are stitched straight into the leased graph's buffer, so the question prefill
         # graph and the decode graph find the context where they read it: no copy of the request's KV.
-        graph = self._graph = engine.lease_graph(self._prompt.context_tokens, len(question), extra)
-        if graph is not None and self._recompute is None:  # recompute needs the whole context stitched first
-            done = engine.prefill_pipelined(chunk_kv, question, self._positions, extra, self._chunk_ready, graph)
-            if done is not None:  # stitch and prefill interleaved by layer group: one time for both
-                timings.prefill_ms = watch.lap_ms()
-                return done[0], done[1]
-        into = graph.buffer if graph is not None else None
-        buffer, plan = engine.stitch(chunk_kv, self._positions, len(question) + extra, self._chunk_ready, into)
-        timings.stitch_ms = watch.lap_ms()
-        if self._recompute is not None:
-            self.result.recomputed_tokens = engine.recompute(buffer, plan, self._prompt, self._recompute)
-            timings.recompute_ms = watch.lap_ms()
-        logits = engine.prefill_question(buffer, question, graph=graph)
-        timings.prefill_ms = watch.lap_ms()
-        return buffer, logits
+        self._graph = engine.lease_graph(self._prompt.context_tokens, len(self._prompt.question), extra)
+        turbo = TurboPrefill(
+            chunk_kv, self._prompt.question, self._positions, extra, self._chunk_ready, self._recompute
+        )
+        return engine.prefill_turbo(turbo, watch, self.result, self._graph)

@@ -205,6 +205,10 @@ class LeanForward:
             hidden = hidden.index_select(0, last)  # only the wanted token goes through the norm and the LM head
         return self._logits(hidden.unsqueeze(0))[0, -1]
 
+    def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of every row of `hidden` [T, hidden] (one per request of a batched step)."""
+        return self._logits(hidden.unsqueeze(0))[0]
+
     def _decode_weights(self, index: int) -> _DecodeWeights:
         """Layer `index`'s q/k/v and gate/up weights fused by rows, made once (outside any graph capture)."""
         while len(self._fused) <= index:

@@ -1,18 +1,23 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling with a seedable generator."""
+"""Token selection: greedy, or temperature / top-k / top-p sampling with a seedable generator, for one request
+or a batch of requests with different settings (the same code: a request alone is a batch of one)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_NEW_TOKENS_LIMIT = 8192
 MAX_STOP_STRINGS = 8
+# Below this, sampling is an argmax anyway, and dividing by it overflows: 5e-324 is 0 in fp32, so logits / it are
+# inf and the probabilities NaN (a 500 found by the schema fuzz test). Such temperatures are greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -36,12 +41,17 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks the next token from fp32 logits [vocab]."""
+    """Picks the next token from fp32 logits [vocab]: `pick_rows` with this one request as its only row.
+
+    A request alone and a request inside a batch go through the same `pick_rows`, and a sampled request draws
+    its noise from its own generator (one [vocab] draw per pick whatever the batch), so a seed gives the same
+    tokens alone and batched.
+    """
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
-        if params.temperature > 0:
+        if params.temperature >= MIN_SAMPLING_TEMPERATURE:
             self.generator = torch.Generator(device=device)
             if params.seed is not None:
                 self.generator.manual_seed(params.seed)
@@ -54,28 +64,55 @@ class Sampler:
         return self.generator is None
 
     def pick(self, logits: torch.Tensor) -> int:
-        if self.generator is None:
-            return int(torch.argmax(logits))
-        scores = logits.float() / self.params.temperature
-        scores = _keep_top_k(scores, self.params.top_k)
-        scores = _keep_top_p(scores, self.params.top_p)
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return pick_rows(logits.unsqueeze(0), [self])[0]
 
 
-def _keep_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= scores.numel():
-        return scores
-    threshold = torch.topk(scores, k).values[-1]
-    return scores.masked_fill(scores < threshold, float("-inf"))
+def pick_rows(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """One token per row of fp32 logits [B, vocab], row b picked as `samplers[b]` says, on the logits' device.
+
+    Greedy rows take the argmax; sampled rows are filtered (temperature, top-k, top-p) together and pick by an
+    exponential race: argmax(p / E) with E ~ Exp(1) drawn per row from that row's generator selects token i
+    with probability p_i, like `torch.multinomial`, but batches as one argmax. One host copy of the B ids.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(f"logits {tuple(logits.shape)} need one row per sampler ({len(samplers)})")
+    picks = torch.argmax(logits, dim=-1)
+    sampled = [row for row, s in enumerate(samplers) if not s.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        params = [samplers[row].params for row in sampled]
+        probs = _filtered_probs(logits.index_select(0, index).float(), params)
+        noise = torch.stack([_exponential(probs.shape[1], samplers[row]) for row in sampled])
+        picks = picks.index_copy(0, index, torch.argmax(probs / noise, dim=-1))
+    return [int(t) for t in picks.tolist()]
 
 
-def _keep_top_p(scores: torch.Tensor, p: float) -> torch.Tensor:
-    if p >= 1.0:
-        return scores
-    sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-    # Drop a token when the mass before it already reaches p; the top token always survives.
-    drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+def _exponential(vocab: int, sampler: Sampler) -> torch.Tensor:
+    assert sampler.generator is not None
+    noise = torch.empty(vocab, device=sampler.generator.device).exponential_(generator=sampler.generator)
+    # A draw of exactly 0 would make p / E inf (or NaN where p is 0) and win the race regardless of p.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax(logits / temperature) with each row's top-k and top-p cut applied, [n, vocab]."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    # top_k 0 (off) keeps every token; top_p 1 (off) drops none, even where a cumulative sum rounds above 1.
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    scores = logits / temperature
+    if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
+        return torch.softmax(scores, dim=-1)  # no cut: skip the sort of a ~150K vocabulary
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    # Top-k keeps every score at least the k-th largest (ties included).
+    kth = sorted_scores.gather(1, (top_k - 1).unsqueeze(1))
+    drop_sorted = sorted_scores < kth
+    sorted_probs = torch.softmax(sorted_scores.masked_fill(drop_sorted, float("-inf")), dim=-1)
+    # Top-p drops a token when the mass before it already reaches p; the top token always survives.
+    drop_sorted |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+    # A top_p that is 0 in fp32 (5e-324) would drop the top token too: all -inf, NaN probabilities (a 500 found by
+    # the schema fuzz test).
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return torch.softmax(scores.masked_fill(drop, float("-inf")), dim=-1)

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from service.plain_json import json_problem, text_problem
+
 MAX_DOC_ID_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_JOB_ID_CHARS = 128
@@ -170,6 +172,8 @@ def _text(where: str, text: Any, limits: DocumentLimits) -> str:
         raise JobError(f"{where} must be a string, got {_type(text)}")
     if not text.strip():
         raise JobError(f"{where} is empty (nothing to ingest)")
+    if (problem := text_problem(text)) is not None:  # the tokenizer cannot encode it
+        raise JobError(f"{where} {problem}")
     if len(text) > limits.max_document_chars:
         raise JobError(f"{where} has {len(text):,} characters; the limit is {limits.max_document_chars:,}")
     return text
@@ -180,10 +184,10 @@ def _metadata(where: str, metadata: Any) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
         raise JobError(f"{where} must be an object with string keys, got {_type(metadata)}")
-    try:
-        encoded = json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise JobError(f"{where} must be plain JSON: {err}") from err
+    # Checked before encoding: a lone surrogate fails `.encode()` and deep nesting fails Qdrant (RecursionError).
+    if (problem := json_problem(dict(metadata), where)) is not None:
+        raise JobError(problem)  # names the path: documents[0].metadata.score: nan is not a finite number
+    encoded = json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
     if len(encoded.encode()) > MAX_METADATA_BYTES:
         raise JobError(f"{where} is larger than {MAX_METADATA_BYTES} bytes as JSON")
     return dict(metadata)

@@ -68,6 +68,10 @@ class KVIndex(Protocol):
     def close(self) -> None: ...
 
 
+# What an index raises when its store is away or refuses (Redis down, SQLite locked or unwritable).
+INDEX_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, sqlite3.Error)
+
+
 # ---- Redis -------------------------------------------------------------------------------------------------
 
 # Each mutation touches the entry hash, the LRU sorted set and the byte total. Lua scripts run atomically on

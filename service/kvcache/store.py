@@ -43,7 +43,7 @@ from service.kvcache import device
 from service.kvcache.device import CopyEvent
 from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, QuantBlock
 from service.kvcache.host_pool import HostPool, HostSlot
-from service.kvcache.index import KVIndex
+from service.kvcache.index import INDEX_ERRORS, KVIndex
 from service.kvcache.keys import block_key
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_batches
 from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
@@ -129,7 +129,7 @@ class FetchResult:
 
 @dataclass(frozen=True)
 class TierUsage:
-    used_bytes: int
+    used_bytes: int | None  # None for disk while the index (which holds its total) is unreachable
     budget_bytes: int
     blocks: int | None  # None for disk, where counting would scan the index
 
@@ -146,7 +146,7 @@ class StoreStats:
     blocks_written: int
     bytes_written: int
     pending_writes: int
-    write_errors: int
+    write_errors: dict[str, int]  # by reason: index, disk, other (writeback.WRITE_ERROR_REASONS)
 
 
 class KVStore:
@@ -297,7 +297,7 @@ class KVStore:
             hits = {t: self._hits[t] for t in CACHE_TIERS}
             misses, corrupt = self._misses, self._corrupt
             evictions = {Tier.GPU: self.gpu.evictions, Tier.HOST: pool.evictions, Tier.DISK: self.disk.evictions}
-        disk_usage = TierUsage(self.disk.used_bytes(), self.disk.budget_bytes, None)
+        disk_usage = TierUsage(self._disk_used_bytes(), self.disk.budget_bytes, None)
         return StoreStats(
             usage={Tier.GPU: gpu_usage, Tier.HOST: host_usage, Tier.DISK: disk_usage},
             hits=hits,
@@ -307,8 +307,15 @@ class KVStore:
             blocks_written=wb.blocks_written,
             bytes_written=wb.bytes_written,
             pending_writes=wb.pending,
-            write_errors=wb.errors,
+            write_errors=wb.error_counts(),
         )
+
+    def _disk_used_bytes(self) -> int | None:
+        # Stats feed every metrics scrape: an index outage makes the disk total unknown, not the scrape fail.
+        try:
+            return self.disk.used_bytes()
+        except INDEX_ERRORS:
+            return None
 
     def close(self) -> None:
         """Finish background writes and stop the threads; the index stays open (the caller owns it)."""

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,9 +20,15 @@ import torch
 from service.engine.kv_layout import KVBlock
 from service.kvcache import device
 from service.kvcache.device import CopyEvent
+from service.kvcache.index import INDEX_ERRORS
 from service.kvcache.tiers import DiskTier
+from service.outage import OutageLog
 
 log = logging.getLogger(__name__)
+
+# Why a background write failed: the index (Redis or SQLite) is away, the disk refused the file, or anything else
+# (a bug: logged with its traceback every time).
+WRITE_ERROR_REASONS = ("index", "disk", "other")
 
 
 class WriteBack:
@@ -37,12 +44,19 @@ class WriteBack:
         self._queued_keys: set[str] = set()
         self.blocks_written = 0
         self.bytes_written = 0
-        self.errors = 0
+        self.errors: Counter[str] = Counter()
+        # An unreachable index fails every queued touch and write: logged once per outage, counted each time.
+        self._outages = {"index": OutageLog(log, "KV index update"), "disk": OutageLog(log, "KV block write")}
 
     @property
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def error_counts(self) -> dict[str, int]:
+        """Failed background writes and touches so far, by reason (every reason present, 0 when none)."""
+        with self._lock:
+            return {reason: self.errors[reason] for reason in WRITE_ERROR_REASONS}
 
     def write(self, key: str, block: KVBlock) -> bool:
         """Queue a block for the disk tier; False when the same key is already queued."""
@@ -58,7 +72,7 @@ class WriteBack:
         """Queue an LRU refresh of the blocks just used (stamped now, applied later)."""
         keys, now = list(keys), time.time()
         if keys:
-            self._submit(lambda: self._disk.touch(keys, now))
+            self._submit(lambda: self._touch(keys, now))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for everything queued so far (tests, shutdown, benchmarks)."""
@@ -81,26 +95,44 @@ class WriteBack:
             self._pending.discard(future)
 
     def _guarded(self, job: Callable[[], None]) -> None:
-        # A failed write only costs a later recompute; log it, count it and keep the worker alive.
+        # A failed write only costs a later recompute; count it, log it (once per outage) and keep the worker alive.
         try:
             job()
-        except Exception:
-            log.exception("KV cache background write failed")
+        except Exception as err:
+            reason = write_error_reason(err)
             with self._lock:
-                self.errors += 1
+                self.errors[reason] += 1
+            if reason in self._outages:
+                self._outages[reason].failed(err)
+            else:
+                log.exception("KV cache background write failed")
+
+    def _touch(self, keys: list[str], now: float) -> None:
+        self._disk.touch(keys, now)
+        self._outages["index"].succeeded()
 
     def _write(self, key: str, block: KVBlock, ready: CopyEvent | None) -> None:
         try:
             if not self._disk.wants(key, self._disk.stored_nbytes(block)):
+                self._outages["index"].succeeded()
                 return  # stored meanwhile (another worker) or over budget: skip the device-to-host copy
             host = _to_host(block.kv, self._stream, ready)
             written = self._disk.write(key, KVBlock(block.token_ids, host))
+            self._outages["index"].succeeded()
+            self._outages["disk"].succeeded()
             with self._lock:
                 self.blocks_written += written > 0
                 self.bytes_written += written
         finally:
             with self._lock:
                 self._queued_keys.discard(key)
+
+
+def write_error_reason(error: Exception) -> str:
+    """The `reason` label of a failed background write (one of WRITE_ERROR_REASONS)."""
+    if isinstance(error, INDEX_ERRORS):
+        return "index"
+    return "disk" if isinstance(error, OSError) else "other"
 
 
 def _to_host(kv: torch.Tensor, stream: device.CopyStream | None, ready: CopyEvent | None) -> torch.Tensor:

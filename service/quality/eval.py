@@ -102,7 +102,7 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
     positions = variant.positions or PositionMode.REORDERED
     question = case.prompt.question
     buffer, plan = engine.stitch(case.chunk_kv, positions, len(question))
-    engine.recompute(buffer, plan, case.prompt, variant.recompute)  # as `generate` does, before the question
+    engine.recompute(buffer, plan, case.chunk_kv, variant.recompute)  # as `generate` does, before the question
     return engine.prefill_question(buffer, question).float().cpu()
 
 

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
+from service.engine.model import load_model
 from service.retrieval.embedder import Embedder
 from service.server import Server
 from service.settings import Settings
@@ -73,6 +74,34 @@ def client(request: pytest.FixtureRequest, make_app: MakeApp) -> Iterator[TestCl
             "redis_prefix": request.getfixturevalue("redis_prefix"),
         }
     app = make_app(**backend)
+    with TestClient(app) as test_client:
+        wait_ready(app)
+        yield test_client
+
+
+@pytest.fixture(scope="module")
+def make_module_app(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str, Path], api_embedder: Embedder
+) -> MakeApp:
+    """Like `make_app`, for an app that serves a whole module (its own engine: `get_engine` is per test)."""
+    engine = StitchEngine(load_model(tiny_model_dirs["qwen2"], device="cpu"))
+
+    def make(**overrides: Any) -> FastAPI:
+        settings = Settings(
+            model=str(tiny_model_dirs["qwen2"]),
+            data_dir=tmp_path_factory.mktemp("module-app"),
+            **{**API_SETTINGS, **overrides},
+        )
+        return create_app(Server(settings, engine, api_embedder, worker_factory=in_process_worker))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def module_client(make_module_app: MakeApp) -> Iterator[TestClient]:
+    """One embedded app for a whole module, for tests that only send requests it refuses (nothing is stored), so
+    dozens of cases do not each pay for a start-up."""
+    app = make_module_app()
     with TestClient(app) as test_client:
         wait_ready(app)
         yield test_client

@@ -93,7 +93,7 @@ def test_without_an_api_key_no_header_is_needed(client: TestClient) -> None:
 
 
 def test_a_full_line_answers_503_with_retry_after(make_app: MakeApp) -> None:
-    app = make_app(max_queue=1)
+    app = make_app(max_queue=1, max_batch=1)  # one answer decoding, one waiting: the third is refused
     with TestClient(app) as client:
         wait_ready(app)
         loop = server_of(app).runtime.loop  # type: ignore[union-attr]

@@ -4,6 +4,9 @@ the index is away; this test's blocks are only on disk, so the request needs the
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 import shutil
 import socket
 import subprocess
@@ -89,3 +92,68 @@ def test_redis_going_away_gives_503_then_service_resumes(make_app: MakeApp, priv
         assert again.status_code == 200
         assert again.json()["kv"]["miss"] == len(again.json()["chunks"]) > 0
         assert ingest(client, [{"id": "late", "text": "Arrives after Redis is back."}])["status"] == "done"
+
+
+def test_an_outage_is_logged_once_counted_and_its_end_logged(
+    make_app: MakeApp, private_redis: RedisProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Blocks in the host tier are served while Redis is away, and each answer queues an index touch that fails:
+    one warning for the outage, every failure counted in the metrics, one line when Redis is back."""
+    app = make_app(redis_url=private_redis.url)
+    with TestClient(app) as client:
+        wait_ready(app)
+        assert ingest(client)["status"] == "done"
+        body = {"question": QUESTION, "stream": False, "max_new_tokens": 2}
+        assert client.post("/ask", json=body).json()["kv"]["disk"] > 0  # now in the host tier too
+
+        private_redis.stop()
+        with caplog.at_level(logging.WARNING):
+            for _ in range(OUTAGE_ASKS):
+                reply = client.post("/ask", json=body)
+                assert reply.status_code == 200 and reply.json()["kv"]["host"] > 0, reply.text
+            errors = _wait_for_metric(client, 'kvstitch_kv_write_errors_total{reason="index"}', OUTAGE_ASKS)
+            outage_log = _writeback_records(caplog)
+
+            time.sleep(1.5)  # the worker polls the queue once a second
+            private_redis.start()
+            assert client.post("/ask", json=body).status_code == 200
+            deadline = time.monotonic() + 30
+            while len(_writeback_records(caplog)) == len(outage_log) or not _recovered(caplog, "workers.worker"):
+                assert time.monotonic() < deadline, "no recovery line"
+                time.sleep(0.05)
+            after = _writeback_records(caplog)
+            worker = [r for r in caplog.records if r.name == "workers.worker" and r.levelno >= logging.WARNING]
+
+    assert errors == OUTAGE_ASKS
+    (warning,) = outage_log
+    assert warning.levelno == logging.WARNING and warning.exc_info is None
+    assert "KV index update failed: ConnectionError" in warning.getMessage()
+    (recovered,) = after[len(outage_log) :]
+    assert recovered.getMessage() == f"KV index update recovered after {OUTAGE_ASKS} failures"
+    # The in-process worker's queue polls failed all along (once a second): one warning and one recovery line too.
+    assert [r.exc_info for r in worker] == [None, None], [r.getMessage() for r in worker]
+    assert "the job queue failed: ConnectionError" in worker[0].getMessage()
+    assert re.fullmatch(r"ingest worker .*: the job queue recovered after \d+ failures", worker[1].getMessage())
+
+
+OUTAGE_ASKS = 5
+
+
+def _recovered(caplog: pytest.LogCaptureFixture, logger: str) -> bool:
+    return any(r.name == logger and "recovered after" in r.getMessage() for r in caplog.records)
+
+
+def _writeback_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "service.kvcache.writeback"]
+
+
+def _wait_for_metric(client: TestClient, sample: str, expected: float, timeout_s: float = 30) -> float:
+    """The sample's value once it reaches `expected` (the touches fail on the write-back thread, a bit later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = client.get("/metrics")
+        assert metrics.status_code == 200, metrics.text
+        values = [float(line.rsplit(" ", 1)[1]) for line in metrics.text.splitlines() if line.startswith(sample)]
+        if (values and values[0] >= expected) or time.monotonic() > deadline:
+            return values[0] if values else math.nan
+        time.sleep(0.05)

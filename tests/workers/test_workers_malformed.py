@@ -28,6 +28,7 @@ from service.jobs.queue import RedisStreamQueue
 from service.jobs.status import JobStatus
 from service.jobs.submit import submit_ingest
 from service.kvcache.index import open_index
+from service.plain_json import MAX_DEPTH
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
@@ -38,6 +39,13 @@ MAX_CHARS = 300  # max_document_chars of these tests' runtimes
 MAX_DOCS = 3  # max_documents_per_job
 GOOD = Document("chess.txt", "In chess the knight is the only piece that can jump over other pieces.")
 VALID = {"id": "valid.txt", "text": "A valid first document that must not be stored either.", "format": "text"}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"k": value}
+    return value
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ CASES: dict[str, Case] = {
     "metadata-too-large": Case(
         [{"id": "b", "text": "x", "metadata": {"blob": "z" * MAX_METADATA_BYTES}}],
         f"documents[0].metadata is larger than {MAX_METADATA_BYTES} bytes as JSON",
+    ),
+    "metadata-too-deep": Case(
+        [{"id": "b", "text": "x", "metadata": nested(100)}],
+        "documents[0].metadata" + ".k" * MAX_DEPTH + f": nested deeper than {MAX_DEPTH} levels",
     ),
     "format-unknown": Case(
         [VALID, {"id": "b", "text": "x", "format": "pdf"}],
@@ -314,7 +326,7 @@ def test_a_broken_stream_entry_is_dead_lettered_and_the_worker_goes_on(
 @pytest.mark.parametrize(
     "document, error",
     [
-        ('{"id":"a","text":"x","metadata":{"score":NaN}}', "documents[0].metadata must be plain JSON: Out of range"),
+        ('{"id":"a","text":"x","metadata":{"score":NaN}}', "documents[0].metadata.score: nan is not a finite"),
         ('{"id":"a","text":Infinity}', "documents[0].text must be a string, got a non-finite number"),
         ('{"id":"a","text":"x","format":-Infinity}', "documents[0].format must be one of text, markdown, got -inf"),
     ],

@@ -11,15 +11,17 @@ from sse_starlette import EventSourceResponse
 
 from service.answer import DoneEvent
 from service.api.deps import FacadeDep, require_api_key
+from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest
 from service.api.streaming import collect_text, events, open_answer, sources_and_summary
 from service.errors import UnavailableError
 from service.facade import AnswerRequest, AnswerSession
 
-router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)], responses=errors(401))
+EVENTS = ("retrieval", "token", "done", "error")
 
 
-@router.post("/ask", response_model=None)
+@router.post("/ask", response_model=None, responses={**streamed("The answer", EVENTS), **errors(400, 413, 422, 503)})
 async def ask(body: AskRequest, facade: FacadeDep) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
     session = await open_answer(facade, AnswerRequest(**body.model_dump(exclude={"stream"})))

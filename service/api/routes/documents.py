@@ -9,14 +9,15 @@ from fastapi import APIRouter, Depends, Path, Query, status
 from fastapi.concurrency import run_in_threadpool
 
 from service.api.deps import FacadeDep, http_error, require_api_key
+from service.api.openapi import errors
 from service.api.schemas import DeleteAccepted, DocumentList, DocumentOut
 
-router = APIRouter(tags=["documents"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["documents"], dependencies=[Depends(require_api_key)], responses=errors(401))
 MAX_PAGE = 1000
 DocId = Annotated[str, Path(max_length=256)]
 
 
-@router.get("/documents", response_model=DocumentList)
+@router.get("/documents", response_model=DocumentList, responses=errors(422, 503))
 async def list_documents(
     facade: FacadeDep,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
@@ -31,7 +32,7 @@ async def list_documents(
     return DocumentList(total=page.total, offset=page.offset, documents=documents)
 
 
-@router.get("/documents/{doc_id:path}", response_model=DocumentOut)
+@router.get("/documents/{doc_id:path}", response_model=DocumentOut, responses=errors(404, 422, 503))
 async def get_document(doc_id: DocId, facade: FacadeDep) -> DocumentOut:
     """One stored document; 404 when it is not stored."""
     try:
@@ -41,7 +42,12 @@ async def get_document(doc_id: DocId, facade: FacadeDep) -> DocumentOut:
     return DocumentOut.model_validate(document, from_attributes=True)
 
 
-@router.delete("/documents/{doc_id:path}", status_code=status.HTTP_202_ACCEPTED, response_model=DeleteAccepted)
+@router.delete(
+    "/documents/{doc_id:path}",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=DeleteAccepted,
+    responses=errors(404, 422, 503),
+)
 async def delete_document(doc_id: DocId, facade: FacadeDep) -> DeleteAccepted:
     """Remove a document's chunks and release KV blocks no other document uses; poll GET /ingest/{job_id}.
     Ordered after any ingest of the same document sent before it; 404 for a document never ingested."""

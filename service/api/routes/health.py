@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import FacadeDep
+from service.api.openapi import Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -19,14 +20,14 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 def readyz(facade: FacadeDep) -> Any:
     """Model loaded, gate passed, KV index and Qdrant reachable; 503 naming what is not."""
     report = facade.readiness()
     return JSONResponse(report, status_code=200 if report["ready"] else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 def metrics(facade: FacadeDep) -> Response:
     """Prometheus exposition."""
     return Response(facade.metrics_text(), media_type=CONTENT_TYPE_LATEST)

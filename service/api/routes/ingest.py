@@ -8,13 +8,19 @@ from fastapi import APIRouter, Depends, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
 
 from service.api.deps import FacadeDep, http_error, require_api_key
+from service.api.openapi import errors
 from service.api.schemas import IngestAccepted, IngestRequest, JobStatusOut
 from service.jobs.documents import Document
 
-router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
 
 
-@router.post("/ingest", status_code=status.HTTP_202_ACCEPTED, response_model=IngestAccepted)
+@router.post(
+    "/ingest",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=IngestAccepted,
+    responses=errors(400, 413, 422, 503),
+)
 async def ingest(body: IngestRequest, facade: FacadeDep) -> IngestAccepted:
     """Queue documents for ingestion; poll GET /ingest/{job_id}."""
     documents = [Document(d.id, d.text, d.metadata, d.format) for d in body.documents]
@@ -25,7 +31,7 @@ async def ingest(body: IngestRequest, facade: FacadeDep) -> IngestAccepted:
     return IngestAccepted(job_id=job_id)
 
 
-@router.get("/ingest/{job_id}", response_model=JobStatusOut)
+@router.get("/ingest/{job_id}", response_model=JobStatusOut, responses=errors(404, 422, 503))
 async def job_status(job_id: Annotated[str, Path(max_length=128)], facade: FacadeDep) -> JobStatusOut:
     """Where a job stands (an ingest, or a delete queued by DELETE /documents/{id})."""
     try:

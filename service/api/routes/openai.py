@@ -18,11 +18,12 @@ from sse_starlette import EventSourceResponse
 
 from service.answer import DoneEvent
 from service.api.deps import FacadeDep, field_error, require_api_key
+from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage
 from service.api.streaming import collect_text, events, open_answer, sources_and_summary
 from service.facade import AnswerRequest, AnswerSession
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
@@ -33,7 +34,11 @@ def models(facade: FacadeDep) -> dict[str, Any]:
     return {"object": "list", "data": [entry]}
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses={**streamed("The completion"), **openai_errors(400, 413, 422, 503)},
+)
 async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep) -> Any:
     """A chat completion answered with retrieval and stitched chunk KV."""
     request = AnswerRequest(

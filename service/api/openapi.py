@@ -1,0 +1,71 @@
+"""What the OpenAPI document says a route may answer, beyond its 200 JSON body: the streamed and text forms, and
+every error status with the body it comes in (FastAPI's `{"detail": ...}`, or OpenAI's `{"error": ...}` under
+/v1). tests/api/test_api_schema_fuzz.py holds the server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+Responses = dict[int | str, dict[str, Any]]
+
+
+class ErrorOut(BaseModel):
+    """An HTTP error outside /v1: a message in `detail`."""
+
+    detail: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class OpenAIErrorOut(BaseModel):
+    """An error under /v1, shaped like OpenAI's."""
+
+    error: OpenAIErrorDetail
+
+
+class Readiness(BaseModel):
+    """What /readyz answers, with 200 or 503: each check and why it fails."""
+
+    ready: bool
+    checks: dict[str, Any]
+
+
+WHY = {
+    400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows).",
+    401: "KVSTITCH_API_KEY is set and the request has no matching `Authorization: Bearer` header.",
+    404: "No such job or document.",
+    413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read).",
+    422: "A field is missing, malformed or out of bounds; the error names it.",
+    503: "Not ready yet, the engine's line is full, or a dependency (Qdrant, the KV index, Redis) is away; "
+    "see Retry-After.",
+}
+
+
+def errors(*codes: int) -> Responses:
+    """Error answers of a route outside /v1 (422 keeps FastAPI's own validation-error schema)."""
+    return {code: {"description": WHY[code]} if code == 422 else {"model": ErrorOut, "description": WHY[code]}
+            for code in codes}  # fmt: skip
+
+
+def openai_errors(*codes: int) -> Responses:
+    """Error answers of a route under /v1, all in OpenAI's shape (422 included)."""
+    return {code: {"model": OpenAIErrorOut, "description": WHY[code]} for code in codes}
+
+
+def streamed(what: str, event_names: tuple[str, ...] | None = None) -> Responses:
+    """A 200 that is JSON or, when the request asks to stream, server-sent events; the schema describes one
+    event (Open API 3.1 has no `itemSchema`): its `data` is a JSON text, `event` its name where events have one."""
+    event: dict[str, Any] = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    if event_names is not None:
+        event["properties"]["event"] = {"type": "string", "enum": list(event_names)}
+        event["required"].append("event")
+    stream = {"text/event-stream": {"schema": event}}
+    return {200: {"description": f"{what}: JSON, or server-sent events when streaming", "content": stream}}

@@ -1,0 +1,214 @@
+"""One decode step for B running requests whose KV lives in slabs of one `KVPool`.
+
+Each request feeds one token at its own position; q/k/v, the MLP and the LM head run as one [B, hidden] matmul
+each through `LeanForward.layers_static` (the very per-layer code the CUDA graphs capture, over the pool's
+tensor instead of one buffer), K/V land in each request's slab at its next slot, and only the attention is per
+request: every row attends to the live slots of its own slab and nothing else.
+
+Attention backends:
+- `loop` (the CPU's): one `attend_causal_end` per request over its live slice, the kernel `extend` uses, so a
+  batched step agrees with the single-sequence step to float rounding. Reads nothing outside the live slots.
+- `flash_varlen` (CUDA, fp16/bf16): one flash varlen call, `cu_seqlens_k` holding the slab starts and
+  `seqused_k` the live lengths, so flash reads exactly the live keys of every request (a slab's start is all
+  flash needs from `cu_seqlens_k` once `seqused_k` is given).
+- `sdpa_gather` (CUDA fallback, and testable on the CPU): the live K/V gathered into a padded [B, Hkv, M, D],
+  padding zeroed (poisoned NaN slots never reach the kernel) and masked; static shapes for a given M.
+`resolve_batch_attention("auto")` picks loop on the CPU, flash where it runs and agrees with the loop on a probe
+whose dead slots hold NaN, else sdpa_gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.attention import StaticAttend, attend_causal_end
+from service.engine.forward import LeanForward
+from service.engine.kv_pool import KVPool
+from service.engine.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+LOOP = "loop"
+FLASH_VARLEN = "flash_varlen"
+SDPA_GATHER = "sdpa_gather"
+BATCH_ATTENTION = (LOOP, FLASH_VARLEN, SDPA_GATHER)
+# bf16 kernels with fp32 softmax differ by a few ulps of outputs ~1; a wrong slot or a NaN read is far off.
+_PROBE_TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Inputs of one batched step, one row per request: device tensors for the kernels, host spans for the
+    per-request loop and for sizing."""
+
+    ids: torch.Tensor  # [B] the token each request feeds
+    positions: torch.Tensor  # [B] its rotary position
+    starts: torch.Tensor  # [B] the slab's first slot in the pool
+    used: torch.Tensor  # [B] live slots after this step (the fed token included)
+    spans: tuple[tuple[int, int], ...]  # (start, used) per row, on the host
+
+    @classmethod
+    def build(
+        cls, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]], device: torch.device
+    ) -> DecodeRows:
+        if not len(ids) == len(positions) == len(spans) > 0:
+            raise ValueError("a decode step needs one id, position and span per request, and one request at least")
+        host = torch.tensor([list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans]])
+        rows = host.to(device, non_blocking=True)  # one copy for the four rows
+        return cls(rows[0], rows[1], rows[2], rows[3], tuple(spans))
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Pool slot each fed token's K/V is written to: the last live slot of its slab."""
+        return self.starts + self.used - 1
+
+    @property
+    def max_used(self) -> int:
+        return max(u for _, u in self.spans)
+
+
+class BatchDecoder:
+    """Runs batched decode steps over a pool with the forward's weights and modules."""
+
+    def __init__(self, forward: LeanForward, pool: KVPool, attention: str = "auto") -> None:
+        if pool.spec != forward.spec:
+            raise ValueError("the pool was sized for another model")
+        self.forward = forward
+        self.pool = pool
+        self.attention = resolve_batch_attention(forward.spec, attention)
+
+    @torch.inference_mode()
+    def step(self, rows: DecodeRows, width: int | None = None) -> torch.Tensor:
+        """Feed each row's token, write its K/V into its slab; returns fp32 logits [B, vocab]. `width`: see
+        `batch_attention` (a CUDA graph capturing this step passes its capacity)."""
+        fwd = self.forward
+        hidden = fwd.embed_static(rows.ids.view(1, -1))
+        attend = batch_attention(self.attention, rows, self.pool.slots, width)
+        hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
+        return fwd.head_rows(hidden)
+
+
+def batch_attention(backend: str, rows: DecodeRows, pool_slots: int, width: int | None = None) -> StaticAttend:
+    """The attention of one query per row over that row's live slots of the pool, built once per step.
+
+    `width` bounds every row's live length (flash's max_seqlen_k, the gather's width); None: this step's
+    longest. A captured step passes its capacity bucket, having no host lengths to read.
+    """
+    if backend == LOOP:
+        return _loop(rows.spans)
+    width = rows.max_used if width is None else width
+    if backend == FLASH_VARLEN:
+        return _flash_varlen(rows, pool_slots, width)
+    if backend == SDPA_GATHER:
+        return _sdpa_gather(rows, width, pool_slots)
+    raise ValueError(f"batch attention must be one of {', '.join(BATCH_ATTENTION)}")
+
+
+def _loop(spans: Sequence[tuple[int, int]]) -> StaticAttend:
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        outs = []
+        for row, (start, used) in enumerate(spans):
+            k = keys[:, start : start + used].unsqueeze(0)
+            v = values[:, start : start + used].unsqueeze(0)
+            outs.append(attend_causal_end(q[row].unsqueeze(0).unsqueeze(2), k, v, scale)[0, 0])
+        return torch.stack(outs)
+
+    return attend
+
+
+def _flash_varlen(rows: DecodeRows, pool_slots: int, max_k: int) -> StaticAttend:
+    batch = rows.ids.shape[0]  # not the host spans: a captured step has none
+    device = rows.ids.device
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    # Row b's keys start at cu_k[b]; seqused_k gives its length, so cu_k need not be increasing.
+    cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
+    used = rows.used.to(torch.int32)
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+            q,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            cu_q,
+            cu_k,
+            1,
+            max_k,
+            0.0,
+            False,
+            False,
+            scale=scale,
+            seqused_k=used,
+        )[0]
+        return out
+
+    return attend
+
+
+def _sdpa_gather(rows: DecodeRows, width: int, pool_slots: int) -> StaticAttend:
+    """Gather each row's first `width` slab slots (index and mask made once per step, not per layer)."""
+    offsets = torch.arange(width, device=rows.ids.device)
+    index = (rows.starts.unsqueeze(1) + offsets).clamp_(max=pool_slots - 1)  # [B, M]; past-the-end rows masked
+    live = offsets < rows.used.unsqueeze(1)  # [B, M]
+    live4 = live.view(live.shape[0], 1, width, 1)
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, heads, dim = q.shape
+        kv_heads = keys.shape[0]
+        # Dead slots are zeroed, not only masked: a masked NaN still turns the weighted sum NaN (0 * NaN).
+        k = torch.where(live4, keys[:, index].transpose(0, 1), 0)
+        v = torch.where(live4, values[:, index].transpose(0, 1), 0)
+        mask = torch.zeros(live.shape, dtype=q.dtype, device=q.device).masked_fill(~live, float("-inf"))
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # a KV group's query heads as its rows
+        out = F.scaled_dot_product_attention(grouped, k, v, mask.view(batch, 1, 1, width), scale=scale)
+        return out.reshape(batch, heads, dim)
+
+    return attend
+
+
+# ---- picking the backend --------------------------------------------------------------------------------
+
+
+def resolve_batch_attention(spec: ModelSpec, requested: str = "auto") -> str:
+    """`requested`, or for "auto": loop on the CPU; on CUDA flash varlen where it runs and agrees with the loop
+    on a NaN-poisoned probe, else sdpa_gather."""
+    if requested in BATCH_ATTENTION:
+        return requested
+    if requested != "auto":
+        raise ValueError(f"batch attention must be auto or one of {', '.join(BATCH_ATTENTION)}")
+    if spec.device.type != "cuda":
+        return LOOP
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return SDPA_GATHER
+    try:
+        diff = probe_attention(spec, FLASH_VARLEN)
+    except Exception as err:  # a missing or refusing private op only means "use the fallback"
+        log.info("flash varlen batched attention unavailable (%s); using sdpa_gather", err)
+        return SDPA_GATHER
+    if not diff <= _PROBE_TOLERANCE:
+        log.warning("flash varlen batched attention differs from the loop by %.4f; using sdpa_gather", diff)
+        return SDPA_GATHER
+    return FLASH_VARLEN
+
+
+@torch.inference_mode()
+def probe_attention(spec: ModelSpec, backend: str, pool_slots: int = 256) -> float:
+    """Largest |backend - loop| for three rows of different lengths in a pool whose other slots hold NaN
+    (any read outside a row's live slots makes the difference NaN, which fails every comparison)."""
+    generator = torch.Generator(device=spec.device).manual_seed(0)
+    kv_heads, d = spec.num_kv_heads, spec.head_dim
+    kv = torch.full((2, kv_heads, pool_slots, d), float("nan"), dtype=spec.dtype, device=spec.device)
+    spans = ((3, 40), (100, 1), (150, 97))
+    for start, used in spans:
+        live = torch.randn((2, kv_heads, used, d), generator=generator, device=spec.device)
+        kv[:, :, start : start + used] = live.to(spec.dtype)
+    wide = torch.randn((3, spec.num_heads + kv_heads, d), generator=generator, device=spec.device).to(spec.dtype)
+    q = wide[:, : spec.num_heads]  # strided like the q slice of `layers_static`
+    rows = DecodeRows.build([0, 0, 0], [0, 0, 0], spans, spec.device)
+    got = batch_attention(backend, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
+    want = batch_attention(LOOP, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
+    return float((got.float() - want.float()).abs().max())

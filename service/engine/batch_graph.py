@@ -1,0 +1,120 @@
+"""The batched decode step captured in CUDA graphs, one per (batch bucket, capacity bucket), over a `KVPool`.
+
+Eager, a decode step costs the same ~1,500 kernel launches at batch 1 or 32 (cuda_graph.py); a graph replays
+them with one call. A graph fixes shapes and pointers, so each is captured for a batch size from
+`BATCH_BUCKETS` (a step of B requests runs in the smallest bucket >= B, the rest padded) and for a capacity (the
+longest live length a row may have: flash's max_seqlen_k, the gather's width; powers of two as `bucket_capacity`).
+The step reads its ids, positions, slab starts and live lengths from one static device tensor, filled by one
+pinned host-to-device copy per replay, and writes K/V straight into the pool (graphs capture the pool's tensor).
+
+Padding rows feed token 0 at position 0 into a one-slot scratch slab the graphs own: they write and read only
+that slot, so no request's slab is touched; their logits are dropped. Only the `flash_varlen` and `sdpa_gather`
+attentions can be captured (the loop slices by host lengths).
+
+Not yet validated on a GPU here: `test_engine_batch.py`'s gpu-marked graph test compares it with the eager step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows
+from service.engine.cuda_graph import _capture, bucket_capacity
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def batch_bucket(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | None:
+    """The smallest captured batch size holding `batch` rows, or None when none does."""
+    if batch <= 0:
+        raise ValueError("a decode step needs at least one row")
+    return next((b for b in sorted(buckets) if b >= batch), None)
+
+
+class BatchGraph:
+    """One captured batched step for `batch` rows of live lengths up to `capacity`."""
+
+    def __init__(self, decoder: BatchDecoder, batch: int, capacity: int, scratch: int, pool: Any) -> None:
+        device = decoder.forward.spec.device
+        self.batch = batch
+        self.capacity = capacity
+        self._scratch = scratch
+        # [ids; positions; starts; used], pinned so the per-replay copy is asynchronous DMA.
+        self._host = torch.zeros((4, batch), dtype=torch.long, pin_memory=True)
+        self._inputs = torch.zeros((4, batch), dtype=torch.long, device=device)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._fill([0] * batch, [0] * batch, [(scratch, 1)] * batch)
+        rows = DecodeRows(self._inputs[0], self._inputs[1], self._inputs[2], self._inputs[3], ())
+        self._graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        self._logits: torch.Tensor = _capture(self._graph, lambda: decoder.step(rows, capacity), device, pool)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+
+    def _fill(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> None:
+        pad = self.batch - len(ids)
+        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
+        self._copied.synchronize()
+        rows = [list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans]]
+        padding = [0, 0, self._scratch, 1]
+        self._host.copy_(torch.tensor([row + [p] * pad for row, p in zip(rows, padding, strict=True)]))
+        with torch.inference_mode():
+            self._inputs.copy_(self._host, non_blocking=True)
+        self._copied.record()
+
+    def replay(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The step for len(ids) <= batch rows; fp32 logits [len(ids), vocab], static (read before the next)."""
+        if not 0 < len(ids) <= self.batch or any(u > self.capacity for _, u in spans):
+            raise ValueError(f"{len(ids)} rows do not fit a graph of {self.batch} rows up to {self.capacity} slots")
+        self._fill(ids, positions, spans)
+        self._graph.replay()
+        return self._logits[: len(ids)]
+
+
+class BatchGraphs:
+    """Batched-step graphs by (batch bucket, capacity bucket), captured on first use, over one decoder's pool."""
+
+    def __init__(self, decoder: BatchDecoder) -> None:
+        spec = decoder.forward.spec
+        if spec.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        if decoder.attention == LOOP:
+            raise ValueError("the loop attention slices by host lengths and cannot be captured")
+        self.decoder = decoder
+        self._scratch = decoder.pool.allocate(1)  # the padding rows' slot, held as long as the graphs live
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], BatchGraph] = {}
+
+    def step(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The batched step through its bucket's graph, or eagerly for a batch larger than every bucket."""
+        bucket = batch_bucket(len(ids))
+        if bucket is None:
+            return self.decoder.step(DecodeRows.build(ids, positions, spans, self.decoder.forward.spec.device))
+        capacity = bucket_capacity(max(u for _, u in spans), self.decoder.forward.spec.max_context)
+        return self._graph(bucket, capacity).replay(ids, positions, spans)
+
+    def _graph(self, batch: int, capacity: int) -> BatchGraph:
+        graph = self._graphs.get((batch, capacity))
+        if graph is None:
+            graph = BatchGraph(self.decoder, batch, capacity, self._scratch.start, self._pool)
+            self._graphs[(batch, capacity)] = graph
+            log.info("captured the batch-%d decode step up to %d slots in %.0f ms", batch, capacity, graph.capture_ms)
+        return graph
+
+    def warm(self, tokens: int) -> None:
+        """Capture every batch bucket's step for live lengths up to `tokens` now (server start), so the first
+        answers of each batch size do not pay for the capture."""
+        capacity = bucket_capacity(tokens, self.decoder.forward.spec.max_context)
+        for bucket in BATCH_BUCKETS:
+            self._graph(bucket, capacity)
+
+    def close(self) -> None:
+        """Give the scratch slot back to the pool (the graphs must not replay afterwards)."""
+        self._graphs.clear()
+        self.decoder.pool.free(self._scratch)

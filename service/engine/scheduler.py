@@ -1,0 +1,371 @@
+"""Continuous batching of stitched requests: a nano-vllm-shaped scheduler over one `KVPool`.
+
+`Scheduler.step()` reads as the algorithm: drop cancelled requests, admit waiting ones (while fewer than
+`max_batch` run and the pool has a slab for them: stitch their chunk KV into the slab and prefill the question,
+or prefill the whole joined prompt in the naive mode), run ONE batched decode step over every running request,
+then postprocess (append each token, emit its text, finish on EOS / max tokens / a stop string, free the slab
+at once). Requests join and leave at any step.
+
+Admission reserves a request's whole sequence (context + question + max_new_tokens) in one slab, so a running
+request never needs more memory and none is ever preempted; a request the pool cannot hold yet waits at the
+head of the line (first come, first served: nothing behind it overtakes it, so a long request cannot starve).
+A request that could never fit (longer than the model's context or than the whole pool) is refused by `add`.
+
+Threading: the scheduler belongs to one thread (the engine loop, the GPU's one owner). `cancel` only sets a flag
+the next step acts on, so it may be called from anywhere; `add` and `step` from the loop's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from enum import StrEnum
+
+import torch
+
+from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_graph import BatchGraphs
+from service.engine.detokenize import IncrementalDetokenizer
+from service.engine.engine import (
+    GenerationMode,
+    GenerationResult,
+    StitchEngine,
+    Stopwatch,
+    TurboPrefill,
+    check_request,
+)
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import KVBlock
+from service.engine.kv_pool import KVPool, Slab
+from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
+from service.engine.sampling import Sampler, SamplingParams, pick_rows
+from service.engine.stitch import BlockReady, PositionMode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 32
+
+TextSink = Callable[[str], None]
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting line is at its limit; the caller should refuse the request (HTTP 503/429)."""
+
+
+class BatchRequest:
+    """One request through the scheduler: its inputs, its slab and decoding state while running, its result.
+
+    `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
+    scheduler's thread; `on_admit(request)` at admission, before the prefill. `result.finish_reason` ends as
+    "length", "stop", "cancelled" or "error" (`error` then holds the exception).
+    """
+
+    def __init__(
+        self,
+        prompt: PromptIds,
+        sampling: SamplingParams,
+        mode: GenerationMode | str = GenerationMode.TURBO,
+        positions: PositionMode | str = PositionMode.REORDERED,
+        chunk_kv: Sequence[KVBlock] | None = None,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
+        on_text: TextSink | None = None,
+        on_finish: Callable[[BatchRequest], None] | None = None,
+        on_admit: Callable[[BatchRequest], None] | None = None,
+        recompute: RecomputeSpec = NO_RECOMPUTE,
+    ) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.mode = GenerationMode(mode)
+        self.positions = PositionMode(positions)
+        self.chunk_kv = chunk_kv
+        self.chunk_ready = chunk_ready
+        self.recompute = recompute  # turbo only: part of the stitched context recomputed before the question
+        self.on_text = on_text
+        self.on_finish = on_finish
+        # Called at admission, before the prefill, on the scheduler's thread: where a server fetches the chunk
+        # KV (`chunk_kv`, `chunk_ready`), so blocks occupy device memory only once the request runs.
+        self.on_admit = on_admit
+        self.status = RequestStatus.WAITING
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
+        self.queue_ms = 0.0  # from `add` to admission; part of `result.timings.ttft_ms`
+        # State the scheduler keeps while the request runs.
+        self.slab: Slab | None = None
+        self.kv: KVBuffer | None = None  # over the slab
+        self.sampler: Sampler | None = None
+        self.detok: IncrementalDetokenizer | None = None
+        self.last_token = -1  # the token the next decode step feeds
+        self.added_at = 0.0
+        self.first_token_at = 0.0
+
+    @property
+    def tokens_needed(self) -> int:
+        """Slots the request's slab holds: the joined prompt and the answer budget (as `generate` reserves)."""
+        return self.result.prompt_tokens + self.sampling.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def buffer(self) -> KVBuffer:
+        assert self.kv is not None, "the request is not running"
+        return self.kv
+
+    @property
+    def running_sampler(self) -> Sampler:
+        assert self.sampler is not None, "the request is not running"
+        return self.sampler
+
+
+class Scheduler:
+    """Waiting and running requests over one KV pool; `step()` admits, decodes once, postprocesses."""
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        pool: KVPool,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_waiting: int | None = None,
+        attention: str = "auto",
+        cuda_graphs: bool = False,
+    ) -> None:
+        """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only). Off
+        by default until the lead has validated the captured step on the H200 (test_engine_batch.py, gpu)."""
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self.engine = engine
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.decoder = BatchDecoder(engine.forward, pool, attention)
+        self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
+        self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: deque[BatchRequest] = deque()
+        self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
+        self._eos = engine.eos_ids()
+
+    # ---- the public loop -----------------------------------------------------------------------------------
+
+    def add(self, request: BatchRequest) -> None:
+        """Queue a request; raises ValueError when it can never run, QueueFullError when the line is full."""
+        request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
+        need = request.tokens_needed
+        if need > self.engine.spec.max_context:
+            raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
+        if need > self._max_tokens:
+            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self._max_tokens}")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests already wait")
+        request.added_at = time.perf_counter()
+        self.waiting.append(request)
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Stop a request at the next step (its slab is freed there); safe from any thread."""
+        request.cancelled = True
+
+    def step(self) -> list[BatchRequest]:
+        """One iteration: reap cancelled, admit, one batched decode step; returns the requests finished in it."""
+        finished = self._reap_cancelled()
+        finished += self._admit()
+        self.last_batch = len(self.running)
+        if self.running:
+            finished += self._decode()
+        return finished
+
+    def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
+        """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
+        request.error = error
+        self._finish(request, "error")
+
+    def fail_all(self, error: BaseException) -> list[BatchRequest]:
+        """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
+        failed = [*self.waiting, *self.running]
+        for request in failed:
+            request.error = error
+            self._finish(request, "error")
+        return failed
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_until_idle(self) -> None:
+        """Step until nothing waits or runs (offline use and tests)."""
+        while self.has_work():
+            self.step()
+
+    # ---- schedule ------------------------------------------------------------------------------------------
+
+    def _reap_cancelled(self) -> list[BatchRequest]:
+        done = [r for r in (*self.waiting, *self.running) if r.cancelled]
+        for request in done:
+            self._finish(request, "cancelled")
+        return done
+
+    def _admit(self) -> list[BatchRequest]:
+        """Admit from the head of the line while the batch and the pool have room; returns those that already
+        finished (after their first token, or failing)."""
+        finished = []
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            if not self.pool.can_allocate(request.tokens_needed):
+                break
+            self.waiting.popleft()
+            if self._start(request):
+                self.running.append(request)
+            else:
+                finished.append(request)
+        return finished
+
+    def _start(self, request: BatchRequest) -> bool:
+        """Give the request its slab, prefill it and accept its first token; False when it is already done."""
+        request.queue_ms = (time.perf_counter() - request.added_at) * 1e3
+        request.status = RequestStatus.RUNNING
+        request.slab = self.pool.allocate(request.tokens_needed)
+        request.kv = self.pool.buffer(request.slab)
+        try:
+            if request.on_admit is not None:
+                request.on_admit(request)
+                request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
+            logits = self._prefill(request, request.kv)
+            request.sampler = Sampler(request.sampling, self.engine.spec.device)
+            request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
+            first = request.sampler.pick(logits)
+        except Exception as err:  # one request's bad input must not take the batch down
+            request.error = err
+            self._finish(request, "error")
+            return False
+        request.first_token_at = time.perf_counter()
+        request.result.timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
+        return self._accept(request, first)
+
+    def _prefill(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
+        """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
+
+        With CUDA graphs a turbo request is stitched and prefilled in a leased graph's buffer (the question
+        through its prefill graph, pipelined with the copies still landing) and its live KV then copied into
+        the slab: a device-to-device copy of ~0.1 ms at 8K on an H200 against the ~3x slower eager prefill."""
+        engine, timings, prompt = self.engine, request.result.timings, request.prompt
+        watch = Stopwatch(engine.spec.device)
+        if request.mode is GenerationMode.NAIVE:
+            _, logits = engine.prefill_naive(prompt, request.sampling.max_new_tokens, into=buffer)
+            timings.prefill_ms = watch.lap_ms()
+            return logits
+        chunk_kv = request.chunk_kv
+        if chunk_kv is None:
+            chunk_kv = engine.precompute(prompt.blocks) if prompt.blocks else []
+            timings.precompute_ms = watch.lap_ms()
+        extra = request.sampling.max_new_tokens
+        turbo = TurboPrefill(
+            chunk_kv, prompt.question, request.positions, extra, request.chunk_ready, request.recompute
+        )
+        graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
+        if graph is None:
+            return engine.prefill_turbo(turbo, watch, request.result, into=buffer)[1]
+        try:
+            staged, logits = engine.prefill_turbo(replace(turbo, extra_tokens=0), watch, request.result, graph)
+            buffer.copy_from(staged)
+        finally:
+            engine.release_graph(graph)
+        return logits
+
+    # ---- run -----------------------------------------------------------------------------------------------
+
+    def _decode(self) -> list[BatchRequest]:
+        """One batched step over every running request; returns those it finished."""
+        batch = list(self.running)
+        try:
+            tokens = self._step_tokens(batch)
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(batch))
+            for request in batch:
+                request.error = err
+                self._finish(request, "error")
+            return batch
+        # `_accept` finishes (and takes out of `running`) the requests a token ends.
+        return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+
+    def _step_tokens(self, batch: Sequence[BatchRequest]) -> list[int]:
+        """Feed every request its last token, one batched step; the next token of each."""
+        ids, positions, spans = self._rows(batch)
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, positions, spans)
+        else:
+            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
+        for request in batch:
+            request.buffer.commit(1, request.buffer.next_position + 1)
+        return pick_rows(logits, [r.running_sampler for r in batch])
+
+    def _rows(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
+        ids, positions, spans = [], [], []
+        for request in batch:
+            assert request.slab is not None
+            slot = request.buffer.reserve(1)  # the slab always has room: it holds the whole answer budget
+            ids.append(request.last_token)
+            positions.append(request.buffer.next_position)
+            spans.append((request.slab.start, slot + 1))
+        return ids, positions, spans
+
+    # ---- postprocess ---------------------------------------------------------------------------------------
+
+    def _accept(self, request: BatchRequest, token: int) -> bool:
+        """Append a token and emit its text, as `GenerationStream` does; False when it ended the request."""
+        detok = request.detok
+        assert detok is not None
+        request.result.token_ids.append(token)
+        if token in self._eos and not request.sampling.ignore_eos:
+            self._finish(request, "stop")
+            return False
+        self._emit(request, detok.push(token))
+        if detok.stopped:
+            self._finish(request, "stop")
+        elif len(request.result.token_ids) == request.sampling.max_new_tokens:
+            self._finish(request, "length")
+        else:
+            request.last_token = token
+            return True
+        return False
+
+    def _finish(self, request: BatchRequest, reason: str) -> None:
+        """End a request wherever it is: free its slab at once, flush its text, report it."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        if request.slab is not None:
+            self.pool.free(request.slab)
+            request.slab, request.kv = None, None
+        detok = request.detok
+        if detok is not None:
+            if reason in ("stop", "length"):
+                self._emit(request, detok.flush())
+            request.result.text = detok.text
+        if request.first_token_at:
+            request.result.timings.decode_ms = (time.perf_counter() - request.first_token_at) * 1e3
+        request.result.finish_reason = reason
+        request.status = RequestStatus.FINISHED
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    @staticmethod
+    def _emit(request: BatchRequest, delta: str) -> None:
+        if not delta or request.on_text is None:
+            return
+        try:
+            request.on_text(delta)
+        except Exception:  # the consumer is gone (a closed stream): treat it as a disconnect
+            log.warning("text callback failed; cancelling the request", exc_info=True)
+            request.cancelled = True

@@ -1,0 +1,518 @@
+"""Continuous batching: every request's tokens in a batch are its tokens alone, whatever runs beside it.
+
+CPU tests run the tiny models in fp32 and compare against `StitchEngine.generate` run alone, token for token and
+text for text. The batched step's logits differ from the single-sequence step's by float rounding only (~1e-6:
+fused q/k/v and RMSNorm kernels, measured in `test_batched_step_logits_match_extend`), far below the top-2 gaps
+these sequences show, so exact equality holds and is asserted. The pool is NaN-poisoned throughout: a request
+reading one slot it did not write itself would turn NaN and break the equality.
+
+GPU variants (bf16, marked `gpu`) check the batched tokens against eager decoding teacher-forced on each
+request's own history, with the bf16 near-tie rule of `test_engine_cuda_graph.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from service.engine.batch_decode import (
+    LOOP,
+    SDPA_GATHER,
+    BatchDecoder,
+    DecodeRows,
+    probe_attention,
+    resolve_batch_attention,
+)
+from service.engine.batch_graph import BatchGraphs, batch_bucket
+from service.engine.engine import StitchEngine
+from service.engine.gate import BF16_TOLERANCE, synthetic_ids
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_pool import KVPool
+from service.engine.prompt import PromptIds
+from service.engine.sampling import SamplingParams
+from service.engine.scheduler import BatchRequest, QueueFullError, RequestStatus, Scheduler
+
+HAS_CUDA = torch.cuda.is_available()
+NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request of a test batch."""
+
+    chunks: tuple[int, ...]
+    mode: str = "turbo"
+    positions: str = "reordered"
+    max_new: int = 10
+    seed: int = 0
+    question: int = 9
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    sampling_seed: int | None = None  # default: `seed`
+
+    def prompt(self, engine: StitchEngine) -> PromptIds:
+        chunks = synthetic_ids(engine, self.chunks, seed=self.seed)
+        return engine.template.prompt(chunks, synthetic_ids(engine, (self.question,), seed=1000 + self.seed)[0])
+
+    def params(self, ignore_eos: bool = True) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=(self.seed if self.sampling_seed is None else self.sampling_seed) if self.temperature > 0 else None,
+            stop=self.stop,
+            ignore_eos=ignore_eos,
+        )
+
+
+@dataclass
+class Alone:
+    tokens: list[int]
+    text: str
+    reason: str
+
+
+class Tracked:
+    """A request in the scheduler with the text it streamed."""
+
+    def __init__(self, engine: StitchEngine, case: Case, ignore_eos: bool = True) -> None:
+        self.case = case
+        self.deltas: list[str] = []
+        self.request = BatchRequest(
+            case.prompt(engine), case.params(ignore_eos), case.mode, case.positions, on_text=self.deltas.append
+        )
+
+    def assert_matches(self, alone: Alone) -> None:
+        result = self.request.result
+        assert result.token_ids == alone.tokens, self.case
+        assert (result.text, result.finish_reason) == (alone.text, alone.reason), self.case
+        assert "".join(self.deltas) == result.text
+
+
+def run_alone(engine: StitchEngine, case: Case, ignore_eos: bool = True) -> Alone:
+    stream = engine.generate(case.prompt(engine), case.params(ignore_eos), case.mode, case.positions)
+    text = "".join(stream)
+    return Alone(stream.result.token_ids, text, stream.result.finish_reason)
+
+
+def nan_pool(engine: StitchEngine, slots: int) -> KVPool:
+    return KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token(), poison="nan")
+
+
+def steps(scheduler: Scheduler, count: int) -> None:
+    for _ in range(count):
+        scheduler.step()
+
+
+def drain(scheduler: Scheduler, limit: int = 400) -> None:
+    """`run_until_idle` with a bound, so a request that is never admitted fails instead of hanging."""
+    for _ in range(limit):
+        if not scheduler.has_work():
+            return
+        scheduler.step()
+    raise AssertionError(f"still {len(scheduler.waiting)} waiting, {len(scheduler.running)} running")
+
+
+MIXED = (
+    Case((30, 17), max_new=12, seed=1),
+    Case((5,), positions="composite", max_new=20, seed=2),
+    Case((60, 40, 20), mode="naive", max_new=8, seed=3),
+    Case((), max_new=6, seed=4, question=3),
+    Case((44, 9, 71), positions="composite", max_new=16, seed=5),
+    Case((12,), mode="naive", max_new=14, seed=6, question=20),
+)
+
+
+@pytest.mark.parametrize("attention", [LOOP, SDPA_GATHER])
+def test_batched_greedy_equals_alone(get_engine: Callable[..., StitchEngine], arch: str, attention: str) -> None:
+    """Different context lengths, turbo and naive, both position modes; three requests join after three steps,
+    requests leave as their budgets run out, one is cancelled mid-stream."""
+    engine = get_engine(arch, "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention)
+    tracked = [Tracked(engine, case) for case in MIXED]
+    cancelled = Tracked(engine, Case((25, 25), max_new=30, seed=7))
+    for t in (*tracked[:3], cancelled):
+        scheduler.add(t.request)
+    steps(scheduler, 3)
+    assert len(scheduler.running) == 4
+    for t in tracked[3:]:
+        scheduler.add(t.request)
+    steps(scheduler, 2)
+    used = scheduler.pool.used_slots
+    scheduler.cancel(cancelled.request)
+    scheduler.step()
+    assert cancelled.request.finished and cancelled.request.slab is None
+    assert scheduler.pool.used_slots < used  # freed in the step that saw the cancel
+    drain(scheduler)
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+    alone = run_alone(engine, cancelled.case)
+    got = cancelled.request.result.token_ids
+    assert cancelled.request.result.finish_reason == "cancelled"
+    assert 0 < len(got) < len(alone.tokens) and got == alone.tokens[: len(got)]
+    assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
+
+
+def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    free = run_alone(engine, Case((20, 31), max_new=24, seed=11))
+    stop_case = Case((20, 31), max_new=24, seed=11, stop=(free.text[8:11],))
+    eos_case = Case((15,), max_new=24, seed=12)
+    eos_token = run_alone(engine, eos_case).tokens[5]
+    config = engine.model.hf.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [engine.tokenizer.eos_token_id, eos_token]  # a token the run picks becomes EOS
+    try:
+        alone_eos = run_alone(engine, eos_case, ignore_eos=False)
+        scheduler = Scheduler(engine, nan_pool(engine, 1000))
+        with_eos = Tracked(engine, eos_case, ignore_eos=False)
+        # The same prompt with EOS ignored runs beside it and must go on to its budget.
+        others = [Tracked(engine, stop_case), Tracked(engine, eos_case), Tracked(engine, MIXED[0])]
+        for t in (with_eos, *others):
+            scheduler.add(t.request)
+        drain(scheduler)
+    finally:
+        config.eos_token_id = saved
+    assert alone_eos.reason == "stop" and alone_eos.tokens[-1] == eos_token
+    with_eos.assert_matches(alone_eos)
+    stopped = run_alone(engine, stop_case)
+    assert stopped.reason == "stop" and len(stopped.tokens) < 24
+    others[0].assert_matches(stopped)
+    others[1].assert_matches(run_alone(engine, eos_case))
+    others[2].assert_matches(run_alone(engine, MIXED[0]))
+
+
+SAMPLED = (
+    Case((30, 17), max_new=14, seed=21, temperature=0.8, top_p=0.9),
+    Case((22,), max_new=14, seed=22, temperature=1.2, top_k=20),
+    Case((9, 40), positions="composite", max_new=14, seed=23, temperature=1.0, top_p=0.8, top_k=50),
+    Case((18,), mode="naive", max_new=14, seed=24, temperature=0.7),
+    Case((26,), max_new=14, seed=25),  # greedy beside the sampled ones
+)
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1500))
+    tracked = [Tracked(engine, case) for case in SAMPLED]
+    scheduler.add(tracked[0].request)
+    scheduler.step()  # the first request samples alone for a step, then beside the others
+    for t in tracked[1:]:
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+    # The seed matters: the same request with another seed gives another answer.
+    reseeded = run_alone(engine, Case((30, 17), max_new=14, seed=21, temperature=0.8, top_p=0.9, sampling_seed=99))
+    assert reseeded.tokens != tracked[0].request.result.token_ids
+
+
+def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine]) -> None:
+    """The next request gets the finished one's slots: poisoned with NaN, then with huge finite garbage."""
+    engine = get_engine("mistral", "cpu")
+    first, second = Case((50, 30), max_new=12, seed=31), Case((40,), max_new=12, seed=32)
+    alone = run_alone(engine, second)
+    scheduler = Scheduler(engine, nan_pool(engine, 400), max_batch=1)
+    for garbage in (None, 1e4):
+        earlier = Tracked(engine, first)
+        scheduler.add(earlier.request)
+        steps(scheduler, 2)
+        start = scheduler.running[0].slab.start if scheduler.running[0].slab else -1
+        drain(scheduler)
+        region = scheduler.pool.data[:, :, :, start : start + earlier.request.tokens_needed]
+        assert bool(region.isnan().all())  # the finished request's memory is poisoned at once
+        if garbage is not None:
+            region.fill_(garbage)  # stale KV as a pool without poisoning would leave it
+        later = Tracked(engine, second)
+        scheduler.add(later.request)
+        scheduler.step()
+        assert later.request.slab is not None and later.request.slab.start == start
+        drain(scheduler)
+        later.assert_matches(alone)
+
+
+def test_exhausted_pool_makes_requests_wait_then_complete(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    cases = [Case((30 + 7 * i,), max_new=6 + i, seed=40 + i) for i in range(5)]
+    tracked = [Tracked(engine, case) for case in cases]
+    needs = sorted(t.request.tokens_needed for t in tracked)
+    scheduler = Scheduler(engine, nan_pool(engine, needs[-1] + needs[-2]), max_batch=8)
+    for t in tracked:
+        scheduler.add(t.request)
+    admitted: list[BatchRequest] = []
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        scheduler.step()
+        assert len(scheduler.running) <= 2 and scheduler.pool.used_slots <= scheduler.pool.slots
+        admitted += [r for r in scheduler.running if r not in admitted]
+        if len(admitted) < 5:
+            assert scheduler.waiting, "a request that fits no free slab must wait"
+    assert not scheduler.has_work()
+    assert [t.request for t in tracked if t.request in admitted] == [t.request for t in tracked][: len(admitted)]
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+
+
+def test_max_batch_bounds_the_running_requests(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 3000), max_batch=2)
+    tracked = [Tracked(engine, Case((20,), max_new=4, seed=50 + i)) for i in range(4)]
+    for t in tracked:
+        scheduler.add(t.request)
+    scheduler.step()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+    assert [r.status for r in scheduler.waiting] == [RequestStatus.WAITING] * 2
+    drain(scheduler)
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+
+
+def test_add_refuses_what_can_never_run(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    case = Case((30,), max_new=8)
+    need = Tracked(engine, case).request.tokens_needed
+    with pytest.raises(ValueError, match="never fit"):
+        Scheduler(engine, nan_pool(engine, need - 1)).add(Tracked(engine, case).request)
+    scheduler = Scheduler(engine, nan_pool(engine, 5000), max_waiting=1)
+    too_long = Case((30,), max_new=engine.spec.max_context)
+    with pytest.raises(ValueError, match="context"):
+        scheduler.add(BatchRequest(too_long.prompt(engine), SamplingParams(max_new_tokens=8192)))
+    foreign = PromptIds((1, 2), (), (3,))
+    with pytest.raises(ValueError, match="template"):
+        scheduler.add(BatchRequest(foreign, SamplingParams()))
+    scheduler.add(Tracked(engine, case).request)
+    with pytest.raises(QueueFullError):
+        scheduler.add(Tracked(engine, case).request)
+
+
+def test_a_failing_admission_ends_only_that_request(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("mistral", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    good = Tracked(engine, MIXED[0])
+    prompt = Case((14,), seed=60).prompt(engine)
+
+    def broken_copy() -> None:
+        raise RuntimeError("the host tier lost the block")
+
+    finished: list[BatchRequest] = []
+    bad = BatchRequest(
+        prompt,
+        SamplingParams(max_new_tokens=5),
+        chunk_kv=engine.precompute(prompt.blocks),
+        chunk_ready=[broken_copy],
+        on_finish=finished.append,
+    )
+    scheduler.add(good.request)
+    scheduler.add(bad)
+    drain(scheduler)
+    assert finished == [bad] and bad.result.finish_reason == "error" and isinstance(bad.error, RuntimeError)
+    assert bad.slab is None and scheduler.pool.used_slots == 0
+    good.assert_matches(run_alone(engine, MIXED[0]))
+
+
+def test_timings_are_reported_per_request(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    turbo, naive = Tracked(engine, Case((20,), max_new=4)), Tracked(engine, Case((20,), mode="naive", max_new=4))
+    for t in (turbo, naive):
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in (turbo, naive):
+        timings = t.request.result.timings
+        assert timings.prefill_ms > 0 and timings.decode_ms > 0
+        assert timings.ttft_ms >= timings.stitch_ms + timings.prefill_ms + t.request.queue_ms
+        assert (timings.stitch_ms > 0) == (t.case.mode == "turbo")
+    assert naive.request.queue_ms >= turbo.request.result.timings.prefill_ms  # admitted after the first
+
+
+# ---- the batched step itself ----------------------------------------------------------------------------
+
+
+Row = tuple[KVBuffer, KVBuffer, int, int]  # the reference buffer, the slab's buffer, the slab's start, next token
+
+
+def _tolerance(engine: StitchEngine) -> float:
+    return 1e-4 if engine.spec.dtype == torch.float32 else BF16_TOLERANCE
+
+
+def _stitched_rows(engine: StitchEngine, pool: KVPool, cases: Sequence[Case], extra: int) -> list[Row]:
+    """Each case stitched and prefilled twice: into its own buffer (the reference) and into a pool slab."""
+    out = []
+    for case in cases:
+        prompt = case.prompt(engine)
+        kv = engine.precompute(prompt.blocks)
+        ref, logits, _ = engine.prefill_stitched(kv, prompt.question, case.positions, extra_tokens=extra)
+        slab = pool.allocate(ref.capacity)
+        buffer = pool.buffer(slab)
+        engine.stitch(kv, case.positions, len(prompt.question) + extra, into=buffer)
+        in_slab = engine.prefill_question(buffer, prompt.question)
+        assert float((in_slab - logits).abs().max()) <= (0.0 if engine.spec.device.type == "cpu" else 1e-2)
+        out.append((ref, buffer, slab.start, int(torch.argmax(logits))))
+    return out
+
+
+@pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
+def test_batched_step_logits_match_extend(get_engine: Callable[..., StitchEngine], device: str, attention: str) -> None:
+    """Teacher-forced: every row of a batched step is the single-sequence step, to fp32 rounding on the CPU
+    (to bf16 rounding on CUDA), whatever its neighbours' lengths."""
+    engine = get_engine("llama", device)
+    pool = nan_pool(engine, 1200)
+    decoder = BatchDecoder(engine.forward, pool, attention)
+    rows = _stitched_rows(engine, pool, MIXED[:2] + MIXED[4:5], extra=10)
+    worst = 0.0
+    for _ in range(8):
+        spans = [(start, buffer.length + 1) for _, buffer, start, _ in rows]
+        step = DecodeRows.build([r[3] for r in rows], [r[1].next_position for r in rows], spans, engine.spec.device)
+        batched = decoder.step(step)
+        for row, (ref, buffer, start, token) in enumerate(rows):
+            buffer.commit(1, buffer.next_position + 1)
+            single = engine.forward.extend(ref, [token], torch.tensor([ref.next_position]))
+            worst = max(worst, float((batched[row] - single).abs().max()))
+            rows[row] = (ref, buffer, start, int(torch.argmax(single)))
+    assert worst <= _tolerance(engine), decoder.attention
+
+
+def test_backends_read_only_live_slots(get_engine: Callable[..., StitchEngine], device: str) -> None:
+    """On a probe whose dead slots hold NaN, every backend the device runs equals the per-request loop."""
+    spec = get_engine("qwen2", device).spec
+    backends = [SDPA_GATHER] if device == "cpu" else [SDPA_GATHER, resolve_batch_attention(spec)]
+    for backend in backends:
+        assert probe_attention(spec, backend) <= (1e-5 if device == "cpu" else 2e-2), backend
+
+
+def test_auto_attention_is_the_loop_on_the_cpu(get_engine: Callable[..., StitchEngine]) -> None:
+    assert resolve_batch_attention(get_engine("qwen2", "cpu").spec) == LOOP
+    with pytest.raises(ValueError, match="batch attention"):
+        resolve_batch_attention(get_engine("qwen2", "cpu").spec, "paged")
+
+
+# ---- GPU (bf16) -------------------------------------------------------------------------------------------
+
+
+def _assert_greedy_under_eager(engine: StitchEngine, case: Case, tokens: list[int]) -> None:
+    """`tokens` are eager greedy picks given the same history, up to bf16 near-ties (test_engine_cuda_graph)."""
+    prompt = case.prompt(engine)
+    buffer: KVBuffer
+    if case.mode == "naive":
+        buffer, logits = engine.prefill_naive(prompt, extra_tokens=len(tokens))
+    else:
+        kv = engine.precompute(prompt.blocks) if prompt.blocks else []
+        buffer, logits, _ = engine.prefill_stitched(kv, prompt.question, case.positions, extra_tokens=len(tokens))
+    for step, token in enumerate(tokens):
+        gap = float(logits.max() - logits[token])
+        assert gap <= BF16_TOLERANCE, f"step {step}: token {token} is {gap:.4f} below eager's best"
+        top2 = torch.topk(logits, 2).values
+        if float(top2[0] - top2[1]) > 2 * BF16_TOLERANCE:
+            assert token == int(torch.argmax(logits)), f"step {step}"
+        logits = engine.forward.extend(buffer, [token], torch.tensor([buffer.next_position]))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gpu_batched_greedy_follows_eager(
+    get_engine: Callable[..., StitchEngine], arch: str, attention: str, graphs: bool
+) -> None:
+    engine = get_engine(arch, "cuda")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention, cuda_graphs=graphs)
+    assert attention != "auto" or scheduler.decoder.attention in ("flash_varlen", SDPA_GATHER)
+    tracked = [Tracked(engine, case) for case in MIXED]
+    for t in tracked[:3]:
+        scheduler.add(t.request)
+    steps(scheduler, 3)
+    for t in tracked[3:]:
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in tracked:
+        assert t.request.result.finish_reason == "length"
+        _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
+    assert scheduler.pool.used_slots == (1 if graphs else 0)  # the graphs' padding slot stays theirs
+
+
+def test_batch_buckets_and_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
+    assert batch_bucket(33) is None
+    engine = get_engine("qwen2", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        BatchGraphs(BatchDecoder(engine.forward, nan_pool(engine, 100)))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
+def test_gpu_graph_step_matches_the_eager_step(get_engine: Callable[..., StitchEngine], attention: str) -> None:
+    """Two pools with the same contents: one decoded through the graphs (3 rows padded to 4, then 1 row), the
+    other eagerly, both fed the eager step's tokens."""
+    engine = get_engine("qwen2", "cuda")
+    graphed_pool = nan_pool(engine, 1200)
+    rows = _stitched_rows(engine, graphed_pool, MIXED[:2] + MIXED[4:5], extra=12)
+    eager_pool = nan_pool(engine, 1200)
+    eager_pool.data.copy_(graphed_pool.data)
+    graphs = BatchGraphs(BatchDecoder(engine.forward, graphed_pool, attention))
+    eager = BatchDecoder(engine.forward, eager_pool, attention)
+    tokens = [r[3] for r in rows]
+    lengths = [r[1].length for r in rows]
+    positions = [r[1].next_position for r in rows]
+    for step in range(10):
+        live = 3 if step < 5 else 1
+        spans = [(rows[i][2], lengths[i] + 1) for i in range(live)]
+        replayed = graphs.step(tokens[:live], positions[:live], spans).clone()
+        expected = eager.step(DecodeRows.build(tokens[:live], positions[:live], spans, engine.spec.device))
+        diff = float((replayed - expected).abs().max())
+        assert diff <= BF16_TOLERANCE, f"step {step}: |graph - eager| = {diff:.4f}"
+        for i in range(live):
+            tokens[i], lengths[i], positions[i] = int(torch.argmax(expected[i])), lengths[i] + 1, positions[i] + 1
+    graphs.close()
+    assert graphed_pool.used_slots == sum(r[1].capacity for r in rows)
+
+
+def test_a_failing_text_consumer_is_treated_as_a_disconnect(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    good = Tracked(engine, MIXED[0])
+
+    def closed(_: str) -> None:
+        raise BrokenPipeError("the client went away")
+
+    gone = BatchRequest(Case((20,), max_new=30).prompt(engine), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    gone.on_text = closed
+    for request in (good.request, gone):
+        scheduler.add(request)
+    drain(scheduler)
+    assert gone.result.finish_reason == "cancelled" and len(gone.result.token_ids) < 30
+    good.assert_matches(run_alone(engine, MIXED[0]))
+    assert scheduler.pool.used_slots == 0
+
+
+def test_a_failing_step_ends_its_batch_and_the_loop_goes_on(
+    get_engine: Callable[..., StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    doomed = [Tracked(engine, case) for case in MIXED[:2]]
+    for t in doomed:
+        scheduler.add(t.request)
+    scheduler.step()
+    real_step = scheduler.decoder.step
+
+    def broken(rows: DecodeRows, width: int | None = None) -> torch.Tensor:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(scheduler.decoder, "step", broken)
+    finished = scheduler.step()
+    assert {id(r) for r in finished} == {id(t.request) for t in doomed}
+    assert all(t.request.result.finish_reason == "error" for t in doomed) and scheduler.pool.used_slots == 0
+    monkeypatch.setattr(scheduler.decoder, "step", real_step)
+    later = Tracked(engine, MIXED[2])
+    scheduler.add(later.request)
+    drain(scheduler)
+    later.assert_matches(run_alone(engine, MIXED[2]))
