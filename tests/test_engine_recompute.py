@@ -12,9 +12,11 @@ from service.engine.attention import attend_at_slots, attend_causal_end
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
+from service.engine.scheduler import BatchRequest, Scheduler
 from service.engine.stitch import PositionMode, StitchPlan
 
 CHUNKS = (23, 9, 31, 14)
@@ -170,6 +172,27 @@ def test_generate_serves_the_recomputed_context(engine: StitchEngine, spec: str)
         pass
     assert stream.result.recomputed_tokens == count > 0
     assert stream.result.token_ids[0] == int(logits[-1].argmax())
+
+
+def test_the_scheduler_recomputes_as_generate_does(get_engine: GetEngine) -> None:
+    """Batched answers (the server's path) recompute in their prefill: everything recomputed answers as naive,
+    a partial spec as `generate` alone, and each request reports its own count beside a plain turbo one."""
+    engine = get_engine("qwen2", "cpu")
+    pool = KVPool(engine.spec, 2000 * engine.spec.kv_bytes_per_token(), poison="nan")
+    scheduler = Scheduler(engine, pool, max_batch=4)
+    prompt = _prompt(engine, seed=13)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    specs = ("selective:1", "prefix:4", "none")
+    requests = [BatchRequest(prompt, sampling, recompute=parse_recompute(spec)) for spec in specs]
+    naive = BatchRequest(prompt, sampling, "naive", recompute=parse_recompute("selective:1"))
+    for request in (*requests, naive):
+        scheduler.add(request)
+    scheduler.run_until_idle()
+    full, partial, plain = (r.result for r in requests)
+    assert full.token_ids == naive.result.token_ids and full.recomputed_tokens == _chunk_tokens(prompt)
+    assert partial.token_ids == _generate(engine, prompt, "turbo", "prefix:4")[0]
+    assert partial.recomputed_tokens == 4 * len(prompt.blocks) and partial.timings.recompute_ms > 0
+    assert (plain.recomputed_tokens, naive.result.recomputed_tokens) == (0, 0)
 
 
 def test_attention_at_scattered_slots_is_causal_per_slot() -> None:
