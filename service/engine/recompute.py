@@ -11,8 +11,8 @@ back the naive prefill's KV where the plan's positions are the naive ones (`reor
 Layer 0's K/V depend only on the token and its position, so the cached ones already are full attention's: layer 0
 runs attention for the chosen tokens over the cached layer-0 K/V, and overwriting starts at layer 1.
 
-- `prefix:N` chooses the first min(N, length) tokens of every chunk block (EPIC: the tokens after a block start
-  carry the attention-sink error; recomputing them recovers most of the quality).
+- `prefix:N` chooses the first min(N, length) tokens of every chunk block (EPIC's remedy: a block computed alone
+  makes its first tokens attention sinks of its own, which a full prefill would not).
 - `selective:R` runs layer 0 for every chunk token, computes their layer-1 K/V as full attention gives them, and
   chooses the round(R * chunk tokens) whose cached layer-1 K/V deviate most (squared L2 over heads, keys and
   values): CacheBlend's selection, on the first layer where cached and full KV can differ.
