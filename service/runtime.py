@@ -168,7 +168,9 @@ class Runtime:
         pool = KVPool.from_mib(self.engine.spec, mib)
         # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
         on_cuda = self.engine.decode_graphs is not None
-        scheduler = Scheduler(self.engine, pool, self.settings.max_batch, cuda_graphs=on_cuda)
+        scheduler = Scheduler(
+            self.engine, pool, self.settings.max_batch, cuda_graphs=on_cuda, prefill_chunk=self.settings.prefill_chunk
+        )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))
         log.info(
@@ -177,12 +179,17 @@ class Runtime:
         return scheduler
 
     def _warm_batch_graphs(self, scheduler: Scheduler) -> None:
-        """Capture each batch size's decode step for typical and twice-typical contexts (on the engine loop)."""
+        """Capture each batch size's decode step for every context bucket now (on the engine loop), so no capture
+        happens while answers are served."""
         if scheduler.graphs is None:
             return
-        typical = self._typical_tokens()
-        for tokens in (typical, min(2 * typical, self.engine.spec.max_context)):
-            scheduler.graphs.warm(tokens)
+        # Every capacity bucket from the typical answer's up to what the pool can hold for one answer.
+        tokens, largest = self._typical_tokens(), min(self.engine.spec.max_context, scheduler.pool.slots)
+        while True:
+            scheduler.graphs.warm(min(tokens, largest))
+            if tokens >= largest:
+                break
+            tokens *= 2
 
     def _typical_tokens(self) -> int:
         """Slots of a typical answer: top-5 chunks, a question, the default answer budget."""

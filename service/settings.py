@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     max_request_mb: int = Field(64, ge=1, description="Largest request body accepted (MiB); larger gets 413.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
     max_batch: int = Field(32, ge=1, le=256, description="Answers decoded together in one batched step, at most.")
+    prefill_chunk: int = Field(
+        1024,
+        ge=0,
+        description="Naive prompts are prefilled this many tokens per step, between decode steps; 0 = whole.",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 512 on the CPU."
     )

@@ -516,3 +516,41 @@ def test_a_failing_step_ends_its_batch_and_the_loop_goes_on(
     scheduler.add(later.request)
     drain(scheduler)
     later.assert_matches(run_alone(engine, MIXED[2]))
+
+
+def test_a_chunked_naive_prefill_interleaves_with_decoding_and_equals_alone(
+    get_engine: Callable[..., StitchEngine], arch: str
+) -> None:
+    """A long naive prompt is prefilled 16 tokens per step while a running answer keeps decoding; both give
+    their tokens alone (chunked causal prefill = one-shot prefill, to float rounding)."""
+    engine = get_engine(arch, "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, prefill_chunk=16)
+    running = Tracked(engine, Case((20,), max_new=30, seed=11))
+    naive = Tracked(engine, Case((60, 40, 20), mode="naive", max_new=8, seed=12))
+    scheduler.add(running.request)
+    scheduler.step()
+    scheduler.add(naive.request)
+    scheduler.step()
+    chunks = -(-len(naive.request.prompt.joined()) // 16)
+    assert naive.request in scheduler.prefilling and chunks > 4
+    before = len(running.request.result.token_ids)
+    steps(scheduler, chunks - 2)
+    assert naive.request in scheduler.prefilling  # still prefilling...
+    assert len(running.request.result.token_ids) == before + chunks - 2  # ...while the other decodes every step
+    drain(scheduler)
+    running.assert_matches(run_alone(engine, running.case))
+    naive.assert_matches(run_alone(engine, naive.case))
+    assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
+
+
+def test_a_cancelled_chunked_prefill_frees_its_slab(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), prefill_chunk=16)
+    naive = Tracked(engine, Case((60, 40, 20), mode="naive", max_new=8, seed=12))
+    scheduler.add(naive.request)
+    steps(scheduler, 2)
+    assert naive.request in scheduler.prefilling and scheduler.pool.used_slots > 0
+    scheduler.cancel(naive.request)
+    scheduler.step()
+    assert naive.request.result.finish_reason == "cancelled" and naive.request.result.token_ids == []
+    assert scheduler.pool.used_slots == 0 and not scheduler.has_work()

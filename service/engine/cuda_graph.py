@@ -103,7 +103,9 @@ def _capture(graph: torch.cuda.CUDAGraph, run: Callable[[], Any], device: torch.
         for _ in range(2):
             run()
     torch.cuda.current_stream(device).wait_stream(side)
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+    # thread_local: other threads' CUDA work (the embedder on the retrieval thread, the KV copy stream) neither
+    # breaks the capture nor gets captured; under the default global mode it invalidated it.
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = run()
     torch.cuda.synchronize(device)
     return outputs

@@ -140,9 +140,14 @@ class Scheduler:
         max_waiting: int | None = None,
         attention: str = "auto",
         cuda_graphs: bool = False,
+        prefill_chunk: int = 0,
     ) -> None:
-        """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only). Off
-        by default until the lead has validated the captured step on the H200 (test_engine_batch.py, gpu)."""
+        """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
+        `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled one chunk per step,
+        between the running answers' decode steps, instead of stalling them for its whole prefill (0: never)."""
+        if prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0")
+        self.prefill_chunk = prefill_chunk
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self.engine = engine
@@ -154,6 +159,7 @@ class Scheduler:
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
+        self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt is prefilled in chunks
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
         self._eos = engine.eos_ids()
 
@@ -180,6 +186,7 @@ class Scheduler:
         """One iteration: reap cancelled, admit, one batched decode step; returns the requests finished in it."""
         finished = self._reap_cancelled()
         finished += self._admit()
+        finished += self._prefill_chunk()
         self.last_batch = len(self.running)
         if self.running:
             finished += self._decode()
@@ -192,14 +199,14 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> list[BatchRequest]:
         """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
-        failed = [*self.waiting, *self.running]
+        failed = [*self.waiting, *self.prefilling, *self.running]
         for request in failed:
             request.error = error
             self._finish(request, "error")
         return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def run_until_idle(self) -> None:
         """Step until nothing waits or runs (offline use and tests)."""
@@ -209,7 +216,7 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------------------------
 
     def _reap_cancelled(self) -> list[BatchRequest]:
-        done = [r for r in (*self.waiting, *self.running) if r.cancelled]
+        done = [r for r in (*self.waiting, *self.prefilling, *self.running) if r.cancelled]
         for request in done:
             self._finish(request, "cancelled")
         return done
@@ -218,19 +225,31 @@ class Scheduler:
         """Admit from the head of the line while the batch and the pool have room; returns those that already
         finished (after their first token, or failing)."""
         finished = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             request = self.waiting[0]
             if not self.pool.can_allocate(request.tokens_needed):
                 break
             self.waiting.popleft()
-            if self._start(request):
+            if self._chunked(request):
+                if self._begin(request):
+                    self.prefilling.append(request)
+                else:
+                    finished.append(request)
+            elif self._start(request):
                 self.running.append(request)
             else:
                 finished.append(request)
         return finished
 
-    def _start(self, request: BatchRequest) -> bool:
-        """Give the request its slab, prefill it and accept its first token; False when it is already done."""
+    def _chunked(self, request: BatchRequest) -> bool:
+        return (
+            self.prefill_chunk > 0
+            and request.mode is GenerationMode.NAIVE
+            and len(request.prompt.joined()) > self.prefill_chunk
+        )
+
+    def _begin(self, request: BatchRequest) -> bool:
+        """Give the request its slab (and its chunk KV, via `on_admit`); False when that failed (it is finished)."""
         request.queue_ms = (time.perf_counter() - request.added_at) * 1e3
         request.status = RequestStatus.RUNNING
         request.slab = self.pool.allocate(request.tokens_needed)
@@ -239,11 +258,56 @@ class Scheduler:
             if request.on_admit is not None:
                 request.on_admit(request)
                 request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
-            logits = self._prefill(request, request.kv)
+        except Exception as err:  # one request's failure (its KV index away, say) must not take the batch down
+            request.error = err
+            self._finish(request, "error")
+            return False
+        return True
+
+    def _start(self, request: BatchRequest) -> bool:
+        """Give the request its slab, prefill it and accept its first token; False when it is already done."""
+        if not self._begin(request):
+            return False
+        try:
+            logits = self._prefill(request, request.buffer)
+        except Exception as err:  # one request's bad input must not take the batch down
+            request.error = err
+            self._finish(request, "error")
+            return False
+        return self._first_token(request, logits)
+
+    def _prefill_chunk(self) -> list[BatchRequest]:
+        """One chunk of the oldest chunked prefill (the running answers decode between chunks); returns the
+        request when it finished (error, or already done at its first token)."""
+        if not self.prefilling:
+            return []
+        request = self.prefilling[0]
+        ids = request.prompt.joined()
+        begin = request.buffer.length
+        end = min(len(ids), begin + self.prefill_chunk)
+        watch = Stopwatch(self.engine.spec.device)
+        try:
+            logits = self.engine.forward.extend(request.buffer, ids[begin:end], torch.arange(begin, end))
+        except Exception as err:
+            request.error = err
+            self._finish(request, "error")
+            return [request]
+        request.result.timings.prefill_ms += watch.lap_ms()
+        if end < len(ids):
+            return []
+        self.prefilling.popleft()
+        if self._first_token(request, logits):
+            self.running.append(request)
+            return []
+        return [request]
+
+    def _first_token(self, request: BatchRequest, logits: torch.Tensor) -> bool:
+        """Pick and accept the request's first token; False when that already ended it."""
+        try:
             request.sampler = Sampler(request.sampling, self.engine.spec.device)
             request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
             first = request.sampler.pick(logits)
-        except Exception as err:  # one request's bad input must not take the batch down
+        except Exception as err:
             request.error = err
             self._finish(request, "error")
             return False
@@ -345,6 +409,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
+        if request in self.prefilling:
+            self.prefilling.remove(request)
         if request.slab is not None:
             self.pool.free(request.slab)
             request.slab, request.kv = None, None

@@ -6,11 +6,13 @@ so a fresh install embeds without any download. Vectors are L2-normalized, so co
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as hf_logging
 
@@ -49,6 +51,10 @@ class Embedder:
                 f"embedding model {self.model_name!r} is not available offline (give a model folder, or a hub id "
                 f"already in the local Hugging Face cache): {err}"
             ) from err
+        # On a GPU shared with the engine, embeddings run on a stream of their own: on the default stream they
+        # would queue behind the engine's decode steps and prefills (measured: retrieve 12 ms alone, 100+ ms at 8
+        # concurrent clients).
+        self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
         self._dimension = self._read_dimension()
 
     @property
@@ -78,8 +84,16 @@ class Embedder:
             return []
         return self._encode(list(texts), self._prompt_name("query"))
 
+    @contextlib.contextmanager
+    def _on_own_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+
     def _encode(self, texts: list[str], prompt_name: str | None) -> list[list[float]]:
-        with self._lock:
+        with self._lock, self._on_own_stream():
             vectors: Any = self._model.encode(
                 texts,
                 prompt_name=prompt_name,
