@@ -100,6 +100,10 @@ class JobQueue(Protocol):
 
     def reject(self, delivery: Delivery, error: str) -> bool: ...
 
+    def release(self, delivery: Delivery) -> None:
+        """Put an unfinished job back (its worker is stopping); the delivery does not count as an attempt."""
+        ...
+
     def keep_alive(self, delivery: Delivery) -> None: ...
 
     def claim_stale(self, consumer_name: str, min_idle_ms: int, count: int = 16) -> list[Delivery]: ...
@@ -204,6 +208,14 @@ class RedisStreamQueue:
     def reject(self, delivery: Delivery, error: str) -> bool:
         """Dead-letter now, whatever the attempt: the job can never succeed (a malformed document, say)."""
         return self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
+
+    def release(self, delivery: Delivery) -> None:
+        """Re-queue with this delivery uncounted (the stream has no "undeliver": a new entry, the old one acked)."""
+        data = reencode_payload(delivery.payload)
+        fields: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt - 1}
+        if delivery.last_error is not None:
+            fields[_LAST_ERROR] = delivery.last_error
+        self._move_to(self.stream, delivery.message_id, fields)
 
     def keep_alive(self, delivery: Delivery) -> None:
         """Reset the message's idle time, so a long job is not claimed from its live worker."""
@@ -436,6 +448,11 @@ class InProcessQueue:
                 return False
             self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
             return True
+
+    def release(self, delivery: Delivery) -> None:
+        with self._changed:
+            if self._messages.pop(delivery.message_id, None) is not None:
+                self._add(reencode_payload(delivery.payload), delivery.attempt - 1, delivery.last_error)
 
     def keep_alive(self, delivery: Delivery) -> None:
         with self._changed:
