@@ -188,7 +188,7 @@ def expected_points(engine: StitchEngine, documents: list[Document]) -> list[Exp
             block = engine.template.chunk_block(chunk.token_ids)
             key = block_key(fingerprint, engine.template.version, engine.spec.dtype, block)
             expected.append(
-                ExpectedPoint(point_id(doc.id, chunk.index), doc.id, chunk.index, version, chunk.token_ids, block, key)
+                ExpectedPoint(point_id(doc.id, chunk.index, version), doc.id, chunk.index, version, chunk.token_ids, block, key)
             )
     return expected
 
