@@ -60,6 +60,15 @@ class Serve:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def terminate(self, timeout_s: float = 60) -> float:
+        """SIGTERM, then wait for a graceful exit (uvicorn re-raises the signal once shut down); the seconds it
+        took."""
+        signalled = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=timeout_s) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in self.log.read_text(errors="replace")
+        return time.monotonic() - signalled
+
     def job(self, job_id: str) -> httpx.Response:
         return httpx.get(f"{self.url}/ingest/{job_id}", timeout=10)
 
@@ -194,8 +203,7 @@ def test_a_sigkilled_serve_resumes_its_job_and_no_document_was_ever_partly_visib
     second = start_serve()
     assert second.job(job_id).status_code == 200  # the accepted job is still known after the restart
     final = second.wait_job(job_id, finished, FINISH_TIMEOUT_S)
-    second.process.send_signal(signal.SIGTERM)
-    assert second.process.wait(timeout=60) == 0
+    second.terminate()
 
     assert (final["status"], final["error"]) == ("done", None)
     assert (final["documents"], final["documents_done"]) == (DOCUMENTS, DOCUMENTS)
@@ -212,10 +220,7 @@ def test_sigterm_stops_serve_within_the_timeout_and_the_job_ends_done_after_a_re
     job_id = submit(first, documents)
     first.wait_job(job_id, progressed, START_TIMEOUT_S)
 
-    signalled = time.monotonic()
-    first.process.send_signal(signal.SIGTERM)
-    assert first.process.wait(timeout=60) == 0
-    took = time.monotonic() - signalled
+    took = first.terminate()
 
     assert took < SHUTDOWN_TIMEOUT_S, f"exit took {took:.1f} s"
     statuses = SqliteJobStatusStore(jobs_path(data_dir))
@@ -227,8 +232,7 @@ def test_sigterm_stops_serve_within_the_timeout_and_the_job_ends_done_after_a_re
 
     second = start_serve()
     final = second.wait_job(job_id, finished, FINISH_TIMEOUT_S)
-    second.process.send_signal(signal.SIGTERM)
-    assert second.process.wait(timeout=60) == 0
+    second.terminate()
 
     assert (final["status"], final["error"], final["documents_done"]) == ("done", None, DOCUMENTS)
     assert final["chunks_reused"] >= 1

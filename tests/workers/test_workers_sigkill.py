@@ -187,9 +187,8 @@ def expected_points(engine: StitchEngine, documents: list[Document]) -> list[Exp
         for chunk in chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown"):
             block = engine.template.chunk_block(chunk.token_ids)
             key = block_key(fingerprint, engine.template.version, engine.spec.dtype, block)
-            expected.append(
-                ExpectedPoint(point_id(doc.id, chunk.index, version), doc.id, chunk.index, version, chunk.token_ids, block, key)
-            )
+            point = point_id(doc.id, chunk.index, version)
+            expected.append(ExpectedPoint(point, doc.id, chunk.index, version, chunk.token_ids, block, key))
     return expected
 
 
