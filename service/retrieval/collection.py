@@ -308,6 +308,7 @@ class ChunkCollection:
                 if not self.embedded:  # payload indexes do nothing in embedded mode
                     for key in ("doc_id", "version", "kv_key"):
                         self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
+                    self._client.create_payload_index(self.name, VISIBLE, models.PayloadSchemaType.BOOL)
             self._check_vector_params(self._client.get_collection(self.name).config.params.vectors)
 
     def _check_vector_params(self, vectors: Any) -> None:
