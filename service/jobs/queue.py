@@ -1,8 +1,9 @@
 """The ingest job queue and the job status store, each behind one small protocol.
 
 `RedisStreamQueue` (a Redis stream read through a consumer group) serves deployments whose workers are separate
-processes; `InProcessQueue` gives the embedded mode (gateway and worker in one process) the same semantics in
-memory. Delivery is at least once:
+processes; `SqliteJobQueue` (`service.jobs.sqlite`) gives the embedded form (gateway and worker in one process)
+the same semantics in a file that survives restarts; `InProcessQueue` keeps them in memory (tests, throwaway
+runs). Delivery is at least once:
 
 - a consumer reads messages, processes them and acks each one (acked messages are deleted from the stream);
 - a message whose consumer died stays pending, and `claim_stale` hands it to a live consumer once it has been idle
@@ -403,7 +404,7 @@ class _Message:
 
 
 class InProcessQueue:
-    """The same queue in memory for the embedded mode; safe across threads, lost on restart."""
+    """The same queue in memory; safe across threads, lost on restart (the embedded form uses `SqliteJobQueue`)."""
 
     def __init__(self, max_attempts: int = DEFAULT_MAX_ATTEMPTS, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_attempts = _check_max_attempts(max_attempts)
