@@ -6,7 +6,7 @@ Every step is idempotent, so a job redelivered after its worker died simply runs
 - KV blocks are content-addressed (`KVStore.key_of`): a block already on disk is reused, never recomputed, so
   the same chunk text ingested twice, or by two documents, is stored once.
 - A document's version is a hash of its text, format, metadata and the chunking, and Qdrant point ids come
-  from (doc id, chunk index): re-running writes the same points. An unchanged document whose points are all in
+  from (doc id, version, chunk index): re-running writes the same points. An unchanged document whose points are all in
   place is skipped after chunking (nothing embedded, nothing computed).
 - A document is all or nothing: KV is stored first, then the points are written invisible, then `publish` makes
   the version visible and drops the old one in one step. A searchable chunk always has its KV; a document stays
@@ -167,7 +167,8 @@ class Ingestor:
                         counts.documents_superseded += 1
                         superseded.update(prepared.keys)
                 counts.documents_done += 1
-            counts.blocks_released += self._release(superseded)  # computed above for a document not written
+            # KV computed above for documents a later job made moot: released unless some point names it.
+            counts.blocks_released += self._release(superseded)
             if progress is not None:
                 progress(counts)
         return counts
