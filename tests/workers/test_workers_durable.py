@@ -10,7 +10,7 @@ from ingest_support import OpenRuntime, expected_chunks, run_job
 from qdrant_client import models
 
 from service.jobs.queue import Delivery
-from service.jobs.submit import submit_ingest
+from service.jobs.submit import submit_delete, submit_ingest
 from service.retrieval.collection import ChunkCollection
 from service.runtime import Runtime
 from tests.workers.test_workers_sigkill import corpus
@@ -139,3 +139,18 @@ def unpublish(runtime: Runtime, doc_id: str) -> None:
     collection = runtime.collection
     selector = models.Filter(must=[models.FieldCondition(key="doc_id", match=models.MatchValue(value=doc_id))])
     collection._client.set_payload(collection.name, payload={"visible": False}, points=selector)
+
+
+def test_kv_computed_for_a_document_a_later_job_made_moot_is_released(runtime: Runtime) -> None:
+    doc = DOCUMENTS[0]
+    ingest_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, [doc])
+    submit_delete(runtime.queue, runtime.jobs, runtime.order, doc.id)  # submitted later: the ingest must not apply
+    worker = runtime_worker(runtime, poll_ms=10)
+
+    worker.run_once()
+
+    status = runtime.jobs.get(ingest_id)
+    assert status is not None and (status.status, status.chunks_precomputed) == ("done", status.chunks)
+    assert status.chunks >= 2
+    assert runtime.collection.document_state(doc.id) == []
+    assert runtime.index.keys() == []  # its blocks were computed (grouped before the check), then released
