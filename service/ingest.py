@@ -6,12 +6,16 @@ Every step is idempotent, so a job redelivered after its worker died simply runs
 - KV blocks are content-addressed (`KVStore.key_of`): a block already on disk is reused, never recomputed, so
   the same chunk text ingested twice, or by two documents, is stored once.
 - A document's version is a hash of its text, format, metadata and the chunking, and Qdrant point ids come
-  from (doc id, chunk index): re-running writes the same points. An unchanged document whose points are all in
+  from (doc id, version, chunk index): re-running writes the same points. An unchanged document whose points are all in
   place is skipped after chunking (nothing embedded, nothing computed).
-- KV is stored before the points that name it are upserted, so a searchable chunk always has its KV; the old
-  version's points are deleted only after the new ones are in, so the document stays searchable throughout.
-- KV blocks that no point names any more (the old version's, a deleted document's) are removed from the disk
-  tier. A block that another document still names is kept.
+- A document is all or nothing: KV is stored first, then the points are written invisible, then `publish` makes
+  the version visible and drops the old one in one step. A searchable chunk always has its KV; a document stays
+  searchable throughout a re-ingest (the old version until the switch); a job killed midway leaves no document
+  partly visible.
+- KV blocks that no point names any more (the old version's, a deleted document's, a superseded document's) are
+  removed from the disk tier. A block that another document still names is kept.
+- What a job gives up on is cleaned: `abandon` (a job failed for good) and `sweep_unpublished` (at start, what a
+  dead process left) delete unpublished points and release the blocks no point names.
 
 Jobs for one document apply in submit order (`service.jobs.ordering`): a document's points are written or
 deleted under its lock, and skipped when a later job for it was submitted meanwhile.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from service.engine.kv_layout import TokenIds
@@ -70,6 +74,24 @@ class IngestCounts:
 
 
 Progress = Callable[[IngestCounts], None]
+ShouldStop = Callable[[], bool]
+
+
+class IngestInterruptedError(Exception):
+    """The job stopped between two document groups because its worker is stopping; it is safe to run again."""
+
+    def __init__(self, counts: IngestCounts) -> None:
+        super().__init__(f"stopped after {counts.documents_done} documents")
+        self.counts = counts
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """What a start-up sweep removed: unpublished points of jobs that will not run again, and their blocks."""
+
+    points_deleted: int = 0
+    blocks_released: int = 0
+    documents: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,21 +148,41 @@ class Ingestor:
         config = parts.chunker.config
         self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version}"
 
-    def ingest(self, job: IngestJob, progress: Progress | None = None) -> IngestCounts:
-        """Ingest every document of the job; `progress` is called after each group of documents."""
+    def ingest(
+        self, job: IngestJob, progress: Progress | None = None, should_stop: ShouldStop | None = None
+    ) -> IngestCounts:
+        """Ingest every document of the job; `progress` is called after each group of documents, and
+        `should_stop` before each one (True: raise `IngestInterruptedError`, the groups done stay done)."""
         counts = IngestCounts()
         for group in self._groups(job.documents, counts):
+            if should_stop is not None and should_stop():
+                raise IngestInterruptedError(counts)
             self._store_kv(group, counts)
+            superseded: set[str] = set()
             for prepared in group:
                 with applying(self.order, prepared.doc.id, job.sequence) as current:
                     if current:
                         self._index(prepared, counts)
                     else:
                         counts.documents_superseded += 1
+                        superseded.update(prepared.keys)
                 counts.documents_done += 1
+            # KV computed above for documents a later job made moot: released unless some point names it.
+            counts.blocks_released += self._release(superseded)
             if progress is not None:
                 progress(counts)
         return counts
+
+    def abandon(self, job: IngestJob) -> int:
+        """Clean up after a job given up on: its documents' unpublished points go, and the KV blocks it stored
+        that no point names are released; how many blocks. Published documents are left as they are."""
+        keys: set[str] = set()
+        for doc in job.documents:
+            with self.order.hold(doc.id):
+                keys |= {p.kv_key for p in self.collection.document_state(doc.id) if not p.visible and p.kv_key}
+                self.collection.delete_invisible(doc.id)
+            keys |= self._keys_of(doc)
+        return self._release(keys)
 
     def delete(self, job: DeleteJob) -> DeleteCounts:
         """Remove a document's points and release its KV blocks, unless a later job for it was submitted."""
@@ -169,6 +211,14 @@ class Ingestor:
         if group:
             yield group
 
+    def _keys_of(self, doc: Document) -> set[str]:
+        """The block keys a document's chunks have; none when it cannot be chunked (why its job failed, maybe)."""
+        try:
+            return set(self._prepare(doc).keys)
+        except Exception:
+            log.warning("cannot chunk document %r of an abandoned job; only its points' blocks are released", doc.id)
+            return set()
+
     def _prepare(self, doc: Document) -> _Prepared:
         chunks = self.chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown")
         blocks = [self.template.chunk_block(c.token_ids) for c in chunks]
@@ -192,23 +242,25 @@ class Ingestor:
         counts.add_time("precompute", time.perf_counter() - start)
 
     def _index(self, prepared: _Prepared, counts: IngestCounts) -> None:
-        """Embed and upsert the document's points unless they are all in place, then drop other versions.
+        """Embed and write the document's points unpublished unless they are all in place, then publish the
+        version (which drops the others) unless it is the only one and visible already.
 
         One scroll reads what the document has now (embedded Qdrant answers filters by scanning every point, so
         the number of calls per document decides how ingest scales with the corpus)."""
         doc, version = prepared.doc, prepared.version
-        # Read before the upsert: new points overwrite old ones at the same chunk index, taking their keys along.
-        existing = self.collection.document_points(doc.id)
-        previous_keys = {key for v, key in existing if v != version and key}
-        if sum(1 for v, _ in existing if v == version) != len(prepared.chunks):
+        existing = self.collection.document_state(doc.id)
+        mine = [p for p in existing if p.version == version]
+        written = len(mine) == len(prepared.chunks)
+        if not written:
             start = time.perf_counter()
             vectors = self.embedder.embed_documents([c.text for c in prepared.chunks])
             counts.add_time("embed", time.perf_counter() - start)
             start = time.perf_counter()
-            self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata)
+            self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False)
             counts.add_time("upsert", time.perf_counter() - start)
-        if any(v != version for v, _ in existing):
-            self.collection.delete_document(doc.id, keep_version=version)
+        if not written or len(mine) != len(existing) or not all(p.visible for p in mine):
+            self.collection.publish(doc.id, version)
+        previous_keys = {p.kv_key for p in existing if p.version != version and p.kv_key}
         counts.blocks_released += self._release(previous_keys - set(prepared.keys))
 
     def _release(self, keys: set[str]) -> int:
@@ -219,3 +271,17 @@ class Ingestor:
         for key in unused:
             self.store.remove(key)
         return len(unused)
+
+
+def sweep_unpublished(collection: ChunkCollection, store: KVStore, keep: Collection[str]) -> SweepReport:
+    """At start, with no other process on the data: unpublished points belong to jobs that died. Delete those of
+    documents no queued job names (`keep`: a queued job redoes its own) and release their KV blocks that no point
+    names any more."""
+    left = [(doc_id, key) for doc_id, _, key in collection.invisible_points() if doc_id not in keep]
+    documents = sorted({doc_id for doc_id, _ in left})
+    deleted = sum(collection.delete_invisible(doc_id) for doc_id in documents)
+    keys = sorted({key for _, key in left if key})
+    unused = set(keys) - collection.referenced_kv_keys(keys)
+    for key in unused:
+        store.remove(key)
+    return SweepReport(deleted, len(unused), tuple(documents))

@@ -3,9 +3,9 @@
 Entry points open it — `kvstitch serve` (through the server behind the HTTP facade), `kvstitch worker` and
 `kvstitch ingest --embedded` — and nothing below them reads settings. Redis configured means the distributed
 form (Redis KV index, Redis Streams queue, job statuses and document order in Redis); unset means the embedded
-form (SQLite index, in-process queue, statuses and order). Qdrant is embedded under the data dir unless a URL is
-set. Every use of the model goes through the runtime's one `EngineLoop`: answers, the KV store's miss precompute,
-ingestion's precompute, the gate and the warm-up.
+form (SQLite index; queue, statuses and order in `DATA_DIR/jobs.sqlite3`, so jobs survive a restart). Qdrant
+is embedded under the data dir unless a URL is set. Every use of the model goes through the runtime's one
+`EngineLoop`: answers, the KV store's miss precompute, ingestion's precompute, the gate and the warm-up.
 
 The in-process ingest worker is started here but built by the entry point (`start_worker(factory)`): the
 worker loop lives in `workers/`, which the core never imports.
@@ -29,11 +29,12 @@ from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
 from service.engine.scheduler import Scheduler
 from service.engine_loop import EngineLoop
-from service.ingest import IngestCounts, Ingestor, IngestParts
-from service.jobs.documents import DocumentLimits
-from service.jobs.ordering import DocumentOrder, InMemoryDocumentOrder, RedisDocumentOrder
-from service.jobs.queue import InProcessQueue, JobQueue, RedisStreamQueue
-from service.jobs.status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
+from service.ingest import IngestCounts, Ingestor, IngestParts, sweep_unpublished
+from service.jobs.documents import DocumentLimits, job_documents
+from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
+from service.jobs.queue import JobQueue, RedisStreamQueue
+from service.jobs.sqlite import SqliteDocumentOrder, SqliteJobQueue, SqliteJobStatusStore, jobs_path
+from service.jobs.status import JobStatusStore, RedisJobStatusStore
 from service.kv_for_engine import kv_store_for
 from service.kvcache.index import KVIndex, open_index, repair
 from service.kvcache.precompute import Precompute
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 # The start-up gate: a few short chunks, so it costs a second on a 7B model yet still catches a wrong rotation.
 GATE_CHUNK_LENGTHS = (24, 40, 17)
 GATE_QUESTION_LENGTH = 12
-WORKER_JOIN_S = 30.0
 # The KV pool of running answers when no size is set: room for 32 answers at ~9K context of a 7B model on a GPU
 # (57 KB per token in bf16), a few tiny-model answers on a CPU.
 DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 512}
@@ -208,18 +208,27 @@ class Runtime:
     # ---- shutdown -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop the worker (it hands its job back between two document groups), then close everything; waits
+        for the worker at most `shutdown_timeout_s`."""
         if self.closed:
             return
         self.closed = True
-        if self._worker is not None:
-            self._worker.stop()
-        self._safely(self.queue.close)  # wakes the worker if it waits for a job
-        if self._worker_thread is not None:
-            self._worker_thread.join(timeout=WORKER_JOIN_S)
+        self._stop_worker()
+        self._safely(self.queue.close)  # after the worker: it still hands its job back through the queue
         for close in (self.loop.close, self.retrieval.close, self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
         for close in (self.index.close, self.collection.close):
             self._safely(close)
+
+    def _stop_worker(self) -> None:
+        if self._worker is None or self._worker_thread is None:
+            return
+        self._worker.stop()
+        self._worker_thread.join(timeout=self.settings.shutdown_timeout_s)
+        if self._worker_thread.is_alive():
+            # Its job is neither acked nor handed back: it stays pending, and is resumed at the next start (or
+            # claimed by another worker) like the job of a killed process.
+            log.warning("ingest worker still busy after %.0f s; closing anyway", self.settings.shutdown_timeout_s)
 
     @staticmethod
     def _safely(close: Callable[[], Any]) -> None:
@@ -264,7 +273,8 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
 
 
 def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrder]:
-    """The job queue, statuses and document order: in Redis when configured, in this process otherwise."""
+    """The job queue, statuses and document order: in Redis when configured, in `DATA_DIR/jobs.sqlite3`
+    otherwise."""
     if settings.redis_url:
         prefix = settings.redis_prefix
         queue = RedisStreamQueue(
@@ -276,7 +286,22 @@ def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrd
         )
         jobs = RedisJobStatusStore(settings.redis_url, prefix=f"{prefix}:job")
         return queue, jobs, RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc")
-    return InProcessQueue(max_attempts=settings.job_max_attempts), InMemoryJobStatusStore(), InMemoryDocumentOrder()
+    path = jobs_path(settings.data_dir)
+    durable = SqliteJobQueue(path, max_attempts=settings.job_max_attempts)
+    return durable, SqliteJobStatusStore(path), SqliteDocumentOrder(path)
+
+
+def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore) -> None:
+    """Embedded form, at start: this process is the only one on the data dir, so unpublished points were left by
+    a process that died; those no queued job will redo are deleted and their blocks released."""
+    if not isinstance(queue, SqliteJobQueue):
+        return  # with Redis, other workers' jobs may be under way: a failed job cleans after itself instead
+    if queue.resumed:
+        log.info("%d jobs interrupted by the last stop are resumed", queue.resumed)
+    keep = {doc_id for payload in queue.pending_payloads() for doc_id in job_documents(payload)}
+    report = sweep_unpublished(collection, store, keep)
+    if report.points_deleted or report.blocks_released:
+        log.info("start-up sweep: %s", report)
 
 
 def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
@@ -297,6 +322,7 @@ def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedde
     collection = open_collection(settings, embedder.dimension)
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
+    sweep_dead_jobs(queue, collection, store)
     retrieval = RetrievalBatcher(embedder.embed_queries, collection.search_many)
     return Runtime(
         settings,

@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     job_claim_idle_ms: int = Field(
         60_000, ge=100, description="A job pending this long on a silent worker is claimed by another."
     )
+    shutdown_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="On SIGTERM: time for open requests, then for the worker to hand its job back (seconds).",
+    )
 
     inprocess_worker: Literal["auto", "on", "off"] = Field(
         "auto", description="Run the ingest worker inside the gateway; auto = when Redis or a Qdrant server is unset."

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
 from types import FrameType
 from wsgiref.simple_server import WSGIServer
 
@@ -18,8 +20,12 @@ from workers.worker import IngestWorker, runtime_worker
 log = logging.getLogger(__name__)
 
 
+EXIT_FORCED = 3
+
+
 def run_worker(settings: Settings, name: str | None = None) -> int:
-    """Open the runtime and work; a signal lets the current job finish (a SIGKILL is recovered by others)."""
+    """Open the runtime and work; a signal stops the worker between two document groups (its job is handed back
+    to the queue) and the process ends within `shutdown_timeout_s` (a SIGKILL is recovered by others)."""
     if settings.redis_url is None:
         print(
             "error: a separate worker needs KVSTITCH_REDIS_URL (the queue it reads); without Redis, "
@@ -32,8 +38,11 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         metrics_server = serve_metrics(settings, runtime, worker)
 
         def stop(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %d: stopping after the current job", signum)
+            log.info("signal %d: stopping at the next document group; the job goes back to the queue", signum)
             worker.stop()
+            watchdog = threading.Timer(settings.shutdown_timeout_s, _exit_now, args=(settings.shutdown_timeout_s,))
+            watchdog.daemon = True
+            watchdog.start()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -42,6 +51,14 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
+
+
+def _exit_now(timeout_s: float) -> None:
+    """The job did not reach a group boundary in time: leave it pending (not acked), for another worker to claim
+    after `job_claim_idle_ms`, as if this process had been killed."""
+    log.warning("still busy %.0f s after the signal: exiting now", timeout_s)
+    logging.shutdown()
+    os._exit(EXIT_FORCED)
 
 
 def serve_metrics(settings: Settings, runtime: Runtime, worker: IngestWorker) -> WSGIServer | None:

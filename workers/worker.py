@@ -6,8 +6,13 @@ delivered again; the ingest steps are idempotent, so no chunk is lost or doubled
 renews its lease between document groups, so a long job is not claimed away from a live worker.
 
 Failures: a malformed job (`JobError`) fails at once and goes to the dead letters with its error; any other
-error re-queues the job, and after `max_attempts` deliveries it is dead-lettered. The status says which.
-Nothing a job contains can stop the loop.
+error re-queues the job, and after `max_attempts` deliveries it is dead-lettered. The status says which. A job
+given up on is cleaned (`Ingestor.abandon`): its unpublished points go and the KV blocks no point names are
+released. Nothing a job contains can stop the loop.
+
+Stopping (SIGTERM): `stop()` makes the running ingest return between two document groups; the job is handed back
+to the queue (`release`: not acked, the attempt not counted) with the status `queued` and a note, and the next
+worker (or the next start, in the embedded form) resumes it; the groups done are not redone.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.ingest import DeleteCounts, IngestCounts, Ingestor
+from service.ingest import DeleteCounts, IngestCounts, IngestInterruptedError, Ingestor
 from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
 from service.jobs.queue import Delivery, JobQueue
 from service.jobs.status import JobStatusStore
@@ -101,8 +106,11 @@ class IngestWorker:
         log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, documents, delivery.attempt)
         try:
             counts = self._run(job, delivery)
+        except IngestInterruptedError as stopped:
+            self._release(delivery, job.job_id, stopped.counts)
         except JobError as err:
             self._reject(delivery, job.job_id, str(err))
+            self._abandon(job)
         except Exception as err:
             log.exception("job %s failed on attempt %d", job.job_id, delivery.attempt)
             self._retry(delivery, job.job_id, f"{type(err).__name__}: {err}")
@@ -116,7 +124,9 @@ class IngestWorker:
     def _run(self, job: IngestJob | DeleteJob, delivery: Delivery) -> IngestCounts | DeleteCounts:
         if isinstance(job, DeleteJob):
             return self.ingestor.delete(job)
-        return self.ingestor.ingest(job, progress=lambda c: self._progress(delivery, job.job_id, c))
+        return self.ingestor.ingest(
+            job, progress=lambda c: self._progress(delivery, job.job_id, c), should_stop=self.stopping.is_set
+        )
 
     # ---- outcomes -------------------------------------------------------------------------------------------
 
@@ -132,6 +142,26 @@ class IngestWorker:
         if job_id is not None:
             self._status(job_id, _document_count(delivery), status="failed", error=_clip(error))
 
+    def _release(self, delivery: Delivery, job_id: str, counts: IngestCounts) -> None:
+        documents = _document_count(delivery)
+        self.queue.release(delivery)
+        note = f"interrupted after {counts.documents_done} of {documents} documents (the worker stopped); queued again"
+        self._status(job_id, documents, status="queued", error=note)
+        self._finished("retry", None)
+        log.info("job %s handed back: %s", job_id, note)
+
+    def _abandon(self, job: IngestJob | DeleteJob) -> None:
+        """Clean what a job given up on left (unpublished points, blocks no point names); never raises."""
+        if not isinstance(job, IngestJob):
+            return
+        try:
+            released = self.ingestor.abandon(job)
+        except Exception:
+            log.exception("cleaning after job %s failed; the next start sweeps what is left", job.job_id)
+            return
+        if released:
+            log.info("job %s given up: %d KV blocks released", job.job_id, released)
+
     def _retry(self, delivery: Delivery, job_id: str, error: str) -> None:
         dead = self.queue.fail(delivery, error)
         self._finished("failed" if dead else "retry", None)
@@ -139,6 +169,7 @@ class IngestWorker:
             self.jobs_failed += 1
             message = f"failed after {delivery.attempt} attempts: {error}"
             self._status(job_id, _document_count(delivery), status="failed", error=_clip(message))
+            self._abandon_payload(delivery.payload)
         else:
             message = f"attempt {delivery.attempt} failed, will retry: {error}"
             self._status(job_id, _document_count(delivery), status="queued", error=_clip(message))
@@ -154,8 +185,16 @@ class IngestWorker:
             documents = payload.get("documents")
             count = len(documents) if isinstance(documents, list) else 0
             self._status(job_id, count, status="failed", error=_clip(error))
+            self._abandon_payload(payload)
         self.jobs_failed += 1
         self._finished("failed", None)
+
+    def _abandon_payload(self, payload: dict[str, object]) -> None:
+        try:
+            job = parse_job(payload, self.config.limits)
+        except JobError:
+            return  # nothing of it was written: it never got past parsing
+        self._abandon(job)
 
     def _finished(self, outcome: str, counts: IngestCounts | None) -> None:
         if self.on_job_finished is not None:

@@ -22,5 +22,13 @@ def serve(settings: Settings) -> int:
     form += ", in-process ingest worker" if settings.worker_in_process else ", workers run as `kvstitch worker`"
     print(f"kvstitch serving {settings.model} on http://{settings.host}:{settings.port} — {form}", flush=True)
     app = create_app(Server(settings, worker_factory=in_process_worker))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    # SIGTERM: open requests get the shutdown timeout, then the runtime gives the worker as long to hand back its
+    # job (`Runtime.close`), so the process is gone within about twice the setting whatever is running.
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+    )
     return 0

@@ -102,6 +102,18 @@ def job_id_of(payload: Mapping[str, Any]) -> str | None:
     return None
 
 
+def job_documents(payload: Mapping[str, Any]) -> set[str]:
+    """The document ids a payload names, read leniently (a malformed job names what it can): what a queued job
+    will write or delete."""
+    if payload.get("kind") == "delete":
+        doc_id = payload.get("doc_id")
+        return {doc_id} if isinstance(doc_id, str) else set()
+    documents = payload.get("documents")
+    if not isinstance(documents, list):
+        return set()
+    return {d["id"] for d in documents if isinstance(d, dict) and isinstance(d.get("id"), str)}
+
+
 def parse_job(payload: Mapping[str, Any], limits: DocumentLimits) -> Job:
     """The job a payload describes; `JobError` naming the first field that is wrong."""
     job_id = job_id_of(payload)

@@ -76,7 +76,7 @@ def applying(order: DocumentOrder, doc_id: str, sequence: Mapping[str, int]) -> 
 
 
 class InMemoryDocumentOrder:
-    """For the embedded form: counters and locks in this process."""
+    """Counters and locks in this process, lost on restart (the embedded form uses `SqliteDocumentOrder`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,8 +1,9 @@
 """The ingest job queue and the job status store, each behind one small protocol.
 
 `RedisStreamQueue` (a Redis stream read through a consumer group) serves deployments whose workers are separate
-processes; `InProcessQueue` gives the embedded mode (gateway and worker in one process) the same semantics in
-memory. Delivery is at least once:
+processes; `SqliteJobQueue` (`service.jobs.sqlite`) gives the embedded form (gateway and worker in one process)
+the same semantics in a file that survives restarts; `InProcessQueue` keeps them in memory (tests, throwaway
+runs). Delivery is at least once:
 
 - a consumer reads messages, processes them and acks each one (acked messages are deleted from the stream);
 - a message whose consumer died stays pending, and `claim_stale` hands it to a live consumer once it has been idle
@@ -99,6 +100,10 @@ class JobQueue(Protocol):
     def fail(self, delivery: Delivery, error: str) -> bool: ...
 
     def reject(self, delivery: Delivery, error: str) -> bool: ...
+
+    def release(self, delivery: Delivery) -> None:
+        """Put an unfinished job back (its worker is stopping); the delivery does not count as an attempt."""
+        ...
 
     def keep_alive(self, delivery: Delivery) -> None: ...
 
@@ -204,6 +209,14 @@ class RedisStreamQueue:
     def reject(self, delivery: Delivery, error: str) -> bool:
         """Dead-letter now, whatever the attempt: the job can never succeed (a malformed document, say)."""
         return self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
+
+    def release(self, delivery: Delivery) -> None:
+        """Re-queue with this delivery uncounted (the stream has no "undeliver": a new entry, the old one acked)."""
+        data = reencode_payload(delivery.payload)
+        fields: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt - 1}
+        if delivery.last_error is not None:
+            fields[_LAST_ERROR] = delivery.last_error
+        self._move_to(self.stream, delivery.message_id, fields)
 
     def keep_alive(self, delivery: Delivery) -> None:
         """Reset the message's idle time, so a long job is not claimed from its live worker."""
@@ -391,7 +404,7 @@ class _Message:
 
 
 class InProcessQueue:
-    """The same queue in memory for the embedded mode; safe across threads, lost on restart."""
+    """The same queue in memory; safe across threads, lost on restart (the embedded form uses `SqliteJobQueue`)."""
 
     def __init__(self, max_attempts: int = DEFAULT_MAX_ATTEMPTS, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_attempts = _check_max_attempts(max_attempts)
@@ -436,6 +449,11 @@ class InProcessQueue:
                 return False
             self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
             return True
+
+    def release(self, delivery: Delivery) -> None:
+        with self._changed:
+            if self._messages.pop(delivery.message_id, None) is not None:
+                self._add(reencode_payload(delivery.payload), delivery.attempt - 1, delivery.last_error)
 
     def keep_alive(self, delivery: Delivery) -> None:
         with self._changed:

@@ -3,8 +3,8 @@
 A job is an ingest or a delete (`kind`); a delete reports the chunks it removed and the KV blocks it released.
 
 The gateway creates a status when it enqueues a job, the worker updates and increments it, the gateway reads it.
-`RedisJobStatusStore` keeps hashes with a TTL for deployments with separate workers; `InMemoryJobStatusStore` is a
-dict for the embedded mode.
+`RedisJobStatusStore` keeps hashes with a TTL for deployments with separate workers; the embedded form keeps them
+in SQLite (`service.jobs.sqlite`); `InMemoryJobStatusStore` is a dict (tests, throwaway runs).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _check_counts(counts: Mapping[str, int]) -> None:
 
 
 class InMemoryJobStatusStore:
-    """Job statuses in a dict, for the embedded mode; safe across threads."""
+    """Job statuses in a dict, lost on restart; safe across threads."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock

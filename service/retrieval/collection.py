@@ -1,10 +1,18 @@
 """The chunk collection in Qdrant: one collection per deployment, one point per chunk.
 
-Point ids are uuid5 of (doc_id, chunk index), so ingesting the same document twice writes the same points and a
-retried job cannot duplicate them. Re-ingesting a changed document upserts the new version first (overwriting
-the chunk indexes both versions share) and then deletes whatever is left of other versions, so the document is
-searchable throughout. Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and
-never re-tokenizes.
+Point ids are uuid5 of (doc_id, version, chunk index), so ingesting the same document twice writes the same points
+and a retried job cannot duplicate them, while two versions of a document never share a point.
+
+A document version becomes visible all at once: its points are written with `visible: false`, and `publish`
+then marks them visible and deletes every other version of the document in one step. Searches and the listing
+skip points marked invisible (points written before the flag existed have none, and count as visible). So a
+re-ingested document is searchable throughout (the old version until the switch), and a job killed midway
+leaves invisible points only (swept at the next start, or taken over by the job's retry).
+
+Embedded Qdrant commits every point on its own; `publish` gathers its writes into one SQLite transaction there,
+so a process killed mid-publish leaves either the old version or the new one on disk, never a mix.
+
+Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and never re-tokenizes.
 
 Qdrant runs embedded (a folder under the data dir; one client per folder per process) or as a server (a URL).
 """
@@ -12,7 +20,10 @@ Qdrant runs embedded (a folder under the data dir; one client per folder per pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
+import sqlite3
 import threading
 import time
 import uuid
@@ -26,6 +37,8 @@ from qdrant_client import QdrantClient, models
 from service.engine.kv_layout import TokenIds
 from service.retrieval.chunker import Chunk
 
+log = logging.getLogger(__name__)
+
 # Fixed forever: changing it would re-key every stored point.
 POINT_ID_NAMESPACE = uuid.UUID("5b0c3f3e-6f1d-4d0a-9a51-3c1b8f0e7a42")
 DEFAULT_COLLECTION = "kvstitch_chunks"
@@ -37,9 +50,22 @@ class CollectionMismatchError(ValueError):
     """The collection exists with vectors the embedder does not make (another size or distance)."""
 
 
-def point_id(doc_id: str, index: int) -> str:
-    """The point id of a chunk; JSON keeps ("a:1", 2) and ("a", 12)-like pairs apart."""
-    return str(uuid.uuid5(POINT_ID_NAMESPACE, json.dumps([doc_id, index])))
+VISIBLE = "visible"
+
+
+def point_id(doc_id: str, index: int, version: str) -> str:
+    """The point id of a chunk of one version of a document; JSON keeps ("a:1", 2) and ("a", 12)-like tuples
+    apart."""
+    return str(uuid.uuid5(POINT_ID_NAMESPACE, json.dumps([doc_id, version, index])))
+
+
+@dataclass(frozen=True)
+class StoredPoint:
+    """What an ingest needs to know of one of a document's points."""
+
+    version: str
+    kv_key: str
+    visible: bool
 
 
 @dataclass(frozen=True)
@@ -111,13 +137,15 @@ class ChunkCollection:
         version: str,
         kv_keys: Sequence[str] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        visible: bool = True,
     ) -> list[str]:
-        """Write one point per chunk (same ids for the same doc and index: re-running is harmless); their ids."""
+        """Write one point per chunk (same ids for the same doc, version and index: re-running is harmless); their
+        ids. Ingestion writes them invisible and `publish`es the version once every chunk is in."""
         keys = list(kv_keys) if kv_keys is not None else [""] * len(chunks)
         if not len(chunks) == len(vectors) == len(keys):
             raise ValueError(f"got {len(chunks)} chunks, {len(vectors)} vectors and {len(keys)} KV keys")
         points = [
-            self._point(chunk, vector, version, key, metadata or {})
+            self._point(chunk, vector, version, key, metadata or {}, visible)
             for chunk, vector, key in zip(chunks, vectors, keys, strict=True)
         ]
         with self._lock:
@@ -134,6 +162,35 @@ class ChunkCollection:
                 self._client.delete(self.name, points_selector=models.FilterSelector(filter=selector), wait=True)
         return matching
 
+    def publish(self, doc_id: str, version: str) -> int:
+        """Make one version of a document the visible one: its points visible, every other version's deleted, in
+        one step (one transaction in embedded Qdrant); how many points of other versions were deleted."""
+        shown = _version_filter(doc_id, version)
+        others = _document_filter(doc_id, keep_version=version)
+        operations: list[Any] = [
+            models.SetPayloadOperation(set_payload=models.SetPayload(payload={VISIBLE: True}, filter=shown)),
+            models.DeleteOperation(delete=models.FilterSelector(filter=others)),
+        ]
+        with self._lock:
+            deleted = self._client.count(self.name, count_filter=others, exact=True).count
+            with _one_local_transaction(self._client, self.name):
+                self._client.batch_update_points(self.name, operations, wait=True)
+        return deleted
+
+    def delete_invisible(self, doc_id: str) -> int:
+        """Delete a document's points not published (left by a job that failed or died); how many."""
+        selector = models.Filter(must=[_match("doc_id", doc_id), _invisible()])
+        with self._lock:
+            matching = self._client.count(self.name, count_filter=selector, exact=True).count
+            if matching:
+                self._client.delete(self.name, points_selector=models.FilterSelector(filter=selector), wait=True)
+        return matching
+
+    def invisible_points(self) -> list[tuple[str, str, str]]:
+        """(doc id, version, KV key) of every point not published (what a start-up sweep looks at)."""
+        payloads = self._scroll(models.Filter(must=_invisible()), ["doc_id", "version", "kv_key"])
+        return [(str(p.get("doc_id", "")), str(p.get("version", "")), str(p.get("kv_key", ""))) for p in payloads]
+
     # ---- reads -----------------------------------------------------------------------------------------------
 
     def search(self, vector: Sequence[float], top_k: int = 5) -> list[RetrievedChunk]:
@@ -142,13 +199,15 @@ class ChunkCollection:
             raise ValueError(f"top_k must be positive, got {top_k}")
         self._check_vector(vector)
         with self._lock:
-            hits = self._client.query_points(self.name, query=list(vector), limit=top_k, with_payload=True).points
+            hits = self._client.query_points(
+                self.name, query=list(vector), query_filter=_SHOWN, limit=top_k, with_payload=True
+            ).points
         return [_retrieved(str(hit.id), float(hit.score), hit.payload or {}) for hit in hits]
 
     def documents(self, doc_id: str | None = None) -> list[DocumentSummary]:
         """Every stored document (or the one named), sorted by id. One scroll over the points' small payload
         fields: linear in the corpus, fine for the listing API at thousands of documents."""
-        selector = _document_filter(doc_id, None) if doc_id is not None else None
+        selector = _shown(_document_filter(doc_id, None) if doc_id is not None else None)
         fields = ["doc_id", "version", "token_count", "metadata", "ingested_at"]
         grouped: dict[str, list[Mapping[str, Any]]] = {}
         for payload in self._scroll(selector, fields):
@@ -164,7 +223,8 @@ class ChunkCollection:
         for vector in vectors:
             self._check_vector(vector)
         requests = [
-            models.QueryRequest(query=list(v), limit=k, with_payload=True) for v, k in zip(vectors, top_ks, strict=True)
+            models.QueryRequest(query=list(v), filter=_SHOWN, limit=k, with_payload=True)
+            for v, k in zip(vectors, top_ks, strict=True)
         ]
         with self._lock:
             responses = self._client.query_batch_points(self.name, requests=requests)
@@ -182,6 +242,14 @@ class ChunkCollection:
         """(version, KV key) of each of a document's points, in one scroll (what an ingest needs to decide)."""
         payloads = self._scroll(_document_filter(doc_id, None), ["version", "kv_key"])
         return [(str(p.get("version", "")), str(p.get("kv_key", ""))) for p in payloads]
+
+    def document_state(self, doc_id: str) -> list[StoredPoint]:
+        """Version, KV key and visibility of each of a document's points, in one scroll."""
+        payloads = self._scroll(_document_filter(doc_id, None), ["version", "kv_key", VISIBLE])
+        return [
+            StoredPoint(str(p.get("version", "")), str(p.get("kv_key", "")), p.get(VISIBLE) is not False)
+            for p in payloads
+        ]
 
     def document_kv_keys(self, doc_id: str, exclude_version: str | None = None) -> set[str]:
         """The KV keys a document's points name (of every version but `exclude_version`)."""
@@ -240,6 +308,7 @@ class ChunkCollection:
                 if not self.embedded:  # payload indexes do nothing in embedded mode
                     for key in ("doc_id", "version", "kv_key"):
                         self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
+                    self._client.create_payload_index(self.name, VISIBLE, models.PayloadSchemaType.BOOL)
             self._check_vector_params(self._client.get_collection(self.name).config.params.vectors)
 
     def _check_vector_params(self, vectors: Any) -> None:
@@ -257,7 +326,13 @@ class ChunkCollection:
             raise ValueError(f"vector has {len(vector)} dimensions; collection {self.name!r} has {self.dimension}")
 
     def _point(
-        self, chunk: Chunk, vector: Sequence[float], version: str, kv_key: str, metadata: Mapping[str, Any]
+        self,
+        chunk: Chunk,
+        vector: Sequence[float],
+        version: str,
+        kv_key: str,
+        metadata: Mapping[str, Any],
+        visible: bool,
     ) -> models.PointStruct:
         self._check_vector(vector)
         payload = {
@@ -272,12 +347,38 @@ class ChunkCollection:
             "token_count": chunk.token_count,
             "token_ids": list(chunk.token_ids),
             "ingested_at": time.time(),
+            VISIBLE: visible,
         }
-        return models.PointStruct(id=point_id(chunk.doc_id, chunk.index), vector=list(vector), payload=payload)
+        point = point_id(chunk.doc_id, chunk.index, version)
+        return models.PointStruct(id=point, vector=list(vector), payload=payload)
 
 
 def _match(key: str, value: str) -> models.FieldCondition:
     return models.FieldCondition(key=key, match=models.MatchValue(value=value))
+
+
+def _invisible() -> models.FieldCondition:
+    return models.FieldCondition(key=VISIBLE, match=models.MatchValue(value=False))
+
+
+# `must_not visible == false`: a point without the flag (written before it existed) is shown.
+_SHOWN = models.Filter(must_not=_invisible())
+
+
+def _shown(selector: models.Filter | None) -> models.Filter:
+    if selector is None:
+        return _SHOWN
+    return models.Filter(must=selector.must, must_not=[*_conditions(selector.must_not), _invisible()])
+
+
+def _conditions(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _version_filter(doc_id: str, version: str) -> models.Filter:
+    return models.Filter(must=[_match("doc_id", doc_id), _match("version", version)])
 
 
 def _document_filter(doc_id: str, keep_version: str | None) -> models.Filter:
@@ -316,3 +417,65 @@ def _retrieved(point: str, score: float, payload: Mapping[str, Any]) -> Retrieve
         char_end=int(payload.get("char_end", 0)),
         metadata=dict(payload.get("metadata") or {}),
     )
+
+
+# ---- one transaction in embedded Qdrant ----------------------------------------------------------------------
+
+
+class _DeferredCommits:
+    """Stands in for the SQLite connection of embedded Qdrant's point storage: each point write runs as usual,
+    but its own commit (`with connection:`) is skipped, so the writes of one operation commit together."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._connection = connection
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self._connection.execute(sql, parameters)
+
+    def __enter__(self) -> _DeferredCommits:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None  # the surrounding `_one_local_transaction` commits or rolls back
+
+
+@contextlib.contextmanager
+def _one_local_transaction(client: QdrantClient, name: str) -> Iterator[None]:
+    """Make the point writes of the block one SQLite transaction in embedded Qdrant (which otherwise commits each
+    point alone, so a kill mid-way would leave half a document visible); a no-op with a server, which applies
+    each operation whole. This reaches into qdrant-client's local storage; if that changes shape, the writes
+    fall back to one commit per point and a warning says so."""
+    persistence = _local_persistence(client, name)
+    if persistence is None:
+        yield
+        return
+    connection: sqlite3.Connection = persistence.storage
+    persistence.storage = _DeferredCommits(connection)
+    try:
+        yield
+    except BaseException:
+        connection.rollback()
+        raise
+    else:
+        connection.commit()
+    finally:
+        persistence.storage = connection
+
+
+def _local_persistence(client: QdrantClient, name: str) -> Any | None:
+    local = getattr(client, "_client", None)
+    collections = getattr(local, "collections", None)
+    if not isinstance(collections, dict):
+        return None  # a Qdrant server
+    persistence = getattr(collections.get(name), "storage", None)
+    if persistence is None:
+        return None  # in memory: nothing on disk to keep consistent
+    if not isinstance(getattr(persistence, "storage", None), sqlite3.Connection):
+        _warn_no_transaction()
+        return None
+    return persistence
+
+
+@functools.cache
+def _warn_no_transaction() -> None:
+    log.warning("embedded Qdrant's storage changed shape: a publish is committed point by point")

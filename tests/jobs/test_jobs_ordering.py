@@ -10,12 +10,15 @@ from collections.abc import Iterator
 import pytest
 
 from service.jobs.ordering import DocumentOrder, InMemoryDocumentOrder, RedisDocumentOrder, applying, superseded
+from service.jobs.sqlite import SqliteDocumentOrder
 
 
-@pytest.fixture(params=["in-memory", "redis"])
+@pytest.fixture(params=["in-memory", "redis", "sqlite"])
 def order(request: pytest.FixtureRequest) -> Iterator[DocumentOrder]:
     if request.param == "in-memory":
         made: DocumentOrder = InMemoryDocumentOrder()
+    elif request.param == "sqlite":
+        made = SqliteDocumentOrder(request.getfixturevalue("tmp_path") / "jobs.sqlite3")
     else:
         url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
         made = RedisDocumentOrder(url, prefix=f"{prefix}:doc", lock_ttl_ms=5_000)

@@ -6,16 +6,18 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from service.jobs.queue import InProcessQueue, JobQueue, RedisStreamQueue
+from service.jobs.sqlite import SqliteJobQueue
 
 QueueFactory = Callable[..., JobQueue]
 
 
-@pytest.fixture(params=["redis", "in-process"])
+@pytest.fixture(params=["redis", "in-process", "sqlite"])
 def make_queue(request: pytest.FixtureRequest) -> Iterator[QueueFactory]:
     """Opens queues over one (initially empty) stream; several calls act like several processes."""
     opened: list[JobQueue] = []
@@ -34,6 +36,17 @@ def make_queue(request: pytest.FixtureRequest) -> Iterator[QueueFactory]:
             )
             return opened[-1]
 
+    elif request.param == "sqlite":
+        # One handle per file, as in the one process of the embedded form.
+        root: Path = request.getfixturevalue("tmp_path")
+        files: dict[int, SqliteJobQueue] = {}
+
+        def make(max_attempts: int = 3) -> JobQueue:
+            if max_attempts not in files:
+                files[max_attempts] = SqliteJobQueue(root / f"jobs-{max_attempts}.sqlite3", max_attempts=max_attempts)
+            opened.append(files[max_attempts])
+            return opened[-1]
+
     else:
         shared: dict[int, InProcessQueue] = {}
 
@@ -43,7 +56,7 @@ def make_queue(request: pytest.FixtureRequest) -> Iterator[QueueFactory]:
             return opened[-1]
 
     yield make
-    for queue in opened:
+    for queue in set(opened):
         queue.close()
 
 
@@ -245,3 +258,19 @@ def test_closing_an_in_process_queue_wakes_a_blocked_consumer() -> None:
     started = time.monotonic()
     assert queue.consume("w", block_ms=5000) == []
     assert time.monotonic() - started < 2.0
+
+
+def test_a_released_job_is_handed_out_again_without_spending_an_attempt(queue: JobQueue) -> None:
+    queue.enqueue({"job_id": "j1"})
+    (first,) = queue.consume("w", block_ms=100)
+    assert queue.fail(first, "boom") is False
+    (second,) = queue.consume("w", block_ms=100)
+    assert second.attempt == 2
+
+    queue.release(second)  # its worker is shutting down
+
+    (again,) = queue.consume("w", block_ms=100)
+    assert (again.attempt, again.last_error, again.payload) == (2, "boom", {"job_id": "j1"})
+    assert queue.pending_count() == 1
+    queue.ack(again)
+    assert queue.pending_count() == 0

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from service.jobs.sqlite import SqliteJobStatusStore
 from service.jobs.status import InMemoryJobStatusStore, JobStatusStore, RedisJobStatusStore
 
 
@@ -21,12 +22,14 @@ class FakeClock:
         return float(next(self._ticks))
 
 
-@pytest.fixture(params=["redis", "in-memory"])
+@pytest.fixture(params=["redis", "in-memory", "sqlite"])
 def store(request: pytest.FixtureRequest) -> Iterator[JobStatusStore]:
     opened: JobStatusStore
     if request.param == "redis":
         url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
         opened = RedisJobStatusStore(url, prefix=f"{prefix}:job", ttl_s=3600, clock=FakeClock())
+    elif request.param == "sqlite":
+        opened = SqliteJobStatusStore(request.getfixturevalue("tmp_path") / "jobs.sqlite3", clock=FakeClock())
     else:
         opened = InMemoryJobStatusStore(clock=FakeClock())
     yield opened

@@ -41,14 +41,15 @@ def test_upserting_the_same_chunks_twice_keeps_one_point_each(collection: ChunkC
     vectors = [AXES["x"], AXES["y"], AXES["z"]]
     first = collection.upsert(chunks, vectors, version="v1")
     second = collection.upsert(chunks, vectors, version="v1")
-    assert first == second == [point_id("a", i) for i in range(3)]
+    assert first == second == [point_id("a", i, "v1") for i in range(3)]
     assert all(uuid.UUID(p).version == 5 for p in first)
     assert collection.count() == 3
 
 
 def test_point_ids_are_deterministic_and_distinct() -> None:
-    assert point_id("doc", 1) == point_id("doc", 1)
-    assert len({point_id("a", 12), point_id("a1", 2), point_id("a", 1), point_id("b", 1)}) == 4
+    assert point_id("doc", 1, "v") == point_id("doc", 1, "v")
+    ids = {point_id("a", 12, "v"), point_id("a1", 2, "v"), point_id("a", 1, "v"), point_id("b", 1, "v")}
+    assert len(ids | {point_id("a", 1, "w")}) == 5
 
 
 def test_search_returns_the_nearest_chunks_with_their_payload(collection: ChunkCollection) -> None:
@@ -64,7 +65,7 @@ def test_search_returns_the_nearest_chunks_with_their_payload(collection: ChunkC
     assert [(h.doc_id, h.index) for h in hits] == [("a", 0), ("a", 1)]
     assert hits[0].score > hits[1].score
     best = hits[0]
-    assert best.id == point_id("a", 0)
+    assert best.id == point_id("a", 0, "v7")
     assert (best.text, best.token_ids, best.version, best.kv_key) == ("about x", (1, 2, 3), "v7", "k0")
     assert (best.char_start, best.char_end) == (0, 7)
     assert best.metadata == {"source": "unit", "tags": ["t"]}
@@ -76,9 +77,9 @@ def test_reingest_keeps_only_the_new_version(collection: ChunkCollection) -> Non
     collection.upsert([chunk("a", i) for i in range(3)], [AXES["x"]] * 3, version="v1")
     collection.upsert([chunk("b", 0)], [AXES["y"]], version="v1")
     collection.upsert([chunk("a", i, f"new {i}") for i in range(2)], [AXES["z"]] * 2, version="v2")
-    assert collection.document_versions("a") == {"v1", "v2"}  # index 2 of v1 is still there
+    assert collection.document_versions("a") == {"v1", "v2"}  # versions never share a point
 
-    assert collection.delete_document("a", keep_version="v2") == 1
+    assert collection.delete_document("a", keep_version="v2") == 3
 
     assert collection.document_versions("a") == {"v2"}
     assert collection.count() == 3
@@ -171,3 +172,83 @@ def test_chunks_embedded_and_stored_are_found_by_a_question(
     store.close()
     assert (hit.doc_id, hit.text) == ("france", "Paris is the capital of France.")
     assert hit.token_ids == tuple(llm_tokenizer.encode(hit.text, add_special_tokens=False))
+
+
+# ---- all-or-nothing documents --------------------------------------------------------------------------------
+
+
+def visible_texts(collection: ChunkCollection, doc_id: str) -> list[str]:
+    return sorted(h.text for h in collection.search(AXES["x"], top_k=50) if h.doc_id == doc_id)
+
+
+def test_invisible_points_are_not_found_until_published(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("a", i, f"old {i}") for i in range(3)], [AXES["x"]] * 3, version="v1")
+    collection.upsert([chunk("a", i, f"new {i}") for i in range(2)], [AXES["x"]] * 2, version="v2", visible=False)
+
+    assert visible_texts(collection, "a") == ["old 0", "old 1", "old 2"]  # the old version until the switch
+    assert [(d.version, d.chunks) for d in collection.documents("a")] == [("v1", 3)]
+    (many,) = collection.search_many([AXES["x"]], [50])
+    assert sorted(h.text for h in many) == ["old 0", "old 1", "old 2"]
+    assert sorted((p.version, p.visible) for p in collection.document_state("a")) == [
+        ("v1", True),
+        ("v1", True),
+        ("v1", True),
+        ("v2", False),
+        ("v2", False),
+    ]
+
+    assert collection.publish("a", "v2") == 3
+
+    assert visible_texts(collection, "a") == ["new 0", "new 1"]
+    assert collection.document_versions("a") == {"v2"}
+    assert collection.invisible_points() == []
+
+
+def test_points_without_the_flag_count_as_visible(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("old", 0, "legacy")], [AXES["x"]], version="v1")
+    collection.publish("old", "v1")
+    # A point as written before the flag existed: its payload has no `visible` key.
+    collection._client.delete_payload(collection.name, keys=["visible"], points=[point_id("old", 0, "v1")])
+
+    assert visible_texts(collection, "old") == ["legacy"]
+    assert [p.visible for p in collection.document_state("old")] == [True]
+
+
+def test_unpublished_points_are_listed_and_deleted_per_document(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("a", 0)], [AXES["x"]], version="v1", kv_keys=["ka"], visible=False)
+    collection.upsert([chunk("b", 0)], [AXES["x"]], version="v1", kv_keys=["kb"], visible=False)
+    collection.upsert([chunk("c", 0)], [AXES["x"]], version="v1", kv_keys=["kc"])
+
+    assert sorted(collection.invisible_points()) == [("a", "v1", "ka"), ("b", "v1", "kb")]
+    assert collection.delete_invisible("a") == 1
+    assert collection.delete_invisible("c") == 0
+    assert collection.invisible_points() == [("b", "v1", "kb")]
+    assert collection.count() == 2
+
+
+def test_a_publish_that_fails_midway_leaves_nothing_published_on_disk(tmp_path: Path) -> None:
+    opened = ChunkCollection("chunks", DIM, path=tmp_path / "q")
+    opened.upsert([chunk("a", i) for i in range(4)], [AXES["x"]] * 4, version="v1", visible=False)
+    storage = opened._client._client.collections["chunks"].storage  # type: ignore[attr-defined]
+    real = storage.persist
+    writes: list[object] = []
+
+    def dies_on_the_third_point(point: object) -> None:
+        if len(writes) == 2:
+            raise OSError("killed")
+        writes.append(point)
+        real(point)
+
+    storage.persist = dies_on_the_third_point
+    with pytest.raises(OSError, match="killed"):
+        opened.publish("a", "v1")
+    storage.persist = real
+    opened.close()
+
+    reopened = ChunkCollection("chunks", DIM, path=tmp_path / "q")
+    assert [p.visible for p in reopened.document_state("a")] == [False] * 4  # the two written rolled back
+    reopened.publish("a", "v1")
+    reopened.close()
+    again = ChunkCollection("chunks", DIM, path=tmp_path / "q")
+    assert [p.visible for p in again.document_state("a")] == [True] * 4
+    again.close()

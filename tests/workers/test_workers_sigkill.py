@@ -3,7 +3,8 @@ is lost or stored twice, in Qdrant or in the KV store.
 
 Two `python -m workers` processes over the Redis queue (the test's own key prefix) and one data dir with embedded
 Qdrant. Embedded Qdrant lets one process at a time open a folder, so worker B starts only after A is dead, and the
-test opens the collection only after B has stopped.
+test opens the collection only after B has stopped. A worker stopped by SIGTERM instead exits within
+`KVSTITCH_SHUTDOWN_TIMEOUT_S` and hands its job back to the stream.
 """
 
 from __future__ import annotations
@@ -187,9 +188,8 @@ def expected_points(engine: StitchEngine, documents: list[Document]) -> list[Exp
         for chunk in chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown"):
             block = engine.template.chunk_block(chunk.token_ids)
             key = block_key(fingerprint, engine.template.version, engine.spec.dtype, block)
-            expected.append(
-                ExpectedPoint(point_id(doc.id, chunk.index), doc.id, chunk.index, version, chunk.token_ids, block, key)
-            )
+            point = point_id(doc.id, chunk.index, version)
+            expected.append(ExpectedPoint(point, doc.id, chunk.index, version, chunk.token_ids, block, key))
     return expected
 
 
@@ -313,3 +313,58 @@ def test_a_job_whose_worker_is_sigkilled_is_finished_by_another_with_no_chunk_lo
         client.close()
     queue.close()
     jobs.close()
+
+
+def test_a_sigtermed_worker_hands_its_job_back_and_exits_within_the_timeout(
+    tmp_path: Path,
+    tiny_model_dirs: dict[str, Path],
+    redis_url: str,
+    redis_prefix: str,
+    start_worker: Callable[[str, dict[str, str]], WorkerProcess],
+) -> None:
+    timeout_s = 8.0
+    env = worker_env(tiny_model_dirs["qwen2"], tmp_path / "data", redis_url, redis_prefix)
+    env["KVSTITCH_SHUTDOWN_TIMEOUT_S"] = str(timeout_s)
+    queue = RedisStreamQueue(
+        redis_url, stream=f"{redis_prefix}:ingest", group=f"{redis_prefix}-workers", dead_letter=f"{redis_prefix}:dead"
+    )
+    jobs = RedisJobStatusStore(redis_url, prefix=f"{redis_prefix}:job")
+    order = RedisDocumentOrder(redis_url, prefix=f"{redis_prefix}:doc")
+    job_id = submit_ingest(queue, jobs, order, corpus(DOCUMENTS))
+    worker_a = start_worker("a", env)
+
+    def progressed(status: JobStatus) -> bool:
+        """worker A reported progress"""
+        return status.status == "running" and status.documents_done >= 1
+
+    wait_for(jobs, job_id, progressed, START_TIMEOUT_S, worker_a)
+    signalled = time.monotonic()
+    worker_a.process.send_signal(signal.SIGTERM)
+    assert worker_a.process.wait(timeout=60) == 0
+    took = time.monotonic() - signalled
+
+    assert took < timeout_s, f"exit took {took:.1f} s"
+    handed_back = jobs.get(job_id)
+    assert handed_back is not None and handed_back.status == "queued"
+    assert handed_back.documents_done < DOCUMENTS, "the job finished before the signal: make it longer"
+    assert handed_back.error is not None and "interrupted after" in handed_back.error
+    client = redis.Redis.from_url(redis_url)
+    try:  # back in the stream for any worker, not pending on the one that stopped
+        assert queue.pending_count() == 1 and client.xpending(queue.stream, queue.group)["pending"] == 0
+    finally:
+        client.close()
+
+    worker_b = start_worker("b", env)
+
+    def finished(status: JobStatus) -> bool:
+        """the job finished"""
+        return status.status in ("done", "failed")
+
+    final = wait_for(jobs, job_id, finished, FINISH_TIMEOUT_S, worker_b, poll_s=0.2)
+    worker_b.process.send_signal(signal.SIGTERM)
+    assert worker_b.process.wait(timeout=60) == 0
+    assert (final.status, final.error, final.documents_done) == ("done", None, DOCUMENTS)
+    assert final.chunks_reused >= 1
+    assert queue.pending_count() == 0 and queue.dead_letters() == []
+    for store in (queue, jobs, order):
+        store.close()
