@@ -51,8 +51,8 @@ log = logging.getLogger(__name__)
 GATE_CHUNK_LENGTHS = (24, 40, 17)
 GATE_QUESTION_LENGTH = 12
 # The KV pool of running answers when no size is set: room for 32 answers at ~9K context of a 7B model on a GPU
-# (57 KB per token in bf16), a few tiny-model answers on a CPU.
-DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 512}
+# (57 KB per token in bf16); on a CPU (small models only) 64 MiB, allocated and zeroed at every start.
+DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 64}
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,9 @@ class Runtime:
         self.closed = True
         self._stop_worker()
         self._safely(self.queue.close)  # after the worker: it still hands its job back through the queue
-        for close in (self.loop.close, self.retrieval.close, self.jobs.close, self.order.close, self.store.close):
+        for close in (self.loop.close, self._release_pool, self.retrieval.close):
+            self._safely(close)
+        for close in (self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
         for close in (self.index.close, self.collection.close):
             self._safely(close)
@@ -229,6 +231,12 @@ class Runtime:
             # Its job is neither acked nor handed back: it stays pending, and is resumed at the next start (or
             # claimed by another worker) like the job of a killed process.
             log.warning("ingest worker still busy after %.0f s; closing anyway", self.settings.shutdown_timeout_s)
+
+    def _release_pool(self) -> None:
+        """Give the KV pool's memory back now (a closed runtime may stay referenced, by metrics say)."""
+        scheduler, self.loop.scheduler = self.loop.scheduler, None
+        if scheduler is not None:
+            scheduler.pool.release()
 
     @staticmethod
     def _safely(close: Callable[[], Any]) -> None:

@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         description="Naive prompts are prefilled this many tokens per step, between decode steps; 0 = whole.",
     )
     kv_pool_mb: int | None = Field(
-        None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 512 on the CPU."
+        None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )
     max_question_chars: int = Field(4000, ge=1, description="Longest question accepted.")
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")

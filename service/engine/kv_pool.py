@@ -71,6 +71,12 @@ class KVPool:
         self._holes: list[tuple[int, int]] = [(0, self.slots)]
         self._owned: dict[int, int] = {}
 
+    def release(self) -> None:
+        """Drop the pool's memory (its owner is closing); nothing may be allocated or read afterwards."""
+        self.data = torch.empty(0, dtype=self.spec.dtype, device=self.spec.device)
+        self.slots = 0
+        self._holes, self._owned = [], {}
+
     @classmethod
     def from_mib(cls, spec: ModelSpec, mib: float, poison: Poison | str = Poison.ZERO) -> KVPool:
         return cls(spec, int(mib * MIB), poison)
