@@ -288,14 +288,20 @@ def resolve_attention(spec: ModelSpec, requested: str = "auto") -> str:
         raise ValueError(f"attention backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}")
     if spec.dtype not in (torch.float16, torch.bfloat16):
         return SDPA_MASK
+    return flash_if_it_agrees(lambda: _probe_flash(spec), SDPA_MASK, "decode attention")
+
+
+def flash_if_it_agrees(probe: Callable[[], float], fallback: str, what: str) -> str:
+    """FLASH_VARLEN when `probe()` (the largest difference from a reference kernel) runs and stays within the
+    tolerance, else `fallback`: a missing or refusing private op, or a wrong answer, only means "use the other"."""
     try:
-        diff = _probe_flash(spec)
-    except Exception as err:  # a missing or refusing private op only means "use SDPA"
-        log.info("flash varlen decode attention unavailable (%s); using masked SDPA", err)
-        return SDPA_MASK
+        diff = probe()
+    except Exception as err:
+        log.info("flash varlen %s unavailable (%s); using %s", what, err, fallback)
+        return fallback
     if not diff <= _PROBE_TOLERANCE:
-        log.warning("flash varlen decode attention differs from SDPA by %.4f; using masked SDPA", diff)
-        return SDPA_MASK
+        log.warning("flash varlen %s differs from the reference by %.4f; using %s", what, diff, fallback)
+        return fallback
     return FLASH_VARLEN
 
 

@@ -19,26 +19,20 @@ whose dead slots hold NaN, else sdpa_gather.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from service.engine.attention import StaticAttend, attend_causal_end
+from service.engine.attention import FLASH_VARLEN, StaticAttend, attend_causal_end, flash_if_it_agrees
 from service.engine.forward import LeanForward
 from service.engine.kv_pool import KVPool
 from service.engine.model import ModelSpec
 
-log = logging.getLogger(__name__)
-
 LOOP = "loop"
-FLASH_VARLEN = "flash_varlen"
 SDPA_GATHER = "sdpa_gather"
 BATCH_ATTENTION = (LOOP, FLASH_VARLEN, SDPA_GATHER)
-# bf16 kernels with fp32 softmax differ by a few ulps of outputs ~1; a wrong slot or a NaN read is far off.
-_PROBE_TOLERANCE = 2e-2
 
 
 @dataclass(frozen=True)
@@ -184,15 +178,7 @@ def resolve_batch_attention(spec: ModelSpec, requested: str = "auto") -> str:
         return LOOP
     if spec.dtype not in (torch.float16, torch.bfloat16):
         return SDPA_GATHER
-    try:
-        diff = probe_attention(spec, FLASH_VARLEN)
-    except Exception as err:  # a missing or refusing private op only means "use the fallback"
-        log.info("flash varlen batched attention unavailable (%s); using sdpa_gather", err)
-        return SDPA_GATHER
-    if not diff <= _PROBE_TOLERANCE:
-        log.warning("flash varlen batched attention differs from the loop by %.4f; using sdpa_gather", diff)
-        return SDPA_GATHER
-    return FLASH_VARLEN
+    return flash_if_it_agrees(lambda: probe_attention(spec, FLASH_VARLEN), SDPA_GATHER, "batched attention")
 
 
 @torch.inference_mode()
