@@ -6,7 +6,7 @@ The app sees the service only through its facade (`service.facade.Facade`); the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from service.api.body_limit import BodyLimit
+from service.api.request_metrics import RequestCounter
 from service.api.routes import ask, documents, health, ingest, openai
 from service.api.validation import safe_errors
 from service.facade import Facade
@@ -53,14 +54,7 @@ def create_app(facade: Facade) -> FastAPI:
     detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
     app.add_middleware(BodyLimit, max_bytes=limit_bytes, detail=detail)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        # The route's template (`/ingest/{job_id}`), not the raw path, so label values stay few.
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        facade.count_request(path, response.status_code)
-        return response
+    app.add_middleware(RequestCounter, count=facade.count_request)
 
     return app
 

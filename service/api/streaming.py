@@ -9,15 +9,21 @@ hands each event to the event loop as it is made. When the client goes away the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
 from service.answer import DoneEvent, TokenEvent
 from service.api.deps import http_error
 from service.facade import AnswerItem, AnswerRequest, AnswerSession, Facade
+
+# How often a non-streaming answer checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+# nginx's status for a request its client gave up on (never seen by that client; shows in the request metrics).
+CLIENT_CLOSED_REQUEST = 499
 
 
 async def open_answer(facade: Facade, request: AnswerRequest) -> AnswerSession:
@@ -50,8 +56,24 @@ async def events(session: AnswerSession) -> AsyncIterator[TokenEvent | DoneEvent
         session.cancel()  # a no-op once done; otherwise the client left mid-answer
 
 
-async def collect_text(session: AnswerSession) -> str:
-    """The whole answer, for the non-streaming forms; engine errors become HTTP errors (nothing was sent yet)."""
+async def collect_text(session: AnswerSession, request: Request) -> str:
+    """The whole answer, for the non-streaming forms; engine errors become HTTP errors (nothing was sent yet).
+
+    The client is watched while the answer is made: one that went away (a timeout, a closed tab) cancels the
+    answer as a stream's disconnect does, instead of leaving it to hold a place on the engine."""
+    collecting = asyncio.ensure_future(_collect(session))
+    while not collecting.done():
+        await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
+        gone = not collecting.done() and await request.is_disconnected()
+        if gone:
+            collecting.cancel()  # `events` cancels the session on its way out
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
+            raise HTTPException(CLIENT_CLOSED_REQUEST, detail="the client closed the request")
+    return collecting.result()
+
+
+async def _collect(session: AnswerSession) -> str:
     parts: list[str] = []
     try:
         async for event in events(session):

@@ -211,3 +211,31 @@ def test_a_question_whose_answer_budget_exceeds_the_context_is_a_422(make_app: M
         error = reply.json()["detail"][0]
         assert error["loc"][-1] == "max_new_tokens" and f"exceed the model's context of {context}" in error["msg"]
         assert client.post("/ask", json={"question": QUESTION, "stream": False, "max_new_tokens": 4}).status_code == 200
+
+
+def test_a_client_giving_up_on_a_non_streamed_answer_cancels_it(live_server: Any) -> None:
+    """`"stream": false` (and /v1 without stream): the client's timeout closes the connection; the answer must
+    stop there, not keep its place on the engine until it is complete (issue 15: 20 such clients blocked others)."""
+    server: LiveServer
+    with live_server() as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        ingest(client)
+        loop = server_of(server.app).runtime.loop  # type: ignore[union-attr]
+        body = {"question": QUESTION, "max_new_tokens": 1000, "stream": False}
+        started = time.monotonic()
+        full = client.post("/ask", json=body).json()
+        full_s = time.monotonic() - started
+        assert full["output_tokens"] > 100, "the answer must be long for this test to mean anything"
+        for path, request in (("/ask", body), ("/v1/chat/completions", _chat(1000))):
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(path, json=request, timeout=httpx.Timeout(60, read=full_s / 8))
+            gave_up = time.monotonic()
+            _wait_for(lambda: loop.admitted == 0, timeout_s=full_s)
+            assert time.monotonic() - gave_up < full_s / 2  # freed long before the answer would have ended
+        metrics = client.get("/metrics").text
+
+    assert "kvstitch_client_disconnects_total 2.0" in metrics
+    assert f'kvstitch_output_tokens_total{{mode="turbo"}} {float(full["output_tokens"])}' in metrics
+
+
+def _chat(max_tokens: int) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens}

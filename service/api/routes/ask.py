@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
 from service.answer import DoneEvent
@@ -22,12 +22,12 @@ EVENTS = ("retrieval", "token", "done", "error")
 
 
 @router.post("/ask", response_model=None, responses={**streamed("The answer", EVENTS), **errors(400, 413, 422, 503)})
-async def ask(body: AskRequest, facade: FacadeDep) -> Any:
+async def ask(body: AskRequest, facade: FacadeDep, request: Request) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
     session = await open_answer(facade, AnswerRequest(**body.model_dump(exclude={"stream"})))
     if body.stream:
         return EventSourceResponse(_sse(session), ping=15)
-    text = await collect_text(session)
+    text = await collect_text(session, request)
     assert session.done is not None
     summary = sources_and_summary(session, session.done)
     return {"answer": text, "chunks": summary.pop("sources"), **summary}

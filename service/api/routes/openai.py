@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
 from service.answer import DoneEvent
@@ -39,7 +39,7 @@ def models(facade: FacadeDep) -> dict[str, Any]:
     response_model=None,
     responses={**streamed("The completion"), **openai_errors(400, 413, 422, 503)},
 )
-async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep) -> Any:
+async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http: Request) -> Any:
     """A chat completion answered with retrieval and stitched chunk KV."""
     request = AnswerRequest(
         question=_last_user_text(body.messages),
@@ -56,7 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep) -> An
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         return EventSourceResponse(_chunks(session, completion_id, facade.model_name), ping=15)
-    return await _completion(session, completion_id, facade.model_name)
+    return await _completion(session, completion_id, facade.model_name, http)
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str:
@@ -73,8 +73,8 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(str(p) for p in parts)
 
 
-async def _completion(session: AnswerSession, completion_id: str, model: str) -> dict[str, Any]:
-    text = await collect_text(session)
+async def _completion(session: AnswerSession, completion_id: str, model: str, request: Request) -> dict[str, Any]:
+    text = await collect_text(session, request)
     done = session.done
     assert done is not None
     return {
