@@ -221,9 +221,8 @@ def test_a_client_giving_up_on_a_non_streamed_answer_cancels_it(live_server: Any
         ingest(client)
         loop = server_of(server.app).runtime.loop  # type: ignore[union-attr]
         body = {"question": QUESTION, "max_new_tokens": 1000, "stream": False}
-        started = time.monotonic()
-        full = client.post("/ask", json=body).json()
-        full_s = time.monotonic() - started
+        full, full_s = _timed_answer(client, body)
+        full_s = min(full_s, _timed_answer(client, body)[1])  # warm: the first one also computed the chunks' KV
         assert full["output_tokens"] > 100, "the answer must be long for this test to mean anything"
         for path, request in (("/ask", body), ("/v1/chat/completions", _chat(1000))):
             with pytest.raises(httpx.ReadTimeout):
@@ -234,7 +233,13 @@ def test_a_client_giving_up_on_a_non_streamed_answer_cancels_it(live_server: Any
         metrics = client.get("/metrics").text
 
     assert "kvstitch_client_disconnects_total 2.0" in metrics
-    assert f'kvstitch_output_tokens_total{{mode="turbo"}} {float(full["output_tokens"])}' in metrics
+    assert f'kvstitch_output_tokens_total{{mode="turbo"}} {2.0 * full["output_tokens"]}' in metrics
+
+
+def _timed_answer(client: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    started = time.monotonic()
+    answer: dict[str, Any] = client.post("/ask", json=body).json()
+    return answer, time.monotonic() - started
 
 
 def _chat(max_tokens: int) -> dict[str, Any]:
