@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_prefill import add_workload_arguments, build_engine, context_chunks, precompute_all, question_ids
+from loadtest.bench_prefill import (
+    add_workload_arguments,
+    context_chunks,
+    open_benchmark_engine,
+    precompute_all,
+    question_ids,
+)
 from service.engine.batch_decode import BatchDecoder, DecodeRows
 from service.engine.batch_graph import BatchGraphs
 from service.engine.engine import StitchEngine
@@ -149,19 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    target = torch.device(args.device)
-    if target.type == "cuda" and not torch.cuda.is_available():
-        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+    opened = open_benchmark_engine(args.model, args.device)
+    if opened is None:
         return 2
-    engine = build_engine(args.model, target)
-    name = torch.cuda.get_device_name() if target.type == "cuda" else "cpu"
-    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "rows": []}
+    engine, machine = opened
+    report: dict[str, Any] = {**machine, "rows": []}
     for context in args.contexts:
         for batch in args.batches:
             row = bench(engine, context, batch, args)
             report["rows"].append(row)
             log.info("%s", json.dumps(row))
-            if target.type == "cuda":
+            if engine.spec.device.type == "cuda":
                 torch.cuda.empty_cache()
     sys.stdout.write(table(report["rows"]) + "\n")
     if args.json:

@@ -88,6 +88,16 @@ def build_engine(model_dir: str | None, target: torch.device) -> StitchEngine:
     return StitchEngine(model)
 
 
+def open_benchmark_engine(model_dir: str | None, device_name: str) -> tuple[StitchEngine, dict[str, Any]] | None:
+    """The engine to time and the report's machine fields; None (logged) when CUDA is asked for but absent."""
+    target = torch.device(device_name)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+        return None
+    name = torch.cuda.get_device_name() if target.type == "cuda" else "cpu"
+    return build_engine(model_dir, target), {"device": name, "torch": torch.__version__}
+
+
 def question_ids(engine: StitchEngine, suffix_tokens: int) -> list[int]:
     """Question ids sized so the prefilled suffix (instruction tail + question + header) is `suffix_tokens` long."""
     fixed = len(engine.template.question_head) + len(engine.template.question_tail)
@@ -211,13 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with --model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    target = torch.device(args.device)
-    if target.type == "cuda" and not torch.cuda.is_available():
-        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+    opened = open_benchmark_engine(args.model, args.device)
+    if opened is None:
         return 2
-    engine = build_engine(args.model, target)
-    name = torch.cuda.get_device_name() if target.type == "cuda" else "cpu"
-    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "rows": []}
+    engine, machine = opened
+    report: dict[str, Any] = {**machine, "rows": []}
     if args.gate:
         gate = run_gate(engine)
         report["gate_max_abs_logit_diff"] = gate.max_abs_logit_diff

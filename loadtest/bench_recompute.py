@@ -32,8 +32,8 @@ import torch
 
 from loadtest.bench_prefill import (
     add_workload_arguments,
-    build_engine,
     context_chunks,
+    open_benchmark_engine,
     precompute_all,
     question_ids,
     timed,
@@ -166,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.runs < 1 or any(not 0.0 <= r <= 1.0 for r in args.shares):
         parser.error("--runs must be at least 1 and every share within 0..1")
-    target = torch.device(args.device)
-    if target.type == "cuda" and not torch.cuda.is_available():
-        log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
+    opened = open_benchmark_engine(args.model, args.device)
+    if opened is None:
         return 2
-    engine = build_engine(args.model, target)
-    name = torch.cuda.get_device_name() if target.type == "cuda" else "cpu"
-    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "contexts": []}
+    engine, machine = opened
+    report: dict[str, Any] = {**machine, "contexts": []}
     for context in args.contexts:
         row = bench_context(engine, context, args)
         report["contexts"].append(row)
