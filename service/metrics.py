@@ -154,6 +154,11 @@ class Metrics:
         self.kv_pool_bytes.labels("used").set_function(lambda: float(pool_used()))
         self.kv_pool_bytes.labels("budget").set(pool_budget)
 
+    def watch_engine(self, seconds: Callable[[], dict[str, float]]) -> None:
+        """The engine thread's time by phase (idle, work, admit, prefill, decode, emit), read at every scrape:
+        `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does."""
+        self.registry.register(_EngineCollector(seconds))
+
     def watch_ingest_backlog(self, pending: Callable[[], int]) -> None:
         """The ingest stream's backlog at every scrape; NaN while the queue cannot be read (Redis away), so one
         unreachable dependency does not fail the whole scrape."""
@@ -173,6 +178,19 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, seconds: Callable[[], dict[str, float]]) -> None:
+        self._seconds = seconds
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "kvstitch_engine_seconds", "Engine thread wall time by phase (rates add up to ~1)", labels=["phase"]
+        )
+        for phase, seconds in self._seconds().items():
+            family.add_metric([phase], seconds)
+        yield family
 
 
 class _StoreCollector(Collector):

@@ -46,6 +46,7 @@ def exported() -> dict[str, set[str]]:
     metrics.watch_store(store_stats)
     metrics.watch_queue_depth(lambda: 0)
     metrics.watch_batching(lambda: 2, lambda: 1 << 20, 1 << 30)
+    metrics.watch_engine(lambda: {"idle": 1.0, "decode": 2.0})
     metrics.batch_size.observe(2)
     metrics.preemptions.inc(0)
     metrics.watch_ingest_backlog(lambda: 0)

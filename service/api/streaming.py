@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +28,54 @@ DISCONNECT_POLL_S = 0.25
 CLIENT_CLOSED_REQUEST = 499
 
 
+class Mailbox:
+    """Hands items from the engine thread to asyncio queues of one event loop, waking the loop once per burst.
+
+    A decode step emits a token for every running answer; waking the event loop for each would cost a
+    `call_soon_threadsafe` (a self-pipe write) and a loop iteration apiece, all holding the GIL the engine thread
+    needs to launch the next step. Items posted while a delivery is pending join it, so a step's tokens arrive
+    together, in order per queue.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[AnswerItem], AnswerItem]] = []
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue[AnswerItem], item: AnswerItem) -> None:
+        """From any thread; raises RuntimeError once the event loop is closed."""
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The event loop's mailbox (made on first use, from that loop's thread)."""
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = Mailbox(loop)
+    return box
+
+
 async def open_answer(facade: Facade, request: AnswerRequest) -> AnswerSession:
     """Check, admit and retrieve; raises HTTPException (422/503) before streaming starts."""
     try:
@@ -37,12 +87,12 @@ async def open_answer(facade: Facade, request: AnswerRequest) -> AnswerSession:
 async def events(session: AnswerSession) -> AsyncIterator[TokenEvent | DoneEvent]:
     """Token events, then the done event; errors raised in the engine are raised here. Leaving the iteration
     early (the client went away) cancels the session."""
-    loop = asyncio.get_running_loop()
+    box = mailbox(asyncio.get_running_loop())
     queue: asyncio.Queue[AnswerItem] = asyncio.Queue()
 
     def listener(item: AnswerItem) -> None:  # runs on the engine thread
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            box.post(queue, item)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
             session.cancel()
 

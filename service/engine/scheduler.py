@@ -48,6 +48,7 @@ from service.engine.stitch import BlockReady, PositionMode
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 32
+STEP_PHASES = ("admit", "prefill", "decode", "emit")
 
 TextSink = Callable[[str], None]
 
@@ -161,6 +162,10 @@ class Scheduler:
         self.running: deque[BatchRequest] = deque()
         self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt is prefilled in chunks
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
+        # Wall seconds spent per phase of `step` since start (the engine's utilisation, exported as a metric):
+        # admit (fetch, stitch, question prefill), prefill (naive chunks), decode (the batched step and the pick,
+        # which waits for the GPU), emit (detokenize and hand the text to the listeners).
+        self.busy_s = dict.fromkeys(STEP_PHASES, 0.0)
         self._eos = engine.eos_ids()
 
     # ---- the public loop -----------------------------------------------------------------------------------
@@ -184,9 +189,14 @@ class Scheduler:
 
     def step(self) -> list[BatchRequest]:
         """One iteration: reap cancelled, admit, one batched decode step; returns the requests finished in it."""
+        busy, began = self.busy_s, time.perf_counter()
         finished = self._reap_cancelled()
         finished += self._admit()
+        admitted = time.perf_counter()
+        busy["admit"] += admitted - began
         finished += self._prefill_chunk()
+        prefilled = time.perf_counter()
+        busy["prefill"] += prefilled - admitted
         self.last_batch = len(self.running)
         if self.running:
             finished += self._decode()
@@ -350,6 +360,7 @@ class Scheduler:
     def _decode(self) -> list[BatchRequest]:
         """One batched step over every running request; returns those it finished."""
         batch = list(self.running)
+        began = time.perf_counter()
         try:
             tokens = self._step_tokens(batch)
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
@@ -358,8 +369,12 @@ class Scheduler:
                 request.error = err
                 self._finish(request, "error")
             return batch
+        decoded = time.perf_counter()
+        self.busy_s["decode"] += decoded - began
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
-        return [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+        finished = [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+        self.busy_s["emit"] += time.perf_counter() - decoded
+        return finished
 
     def _step_tokens(self, batch: Sequence[BatchRequest]) -> list[int]:
         """Feed every request its last token, one batched step; the next token of each."""
