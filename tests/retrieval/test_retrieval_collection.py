@@ -11,7 +11,14 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
-from service.retrieval.collection import ChunkCollection, CollectionMismatchError, point_id
+from service.retrieval.collection import (
+    EMBEDDED_OVERFETCH,
+    ChunkCollection,
+    CollectionMismatchError,
+    pack_token_ids,
+    point_id,
+    unpack_token_ids,
+)
 from service.retrieval.embedder import Embedder
 
 DIM = 4
@@ -252,3 +259,45 @@ def test_a_publish_that_fails_midway_leaves_nothing_published_on_disk(tmp_path: 
     again = ChunkCollection("chunks", DIM, path=tmp_path / "q")
     assert [p.visible for p in again.document_state("a")] == [True] * 4
     again.close()
+
+
+def test_token_ids_are_stored_packed_and_read_back_exactly(collection: ChunkCollection) -> None:
+    ids = (0, 1, 151_643, 2**32 - 1, 7)
+    collection.upsert([Chunk("big", 0, 0, 5, "ids", ids)], [AXES["y"]], version="v1")
+    collection.publish("big", "v1")
+
+    stored = collection._client.retrieve(collection.name, [point_id("big", 0, "v1")], with_payload=True)[0].payload
+    assert stored is not None and isinstance(stored["token_ids"], str)  # one string, not a list of ints
+    assert collection.search(AXES["y"], top_k=1)[0].token_ids == ids
+    assert pack_token_ids(ids) == stored["token_ids"]
+
+
+def test_points_with_token_ids_as_a_list_still_read(collection: ChunkCollection) -> None:
+    collection.upsert([chunk("old", 0, "legacy")], [AXES["x"]], version="v1")
+    collection.publish("old", "v1")
+    # A point as written before the ids were packed.
+    collection._client.set_payload(collection.name, {"token_ids": [5, 6, 7]}, points=[point_id("old", 0, "v1")])
+
+    assert collection.search(AXES["x"], top_k=1)[0].token_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize("bad", ["5,6,7", "u32le:!!", "u32le:AAA"])
+def test_token_ids_that_are_not_packed_ids_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        unpack_token_ids(bad)
+
+
+def test_unpublished_points_crowding_the_top_do_not_hide_published_ones(collection: ChunkCollection) -> None:
+    # More unpublished points nearest the question than an embedded search fetches beyond top_k: the published
+    # ones further away are still the answer, in order (the search asks again with the filter).
+    crowd = EMBEDDED_OVERFETCH + 8
+    near = [[1.0, 0.01 * i, 0.0, 0.0] for i in range(crowd)]
+    collection.upsert([chunk("draft", i) for i in range(crowd)], near, version="v1", visible=False)
+    collection.upsert([chunk("pub", 0), chunk("pub", 1)], [[0.5, 0.5, 0.0, 0.0], [0.2, 0.9, 0.0, 0.0]], version="v1")
+    collection.publish("pub", "v1")
+
+    assert [(c.doc_id, c.index) for c in collection.search(AXES["x"], top_k=2)] == [("pub", 0), ("pub", 1)]
+    # Once the draft is published its points lead, found without the second query.
+    collection.publish("draft", "v1")
+    assert [(c.doc_id, c.index) for c in collection.search(AXES["x"], top_k=3)] == [("draft", i) for i in range(3)]
+    assert all(c.visible for c in collection.search_many([AXES["x"], AXES["y"]], [4, 4])[1])
