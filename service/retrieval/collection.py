@@ -244,8 +244,8 @@ class ChunkCollection:
         again = [i for i, r in enumerate(results) if r is None]
         if again:
             redo = self._query([vectors[i] for i in again], _SHOWN, [top_ks[i] for i in again])
-            for i, hits in zip(again, redo, strict=True):
-                results[i] = hits
+            for i, found in zip(again, redo, strict=True):
+                results[i] = found
         return [r or [] for r in results]
 
     def _query(
