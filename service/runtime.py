@@ -169,7 +169,12 @@ class Runtime:
         # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
         on_cuda = self.engine.decode_graphs is not None
         scheduler = Scheduler(
-            self.engine, pool, self.settings.max_batch, cuda_graphs=on_cuda, prefill_chunk=self.settings.prefill_chunk
+            self.engine,
+            pool,
+            self.settings.max_batch,
+            cuda_graphs=on_cuda,
+            prefill_chunk=self.settings.prefill_chunk,
+            batch_prefill_min=self.settings.batch_prefill_min,
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))

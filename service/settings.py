@@ -107,6 +107,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Naive prompts are prefilled this many tokens per step, between decode steps; 0 = whole.",
     )
+    batch_prefill_min: int = Field(
+        3,
+        ge=0,
+        le=256,
+        description="Turbo questions admitted in one step are prefilled in one batched forward from this many; 0 = never.",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )

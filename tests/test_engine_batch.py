@@ -23,7 +23,9 @@ from service.engine.batch_decode import (
     SDPA_GATHER,
     BatchDecoder,
     DecodeRows,
+    ExtendRows,
     probe_attention,
+    probe_extend,
     resolve_batch_attention,
 )
 from service.engine.batch_graph import BatchGraphs, batch_bucket
@@ -329,7 +331,8 @@ def test_timings_are_reported_per_request(get_engine: Callable[..., StitchEngine
         assert timings.prefill_ms > 0 and timings.decode_ms > 0
         assert timings.ttft_ms >= timings.stitch_ms + timings.prefill_ms + t.request.queue_ms
         assert (timings.stitch_ms > 0) == (t.case.mode == "turbo")
-    assert naive.request.queue_ms >= turbo.request.result.timings.prefill_ms  # admitted after the first
+    # Admitted in the same step: both slabs are taken (and chunk KV fetched) before either prefill runs.
+    assert naive.request.queue_ms < turbo.request.result.timings.prefill_ms
 
 
 # ---- the batched step itself ----------------------------------------------------------------------------
@@ -554,3 +557,64 @@ def test_a_cancelled_chunked_prefill_frees_its_slab(get_engine: Callable[..., St
     scheduler.step()
     assert naive.request.result.finish_reason == "cancelled" and naive.request.result.token_ids == []
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
+
+
+# ---- questions admitted together: one batched prefill ------------------------------------------------------
+
+TOGETHER = (
+    Case((20, 14, 30), max_new=6, seed=40, question=9),
+    Case((8,), positions="composite", max_new=5, seed=41, question=23),
+    Case((33, 5), max_new=7, seed=42, question=1),
+    Case((12, 12), mode="naive", max_new=4, seed=43),  # naive: prefilled alone in the same step
+)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_questions_admitted_together_are_prefilled_in_one_forward_and_match_alone(
+    get_engine: Callable[..., StitchEngine], arch: str
+) -> None:
+    engine = get_engine(arch, "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), batch_prefill_min=2)
+    tracked = [Tracked(engine, case) for case in TOGETHER]
+    for t in tracked:
+        scheduler.add(t.request)
+    scheduler.step()
+    assert scheduler.prefilled_together == 3  # the three turbo questions, different contexts and lengths
+    assert len(scheduler.running) == 4
+    drain(scheduler)
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+    assert scheduler.pool.used_slots == 0
+
+
+def test_batched_prefill_can_be_switched_off_or_needs_its_minimum(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cpu")
+    for minimum, together in ((0, 0), (4, 0), (3, 3)):
+        scheduler = Scheduler(engine, nan_pool(engine, 2000), batch_prefill_min=minimum)
+        tracked = [Tracked(engine, case) for case in TOGETHER]
+        for t in tracked:
+            scheduler.add(t.request)
+        drain(scheduler)
+        assert scheduler.prefilled_together == together, minimum
+        tracked[0].assert_matches(run_alone(engine, tracked[0].case))
+
+
+def test_extend_rows_refuse_empty_requests_and_the_probe_agrees_with_itself(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    engine = get_engine("qwen2", "cpu")
+    with pytest.raises(ValueError, match="at least one"):
+        ExtendRows.build([], engine.spec.device)
+    with pytest.raises(ValueError, match="at least one"):
+        ExtendRows.build([([1], 0, 0, 0), ([], 0, 10, 0)], engine.spec.device)
+    rows = ExtendRows.build([([5, 6], 7, 100, 3), ([8], 2, 0, 0)], engine.spec.device)
+    assert rows.slots.tolist() == [103, 104, 0] and rows.positions.tolist() == [7, 8, 2]
+    assert rows.cu_q.tolist() == [0, 2, 3] and rows.last.tolist() == [1, 2] and rows.used.tolist() == [5, 1]
+    assert probe_extend(engine.spec, LOOP) == 0.0
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_flash_extend_agrees_with_the_loop_on_a_poisoned_pool(get_engine: Callable[..., StitchEngine]) -> None:
+    engine = get_engine("qwen2", "cuda", torch.bfloat16)
+    assert probe_extend(engine.spec, "flash_varlen") <= 2e-2

@@ -66,6 +66,51 @@ class DecodeRows:
         return max(u for _, u in self.spans)
 
 
+@dataclass(frozen=True)
+class ExtendRows:
+    """Inputs of one batched extend: several new tokens per request (questions admitted together), each request's
+    tokens after the live slots of its own slab. Row r's queries are ids[cu[r]:cu[r+1]]."""
+
+    ids: torch.Tensor  # [T] every request's new tokens, request after request
+    positions: torch.Tensor  # [T] their rotary positions
+    slots: torch.Tensor  # [T] the pool slot each token's K/V is written to
+    cu_q: torch.Tensor  # [R+1] int32 where each request's tokens start in `ids`
+    starts: torch.Tensor  # [R] each slab's first slot
+    used: torch.Tensor  # [R] live slots of each slab after the extend (the new tokens included)
+    last: torch.Tensor  # [R] index in `ids` of each request's last token (its logits are returned)
+    spans: tuple[tuple[int, int, int], ...]  # (start, used, new tokens) per request, on the host
+
+    @classmethod
+    def build(cls, requests: Sequence[tuple[Sequence[int], int, int, int]], device: torch.device) -> ExtendRows:
+        """From (new ids, first position, slab start, live slots before) per request."""
+        if not requests or any(not ids for ids, *_ in requests):
+            raise ValueError("an extend needs at least one request, each with at least one new token")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu, spans = [0], []
+        for new, position, start, live in requests:
+            n = len(new)
+            ids += new
+            positions += range(position, position + n)
+            slots += range(start + live, start + live + n)
+            cu.append(cu[-1] + n)
+            spans.append((start, live + n, n))
+        per_token = torch.tensor([ids, positions, slots]).to(device, non_blocking=True)
+        per_row = torch.tensor([[s for s, _, _ in spans], [u for _, u, _ in spans], [c - 1 for c in cu[1:]]])
+        rows = per_row.to(device, non_blocking=True)
+        cu_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+        return cls(per_token[0], per_token[1], per_token[2], cu_q, rows[0], rows[1], rows[2], tuple(spans))
+
+    @property
+    def max_new(self) -> int:
+        return max(n for _, _, n in self.spans)
+
+    @property
+    def max_used(self) -> int:
+        return max(u for _, u, _ in self.spans)
+
+
 class BatchDecoder:
     """Runs batched decode steps over a pool with the forward's weights and modules."""
 
@@ -75,6 +120,7 @@ class BatchDecoder:
         self.forward = forward
         self.pool = pool
         self.attention = resolve_batch_attention(forward.spec, attention)
+        self._extend_backend: str | None = None
 
     @torch.inference_mode()
     def step(self, rows: DecodeRows, width: int | None = None) -> torch.Tensor:
@@ -85,6 +131,81 @@ class BatchDecoder:
         attend = batch_attention(self.attention, rows, self.pool.slots, width)
         hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
         return fwd.head_rows(hidden)
+
+    @torch.inference_mode()
+    def extend(self, rows: ExtendRows) -> torch.Tensor:
+        """Feed each request its new tokens (causal among themselves, after its live slots), writing their K/V into
+        its slab; returns fp32 logits [R, vocab] of each request's last token. The decode step is the case of one
+        new token per request: the same per-layer code, only the attention's query rows differ."""
+        fwd = self.forward
+        hidden = fwd.embed_static(rows.ids.view(1, -1))
+        attend = extend_attention(self.extend_backend, rows, self.pool.slots)
+        hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
+        return fwd.head_rows(hidden.index_select(0, rows.last))
+
+    @property
+    def extend_backend(self) -> str:
+        """The extend's attention: flash varlen where the decode step uses it and the extend probe agrees with
+        the loop (checked once), else the loop (eager per request; correct everywhere)."""
+        if self._extend_backend is None:
+            self._extend_backend = LOOP
+            if self.attention == FLASH_VARLEN:
+                spec = self.forward.spec
+                self._extend_backend = flash_if_it_agrees(
+                    lambda: probe_extend(spec, FLASH_VARLEN), LOOP, "batched question prefill"
+                )
+        return self._extend_backend
+
+
+def extend_attention(backend: str, rows: ExtendRows, pool_slots: int) -> StaticAttend:
+    """The attention of each request's new tokens over its slab's live slots, causal and end-aligned (a token
+    sees the context and the new tokens up to itself)."""
+    if backend == LOOP:
+        return _extend_loop(rows.spans)
+    if backend == FLASH_VARLEN:
+        return _extend_flash(rows, pool_slots)
+    raise ValueError(f"extend attention must be {LOOP} or {FLASH_VARLEN}")
+
+
+def _extend_loop(spans: Sequence[tuple[int, int, int]]) -> StaticAttend:
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        outs, first = [], 0
+        for start, used, new in spans:
+            k = keys[:, start : start + used].unsqueeze(0)
+            v = values[:, start : start + used].unsqueeze(0)
+            rows_q = q[first : first + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
+            outs.append(attend_causal_end(rows_q, k, v, scale)[0])  # [new, H, D]
+            first += new
+        return torch.cat(outs)
+
+    return attend
+
+
+def _extend_flash(rows: ExtendRows, pool_slots: int) -> StaticAttend:
+    # As the decode step's call, with several queries per request: flash aligns the causal mask to the bottom
+    # right of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
+    cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
+    used = rows.used.to(torch.int32)
+    max_q, max_k = rows.max_new, rows.max_used
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+            q,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            rows.cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            True,
+            False,
+            scale=scale,
+            seqused_k=used,
+        )[0]
+        return out
+
+    return attend
 
 
 def batch_attention(backend: str, rows: DecodeRows, pool_slots: int, width: int | None = None) -> StaticAttend:
@@ -197,4 +318,24 @@ def probe_attention(spec: ModelSpec, backend: str, pool_slots: int = 256) -> flo
     rows = DecodeRows.build([0, 0, 0], [0, 0, 0], spans, spec.device)
     got = batch_attention(backend, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
     want = batch_attention(LOOP, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
+    return float((got.float() - want.float()).abs().max())
+
+
+@torch.inference_mode()
+def probe_extend(spec: ModelSpec, backend: str, pool_slots: int = 256) -> float:
+    """Largest |backend - loop| of an extend over three requests of different context and new lengths, in a pool
+    whose other slots hold NaN."""
+    generator = torch.Generator(device=spec.device).manual_seed(1)
+    kv_heads, d = spec.num_kv_heads, spec.head_dim
+    kv = torch.full((2, kv_heads, pool_slots, d), float("nan"), dtype=spec.dtype, device=spec.device)
+    requests = ((3, 40, 5), (100, 0, 7), (150, 90, 1))  # (slab start, live before, new tokens)
+    for start, live, new in requests:
+        filled = torch.randn((2, kv_heads, live + new, d), generator=generator, device=spec.device)
+        kv[:, :, start : start + live + new] = filled.to(spec.dtype)
+    rows = ExtendRows.build([([0] * new, 0, start, live) for start, live, new in requests], spec.device)
+    total = sum(new for _, _, new in requests)
+    wide = torch.randn((total, spec.num_heads + kv_heads, d), generator=generator, device=spec.device).to(spec.dtype)
+    q = wide[:, : spec.num_heads]
+    got = extend_attention(backend, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
+    want = extend_attention(LOOP, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
     return float((got.float() - want.float()).abs().max())

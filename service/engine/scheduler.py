@@ -26,7 +26,7 @@ from enum import StrEnum
 
 import torch
 
-from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import (
@@ -142,13 +142,17 @@ class Scheduler:
         attention: str = "auto",
         cuda_graphs: bool = False,
         prefill_chunk: int = 0,
+        batch_prefill_min: int = 2,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled one chunk per step,
-        between the running answers' decode steps, instead of stalling them for its whole prefill (0: never)."""
-        if prefill_chunk < 0:
-            raise ValueError("prefill_chunk must be >= 0")
+        between the running answers' decode steps, instead of stalling them for its whole prefill (0: never).
+        `batch_prefill_min`: when at least this many turbo requests are admitted in one step, their questions are
+        prefilled together in one batched forward instead of one prefill each (0: never)."""
+        if prefill_chunk < 0 or batch_prefill_min < 0:
+            raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
+        self.batch_prefill_min = batch_prefill_min
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self.engine = engine
@@ -162,6 +166,7 @@ class Scheduler:
         self.running: deque[BatchRequest] = deque()
         self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt is prefilled in chunks
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
+        self.prefilled_together = 0  # requests whose question went through a batched prefill (tests, benchmarks)
         # Wall seconds spent per phase of `step` since start (the engine's utilisation, exported as a metric):
         # admit (fetch, stitch, question prefill), prefill (naive chunks), decode (the batched step and the pick,
         # which waits for the GPU), emit (detokenize and hand the text to the listeners).
@@ -233,23 +238,107 @@ class Scheduler:
 
     def _admit(self) -> list[BatchRequest]:
         """Admit from the head of the line while the batch and the pool have room; returns those that already
-        finished (after their first token, or failing)."""
-        finished = []
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+        finished (after their first token, or failing). Turbo questions admitted together are prefilled in one
+        batched forward (`_prefill_together`) when there are at least `batch_prefill_min` of them."""
+        finished: list[BatchRequest] = []
+        admitted: list[BatchRequest] = []
+        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch:
             request = self.waiting[0]
             if not self.pool.can_allocate(request.tokens_needed):
                 break
             self.waiting.popleft()
-            if self._chunked(request):
-                if self._begin(request):
-                    self.prefilling.append(request)
-                else:
-                    finished.append(request)
-            elif self._start(request):
+            if not self._begin(request):
+                finished.append(request)
+            elif self._chunked(request):
+                self.prefilling.append(request)
+            else:
+                admitted.append(request)
+        together = [r for r in admitted if self._joins_batched_prefill(r)]
+        if len(together) < max(self.batch_prefill_min, 1) or self.batch_prefill_min == 0:
+            together = []
+        for request in admitted:
+            if request not in together:
+                self._start_admitted(request, finished)
+        if together:
+            finished += self._prefill_together(together)
+        return finished
+
+    def _joins_batched_prefill(self, request: BatchRequest) -> bool:
+        # Recompute needs its own eager pass between stitch and question; keep it on the one-request path.
+        return request.mode is GenerationMode.TURBO and not request.recompute.active and bool(request.prompt.question)
+
+    def _start_admitted(self, request: BatchRequest, finished: list[BatchRequest]) -> None:
+        """Prefill one admitted request alone and accept its first token."""
+        try:
+            logits = self._prefill(request, request.buffer)
+        except Exception as err:  # one request's bad input must not take the batch down
+            request.error = err
+            self._finish(request, "error")
+            finished.append(request)
+            return
+        if self._first_token(request, logits):
+            self.running.append(request)
+        else:
+            finished.append(request)
+
+    def _prefill_together(self, group: list[BatchRequest]) -> list[BatchRequest]:
+        """Stitch each request's chunks into its slab, then prefill every question in one batched forward
+        (`BatchDecoder.extend`); returns the requests that finished (failed, or done at their first token)."""
+        finished: list[BatchRequest] = []
+        watch = Stopwatch(self.engine.spec.device)
+        stitched = []
+        for request in group:
+            try:
+                self._stitch_into_slab(request)
+                stitched.append(request)
+            except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
+                request.error = err
+                self._finish(request, "error")
+                finished.append(request)
+        if not stitched:
+            return finished
+        stitch_ms = watch.lap_ms()
+        try:
+            logits = self._extend(stitched)
+        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
+            log.exception("batched question prefill of %d requests failed", len(stitched))
+            for request in stitched:
+                request.error = err
+                self._finish(request, "error")
+            return finished + stitched
+        prefill_ms = watch.lap_ms()
+        self.prefilled_together += len(stitched)
+        for row, request in enumerate(stitched):
+            # Each waited for the whole group's stitch and prefill: that is its share of the TTFT.
+            request.result.timings.stitch_ms = stitch_ms
+            request.result.timings.prefill_ms = prefill_ms
+            if self._first_token(request, logits[row]):
                 self.running.append(request)
             else:
                 finished.append(request)
         return finished
+
+    def _stitch_into_slab(self, request: BatchRequest) -> None:
+        chunk_kv = request.chunk_kv
+        if chunk_kv is None:
+            chunk_kv = self.engine.precompute(request.prompt.blocks) if request.prompt.blocks else []
+        room = len(request.prompt.question) + request.sampling.max_new_tokens
+        self.engine.stitch(chunk_kv, request.positions, room, request.chunk_ready, into=request.buffer)
+
+    def _extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
+        """Every request's question after its stitched context, one forward; logits [len(group), vocab]."""
+        device = self.engine.spec.device
+        entries = []
+        for request in group:
+            buffer, question = request.buffer, list(request.prompt.question)
+            buffer.reserve(len(question))
+            assert request.slab is not None
+            entries.append((question, buffer.next_position, request.slab.start, buffer.length))
+        logits = self.decoder.extend(ExtendRows.build(entries, device))
+        for request in group:
+            n = len(request.prompt.question)
+            request.buffer.commit(n, request.buffer.next_position + n)
+        return logits
 
     def _chunked(self, request: BatchRequest) -> bool:
         return (
@@ -273,18 +362,6 @@ class Scheduler:
             self._finish(request, "error")
             return False
         return True
-
-    def _start(self, request: BatchRequest) -> bool:
-        """Give the request its slab, prefill it and accept its first token; False when it is already done."""
-        if not self._begin(request):
-            return False
-        try:
-            logits = self._prefill(request, request.buffer)
-        except Exception as err:  # one request's bad input must not take the batch down
-            request.error = err
-            self._finish(request, "error")
-            return False
-        return self._first_token(request, logits)
 
     def _prefill_chunk(self) -> list[BatchRequest]:
         """One chunk of the oldest chunked prefill (the running answers decode between chunks); returns the
