@@ -111,7 +111,7 @@ class Settings(BaseSettings):
         3,
         ge=0,
         le=256,
-        description="Turbo questions admitted in one step are prefilled in one batched forward from this many; 0 = never.",
+        description="Turbo questions admitted in one step are prefilled in one forward from this many on; 0 = never.",
     )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
