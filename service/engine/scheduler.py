@@ -26,6 +26,7 @@ from enum import StrEnum
 
 import torch
 
+from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
 from service.engine.detokenize import IncrementalDetokenizer
@@ -254,7 +255,7 @@ class Scheduler:
             else:
                 admitted.append(request)
         together = [r for r in admitted if self._joins_batched_prefill(r)]
-        if len(together) < max(self.batch_prefill_min, 1) or self.batch_prefill_min == 0:
+        if self.batch_prefill_min == 0 or len(together) < self.batch_prefill_min or not self._batched_prefill_pays():
             together = []
         for request in admitted:
             if request not in together:
@@ -319,11 +320,31 @@ class Scheduler:
         return finished
 
     def _stitch_into_slab(self, request: BatchRequest) -> None:
+        """The request's chunks stitched into its slab. On CUDA through a leased graph's buffer, where the fused
+        stitch kernel runs (it needs a contiguous buffer; a slab is a strided view of the pool), then copied into
+        the slab (device to device, live slots only)."""
+        engine, prompt = self.engine, request.prompt
         chunk_kv = request.chunk_kv
         if chunk_kv is None:
-            chunk_kv = self.engine.precompute(request.prompt.blocks) if request.prompt.blocks else []
-        room = len(request.prompt.question) + request.sampling.max_new_tokens
-        self.engine.stitch(chunk_kv, request.positions, room, request.chunk_ready, into=request.buffer)
+            chunk_kv = engine.precompute(prompt.blocks) if prompt.blocks else []
+        room = len(prompt.question) + request.sampling.max_new_tokens
+        graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
+        if graph is None:
+            engine.stitch(chunk_kv, request.positions, room, request.chunk_ready, into=request.buffer)
+            return
+        try:
+            staged, _ = engine.stitch(
+                chunk_kv, request.positions, len(prompt.question), request.chunk_ready, graph.buffer
+            )
+            request.buffer.copy_from(staged)
+        finally:
+            engine.release_graph(graph)
+
+    def _batched_prefill_pays(self) -> bool:
+        """On the CPU the loop attention is the reference kernel, so one forward for all questions only saves
+        work. On CUDA only with flash varlen (its start-up probe agreed): the loop there is one eager attention
+        per request, slower than each question's own CUDA-graph prefill (measured, docs/benchmarks.md §10.5)."""
+        return self.engine.spec.device.type == "cpu" or self.decoder.extend_backend == FLASH_VARLEN
 
     def _extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
         """Every request's question after its stitched context, one forward; logits [len(group), vocab]."""
