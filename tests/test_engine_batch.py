@@ -616,6 +616,7 @@ def test_extend_rows_refuse_empty_requests_and_the_probe_agrees_with_itself(
 @NEEDS_CUDA
 @pytest.mark.gpu
 def test_flash_extend_agrees_with_the_loop_on_a_poisoned_pool(get_engine: Callable[..., StitchEngine]) -> None:
-    engine = get_engine("qwen2", "cuda", torch.bfloat16)
+    engine = get_engine("qwen2", "cuda")
+    assert engine.spec.dtype == torch.bfloat16
     diff = probe_extend(engine.spec, "flash_varlen")
     assert diff <= 2e-2, f"flash varlen extend differs from the loop by {diff}"
