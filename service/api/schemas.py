@@ -4,18 +4,36 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from service.api.validation import MessageContent, Metadata, Text
+from service.api.validation import MessageContent, Metadata, Text, valid_text
 
 MAX_TOP_K = 50
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4  # stop strings per request (OpenAI's bound; the engine takes up to 8)
 MAX_HISTORY = 256  # earlier messages at most; KVSTITCH_MAX_HISTORY_MESSAGES may set fewer
 MAX_TOP_LOGPROBS = 20
-# One stop string: the answer ends before its first occurrence.
-StopText = Annotated[Text, Field(min_length=1, max_length=256)]
-Stop = StopText | Annotated[list[StopText], Field(min_length=1, max_length=MAX_STOP)] | None
+MAX_STOP_CHARS = 256
+
+
+def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    """1 to MAX_STOP strings of 1 to MAX_STOP_CHARS characters (checked here so the error names `stop` alone)."""
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if isinstance(stop, list) and not 1 <= len(stop) <= MAX_STOP:
+        raise ValueError(f"1 to {MAX_STOP} stop strings (got {len(stop)})")
+    for text in strings:
+        if not 1 <= len(text) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop string has 1 to {MAX_STOP_CHARS} characters")
+        valid_text(text)
+    return stop
+
+
+# The answer ends before the first occurrence of any of these strings (a string or a list of them).
+Stop = Annotated[
+    str | list[str] | None,
+    AfterValidator(_bounded_stop),
+    Field(description=f"Up to {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters; the answer ends before one."),
+]
 
 
 class Body(BaseModel):
