@@ -16,16 +16,26 @@ from typing import Any
 
 import redis
 
+from service.engine.conversation import Role as Role  # re-exported: the roles the HTTP layer accepts
+from service.engine.conversation import Turn
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
 from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
-from service.engine.sampling import SamplingParams
+from service.engine.sampling import SamplingParams, TokenLogprobs
 from service.engine.stitch import PositionMode
-from service.errors import UnavailableError
+from service.errors import InvalidRequestError, UnavailableError
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import RetrievedChunk
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One earlier message of a conversation, as the client sent it."""
+
+    role: Role
+    text: str
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,9 @@ class Question:
     positions: PositionMode = PositionMode.REORDERED
     sampling: SamplingParams = field(default_factory=SamplingParams)
     recompute: RecomputeSpec = NO_RECOMPUTE  # part of the stitched context recomputed before the question (turbo)
-    ids: TokenIds = ()  # the question's token ids, set once by `Answerer.prepare`
+    history: tuple[ChatMessage, ...] = ()  # earlier messages, oldest first; they go between chunks and question
+    search_text: str = ""  # what retrieval embeds (the question and earlier user turns); empty: the question
+    ids: TokenIds = ()  # the prompt's suffix (conversation and question) as token ids, set once by `prepare`
 
 
 @dataclass(frozen=True)
@@ -49,8 +61,18 @@ class Retrieval:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One answer token's log-probability and its likeliest rivals, by their text (when a request asks)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     text: str
+    logprobs: tuple[Logprob, ...] = ()  # of the tokens generated since the last event (when a request asks)
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,7 @@ class DoneEvent:
     kv_bytes: dict[str, int] = field(default_factory=dict)
     recompute: str = "none"
     recomputed_tokens: int = 0
+    logprobs: tuple[Logprob, ...] = ()  # every answer token's, when the request asked
 
     def summary(self) -> dict[str, Any]:
         """The `done` event's data (the answer text itself went out as tokens)."""
@@ -103,14 +126,14 @@ class Answerer:
     def retrieve(self, question: Question) -> Retrieval:
         """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away."""
         start = time.perf_counter()
-        hits = self.search(question.text, question.top_k)
+        hits = self.search(question.search_text or question.text, question.top_k)
         kept = self._fit(hits, question)
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 
     def _fit(self, hits: Sequence[RetrievedChunk], question: Question) -> list[RetrievedChunk]:
         template = self.engine.template
-        fixed = len(template.prefix) + len(template.question_head) + len(template.question_tail)
-        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens - len(self._ids(question))
+        fixed = len(template.prefix) + len(self._ids(question))
+        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens
         wrapper = len(template.doc_open) + len(template.doc_close)
         kept = []
         for hit in hits:
@@ -120,23 +143,33 @@ class Answerer:
         return kept
 
     def _ids(self, question: Question) -> TokenIds:
-        return question.ids or self.engine.encode_question(question.text)
+        return question.ids or self.suffix(question)
+
+    def suffix(self, question: Question) -> TokenIds:
+        """The prompt's prefilled suffix: the conversation's turns and the question, each encoded alone."""
+        encode = self.engine.encode_question
+        turns = [Turn(m.role, encode(m.text)) for m in question.history]
+        return self.engine.conversation.suffix([*turns, Turn("user", encode(question.text))])
 
     def prepare(self, question: Question) -> Question:
-        """The question with its token ids (encoded once for the request); ValueError when the question and the
-        answer budget alone exceed the model's context."""
-        ids = self.engine.encode_question(question.text)
+        """The question with its suffix ids (encoded once for the request); `InvalidRequestError` when the
+        question (and the history) and the answer budget alone exceed the model's context."""
+        ids = self.suffix(question)
         needed = len(ids) + question.sampling.max_new_tokens + len(self.engine.template.prefix)
         if needed > self.engine.spec.max_context:
-            raise ValueError(
-                f"question ({len(ids)} tokens) plus max_new_tokens "
-                f"({question.sampling.max_new_tokens}) exceed the model's context of {self.engine.spec.max_context}"
+            what = "history and question" if question.history else "question"
+            raise InvalidRequestError(
+                "history" if question.history else "max_new_tokens",
+                f"{what} ({len(ids)} tokens with the template) plus max_new_tokens "
+                f"({question.sampling.max_new_tokens}) exceed the model's context of {self.engine.spec.max_context}",
             )
         return replace(question, ids=ids)
 
     def prompt(self, question: Question, retrieval: Retrieval) -> PromptIds:
-        """The request's prompt as token ids: template prefix, the retrieved chunks' blocks, the question."""
-        return self.engine.template.prompt([c.token_ids for c in retrieval.chunks], self._ids(question))
+        """The request's prompt as token ids: template prefix, the retrieved chunks' blocks, then the
+        conversation and the question (the prefilled suffix)."""
+        blocks = tuple(self.engine.template.chunk_block(c.token_ids) for c in retrieval.chunks)
+        return PromptIds(self.engine.template.prefix, blocks, self._ids(question))
 
     def fetch(self, prompt: PromptIds) -> FetchResult:
         """The chunks' KV on the device, whichever tier holds it (misses computed); on the engine loop, at the
@@ -166,7 +199,17 @@ class Answerer:
             context_tokens=result.context_tokens,
             recompute=str(question.recompute),
             recomputed_tokens=result.recomputed_tokens,
+            logprobs=self.named(result.logprobs),
         )
+
+    def named(self, entries: Sequence[TokenLogprobs]) -> tuple[Logprob, ...]:
+        """Log-probability entries with each token id turned into its text."""
+        tokenizer = self.engine.tokenizer
+
+        def text(token: int) -> str:
+            return str(tokenizer.decode([token]))
+
+        return tuple(Logprob(text(e.token), e.logprob, tuple((text(t), lp) for t, lp in e.top)) for e in entries)
 
     def _fetch(self, prompt: PromptIds) -> FetchResult:
         try:

@@ -36,6 +36,7 @@ class AnswerSession:
     fetch: FetchResult | None = field(default=None, repr=False)
     _listener: Callable[[AnswerItem], None] | None = field(default=None, repr=False)
     _cancelled: bool = False
+    _logprobs_sent: int = 0
 
     def sources(self) -> list[dict[str, Any]]:
         return [
@@ -51,7 +52,7 @@ class AnswerSession:
             question.sampling,
             question.mode,
             question.positions,
-            on_text=lambda delta: listener(TokenEvent(delta)),
+            on_text=self._text,
             on_finish=self._finished,
             on_admit=self._admitted if question.mode is GenerationMode.TURBO else None,
             recompute=question.recompute,
@@ -72,6 +73,13 @@ class AnswerSession:
             self.admission.release()  # never started: nothing on the engine holds the place
 
     # ---- on the engine loop ---------------------------------------------------------------------------------
+
+    def _text(self, delta: str) -> None:
+        """A text delta, with the log-probabilities of the tokens generated since the last one."""
+        assert self._listener is not None and self.request is not None
+        entries = self.request.result.logprobs[self._logprobs_sent :]
+        self._logprobs_sent += len(entries)
+        self._listener(TokenEvent(delta, self.answerer.named(entries)))
 
     def _admitted(self, request: BatchRequest) -> None:
         self.fetch = self.answerer.fetch(request.prompt)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.answer import DoneEvent, Question, Retrieval, TokenEvent
+from service.answer import ChatMessage, DoneEvent, Question, Retrieval, TokenEvent
 from service.jobs.documents import Document
 from service.jobs.status import JobStatus
 from service.retrieval.collection import DocumentSummary
@@ -32,6 +32,9 @@ class AnswerRequest:
     top_p: float
     seed: int | None
     recompute: str | None = None  # none | prefix:N | selective:R; None: the server's default setting
+    history: tuple[ChatMessage, ...] = ()  # earlier messages of the conversation, oldest first
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely rivals
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Facade(Protocol):
 
     @property
     def model_name(self) -> str: ...
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """Other names the OpenAI API answers to (KVSTITCH_MODEL_ALIASES)."""
+        ...
 
     @property
     def limits(self) -> RequestLimits: ...

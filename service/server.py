@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from service.answer import Answerer, Question
+from service.answer import Answerer, ChatMessage, Question
 from service.answer_session import AnswerSession
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
@@ -61,6 +61,10 @@ class Server:
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        return self.settings.model_alias_names
 
     @property
     def limits(self) -> RequestLimits:
@@ -152,6 +156,8 @@ class Server:
         question = self._question(request)
         try:
             question = self.answerer.prepare(question)
+        except InvalidRequestError:
+            raise
         except ValueError as err:
             raise InvalidRequestError("max_new_tokens", str(err)) from err
         try:
@@ -184,19 +190,46 @@ class Server:
             raise InvalidRequestError("max_new_tokens", f"at most {settings.max_new_tokens_limit} (got {max_new})")
         try:
             sampling = SamplingParams(
-                max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p, seed=request.seed
+                max_new_tokens=max_new,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                seed=request.seed,
+                stop=request.stop,
+                logprobs=request.logprobs,
             )
         except ValueError as err:
             raise InvalidRequestError("sampling", str(err)) from err
+        self._check_history(request.history)
         mode = GenerationMode(request.mode)
         return Question(
             text=request.question,
+            history=request.history,
+            search_text=self._search_text(request),
             top_k=request.top_k,
             mode=mode,
             positions=PositionMode(request.positions),
             sampling=sampling,
             recompute=self._recompute(request.recompute) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
         )
+
+    def _check_history(self, history: Sequence[ChatMessage]) -> None:
+        settings = self.settings
+        if len(history) > settings.max_history_messages:
+            raise InvalidRequestError(
+                "history", f"at most {settings.max_history_messages} earlier messages (got {len(history)})"
+            )
+        chars = sum(len(m.text) for m in history)
+        if chars > settings.max_history_chars:
+            raise InvalidRequestError(
+                "history", f"at most {settings.max_history_chars} characters in all (got {chars})"
+            )
+
+    def _search_text(self, request: AnswerRequest) -> str:
+        """What retrieval embeds: the question, after the last `retrieval_history_turns` earlier user turns (a
+        follow-up such as "and who holds its copyright?" names its subject only in the turn before)."""
+        turns = self.settings.retrieval_history_turns
+        earlier = [m.text for m in request.history if m.role == "user"][-turns:] if turns else []
+        return "\n".join([*earlier, request.question])
 
     def _recompute(self, spec: str | None) -> RecomputeSpec:
         """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`); naive answers

@@ -120,6 +120,18 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request gives none.")
     max_top_k: int = Field(50, ge=1, le=50, description="Largest top_k a request may ask for.")
+    max_history_messages: int = Field(
+        64, ge=0, le=256, description="Earlier messages a conversation may carry (`history`, OpenAI `messages`)."
+    )
+    max_history_chars: int = Field(
+        32_000, ge=0, description="Characters of all earlier messages of a conversation together."
+    )
+    retrieval_history_turns: int = Field(
+        1, ge=0, le=16, description="Earlier user turns embedded with the question for retrieval (0 = none)."
+    )
+    model_aliases: str = Field(
+        "", description="Comma-separated names /v1 also answers to, besides the served model's (e.g. gpt-4o-mini)."
+    )
 
     @field_validator("recompute")
     @classmethod
@@ -134,6 +146,10 @@ class Settings(BaseSettings):
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         return self
+
+    @property
+    def model_alias_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.model_aliases.split(",") if name.strip())
 
     @property
     def kv_dir(self) -> Path:

@@ -10,17 +10,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
-from fastapi.exception_handlers import http_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.exceptions import HTTPException
 
+from service.api import openai_errors
 from service.api.body_limit import BodyLimit
 from service.api.request_metrics import RequestCounter
 from service.api.routes import ask, documents, health, ingest, openai
-from service.api.validation import safe_errors
 from service.facade import Facade
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -47,7 +44,8 @@ def create_app(facade: Facade) -> FastAPI:
     def chat_page() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
-    _openai_errors(app)
+    openai_errors.install(app)
+    openai.document_models(app, [facade.model_name, *facade.model_aliases])
 
     # Added before the counter below, so it runs inside it: refused bodies are counted under their route as 413s.
     limit_bytes = facade.limits.max_request_bytes
@@ -57,42 +55,3 @@ def create_app(facade: Facade) -> FastAPI:
     app.add_middleware(RequestCounter, count=facade.count_request)
 
     return app
-
-
-def _openai_errors(app: FastAPI) -> None:
-    """Under /v1, errors look like OpenAI's (`{"error": {"message", "type", "param", "code"}}`), which is what
-    OpenAI clients read; elsewhere FastAPI's own `{"detail": ...}` stays."""
-
-    def openai_body(status_code: int, message: str, param: str | None) -> JSONResponse:
-        error = {"message": message, "type": "invalid_request_error", "param": param, "code": status_code}
-        return JSONResponse({"error": error}, status_code=status_code)
-
-    # Starlette's HTTPException, the parent of FastAPI's: FastAPI raises the parent itself for a body it cannot
-    # parse (400), and so does routing (404, 405), and those must come in OpenAI's shape under /v1 too.
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        if not request.url.path.startswith("/v1/"):
-            return await http_exception_handler(request, exc)
-        message, param = _message_of(exc.detail)
-        reply = openai_body(exc.status_code, message, param)
-        reply.headers.update(exc.headers or {})
-        return reply
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        # FastAPI's own handler echoes the refused input, which may be NaN or a lone surrogate: a 500 from the
-        # JSON encoder instead of the 422. These errors are made writable first.
-        errors = safe_errors(exc.errors())
-        if not request.url.path.startswith("/v1/"):
-            return JSONResponse({"detail": errors}, status_code=422)
-        message, param = _message_of(errors)
-        return openai_body(422, message, param)
-
-
-def _message_of(detail: object) -> tuple[str, str | None]:
-    """A readable message (and the field) from a FastAPI detail: a string or a list of {loc, msg}."""
-    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
-        first = detail[0]
-        field = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return "; ".join(f"{'.'.join(map(str, e.get('loc', ())[1:]))}: {e.get('msg')}" for e in detail), field
-    return str(detail), None

@@ -22,7 +22,7 @@ class OpenAIErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None
-    code: int
+    code: str | None
 
 
 class OpenAIErrorOut(BaseModel):
@@ -39,10 +39,11 @@ class Readiness(BaseModel):
 
 
 WHY = {
-    400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows).",
     401: "KVSTITCH_API_KEY is set and the request has no matching `Authorization: Bearer` header.",
-    404: "No such job or document.",
+    404: "No such job or document; under /v1 no such model (`model_not_found`) or URL (`unknown_url`).",
     413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read).",
+    400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows); under "
+    "/v1 also an OpenAI option that is not served (tools, json response formats, n > 1), named in `param`.",
     422: "A field is missing, malformed or out of bounds; the error names it.",
     503: "Not ready yet, the engine's line is full, or a dependency (Qdrant, the KV index, Redis) is away; "
     "see Retry-After.",

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from service.api.validation import MessageContent, Metadata, Text
+from service.api.validation import MessageContent, Metadata, Text, valid_text
 
 MAX_TOP_K = 50
 MAX_SEED = 2**63 - 1
+MAX_STOP = 4  # stop strings per request (OpenAI's bound; the engine takes up to 8)
+MAX_HISTORY = 256  # earlier messages at most; KVSTITCH_MAX_HISTORY_MESSAGES may set fewer
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_CHARS = 256
+
+
+def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    """1 to MAX_STOP strings of 1 to MAX_STOP_CHARS characters (checked here so the error names `stop` alone)."""
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if isinstance(stop, list) and not 1 <= len(stop) <= MAX_STOP:
+        raise ValueError(f"1 to {MAX_STOP} stop strings (got {len(stop)})")
+    for text in strings:
+        if not 1 <= len(text) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop string has 1 to {MAX_STOP_CHARS} characters")
+        valid_text(text)
+    return stop
+
+
+# The answer ends before the first occurrence of any of these strings (a string or a list of them).
+Stop = Annotated[
+    str | list[str] | None,
+    AfterValidator(_bounded_stop),
+    Field(description=f"Up to {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters; the answer ends before one."),
+]
 
 
 class Body(BaseModel):
@@ -69,8 +93,17 @@ class DeleteAccepted(BaseModel):
     job_id: str
 
 
+class HistoryMessage(Body):
+    """An earlier message of the conversation; its total with the others is bounded by KVSTITCH_MAX_HISTORY_*."""
+
+    role: Literal["user", "assistant", "system"]
+    content: Text
+
+
 class AskRequest(Body):
     question: Text = Field(min_length=1)
+    history: list[HistoryMessage] = Field(default_factory=list, max_length=MAX_HISTORY)
+    stop: Stop = None
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     mode: Literal["turbo", "naive"] = "turbo"
     positions: Literal["reordered", "composite"] = "reordered"
@@ -90,6 +123,12 @@ class ChatMessage(BaseModel):
     content: MessageContent = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool = False
+
+
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion body; unknown OpenAI fields are accepted and ignored, as OpenAI clients send many."""
 
@@ -103,9 +142,28 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128, description="Only 1 is served; more is a 400 naming `n`.")
+    stop: Stop = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream_options: StreamOptions | None = None
+    # Declared so the OpenAPI document shows them; none is served, each is a 400 naming it (never ignored).
+    tools: list[Any] | None = Field(None, description="Not served: a 400 naming `tools`.")
+    tool_choice: Any = Field(None, description="Not served: a 400 naming `tool_choice`.")
+    functions: list[Any] | None = Field(None, description="Not served: a 400 naming `functions`.")
+    function_call: Any = Field(None, description="Not served: a 400 naming `function_call`.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only {"type": "text"}; json_object and json_schema are a 400 naming it.'
+    )
     # kvstitch's own options (the openai client sends them through `extra_body`)
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     mode: Literal["turbo", "naive"] = "turbo"
     positions: Literal["reordered", "composite"] = "reordered"
     recompute: str | None = Field(None, max_length=64)
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A request's `stop` as the engine takes it: a tuple of strings, maybe empty."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

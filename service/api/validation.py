@@ -19,7 +19,7 @@ from service.jobs.documents import MAX_METADATA_BYTES
 from service.plain_json import MAX_DEPTH, json_problem, json_safe, text_problem
 
 
-def _valid_text(text: str) -> str:
+def valid_text(text: str) -> str:
     if (problem := text_problem(text)) is not None:
         raise ValueError(problem)
     return text
@@ -41,7 +41,7 @@ def _plain_content(content: Any) -> Any:
 
 
 # A string that UTF-8 can encode (what the tokenizer, Redis and Qdrant need).
-Text = Annotated[str, AfterValidator(_valid_text)]
+Text = Annotated[str, AfterValidator(valid_text)]
 # Document metadata: plain JSON (finite numbers, encodable strings), at most MAX_DEPTH deep and
 # MAX_METADATA_BYTES as JSON, so what is accepted at submit is what the worker, Redis and Qdrant can store.
 Metadata = Annotated[dict[str, Any], AfterValidator(_plain_metadata)]

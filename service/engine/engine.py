@@ -13,6 +13,7 @@ from enum import StrEnum
 
 import torch
 
+from service.engine.conversation import ConversationTemplate
 from service.engine.cuda_graph import (
     DecodeGraph,
     DecodeGraphs,
@@ -30,7 +31,7 @@ from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.recompute import recompute_context
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
-from service.engine.sampling import Sampler, SamplingParams
+from service.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from service.engine.stitch import (
     BlockReady,
     LayeredReady,
@@ -71,6 +72,8 @@ class GenerationResult:
     context_tokens: int = 0
     recomputed_tokens: int = 0  # context tokens whose KV were recomputed after the stitch (`recompute`)
     timings: Timings = field(default_factory=Timings)
+    # One entry per answer token (EOS excluded) when the request asks for log-probabilities (the scheduler's)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def _sync(device: torch.device) -> None:
@@ -124,6 +127,7 @@ class StitchEngine:
         self.tokenizer = model.tokenizer
         self.forward = LeanForward(model)
         self.template = template or build_template(model.tokenizer)
+        self.conversation = ConversationTemplate(model.tokenizer, self.template)
         self._prefix_block: KVBlock | None = None
         self.fused_stitch: FusedStitch | None = None
         if fused_stitch_enabled(fused_stitch, self.spec.device):

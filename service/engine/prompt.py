@@ -30,8 +30,8 @@ DOCS_OUTRO = (
 DOC_OPEN = "<|doc_start|>"
 DOC_CLOSE = "<|doc_end|>\n"
 PLAIN_ANSWER_CUE = "\nAnswer:"
-_DOCS_SLOT = "\u2060KVSTITCH_DOCS\u2060"
-_QUESTION_SLOT = "\u2060KVSTITCH_QUESTION\u2060"
+DOCS_SLOT = "\u2060KVSTITCH_DOCS\u2060"
+QUESTION_SLOT = "\u2060KVSTITCH_QUESTION\u2060"
 
 
 @dataclass(frozen=True)
@@ -88,21 +88,25 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
     return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
 
-def _render_chat(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The chat template rendered around two slots, or None when the tokenizer has no usable template."""
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, later: Sequence[dict[str, str]] = (), slots: Sequence[str] = ()
+) -> str | None:
+    """The chat template rendered around the documents' and the question's slots (and `later` turns after the
+    documents' turn, whose `slots` must all appear), or None when the tokenizer has no template that does so."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    user = DOCS_INTRO + _DOCS_SLOT + DOCS_OUTRO + _QUESTION_SLOT
+    user = DOCS_INTRO + DOCS_SLOT + DOCS_OUTRO + QUESTION_SLOT
     attempts: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": user}],
-        [{"role": "user", "content": SYSTEM_TEXT + "\n\n" + user}],  # templates that refuse a system turn
+        [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": user}, *later],
+        # templates that refuse a system turn
+        [{"role": "user", "content": SYSTEM_TEXT + "\n\n" + user}, *later],
     ]
     for messages in attempts:
         try:
             rendered: Any = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception:  # jinja templates raise arbitrary errors for roles they do not support
             continue
-        if isinstance(rendered, str) and _DOCS_SLOT in rendered and _QUESTION_SLOT in rendered:
+        if isinstance(rendered, str) and all(s in rendered for s in (DOCS_SLOT, QUESTION_SLOT, *slots)):
             return rendered
     return None
 
@@ -114,10 +118,10 @@ def _bos(tokenizer: PreTrainedTokenizerBase) -> TokenIds:
 
 def build_template(tokenizer: PreTrainedTokenizerBase) -> PromptTemplate:
     """Split the model's chat template (or a plain fallback) into constant id pieces."""
-    rendered = _render_chat(tokenizer)
+    rendered = render_chat(tokenizer)
     if rendered is not None:
-        head, rest = rendered.split(_DOCS_SLOT, 1)
-        middle, tail = rest.split(_QUESTION_SLOT, 1)
+        head, rest = rendered.split(DOCS_SLOT, 1)
+        middle, tail = rest.split(QUESTION_SLOT, 1)
         prefix = encode(tokenizer, head)
         question_head, question_tail = encode(tokenizer, middle), encode(tokenizer, tail)
     else:

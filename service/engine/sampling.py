@@ -10,6 +10,7 @@ import torch
 
 MAX_NEW_TOKENS_LIMIT = 8192
 MAX_STOP_STRINGS = 8
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 # Below this, sampling is an argmax anyway, and dividing by it overflows: 5e-324 is 0 in fp32, so logits / it are
 # inf and the probabilities NaN (a 500 found by the schema fuzz test). Such temperatures are greedy.
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -26,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # benchmarks and equivalence tests decode a fixed number of tokens
+    logprobs: int | None = None  # None: none; k: each picked token's log-probability and its k likeliest rivals
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -38,6 +40,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 (0 disables it)")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be within 0..{MAX_LOGPROBS}")
 
 
 class Sampler:
@@ -116,3 +120,28 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return torch.softmax(scores.masked_fill(drop, float("-inf")), dim=-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A picked token's log-probability under the model (before temperature and cuts) and the `top` likeliest
+    tokens with theirs, most likely first; ids, for the caller to name."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_rows(logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of `tokens[b]` in row b of fp32 logits [B, vocab], with each row's `top[b]` likeliest
+    tokens; one log-softmax and one top-k over the rows, one host copy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(list(tokens), device=logits.device).unsqueeze(1)).squeeze(1)
+    k = max(top, default=0)
+    values, ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    host = torch.cat((picked.unsqueeze(1), values, ids.to(logp.dtype)), dim=1).tolist()
+    rows = []
+    for b, row in enumerate(host):
+        alternatives = tuple((int(row[1 + k + i]), row[1 + i]) for i in range(top[b]))
+        rows.append(TokenLogprobs(int(tokens[b]), row[0], alternatives))
+    return rows

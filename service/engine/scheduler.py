@@ -43,7 +43,7 @@ from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool, Slab
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
-from service.engine.sampling import Sampler, SamplingParams, pick_rows
+from service.engine.sampling import Sampler, SamplingParams, TokenLogprobs, logprobs_rows, pick_rows
 from service.engine.stitch import BlockReady, PositionMode
 
 log = logging.getLogger(__name__)
@@ -415,13 +415,14 @@ class Scheduler:
             request.sampler = Sampler(request.sampling, self.engine.spec.device)
             request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
             first = request.sampler.pick(logits)
+            logprobs = self._logprobs([request], logits.unsqueeze(0), [first])[0]
         except Exception as err:
             request.error = err
             self._finish(request, "error")
             return False
         request.first_token_at = time.perf_counter()
         request.result.timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
-        return self._accept(request, first)
+        return self._accept(request, first, logprobs)
 
     def _prefill(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
         """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
@@ -460,7 +461,7 @@ class Scheduler:
         batch = list(self.running)
         began = time.perf_counter()
         try:
-            tokens = self._step_tokens(batch)
+            tokens, logprobs = self._step_tokens(batch)
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
             log.exception("batched decode step over %d requests failed", len(batch))
             for request in batch:
@@ -470,12 +471,14 @@ class Scheduler:
         decoded = time.perf_counter()
         self.busy_s["decode"] += decoded - began
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
-        finished = [r for r, token in zip(batch, tokens, strict=True) if not self._accept(r, token)]
+        rows = zip(batch, tokens, logprobs, strict=True)
+        finished = [r for r, token, lp in rows if not self._accept(r, token, lp)]
         self.busy_s["emit"] += time.perf_counter() - decoded
         return finished
 
-    def _step_tokens(self, batch: Sequence[BatchRequest]) -> list[int]:
-        """Feed every request its last token, one batched step; the next token of each."""
+    def _step_tokens(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Feed every request its last token, one batched step; the next token of each (and its
+        log-probabilities where the request asks for them)."""
         ids, positions, spans = self._rows(batch)
         if self.graphs is not None:
             logits = self.graphs.step(ids, positions, spans)
@@ -483,7 +486,23 @@ class Scheduler:
             logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
-        return pick_rows(logits, [r.running_sampler for r in batch])
+        tokens = pick_rows(logits, [r.running_sampler for r in batch])
+        return tokens, self._logprobs(batch, logits, tokens)
+
+    @staticmethod
+    def _logprobs(
+        batch: Sequence[BatchRequest], logits: torch.Tensor, tokens: Sequence[int]
+    ) -> list[TokenLogprobs | None]:
+        """Per row, the picked token's log-probabilities, for the rows that ask (nothing computed otherwise)."""
+        wanted = [row for row, r in enumerate(batch) if r.sampling.logprobs is not None]
+        out: list[TokenLogprobs | None] = [None] * len(batch)
+        if not wanted:
+            return out
+        rows = logits if len(wanted) == len(batch) else logits[wanted]
+        top = [batch[row].sampling.logprobs or 0 for row in wanted]
+        for row, found in zip(wanted, logprobs_rows(rows, [tokens[row] for row in wanted], top), strict=True):
+            out[row] = found
+        return out
 
     def _rows(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
         """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
@@ -498,7 +517,7 @@ class Scheduler:
 
     # ---- postprocess ---------------------------------------------------------------------------------------
 
-    def _accept(self, request: BatchRequest, token: int) -> bool:
+    def _accept(self, request: BatchRequest, token: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Append a token and emit its text, as `GenerationStream` does; False when it ended the request."""
         detok = request.detok
         assert detok is not None
@@ -506,6 +525,8 @@ class Scheduler:
         if token in self._eos and not request.sampling.ignore_eos:
             self._finish(request, "stop")
             return False
+        if logprobs is not None:  # before the text goes out, so a listener finds the token's entry with it
+            request.result.logprobs.append(logprobs)
         self._emit(request, detok.push(token))
         if detok.stopped:
             self._finish(request, "stop")

@@ -35,7 +35,7 @@ def test_a_chunked_body_over_the_limit_is_a_413_in_the_routes_error_shape(make_a
 
     assert "content-length" not in {k.lower() for k in ingest.request.headers}
     assert ingest.status_code == 413 and "KVSTITCH_MAX_REQUEST_MB" in ingest.json()["detail"]
-    assert chat.status_code == 413 and chat.json()["error"]["code"] == 413
+    assert chat.status_code == 413 and chat.json()["error"]["code"] == "request_too_large"
     assert "KVSTITCH_MAX_REQUEST_MB" in chat.json()["error"]["message"]
     assert small.status_code == 202
     assert 'kvstitch_requests_total{route="/ingest",status="413"} 1.0' in metrics

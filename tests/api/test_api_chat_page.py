@@ -261,6 +261,10 @@ class ChatPage:
             shown[entry.group(1)] = float(entry.group(2))
         return shown
 
+    def new_conversation(self) -> None:
+        self.by_id("new-conversation").click()
+        assert self.text("conversation") == "New conversation."
+
     def history_modes(self) -> list[str]:
         rows = self.driver.find_elements(By.CSS_SELECTOR, "#history tbody tr")
         return [str(row.get_attribute("data-mode")) for row in rows]
@@ -316,6 +320,7 @@ def test_chat_page_streams_answers_with_ttft_tiers_and_sources(
     first = page.ask(QUESTION)
     assert_answered(first, "turbo")
 
+    page.new_conversation()  # the same question afresh, not as a follow-up
     second = page.ask(QUESTION)
     assert_answered(second, "turbo")
     # the first ask read the blocks the worker wrote to disk and kept them in the pinned host pool
@@ -331,6 +336,7 @@ def test_chat_page_streams_answers_with_ttft_tiers_and_sources(
     assert reply.json()["answer"] == first.answer
     assert reply.json()["output_tokens"] == first.output_tokens
 
+    page.new_conversation()
     naive = page.ask(QUESTION, mode="naive")
     assert_answered(naive, "naive")
     assert naive.doc_ids == first.doc_ids
@@ -338,6 +344,51 @@ def test_chat_page_streams_answers_with_ttft_tiers_and_sources(
 
     assert page.history_modes() == ["naive", "turbo", "turbo"]
     assert "naive / turbo = " in page.text("history-summary")
+
+
+# Records the JSON body of every /ask the page sends from now on.
+RECORD_ASKS_JS = """
+window.__asks = [];
+const plain = window.fetch;
+window.fetch = function (resource, init) {
+  if (String(resource).endsWith("/ask") && init && init.body) window.__asks.push(JSON.parse(init.body));
+  return plain.apply(this, arguments);
+};
+"""
+FOLLOW_UP = "And where do they keep their favourite stone?"
+
+
+def test_chat_page_keeps_a_conversation_until_a_new_one_is_started(
+    chat_page_server: StartServer, chat_browser: WebDriver, tmp_path: Path
+) -> None:
+    page = ChatPage(chat_browser, chat_page_server().url)
+    ingest_corpus(page, tmp_path)
+    chat_browser.execute_script(RECORD_ASKS_JS)
+    assert page.text("conversation") == "New conversation."
+    assert page.attribute("new-conversation", "disabled") == "true"
+
+    first = page.ask(QUESTION)
+    assert page.text("conversation") == "Continuing a conversation of 1 earlier question."
+    second = page.ask(FOLLOW_UP)
+    assert_answered(first, "turbo")
+    assert second.state == "done" and second.answer != "" and second.doc_ids
+    page.new_conversation()
+    third = page.ask(FOLLOW_UP)
+
+    asks = chat_browser.execute_script("return window.__asks;")
+    assert [a["question"] for a in asks] == [QUESTION, FOLLOW_UP, FOLLOW_UP]
+    assert "history" not in asks[0] and "history" not in asks[2]  # the button started afresh
+    assert asks[1]["history"] == [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.answer},
+    ]
+    # the server answers the second turn as it answers the same conversation sent by hand
+    body = {"question": FOLLOW_UP, "history": asks[1]["history"], "max_new_tokens": MAX_NEW_TOKENS, "stream": False}
+    reply = httpx.post(f"{page.url}/ask", json=body, timeout=120).json()
+    assert reply["answer"] == second.answer
+    alone = httpx.post(f"{page.url}/ask", json={**body, "history": []}, timeout=120).json()
+    assert reply["prompt_tokens"] > alone["prompt_tokens"] and alone["answer"] == third.answer
+    assert page.text("conversation") == "Continuing a conversation of 1 earlier question."
 
 
 def test_chat_page_asks_for_the_api_key_then_works_with_it(

@@ -243,4 +243,4 @@ def _timed_answer(client: httpx.Client, body: dict[str, Any]) -> tuple[dict[str,
 
 
 def _chat(max_tokens: int) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens}
+    return {"model": "qwen2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens}

@@ -67,7 +67,8 @@ def test_the_document_declares_streams_text_and_every_error_status(fuzzed_server
 
     for path in ("/ask", "/v1/chat/completions"):
         assert set(paths[path]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-        assert statuses(path, "post") == {"200", "400", "401", "413", "422", "503"}
+    assert statuses("/ask", "post") == {"200", "400", "401", "413", "422", "503"}
+    assert statuses("/v1/chat/completions", "post") == {"200", "400", "401", "404", "413", "422", "503"}  # 404: model
     assert statuses("/ingest", "post") == {"202", "400", "401", "413", "422", "503"}
     assert (
         statuses("/ingest/{job_id}", "get")

@@ -9,10 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from service.answer import DoneEvent
+from service.answer import ChatMessage, DoneEvent
 from service.api.deps import FacadeDep, require_api_key
 from service.api.openapi import errors, streamed
-from service.api.schemas import AskRequest
+from service.api.schemas import AskRequest, stop_strings
 from service.api.streaming import collect_text, events, open_answer, sources_and_summary
 from service.errors import UnavailableError
 from service.facade import AnswerRequest, AnswerSession
@@ -24,13 +24,19 @@ EVENTS = ("retrieval", "token", "done", "error")
 @router.post("/ask", response_model=None, responses={**streamed("The answer", EVENTS), **errors(400, 413, 422, 503)})
 async def ask(body: AskRequest, facade: FacadeDep, request: Request) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
-    session = await open_answer(facade, AnswerRequest(**body.model_dump(exclude={"stream"})))
+    session = await open_answer(facade, _request(body))
     if body.stream:
         return EventSourceResponse(_sse(session), ping=15)
     text = await collect_text(session, request)
     assert session.done is not None
     summary = sources_and_summary(session, session.done)
     return {"answer": text, "chunks": summary.pop("sources"), **summary}
+
+
+def _request(body: AskRequest) -> AnswerRequest:
+    fields = body.model_dump(exclude={"stream", "history", "stop"})
+    history = tuple(ChatMessage(m.role, m.content) for m in body.history)
+    return AnswerRequest(**fields, history=history, stop=stop_strings(body.stop))
 
 
 async def _sse(session: AnswerSession) -> AsyncIterator[dict[str, str]]:

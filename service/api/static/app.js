@@ -158,6 +158,7 @@
     const el = {
       apiKey: $("api-key"),
       askForm: $("ask-form"), question: $("question"), ask: $("ask"), stop: $("stop"), status: $("status"),
+      newConversation: $("new-conversation"), conversation: $("conversation"),
       mode: $("mode"), positions: $("positions"), topK: $("top-k"), maxNewTokens: $("max-new-tokens"),
       temperature: $("temperature"), topP: $("top-p"), seed: $("seed"),
       answer: $("answer"), ttft: $("ttft"), ttftClient: $("ttft-client"), outputTokens: $("output-tokens"),
@@ -209,6 +210,26 @@
 
     let current = null; // { controller, params, started, firstTokenAt, tokens, text }
 
+    // The conversation so far ({role, content}, oldest first): sent as `history` with each question, so the
+    // server puts it between the retrieved chunks and the new question. "New conversation" empties it.
+    const CONVERSATION_LIMIT = 16; // messages kept; the server's own bound is KVSTITCH_MAX_HISTORY_MESSAGES
+    let conversation = [];
+
+    function renderConversation() {
+      const turns = conversation.length / 2;
+      el.conversation.textContent = turns
+        ? "Continuing a conversation of " + plural(turns, "earlier question") + "."
+        : "New conversation.";
+      el.newConversation.disabled = conversation.length === 0;
+    }
+
+    el.newConversation.addEventListener("click", function () {
+      conversation = [];
+      renderConversation();
+      el.question.focus();
+    });
+    renderConversation();
+
     el.question.addEventListener("keydown", function (ev) {
       if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229) {
         ev.preventDefault();
@@ -251,6 +272,7 @@
       if (temperature !== undefined) body.temperature = temperature;
       if (topP !== undefined) body.top_p = topP;
       if (seed !== undefined) body.seed = seed;
+      if (conversation.length) body.history = conversation.slice();
       return body;
     }
 
@@ -271,6 +293,7 @@
     function setBusy(busy) {
       el.ask.disabled = busy;
       el.stop.disabled = !busy;
+      el.newConversation.disabled = busy || conversation.length === 0;
       el.answer.setAttribute("aria-busy", busy ? "true" : "false");
     }
 
@@ -387,6 +410,11 @@
       if (!el.sources.childElementCount) el.sourcesEmpty.textContent = "No sources were retrieved.";
       setState("done");
       setStatus("done", "done");
+      conversation = conversation.concat([
+        { role: "user", content: current.params.question },
+        { role: "assistant", content: current.answerText.data },
+      ]).slice(-CONVERSATION_LIMIT);
+      renderConversation();
       addHistory({
         mode: data.mode || current.params.mode,
         positions: data.positions || current.params.positions,
