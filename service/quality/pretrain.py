@@ -10,11 +10,12 @@ one token id whether it opens a chunk, follows a space, or opens the answer: cop
 chunk into the answer is then an identity, not a learnt mapping), the tiny models' ChatML template and special
 tokens, and the two document markers as single tokens. EOS is `<|im_end|>`, the end of the assistant's turn.
 
-Training: batches padded on the right (positions 0..N-1 of each sequence, as the naive prefill runs it), loss on
-the answer and EOS tokens only (logits are computed only there: the vocabulary projection of every prompt
-token would be most of the work), bf16 autocast on CUDA over fp32 weights, AdamW with a linear warm-up and a
-cosine decay. With a time budget the step count is fixed after a few timed steps (budget / step time), so the
-cosine schedule still ends where training does.
+Training: batches padded on the right (positions 0..N-1 of each sequence, as the naive prefill runs it; pads come
+after every real token, so the causal mask alone keeps them out), loss on the answer and EOS tokens only (logits
+are computed only there: the vocabulary projection of every prompt token would be most of the work), bf16
+autocast on CUDA over fp32 weights, AdamW with a linear warm-up and a cosine decay. With a time budget the step
+count is fixed after a few timed steps (budget / step time), so the cosine schedule still ends where training
+does.
 """
 
 from __future__ import annotations
@@ -196,9 +197,9 @@ def answer_loss(
     `context_weight` > 0, plus that weight times the next-token loss over the prompt (off by default)."""
     targets = batch.targets.to(device)
     with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
-        hidden = hf.model(
-            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
-        ).last_hidden_state[:, :-1]
+        # No padding mask: padding is on the right, so under the causal mask no real token sees a pad, and SDPA
+        # keeps its fused causal kernel.
+        hidden = hf.model(input_ids=batch.input_ids.to(device), use_cache=False).last_hidden_state[:, :-1]
         where = targets != IGNORE
         logits = hf.lm_head(hidden[where])
         loss = torch.nn.functional.cross_entropy(logits.float(), targets[where])
@@ -282,7 +283,7 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
         optimiser.step()
         pending.append(loss.detach())
         step += 1
-        if len(pending) == 50 or step == total:  # read losses back in groups: a sync per step stalls the GPU
+        if len(pending) == 50 or step >= total:  # read losses back in groups: a sync per step stalls the GPU
             report.losses.extend(float(v) for v in torch.stack(pending).cpu())
             pending.clear()
             log.info("pretrain step %d/%d loss %.4f", step, total, report.losses[-1])
@@ -302,7 +303,7 @@ def _steps_in_budget(seconds: float, began: float, timing_start: float, step: in
     left = seconds - (now - began)
     total = step + max(0, int(left / step_s))
     log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, seconds)
-    return max(total, step)
+    return max(total, step + 1)  # the step under way runs
 
 
 def _synchronize(device: torch.device) -> None:
