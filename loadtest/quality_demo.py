@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     data.add_argument("--seed", type=int, default=1, help="train set seed; fine-tune +1, test +2 (default 1)")
     base = parser.add_argument_group("base model (trained from scratch, full causal attention)")
     base.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    base.add_argument(
+        "--tokenizer-questions",
+        type=int,
+        default=20_000,
+        help="fit the tokenizer on the first N training questions (default 20000; more adds time, few merges)",
+    )
+    base.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny: 2)")
     budget = base.add_mutually_exclusive_group()
     budget.add_argument("--pretrain-seconds", type=float, default=None, help="time budget (default 240)")
     budget.add_argument("--pretrain-steps", type=int, default=None, help="a fixed step count instead of a budget")
@@ -134,7 +141,8 @@ def make_data(args: argparse.Namespace, work: Path) -> dict[str, Path]:
 def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) -> dict[str, Any]:
     """Tokenizer + random model saved, loaded back through `load_model`, trained, saved over (fp32)."""
     shape = TINY if args.tiny else ModelShape()
-    save_untrained(folder, shape, train, args.vocab_size, args.seed)
+    shape = replace(shape, layers=args.layers or shape.layers)
+    save_untrained(folder, shape, train[: args.tokenizer_questions], args.vocab_size, args.seed)
     model = load_model(folder, device=args.device, dtype=torch.float32)
     hf = model.hf.requires_grad_(True)
     tokenizer = model.tokenizer

@@ -44,7 +44,9 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 DOC_TOKENS = [DOC_OPEN, DOC_CLOSE.strip()]  # single tokens; the newline after the closing marker stays text
 TEMPLATE_WEIGHT = 1000  # copies of the template text in the tokenizer's training text
-TIMING_STEPS = 10  # steps timed (after as many untimed ones) to turn a time budget into a step count
+WARM_STEPS = 10  # untimed steps first: the allocator and the kernels' first calls make them slow
+TIMING_STEPS = 40  # steps then timed to turn a time budget into a step count
+OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the step count is not reached
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ class PretrainReport:
     steps: int = 0
     seconds: float = 0.0
     step_ms: float = 0.0
-    losses: list[float] = field(default_factory=list)  # one per step
+    losses: list[float] = field(default_factory=list)  # the answer loss of each step
 
     def loss_curve(self, points: int = 20) -> list[tuple[int, float]]:
         """(last step, mean loss) over `points` equal spans of the run: the curve without 5,000 numbers."""
@@ -192,9 +194,10 @@ def collate(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
 
 def answer_loss(
     hf: Any, batch: Batch, device: torch.device, compute: torch.dtype, context_weight: float = 0.0
-) -> torch.Tensor:
-    """Mean cross-entropy of the answer and EOS tokens, under full causal attention at plain positions; with
-    `context_weight` > 0, plus that weight times the next-token loss over the prompt (off by default)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to train on, the answer loss): the mean cross-entropy of the answer and EOS tokens under full
+    causal attention at plain positions; with `context_weight` > 0 the loss to train on adds that weight times
+    the next-token loss over the prompt (off by default)."""
     targets = batch.targets.to(device)
     with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
         # No padding mask: padding is on the right, so under the causal mask no real token sees a pad, and SDPA
@@ -202,13 +205,14 @@ def answer_loss(
         hidden = hf.model(input_ids=batch.input_ids.to(device), use_cache=False).last_hidden_state[:, :-1]
         where = targets != IGNORE
         logits = hf.lm_head(hidden[where])
-        loss = torch.nn.functional.cross_entropy(logits.float(), targets[where])
-        if context_weight > 0:
-            prompt = (batch.attention_mask[:, 1:].to(device) == 1) & ~where
-            context_logits = hf.lm_head(hidden[prompt])
-            next_ids = batch.input_ids[:, 1:].to(device)[prompt]
-            loss = loss + context_weight * torch.nn.functional.cross_entropy(context_logits.float(), next_ids)
-    return loss
+        answer = torch.nn.functional.cross_entropy(logits.float(), targets[where])
+        if context_weight <= 0:
+            return answer, answer
+        prompt = (batch.attention_mask[:, 1:].to(device) == 1) & ~where
+        context_logits = hf.lm_head(hidden[prompt])
+        next_ids = batch.input_ids[:, 1:].to(device)[prompt]
+        context = torch.nn.functional.cross_entropy(context_logits.float(), next_ids)
+    return answer + context_weight * context, answer
 
 
 def lr_at(step: int, total: int, config: PretrainConfig) -> float:
@@ -268,31 +272,41 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
     timing_start = 0.0
     step = 0
     while step < total:
-        if config.seconds is not None and step == TIMING_STEPS:
-            _synchronize(device)
-            timing_start = time.perf_counter()
-        if config.seconds is not None and step == 2 * TIMING_STEPS:
-            total = _steps_in_budget(config.seconds, began, timing_start, step, device)
+        if config.seconds is not None:
+            if step == WARM_STEPS:
+                _synchronize(device)
+                timing_start = time.perf_counter()
+            elif step == WARM_STEPS + TIMING_STEPS:
+                total = _steps_in_budget(config.seconds, began, timing_start, step, device)
+            elif time.perf_counter() - began > OVERRUN * config.seconds:
+                log.warning("pretrain: over budget at step %d of %d; stopping", step, total)
+                break
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, total, config)
         batch = collate([pairs[i] for i in rng.sample(range(len(pairs)), min(config.batch_size, len(pairs)))], pad)
-        loss = answer_loss(hf, batch, device, compute, config.context_weight)
+        loss, answer = answer_loss(hf, batch, device, compute, config.context_weight)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         optimiser.step()
-        pending.append(loss.detach())
+        pending.append(answer.detach())
         step += 1
         if len(pending) == 50 or step >= total:  # read losses back in groups: a sync per step stalls the GPU
-            report.losses.extend(float(v) for v in torch.stack(pending).cpu())
-            pending.clear()
+            _collect(pending, report)
             log.info("pretrain step %d/%d loss %.4f", step, total, report.losses[-1])
+    _collect(pending, report)
     _synchronize(device)
     hf.eval()
     report.steps = step
     report.seconds = time.perf_counter() - began
     report.step_ms = report.seconds / max(step, 1) * 1e3
     return report
+
+
+def _collect(pending: list[torch.Tensor], report: PretrainReport) -> None:
+    if pending:
+        report.losses.extend(float(v) for v in torch.stack(pending).cpu())
+        pending.clear()
 
 
 def _steps_in_budget(seconds: float, began: float, timing_start: float, step: int, device: torch.device) -> int:

@@ -79,7 +79,9 @@ def test_the_padded_batch_loss_is_the_mean_of_the_per_sample_losses(base_dir: Pa
     pairs = training_pairs(encoded, eos)
     assert len({len(ids) for ids, _ in pairs}) > 1  # the batch really is padded
     batch = collate(pairs, pad_id=int(model.tokenizer.pad_token_id))
-    batched = float(answer_loss(model.hf, batch, torch.device("cpu"), torch.float32))
+    total, answer = answer_loss(model.hf, batch, torch.device("cpu"), torch.float32)
+    batched = float(answer)
+    assert float(total) == batched  # no context loss by default
     fp32 = Precision(torch.float32, torch.float32)
     singles = [full_attention_sample(e.prompt, e.answer, eos) for e in encoded]
     per_sample = [float(sample_loss(model.hf, s, torch.device("cpu"), fp32)) for s in singles]
