@@ -25,10 +25,11 @@ import datetime
 import json
 import logging
 import platform
+import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-64 model (tests and smoke runs)")
     data = parser.add_argument_group("data (kvstitch make-qa)")
-    data.add_argument("--train-questions", type=int, default=60_000, help="base training set size (default 60000)")
+    data.add_argument("--train-questions", type=int, default=45_000, help="base training set size (default 45000)")
     data.add_argument("--test-questions", type=int, default=300, help="test set size (default 300)")
-    data.add_argument("--chunks", type=int, default=5, help="chunks per question (default 5)")
+    data.add_argument("--chunks", type=int, default=5, help="chunks per question of the test set (default 5)")
+    data.add_argument(
+        "--train-chunks",
+        type=int,
+        nargs="+",
+        default=[2, 3, 5],
+        help="chunks per question of the base training set, an equal share each (default 2 3 5)",
+    )
     data.add_argument("--two-fact-share", type=float, default=0.3, help="share of two-fact questions (default 0.3)")
     data.add_argument("--seed", type=int, default=1, help="train set seed; fine-tune +1, test +2 (default 1)")
     base = parser.add_argument_group("base model (trained from scratch, full causal attention)")
@@ -126,16 +134,26 @@ def demo_variants(prefixes: Sequence[int], shares: Sequence[float]) -> list[Vari
     ]
 
 
-def make_data(args: argparse.Namespace, work: Path) -> dict[str, Path]:
-    sizes = {
-        "train": args.train_questions,
-        "finetune": args.finetune_steps * args.finetune_batch_size,  # each fine-tuning sample seen once
-        "test": args.test_questions,
-    }
-    return {
-        name: write_qa_file(work / "qa" / f"{name}.jsonl", size, args.chunks, args.seed + offset, args.two_fact_share)
-        for offset, (name, size) in enumerate(sizes.items())
-    }
+@dataclass(frozen=True)
+class DataSet:
+    file: Path
+    questions: int
+    chunks: int
+    seed: int
+
+
+def make_data(args: argparse.Namespace, work: Path) -> dict[str, DataSet]:
+    """Training sets (one per --train-chunks k, seed `seed + 10k`), the fine-tuning set (seed + 1), the test
+    set (seed + 2); the last two at --chunks, the served case the table measures."""
+    per_k = max(1, args.train_questions // len(args.train_chunks))
+    wanted = {f"train-k{k}": (per_k, k, args.seed + 10 * k) for k in args.train_chunks}
+    wanted["finetune"] = (args.finetune_steps * args.finetune_batch_size, args.chunks, args.seed + 1)
+    wanted["test"] = (args.test_questions, args.chunks, args.seed + 2)
+    sets = {}
+    for name, (size, chunks, seed) in wanted.items():
+        path = write_qa_file(work / "qa" / f"{name}.jsonl", size, chunks, seed, args.two_fact_share)
+        sets[name] = DataSet(path, size, chunks, seed)
+    return sets
 
 
 def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) -> dict[str, Any]:
@@ -239,21 +257,22 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     work = Path(args.work_dir)
     began = time.perf_counter()
     files = make_data(args, work)
-    train, test = read_samples(files["train"]), read_samples(files["test"])
+    train = [s for name, d in files.items() if name.startswith("train") for s in read_samples(d.file)]
+    random.Random(args.seed).shuffle(train)  # the tokenizer's share of the questions covers every k
+    test = read_samples(files["test"].file)
     models = work / "models"
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "machine": machine(args.device),
-        "data": {name: {"file": path.name, "seed": args.seed + i} for i, (name, path) in enumerate(files.items())},
-        "chunks": args.chunks,
+        "data": {name: {**asdict(d), "file": d.file.name} for name, d in files.items()},
         "two_fact_share": args.two_fact_share,
     }
     log.info("training the base model")
     record["pretrain"] = train_base(args, train, models / "base")
     save(record, args.json)
     log.info("block fine-tuning")
-    record["finetune"] = block_finetune(args, models / "base", files["finetune"], models / "block-finetuned")
+    record["finetune"] = block_finetune(args, models / "base", files["finetune"].file, models / "block-finetuned")
     save(record, args.json)
     record["eval"] = {}
     for name in ("base", "block-finetuned"):

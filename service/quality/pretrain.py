@@ -278,7 +278,7 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
                 timing_start = time.perf_counter()
             elif step == WARM_STEPS + TIMING_STEPS:
                 total = _steps_in_budget(config.seconds, began, timing_start, step, device)
-            elif time.perf_counter() - began > OVERRUN * config.seconds:
+            elif step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - began > OVERRUN * config.seconds:
                 log.warning("pretrain: over budget at step %d of %d; stopping", step, total)
                 break
         for group in optimiser.param_groups:

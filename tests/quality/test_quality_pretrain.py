@@ -20,6 +20,8 @@ from service.quality.finetune import Precision, encode_samples, eos_id, full_att
 from service.quality.generator import write_qa_file
 from service.quality.pretrain import (
     EOS_TOKEN,
+    TIMING_STEPS,
+    WARM_STEPS,
     ModelShape,
     PretrainConfig,
     answer_loss,
@@ -89,6 +91,8 @@ def test_the_padded_batch_loss_is_the_mean_of_the_per_sample_losses(base_dir: Pa
     expected = sum(w * v for w, v in zip(weights, per_sample, strict=True)) / sum(weights)
     assert batched == pytest.approx(expected, rel=1e-4)
     assert batched > 0
+    with_context, answer_part = answer_loss(model.hf, batch, torch.device("cpu"), torch.float32, context_weight=0.5)
+    assert float(answer_part) == pytest.approx(batched, rel=1e-6) and float(with_context) > batched + 0.5
 
 
 def test_the_schedule_warms_up_then_decays_to_its_floor() -> None:
@@ -108,7 +112,8 @@ def test_a_time_budget_trains_and_stops(base_dir: Path, samples: list[QASample])
     before = [p.detach().clone() for p in hf.parameters()]
     config = PretrainConfig(batch_size=4, warmup_steps=2, seconds=0.5)
     report = pretrain(hf, encoded, eos_id(model), int(model.tokenizer.pad_token_id), config)
-    assert report.steps >= 20 and len(report.losses) == report.steps  # the timing steps always run
+    assert report.steps >= WARM_STEPS + TIMING_STEPS + 1  # the warm and timing steps always run, then one
+    assert len(report.losses) == report.steps
     assert all(math.isfinite(v) for v in report.losses)
     assert any(not torch.equal(a, b) for a, b in zip(before, hf.parameters(), strict=True))
     assert not hf.training
@@ -146,7 +151,15 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
         for row in result["rows"]:
             assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["f1"] <= 1.0 and row["kl_first_token"] >= 0.0
         assert (tmp_path / "work" / "models" / name / "config.json").is_file()
-    for name in ("train", "finetune", "test"):
-        assert (tmp_path / "work" / "qa" / f"{name}.jsonl").is_file()
+    assert {name: d["chunks"] for name, d in record["data"].items()} == {
+        "train-k2": 2,
+        "train-k3": 3,
+        "train-k5": 5,
+        "finetune": 3,
+        "test": 3,
+    }
+    assert len({d["seed"] for d in record["data"].values()}) == 5  # every set from its own seed
+    for d in record["data"].values():
+        assert len(read_samples(tmp_path / "work" / "qa" / d["file"])) == d["questions"]
     tables = capsys.readouterr().out
     assert tables.count("3 samples, greedy, up to 3 new tokens") == 2
