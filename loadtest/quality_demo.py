@@ -1,10 +1,12 @@
 """The quality demonstration of issue 13 on a model trained here: data → base model → block fine-tuning → eval.
 
-    python -m loadtest.quality_demo --work-dir /tmp/demo --json docs/quality_h200.json          # the H200 run
+    python -m loadtest.quality_demo --work-dir /tmp/demo --json quality.json --pretrain-batch-size 128 \
+        --context-loss-weight 1.0                               # full size on one GPU (the runs: docs/quality.md)
     python -m loadtest.quality_demo --work-dir /tmp/demo --json demo.json --device cpu --tiny \\
         --pretrain-steps 40 --train-questions 200 --test-questions 6 --finetune-steps 2     # a CPU smoke run
 
-1. `make-qa` sets with different seeds: a training set for the base model, a fine-tuning set, a test set.
+1. `make-qa` sets, each from its own seed: training sets for the base model (one per --train-chunks k), a
+   fine-tuning set, a test set.
 2. A byte-level BPE tokenizer fitted to the training text and a Qwen2-config causal LM (8 layers, hidden 512,
    8 heads, 2 KV heads by default; `--tiny` for tests), saved as an HF folder (`service/quality/pretrain.py`).
 3. The base model trained from scratch under full causal attention on the served prompts, loss on the answer,

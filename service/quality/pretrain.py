@@ -14,8 +14,8 @@ Training: batches padded on the right (positions 0..N-1 of each sequence, as the
 after every real token, so the causal mask alone keeps them out), loss on the answer and EOS tokens only (logits
 are computed only there: the vocabulary projection of every prompt token would be most of the work), bf16
 autocast on CUDA over fp32 weights, AdamW with a linear warm-up and a cosine decay. With a time budget the step
-count is fixed after a few timed steps (budget / step time), so the cosine schedule still ends where training
-does.
+count is fixed after a few timed steps (budget / step time) and once more from a longer average, so the cosine
+schedule still ends where training does.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ DOC_TOKENS = [DOC_OPEN, DOC_CLOSE.strip()]  # single tokens; the newline after t
 TEMPLATE_WEIGHT = 1000  # copies of the template text in the tokenizer's training text
 WARM_STEPS = 10  # untimed steps first: the allocator and the kernels' first calls make them slow
 TIMING_STEPS = 40  # steps then timed to turn a time budget into a step count
+RETIME_STEP = 250  # the count is fixed again here, from the longer average (the first estimate ran 20-50% high)
 OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the step count is not reached
 
 
@@ -276,7 +277,7 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
             if step == WARM_STEPS:
                 _synchronize(device)
                 timing_start = time.perf_counter()
-            elif step == WARM_STEPS + TIMING_STEPS:
+            elif step in (WARM_STEPS + TIMING_STEPS, RETIME_STEP) and step < total:
                 total = _steps_in_budget(config.seconds, began, timing_start, step, device)
             elif step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - began > OVERRUN * config.seconds:
                 log.warning("pretrain: over budget at step %d of %d; stopping", step, total)
@@ -313,7 +314,7 @@ def _steps_in_budget(seconds: float, began: float, timing_start: float, step: in
     """The step count that ends near the budget, from the steady step time of the timing steps."""
     _synchronize(device)
     now = time.perf_counter()
-    step_s = (now - timing_start) / TIMING_STEPS
+    step_s = (now - timing_start) / (step - WARM_STEPS)
     left = seconds - (now - began)
     total = step + max(0, int(left / step_s))
     log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, seconds)
