@@ -110,6 +110,23 @@ class DoneEvent:
         }
 
 
+def fit_context(
+    engine: StitchEngine, hits: Sequence[RetrievedChunk], suffix_tokens: int, max_new_tokens: int
+) -> list[RetrievedChunk]:
+    """The hits (best first) whose blocks fit the model's context beside the template prefix, the prefilled
+    suffix (the conversation and the question in their template turns) and the answer budget; a hit that does
+    not fit is left out and later ones still may fit."""
+    template = engine.template
+    room = engine.spec.max_context - len(template.prefix) - suffix_tokens - max_new_tokens
+    wrapper = len(template.doc_open) + len(template.doc_close)
+    kept = []
+    for hit in hits:
+        if hit.token_ids and len(hit.token_ids) + wrapper <= room:
+            kept.append(hit)
+            room -= len(hit.token_ids) + wrapper
+    return kept
+
+
 # The top-k chunks for a question's text (the runtime's `RetrievalBatcher.retrieve`); `UnavailableError` when
 # Qdrant is away.
 Search = Callable[[str, int], list[RetrievedChunk]]
@@ -131,16 +148,7 @@ class Answerer:
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 
     def _fit(self, hits: Sequence[RetrievedChunk], question: Question) -> list[RetrievedChunk]:
-        template = self.engine.template
-        fixed = len(template.prefix) + len(self._ids(question))
-        room = self.engine.spec.max_context - fixed - question.sampling.max_new_tokens
-        wrapper = len(template.doc_open) + len(template.doc_close)
-        kept = []
-        for hit in hits:
-            if hit.token_ids and len(hit.token_ids) + wrapper <= room:
-                kept.append(hit)
-                room -= len(hit.token_ids) + wrapper
-        return kept
+        return fit_context(self.engine, hits, len(self._ids(question)), question.sampling.max_new_tokens)
 
     def _ids(self, question: Question) -> TokenIds:
         return question.ids or self.suffix(question)

@@ -73,9 +73,20 @@ def _add_quality_commands(commands: Any) -> None:
 
 
 def _add_eval(commands: Any, default_device: str) -> None:
-    evaluate = commands.add_parser("eval", help="answer a QA JSONL file naive and turbo; accuracy, F1, agreement")
+    evaluate = commands.add_parser(
+        "eval", help="answer a QA JSONL file (or questions over an ingested corpus) naive and turbo; compare"
+    )
     evaluate.add_argument("--model", required=True, help="HF model folder or hub id")
-    evaluate.add_argument("--data", required=True, help='JSONL: {"question", "chunks": [...], "answers": [...]}')
+    evaluate.add_argument("--data", default=None, help='JSONL: {"question", "chunks": [...], "answers": [...]}')
+    evaluate.add_argument(
+        "--data-dir", default=None, help="instead of --data: the data folder of an ingested corpus (with --questions)"
+    )
+    evaluate.add_argument(
+        "--questions", default=None, metavar="FILE", help="with --data-dir: a UTF-8 text file, one question per line"
+    )
+    evaluate.add_argument(
+        "--top-k", type=int, default=5, help="with --data-dir: chunks retrieved per question, as /ask (default 5)"
+    )
     evaluate.add_argument(
         "--recompute", action="append", metavar="SPEC", help="none | prefix:N | selective:R, repeatable (default none)"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,8 +133,9 @@ class Scores:
     ttft_ms: list[float] = field(default_factory=list)
 
     def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> None:
-        self.correct.append(contains_answer(outcome.text, sample.answers))
-        self.f1.append(best_f1(outcome.text, sample.answers))
+        if sample.answers:  # a question of a user's own corpus has none: agreement and KL only
+            self.correct.append(contains_answer(outcome.text, sample.answers))
+            self.f1.append(best_f1(outcome.text, sample.answers))
         self.first_token_same.append(outcome.token_ids[:1] == reference.token_ids[:1])
         self.answer_same.append(outcome.token_ids == reference.token_ids)
         self.kl.append(kl_divergence(reference.first_logits, outcome.first_logits))
@@ -145,8 +146,8 @@ class Scores:
             mode=self.variant.mode.value,
             positions=self.variant.positions.value if self.variant.positions else None,
             recompute=str(self.variant.recompute),
-            accuracy=_mean(self.correct),
-            f1=_mean(self.f1),
+            accuracy=_mean(self.correct) if self.correct else None,
+            f1=_mean(self.f1) if self.f1 else None,
             first_token_agreement=_mean(self.first_token_same),
             answer_agreement=_mean(self.answer_same),
             kl_first_token=_mean(self.kl),
@@ -165,8 +166,8 @@ class Row:
     mode: str
     positions: str | None
     recompute: str
-    accuracy: float
-    f1: float
+    accuracy: float | None  # None when the questions come without answers (the corpus form)
+    f1: float | None
     first_token_agreement: float
     answer_agreement: float
     kl_first_token: float
@@ -202,19 +203,29 @@ def evaluate(
     Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
     allocator growth would otherwise land in the first TTFTs).
     """
+    cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
+    return evaluate_cases(engine, cases, len(samples), variants, max_new_tokens)
+
+
+def evaluate_cases(
+    engine: StitchEngine, cases: Iterable[Case], count: int, variants: Sequence[Variant], max_new_tokens: int
+) -> EvalReport:
+    """`evaluate` over cases already built (`count` of them, for progress lines): a QA file's samples, or a
+    user's questions with the chunks retrieved for them."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = [Scores(v) for v in variants]
-    for index, sample in enumerate(samples):
-        case = prepare(engine, sample, max_new_tokens, source)
-        if index == 0:
+    done = 0
+    for case in cases:
+        if done == 0:
             for variant in variants:
                 run_variant(engine, case, variant, sampling)
         reference = run_variant(engine, case, NAIVE, sampling)
         for score in scores:
-            score.add(sample, run_variant(engine, case, score.variant, sampling), reference)
-        if (index + 1) % PROGRESS_EVERY == 0:
-            log.info("%d/%d samples", index + 1, len(samples))
-    return EvalReport(len(samples), max_new_tokens, [s.row() for s in scores])
+            score.add(case.sample, run_variant(engine, case, score.variant, sampling), reference)
+        done += 1
+        if done % PROGRESS_EVERY == 0:
+            log.info("%d/%d samples", done, count)
+    return EvalReport(done, max_new_tokens, [s.row() for s in scores])
 
 
 _COLUMNS = ("mode", "positions", "recompute", "accuracy", "f1", "ftok_agree", "ans_agree", "kl_ftok", "ttft_ms")
@@ -230,8 +241,8 @@ def format_table(report: EvalReport) -> str:
             row.mode,
             row.positions or "-",
             row.recompute,
-            f"{row.accuracy:.3f}",
-            f"{row.f1:.3f}",
+            _cell(row.accuracy),
+            _cell(row.f1),
             f"{row.first_token_agreement:.3f}",
             f"{row.answer_agreement:.3f}",
             f"{row.kl_first_token:.2e}",
@@ -239,3 +250,7 @@ def format_table(report: EvalReport) -> str:
         )
         lines.append(" ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
