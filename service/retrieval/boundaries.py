@@ -52,6 +52,7 @@ _SENTENCE_END = re.compile(r"[.!?…。！？][)\]}\"'”’»」』）]*\Z")
 _CJK_SENTENCE_END = re.compile(r"[。！？][」』）”’]*(?=\S)")
 _ATX_HEADING = re.compile(r"#{1,6}(?:[ \t]|$)", re.MULTILINE)
 _FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})([^\n]*)$", re.MULTILINE)
+_LINE_NUMBER = re.compile(r"[ \t]*(?:\d+\.)+|[ \t]*[A-Za-z]\.")
 _PARAGRAPH_SEPARATOR = "\u2029"  # Unicode's explicit paragraph break counts as a blank line
 
 
@@ -138,8 +139,11 @@ def _follows_heading(text: str, start: int) -> bool:
 
 
 def _ends_sentence(text: str, start: int, end: int) -> bool:
-    """Terminal punctuation before the gap and no lowercase letter after it ("e.g. this" is not a sentence end)."""
+    """Terminal punctuation before the gap and no lowercase letter after it ("e.g. this" is not a sentence end);
+    a section or list number opening its line ("3.", "1.4.", "b.") ends no sentence."""
     if _SENTENCE_END.search(text, max(0, start - 8), start) is None:
+        return False
+    if _LINE_NUMBER.fullmatch(text, text.rfind("\n", 0, start) + 1, start) is not None:
         return False
     return end >= len(text) or not text[end].islower()
 
