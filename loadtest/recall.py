@@ -89,7 +89,9 @@ def mrr(ranked: list[list[int]], chunks: list[Indexed], questions: list[dict[str
     return total / len(questions)
 
 
-def dense_ranking(embedder: Embedder, chunks: list[Indexed], questions: list[dict[str, str]], k: int) -> list[list[int]]:
+def dense_ranking(
+    embedder: Embedder, chunks: list[Indexed], questions: list[dict[str, str]], k: int
+) -> list[list[int]]:
     """Exact cosine top-k (the vectors are unit length; Qdrant's search gives the same order)."""
     docs = np.asarray(embedder.embed_documents([c.embedded for c in chunks]))
     queries = np.asarray(embedder.embed_queries([q["q"] for q in questions]))

@@ -41,10 +41,12 @@ from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
+from service.retrieval.outline import ChunkContext, Outline, document_title, embedding_text
 
 log = logging.getLogger(__name__)
 
 GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
+EMBED_FORM = "title+heading:1"  # the document title and the innermost heading go before each chunk's text
 
 
 @dataclass
@@ -115,6 +117,7 @@ class _Prepared:
     chunks: list[Chunk]
     blocks: list[TokenIds]
     keys: list[str]
+    contexts: list[ChunkContext]
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,11 @@ class Ingestor:
         self.order = parts.order
         self.max_precompute_tokens = max_precompute_tokens
         config = parts.chunker.config
-        self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version}"
+        # `embed=`: what is embedded besides the chunk text; a change re-embeds a re-ingested document (its KV is
+        # content-addressed and reused).
+        self._chunking = (
+            f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version};embed={EMBED_FORM}"
+        )
 
     def ingest(
         self, job: IngestJob, progress: Progress | None = None, should_stop: ShouldStop | None = None
@@ -220,10 +227,13 @@ class Ingestor:
             return set()
 
     def _prepare(self, doc: Document) -> _Prepared:
-        chunks = self.chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown")
+        markdown = doc.format == "markdown"
+        chunks = self.chunker.chunk(doc.id, doc.text, markdown=markdown)
         blocks = [self.template.chunk_block(c.token_ids) for c in chunks]
         keys = [self.store.key_of(b) for b in blocks]
-        return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys)
+        outline = Outline(doc.text, markdown, document_title(doc.metadata, doc.text, markdown))
+        contexts = [outline.context(c.char_start, c.char_end) for c in chunks]
+        return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys, contexts)
 
     def _store_kv(self, group: list[_Prepared], counts: IngestCounts) -> None:
         """Compute and store the KV of every block not stored yet, in batches that fill the device."""
@@ -253,10 +263,14 @@ class Ingestor:
         written = len(mine) == len(prepared.chunks)
         if not written:
             start = time.perf_counter()
-            vectors = self.embedder.embed_documents([c.text for c in prepared.chunks])
+            texts = [embedding_text(x, c.text) for c, x in zip(prepared.chunks, prepared.contexts, strict=True)]
+            vectors = self.embedder.embed_documents(texts)
             counts.add_time("embed", time.perf_counter() - start)
             start = time.perf_counter()
-            self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False)
+            contexts = [x.payload() for x in prepared.contexts]
+            self.collection.upsert(
+                prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False, contexts=contexts
+            )
             counts.add_time("upsert", time.perf_counter() - start)
         if not written or len(mine) != len(existing) or not all(p.visible for p in mine):
             self.collection.publish(doc.id, version)

@@ -7,6 +7,7 @@ steering the chunker and the heading path), a PDF becomes plain text with one fo
 numbers are counted from them, `service/retrieval/outline.py`).
 """
 
-from service.formats.extract import EXTENSIONS, Extracted, ExtractError, extract, sniff
+from service.formats.errors import ExtractError
+from service.formats.extract import EXTENSIONS, Extracted, extract, sniff
 
 __all__ = ["EXTENSIONS", "ExtractError", "Extracted", "extract", "sniff"]

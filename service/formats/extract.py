@@ -23,7 +23,9 @@ EXTENSIONS: dict[str, Kind] = {
     ".xhtml": "html",
     ".pdf": "pdf",
 }
-_HTML_START = re.compile(rb"\A(?:\xef\xbb\xbf)?\s*(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html|head|body)[\s>]", re.I | re.S)
+_HTML_START = re.compile(
+    rb"\A(?:\xef\xbb\xbf)?\s*(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html|head|body)[\s>]", re.I | re.S
+)
 _SNIFF_BYTES = 4096
 
 

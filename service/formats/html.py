@@ -13,13 +13,56 @@ from typing import Any
 from selectolax.lexbor import LexborHTMLParser
 
 DROPPED = frozenset(
-    {"script", "style", "noscript", "template", "svg", "math", "iframe", "object", "canvas", "head", "button",
-     "select", "input", "textarea", "-comment"}
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "svg",
+        "math",
+        "iframe",
+        "object",
+        "canvas",
+        "head",
+        "button",
+        "select",
+        "input",
+        "textarea",
+        "-comment",
+    }
 )
 BLOCKS = frozenset(
-    {"p", "div", "section", "article", "main", "header", "footer", "nav", "aside", "blockquote", "ul", "ol", "dl",
-     "dd", "dt", "table", "thead", "tbody", "tfoot", "figure", "figcaption", "form", "fieldset", "address",
-     "details", "summary", "hr", "body", "html"}
+    {
+        "p",
+        "div",
+        "section",
+        "article",
+        "main",
+        "header",
+        "footer",
+        "nav",
+        "aside",
+        "blockquote",
+        "ul",
+        "ol",
+        "dl",
+        "dd",
+        "dt",
+        "table",
+        "thead",
+        "tbody",
+        "tfoot",
+        "figure",
+        "figcaption",
+        "form",
+        "fieldset",
+        "address",
+        "details",
+        "summary",
+        "hr",
+        "body",
+        "html",
+    }
 )
 LINES = frozenset({"br", "li", "tr"})
 HEADINGS = {f"h{n}": n for n in range(1, 7)}

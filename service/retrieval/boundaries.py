@@ -106,9 +106,7 @@ class _HeadingMarks:
 def _all_cut_points(text: str, markdown: bool, code: _SpanSet, marks: _HeadingMarks) -> Iterator[CutPoint]:
     """Whitespace runs and CJK sentence ends, ranked, in text order; inside code a `#` line is no heading."""
     gaps = (
-        CutPoint(
-            m.start(), m.end(), _rank_gap(text, m.start(), m.end(), markdown and not code.holds(m.start()), marks)
-        )
+        CutPoint(m.start(), m.end(), _rank_gap(text, m.start(), m.end(), markdown and not code.holds(m.start()), marks))
         for m in _WHITESPACE.finditer(text)
     )
     cjk = (CutPoint(m.end(), m.end(), Rank.SENTENCE) for m in _CJK_SENTENCE_END.finditer(text))

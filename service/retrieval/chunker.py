@@ -8,9 +8,9 @@ Cutting is greedy: from a chunk's start, the token budget decides how far the ch
 at the best-ranked cut point in that reach (heading > paragraph > sentence > line > word), the latest one of that
 rank; only a run without whitespace longer than the budget is cut at a token boundary. A chunk is never headings
 alone: the gap after a heading ranks as a line break, and a piece that would still be only headings takes the next
-cut instead (`headings.py` finds Markdown headings and plain text's numbered and stand-alone titles). The document's tokens
-are read once with their character offsets to estimate every span's token count; each chunk is then encoded
-alone and shrunk if the estimate was short, so the limit holds exactly.
+cut instead (`headings.py` finds Markdown headings and plain text's numbered and stand-alone titles). The
+document's tokens are read once with their character offsets to estimate every span's token count; each chunk
+is then encoded alone and shrunk if the estimate was short, so the limit holds exactly.
 
 Overlap: when a cut falls inside a paragraph (a sentence, line or word cut), the next chunk repeats the last
 whole units of the same rank or better that fit in `overlap` tokens, so a thought cut in two keeps its context.

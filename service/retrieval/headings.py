@@ -1,9 +1,10 @@
 """Headings of a text: Markdown ATX headings, and in plain text the shapes licences, RFCs and PDFs use.
 
 Plain text has no markup, so a heading is recognised by shape: a short line standing alone as a paragraph,
-numbered or not ending as a sentence does ("0. Definitions.", "TERMS AND CONDITIONS"), a line underlined with `---` or `===`, or a numbered title sentence
-that opens a section's first line ("3. Grant of Patent License. Subject to…"). The chunker keeps each heading
-with the text under it, and the outline gives every chunk its heading path.
+numbered or not ending as a sentence does ("0. Definitions.", "TERMS AND CONDITIONS"), a line underlined with
+`---` or `===`, or a numbered title sentence that opens a section's first line ("3. Grant of Patent License.
+Subject to…"). The chunker keeps each heading with the text under it, and the outline gives every chunk its
+heading path.
 """
 
 from __future__ import annotations

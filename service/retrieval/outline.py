@@ -46,7 +46,7 @@ class Outline:
         self.title = _clip(title) if title else None
 
     def context(self, start: int, end: int) -> ChunkContext:
-        """The context of the chunk [start, end): headings that begin before its end... of its first line."""
+        """The context of the chunk [start, end): the headings in force where it starts, its pages."""
         paged = bool(self._breaks)
         return ChunkContext(
             title=self.title,
@@ -69,10 +69,11 @@ class Outline:
 
 
 def embedding_text(context: ChunkContext, text: str) -> str:
-    """What is embedded for a chunk: its title and heading path, then its text (a heading the chunk starts with
-    is not repeated)."""
+    """What is embedded for a chunk: the document's title and the innermost heading above it, then its text (a
+    heading the chunk starts with is not repeated). Only the innermost: the outer ones are the same for many
+    chunks, and in a 256-piece embedder they dilute what sets the chunk apart (docs/benchmarks.md §11)."""
     lead = [context.title] if context.title else []
-    for heading in context.headings:
+    for heading in context.headings[-1:]:
         if heading not in lead and not text.lstrip("# \t").startswith(heading):
             lead.append(heading)
     return " › ".join(lead) + "\n\n" + text if lead else text
