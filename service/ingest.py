@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class IngestCounts:
 
     documents_done: int = 0
     chunks: int = 0
+    chunks_done: int = 0  # KV stored: reused chunks at once, computed ones as their batches finish
     chunks_precomputed: int = 0
     chunks_reused: int = 0
     tokens_precomputed: int = 0
@@ -70,6 +72,7 @@ class IngestCounts:
         return {
             "documents_done": self.documents_done,
             "chunks": self.chunks,
+            "chunks_done": self.chunks_done,
             "chunks_precomputed": self.chunks_precomputed,
             "chunks_reused": self.chunks_reused,
         }
@@ -164,7 +167,7 @@ class Ingestor:
         for group in self._groups(job.documents, counts):
             if should_stop is not None and should_stop():
                 raise IngestInterruptedError(counts)
-            self._store_kv(group, counts)
+            self._store_kv(group, counts, progress)
             superseded: set[str] = set()
             for prepared in group:
                 with applying(self.order, prepared.doc.id, job.sequence) as current:
@@ -235,8 +238,9 @@ class Ingestor:
         contexts = [outline.context(c.char_start, c.char_end) for c in chunks]
         return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys, contexts)
 
-    def _store_kv(self, group: list[_Prepared], counts: IngestCounts) -> None:
-        """Compute and store the KV of every block not stored yet, in batches that fill the device."""
+    def _store_kv(self, group: list[_Prepared], counts: IngestCounts, progress: Progress | None = None) -> None:
+        """Compute and store the KV of every block not stored yet, in batches that fill the device; `progress`
+        hears of the group's chunks once counted and after each batch (`chunks_done`)."""
         missing: dict[str, TokenIds] = {}
         for prepared in group:
             for key, block in zip(prepared.keys, prepared.blocks, strict=True):
@@ -245,9 +249,21 @@ class Ingestor:
         counts.chunks += sum(len(p.keys) for p in group)
         counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
+        # A block shared by several chunks of the group finishes them all: the chunks wait per distinct block.
+        waiting = Counter(key for p in group for key in p.keys if key in missing)
+        counts.chunks_done += sum(len(p.keys) for p in group) - sum(waiting.values())
+        if progress is not None:
+            progress(counts)
+        keys = list(missing)
+
+        def batch_done(indices: Sequence[int]) -> None:
+            counts.chunks_done += sum(waiting[keys[i]] for i in indices)
+            if progress is not None:
+                progress(counts)
+
         start = time.perf_counter()
         blocks = list(missing.values())
-        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens)
+        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens, on_batch=batch_done)
         counts.tokens_precomputed += sum(len(ids) for ids in blocks)
         counts.add_time("precompute", time.perf_counter() - start)
 

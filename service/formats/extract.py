@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Literal
+from typing import Any, Literal
 
 from service.formats.errors import ExtractError
 from service.formats.html import html_to_markdown
@@ -38,6 +38,15 @@ class Extracted:
     kind: Kind
     title: str | None = None
     pages: int | None = None  # PDF only
+
+    def metadata(self, **where: Any) -> dict[str, Any]:
+        """The document metadata a file brings: where it came from (`where`), its kind, title and page count."""
+        metadata: dict[str, Any] = {**where, "content_type": self.kind}
+        if self.title:
+            metadata["title"] = self.title
+        if self.pages is not None:
+            metadata["pages"] = self.pages
+        return metadata
 
 
 def sniff(name: str, data: bytes) -> Kind | None:
