@@ -75,7 +75,7 @@ def _read(path: Path, doc_id: str, max_chars: int) -> Document:
     except ExtractError as err:
         raise InputError(str(err)) from err
     if len(extracted.text) > max_chars:
-        raise InputError(f"{path}: {len(extracted.text):,} characters of text; the limit is {max_chars:,}")
+        raise InputError(f"{path}: {len(extracted.text):,} characters; the limit is {max_chars:,}")
     return Document(doc_id, extracted.text, extracted.metadata(source=str(path)), extracted.format)
 
 

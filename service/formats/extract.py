@@ -89,9 +89,7 @@ def _decode(name: str, data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise ExtractError(
-            f"{name}: not UTF-8 text ({err.reason} at byte {err.start}); accepted: UTF-8 text, Markdown, HTML, PDF"
-        ) from err
+        raise ExtractError(f"{name}: not UTF-8 text ({err.reason} at byte {err.start})") from err
 
 
 def _checked(name: str, extracted: Extracted) -> Extracted:
