@@ -24,7 +24,7 @@ from service.jobs.documents import MAX_DOC_ID_CHARS, Document
 
 router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
 
-_DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\]")
+_DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\](?:\.text)?")
 
 
 @router.post(
@@ -55,7 +55,7 @@ async def ingest_files(
     try:
         job_id = await run_in_threadpool(facade.submit_ingest, documents)
     except InvalidRequestError as err:  # name the file, not the document index the job contract uses
-        message = _DOCUMENT_INDEX.sub(lambda m: f"file {names[int(m.group(1))]!r}", err.message)
+        message = _DOCUMENT_INDEX.sub(lambda m: names[int(m.group(1))], err.message)
         raise field_error("files", message) from err
     except Exception as err:
         raise http_error(err) from err
