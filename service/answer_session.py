@@ -40,7 +40,14 @@ class AnswerSession:
 
     def sources(self) -> list[dict[str, Any]]:
         return [
-            {"id": c.id, "doc_id": c.doc_id, "score": round(c.score, 6), "tokens": len(c.token_ids), "text": c.text}
+            {
+                "id": c.id,
+                "doc_id": c.doc_id,
+                "score": round(c.score, 6),
+                "tokens": len(c.token_ids),
+                "text": c.text,
+                **c.context,  # title, headings, page, last_page: where they are known
+            }
             for c in self.retrieval.chunks
         ]
 

@@ -52,6 +52,8 @@ class RequestLimits:
 
     max_request_bytes: int
     api_key: str | None
+    max_upload_files: int = 100  # files in one POST /ingest/files
+    max_upload_file_bytes: int = 32 * 2**20
 
 
 class AnswerSession(Protocol):

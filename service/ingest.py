@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -41,10 +42,12 @@ from service.kvcache.store import KVStore
 from service.retrieval.chunker import Chunk, Chunker
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
+from service.retrieval.outline import ChunkContext, Outline, document_title, embedding_text
 
 log = logging.getLogger(__name__)
 
 GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
+EMBED_FORM = "title+heading:1"  # the document title and the innermost heading go before each chunk's text
 
 
 @dataclass
@@ -53,6 +56,7 @@ class IngestCounts:
 
     documents_done: int = 0
     chunks: int = 0
+    chunks_done: int = 0  # KV stored: reused chunks at once, computed ones as their batches finish
     chunks_precomputed: int = 0
     chunks_reused: int = 0
     tokens_precomputed: int = 0
@@ -68,6 +72,7 @@ class IngestCounts:
         return {
             "documents_done": self.documents_done,
             "chunks": self.chunks,
+            "chunks_done": self.chunks_done,
             "chunks_precomputed": self.chunks_precomputed,
             "chunks_reused": self.chunks_reused,
         }
@@ -115,6 +120,7 @@ class _Prepared:
     chunks: list[Chunk]
     blocks: list[TokenIds]
     keys: list[str]
+    contexts: list[ChunkContext]
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,11 @@ class Ingestor:
         self.order = parts.order
         self.max_precompute_tokens = max_precompute_tokens
         config = parts.chunker.config
-        self._chunking = f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version}"
+        # `embed=`: what is embedded besides the chunk text; a change re-embeds a re-ingested document (its KV is
+        # content-addressed and reused).
+        self._chunking = (
+            f"size={config.chunk_size};overlap={config.overlap};template={parts.template.version};embed={EMBED_FORM}"
+        )
 
     def ingest(
         self, job: IngestJob, progress: Progress | None = None, should_stop: ShouldStop | None = None
@@ -157,7 +167,7 @@ class Ingestor:
         for group in self._groups(job.documents, counts):
             if should_stop is not None and should_stop():
                 raise IngestInterruptedError(counts)
-            self._store_kv(group, counts)
+            self._store_kv(group, counts, progress)
             superseded: set[str] = set()
             for prepared in group:
                 with applying(self.order, prepared.doc.id, job.sequence) as current:
@@ -220,13 +230,17 @@ class Ingestor:
             return set()
 
     def _prepare(self, doc: Document) -> _Prepared:
-        chunks = self.chunker.chunk(doc.id, doc.text, markdown=doc.format == "markdown")
+        markdown = doc.format == "markdown"
+        chunks = self.chunker.chunk(doc.id, doc.text, markdown=markdown)
         blocks = [self.template.chunk_block(c.token_ids) for c in chunks]
         keys = [self.store.key_of(b) for b in blocks]
-        return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys)
+        outline = Outline(doc.text, markdown, document_title(doc.metadata, doc.text, markdown))
+        contexts = [outline.context(c.char_start, c.char_end) for c in chunks]
+        return _Prepared(doc, document_version(doc, self._chunking), chunks, blocks, keys, contexts)
 
-    def _store_kv(self, group: list[_Prepared], counts: IngestCounts) -> None:
-        """Compute and store the KV of every block not stored yet, in batches that fill the device."""
+    def _store_kv(self, group: list[_Prepared], counts: IngestCounts, progress: Progress | None = None) -> None:
+        """Compute and store the KV of every block not stored yet, in batches that fill the device; `progress`
+        hears of the group's chunks once counted and after each batch (`chunks_done`)."""
         missing: dict[str, TokenIds] = {}
         for prepared in group:
             for key, block in zip(prepared.keys, prepared.blocks, strict=True):
@@ -235,9 +249,21 @@ class Ingestor:
         counts.chunks += sum(len(p.keys) for p in group)
         counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
+        # A block shared by several chunks of the group finishes them all: the chunks wait per distinct block.
+        waiting = Counter(key for p in group for key in p.keys if key in missing)
+        counts.chunks_done += sum(len(p.keys) for p in group) - sum(waiting.values())
+        if progress is not None:
+            progress(counts)
+        keys = list(missing)
+
+        def batch_done(indices: Sequence[int]) -> None:
+            counts.chunks_done += sum(waiting[keys[i]] for i in indices)
+            if progress is not None:
+                progress(counts)
+
         start = time.perf_counter()
         blocks = list(missing.values())
-        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens)
+        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens, on_batch=batch_done)
         counts.tokens_precomputed += sum(len(ids) for ids in blocks)
         counts.add_time("precompute", time.perf_counter() - start)
 
@@ -253,10 +279,14 @@ class Ingestor:
         written = len(mine) == len(prepared.chunks)
         if not written:
             start = time.perf_counter()
-            vectors = self.embedder.embed_documents([c.text for c in prepared.chunks])
+            texts = [embedding_text(x, c.text) for c, x in zip(prepared.chunks, prepared.contexts, strict=True)]
+            vectors = self.embedder.embed_documents(texts)
             counts.add_time("embed", time.perf_counter() - start)
             start = time.perf_counter()
-            self.collection.upsert(prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False)
+            contexts = [x.payload() for x in prepared.contexts]
+            self.collection.upsert(
+                prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False, contexts=contexts
+            )
             counts.add_time("upsert", time.perf_counter() - start)
         if not written or len(mine) != len(existing) or not all(p.visible for p in mine):
             self.collection.publish(doc.id, version)

@@ -56,7 +56,12 @@ class Server:
         self._given = (engine, embedder)
         self._worker_factory = worker_factory
         self._model_name = _model_name(settings.model)
-        self._limits = RequestLimits(settings.max_request_mb * MIB, settings.api_key)
+        self._limits = RequestLimits(
+            settings.max_request_mb * MIB,
+            settings.api_key,
+            max_upload_files=settings.max_upload_files,
+            max_upload_file_bytes=settings.max_upload_file_mb * MIB,
+        )
 
     @property
     def model_name(self) -> str:

@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
     api_key: str | None = Field(None, description="Bearer token required on every route but health and metrics.")
     max_request_mb: int = Field(64, ge=1, description="Largest request body accepted (MiB); larger gets 413.")
+    max_upload_files: int = Field(100, ge=1, le=1000, description="Files one POST /ingest/files may carry.")
+    max_upload_file_mb: int = Field(32, ge=1, description="Largest file POST /ingest/files accepts (MiB); 413 above.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
     max_batch: int = Field(32, ge=1, le=256, description="Answers decoded together in one batched step, at most.")
     prefill_chunk: int = Field(

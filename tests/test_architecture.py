@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The only modules under service/ that may start a worker, hence import `workers`.
 ENTRY_POINTS = ("service/cli.py", "service/__main__.py", "service/commands/")
-# What the HTTP layer may import from the rest of the service: the facade, its errors and value types, and the
-# plain-JSON rule the job contract applies too (pure functions on values).
+# What the HTTP layer may import from the rest of the service: the facade, its errors and value types, the
+# plain-JSON rule the job contract applies too, and the file readers (pure functions on values: bytes → text).
 HTTP_ALLOWED = (
     "service.api",
     "service.facade",
@@ -19,8 +19,9 @@ HTTP_ALLOWED = (
     "service.answer",
     "service.jobs.documents",
     "service.plain_json",
+    "service.formats",
 )
-CORE = ("service/engine/", "service/kvcache/", "service/retrieval/", "service/jobs/")
+CORE = ("service/engine/", "service/kvcache/", "service/retrieval/", "service/jobs/", "service/formats/")
 
 
 def imports_of(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from service.api import openai_errors
 from service.api.body_limit import BodyLimit
 from service.api.request_metrics import RequestCounter
-from service.api.routes import ask, documents, health, ingest, openai
+from service.api.routes import ask, documents, health, ingest, ingest_files, openai
 from service.facade import Facade
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -36,7 +36,7 @@ def create_app(facade: Facade) -> FastAPI:
 
     app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
     app.state.facade = facade
-    for module in (health, ingest, documents, ask, openai):
+    for module in (health, ingest, ingest_files, documents, ask, openai):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -64,6 +64,7 @@ class JobStatusOut(BaseModel):
     documents: int
     documents_done: int
     chunks: int
+    chunks_done: int
     chunks_precomputed: int
     chunks_reused: int
     chunks_deleted: int

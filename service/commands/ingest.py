@@ -1,9 +1,12 @@
 """`kvstitch ingest PATH...`: send files and folders to a running server, or ingest them in this process.
 
-Folders are walked for `.txt`, `.md` and `.markdown` files (hidden ones skipped); a file's document id is its
-path relative to the folder given, prefixed with that folder's name, or its name when given directly. Every file
-is read and decoded before anything is sent, so a bad file stops the command without a half-done ingest.
-Documents go in jobs of at most `--batch` documents; progress (documents done) is drawn on stderr.
+Folders are walked for text, Markdown, HTML and PDF files by extension (`service.formats.EXTENSIONS`; hidden ones
+skipped); a file named explicitly is read whatever its name (`LICENSE`, `NOTICE`…): PDF and HTML are told by their
+bytes, anything else is text if it decodes as UTF-8, and a binary file is refused naming it. A file's document id
+is its path relative to the folder given, prefixed with that folder's name, or its name when given directly.
+Every file is read and extracted before anything is sent, so a bad file stops the command without a half-done
+ingest. Documents go in jobs of at most `--batch` documents; progress (documents, and chunks whose KV is stored
+as their batches finish) is drawn on stderr.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from service.jobs.documents import Document, DocumentFormat
+from service.formats import EXTENSIONS, ExtractError, extract
+from service.jobs.documents import Document
 
-TEXT_SUFFIXES: dict[str, DocumentFormat] = {".txt": "text", ".md": "markdown", ".markdown": "markdown"}
 DEFAULT_BATCH = 100
 POLL_S = 0.5
 FINISHED = ("done", "failed")
@@ -39,7 +42,7 @@ def collect_documents(paths: Sequence[str | Path], max_chars: int) -> list[Docum
         seen[doc_id] = path
         documents.append(_read(path, doc_id, max_chars))
     if not documents:
-        raise InputError("no .txt, .md or .markdown files found in the paths given")
+        raise InputError(f"no {', '.join(EXTENSIONS)} files found in the paths given")
     return documents
 
 
@@ -48,11 +51,9 @@ def _files(paths: Sequence[str | Path]) -> Iterator[tuple[Path, str]]:
         if given.is_dir():
             for path in sorted(given.rglob("*")):
                 relative = path.relative_to(given)
-                if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES and not _hidden(relative):
+                if path.is_file() and path.suffix.lower() in EXTENSIONS and not _hidden(relative):
                     yield path, f"{given.resolve().name}/{relative.as_posix()}"
-        elif given.is_file():
-            if given.suffix.lower() not in TEXT_SUFFIXES:
-                raise InputError(f"{given}: only {', '.join(TEXT_SUFFIXES)} files can be ingested")
+        elif given.is_file():  # named explicitly: any name; `extract` decides by the content
             yield given, given.name
         else:
             raise InputError(f"{given}: no such file or folder")
@@ -64,16 +65,18 @@ def _hidden(relative: Path) -> bool:
 
 def _read(path: Path, doc_id: str, max_chars: int) -> Document:
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+        data = path.read_bytes()
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror})") from err
-    if not text.strip():
+    if not data.strip():
         raise InputError(f"{path}: the file is empty")
-    if len(text) > max_chars:
-        raise InputError(f"{path}: {len(text):,} characters; the limit is {max_chars:,}")
-    return Document(doc_id, text, {"source": str(path)}, TEXT_SUFFIXES[path.suffix.lower()])
+    try:
+        extracted = extract(str(path), data)
+    except ExtractError as err:
+        raise InputError(str(err)) from err
+    if len(extracted.text) > max_chars:
+        raise InputError(f"{path}: {len(extracted.text):,} characters; the limit is {max_chars:,}")
+    return Document(doc_id, extracted.text, extracted.metadata(source=str(path)), extracted.format)
 
 
 def batches(documents: Sequence[Document], size: int) -> list[list[Document]]:
@@ -113,9 +116,24 @@ def _draw(statuses: Iterator[Mapping[str, Any]] | Any, out: TextIO, width: int =
     total = sum(int(s.get("documents", 0)) for s in rows)
     done = sum(int(s.get("documents" if s.get("status") in FINISHED else "documents_done", 0)) for s in rows)
     chunks = sum(int(s.get("chunks", 0)) for s in rows)
-    filled = width * done // total if total else width
-    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} documents, {chunks} chunks")
+    chunks_done = sum(int(s.get("chunks_done", 0)) for s in rows)
+    share = sum(_job_share(s) for s in rows) / total if total else 1.0
+    filled = min(width, int(width * share))
+    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} documents, {chunks_done}/{chunks} chunks")
     out.flush()
+
+
+def _job_share(status: Mapping[str, Any]) -> float:
+    """A job's progress as a share of its documents: the share of its chunks whose KV is stored once chunks are
+    counted (a group of documents at a time, before their KV is computed: in a job of several groups the share
+    drops back when the next group is counted), else of its documents done."""
+    documents = int(status.get("documents", 0))
+    if status.get("status") in FINISHED:
+        return float(documents)
+    chunks = int(status.get("chunks", 0))
+    if not chunks:
+        return float(status.get("documents_done", 0))
+    return documents * min(1.0, int(status.get("chunks_done", 0)) / chunks)
 
 
 def report(final: Mapping[str, Mapping[str, Any]], out: TextIO | None = None) -> int:

@@ -316,6 +316,7 @@ class SqliteJobStatusStore:
         self.ttl_s = ttl_s
         self._clock = clock
         self._db = _Database(path, _STATUS_SCHEMA)
+        self._add_missing_counts()
 
     def create(self, job_id: str, documents: int, kind: str = "ingest") -> JobStatus:
         now = self._clock()
@@ -348,6 +349,14 @@ class SqliteJobStatusStore:
 
     def close(self) -> None:
         self._db.close()
+
+    def _add_missing_counts(self) -> None:
+        """A jobs file written by an older version lacks newer count columns (`chunks_done`): add them as 0."""
+        present = {row["name"] for row in self._db.read("PRAGMA table_info(job_status)")}
+        with self._db.transaction() as db:
+            for name in COUNT_FIELDS:
+                if name not in present:  # names come from COUNT_FIELDS, never from input
+                    db.execute(f"ALTER TABLE job_status ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")
 
     def _write(self, job_id: str, assignments: str, values: list[Any]) -> JobStatus:
         # Column names come from `status_changes` / `_check_counts`, which refuse any name not a status field.

@@ -24,6 +24,7 @@ COUNT_FIELDS = (
     "documents",
     "documents_done",
     "chunks",
+    "chunks_done",
     "chunks_precomputed",
     "chunks_reused",
     "chunks_deleted",
@@ -44,6 +45,7 @@ class JobStatus:
     documents: int = 0
     documents_done: int = 0
     chunks: int = 0
+    chunks_done: int = 0  # chunks whose KV is stored (reused at once, computed as their batches finish)
     chunks_precomputed: int = 0
     chunks_reused: int = 0
     chunks_deleted: int = 0

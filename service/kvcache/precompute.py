@@ -55,13 +55,13 @@ def precompute_and_store(
     blocks: Sequence[TokenIds],
     max_tokens: int,
     writers: int = DEFAULT_WRITERS,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[Sequence[int]], None] | None = None,
 ) -> int:
     """Compute the KV of `blocks` in batches and `put` every block; returns the bytes written.
 
     Writing (device-to-host copy, file, fsync, index) runs on `writers` threads while the next batch computes;
-    at most `MAX_PENDING_WRITES` computed blocks wait for a writer. `on_batch(n)` is called after each batch of
-    n blocks is computed (progress).
+    at most `MAX_PENDING_WRITES` computed blocks wait for a writer. `on_batch(indices)` is called after each batch of
+    blocks is computed, with their indices in `blocks` (progress).
     """
     pending: collections.deque[concurrent.futures.Future[int]] = collections.deque()
     written = 0
@@ -70,7 +70,7 @@ def precompute_and_store(
             computed = precompute([blocks[i] for i in batch])
             pending.extend(pool.submit(put, [block]) for block in computed)
             if on_batch is not None:
-                on_batch(len(batch))
+                on_batch(batch)
             while len(pending) > MAX_PENDING_WRITES:
                 written += pending.popleft().result()
         for future in pending:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
+from service.retrieval.headings import find_headings
+
 
 class Rank(IntEnum):
     """How good a cut is; higher is better."""
@@ -23,7 +25,7 @@ class Rank(IntEnum):
     LINE = 2
     SENTENCE = 3
     PARAGRAPH = 4
-    HEADING = 5  # Markdown only: right before a heading line, so a section starts its own chunk
+    HEADING = 5  # right before a heading (`headings.py`), so a section starts its own chunk
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ _SENTENCE_END = re.compile(r"[.!?…。！？][)\]}\"'”’»」』）]*\Z")
 _CJK_SENTENCE_END = re.compile(r"[。！？][」』）”’]*(?=\S)")
 _ATX_HEADING = re.compile(r"#{1,6}(?:[ \t]|$)", re.MULTILINE)
 _FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})([^\n]*)$", re.MULTILINE)
+_LINE_NUMBER = re.compile(r"[ \t]*(?:\d+\.)+|[ \t]*[A-Za-z]\.")
 _PARAGRAPH_SEPARATOR = "\u2029"  # Unicode's explicit paragraph break counts as a blank line
 
 
@@ -85,28 +88,40 @@ def find_cut_points(
     whole = [keep_whole(f) for f in fences]
     whole_fences = _SpanSet([f for f, w in zip(fences, whole, strict=True) if w])
     code = _SpanSet(fences)
+    headings = [] if markdown else find_headings(text, markdown=False)
+    marks = _HeadingMarks({h.start for h in headings}, {h.end for h in headings})
     first, last = len(text) - len(text.lstrip()), len(text.rstrip())
-    points = [p for p in _all_cut_points(text, markdown, code) if first < p.start and p.end < last]
+    points = [p for p in _all_cut_points(text, markdown, code, marks) if first < p.start and p.end < last]
     return [p for p in points if not whole_fences.holds(p.start)]
 
 
-def _all_cut_points(text: str, markdown: bool, code: _SpanSet) -> Iterator[CutPoint]:
+@dataclass(frozen=True)
+class _HeadingMarks:
+    """Where plain-text headings start and end (Markdown's are read from the text at each gap)."""
+
+    starts: set[int]
+    ends: set[int]
+
+
+def _all_cut_points(text: str, markdown: bool, code: _SpanSet, marks: _HeadingMarks) -> Iterator[CutPoint]:
     """Whitespace runs and CJK sentence ends, ranked, in text order; inside code a `#` line is no heading."""
     gaps = (
-        CutPoint(m.start(), m.end(), _rank_gap(text, m.start(), m.end(), markdown and not code.holds(m.start())))
+        CutPoint(m.start(), m.end(), _rank_gap(text, m.start(), m.end(), markdown and not code.holds(m.start()), marks))
         for m in _WHITESPACE.finditer(text)
     )
     cjk = (CutPoint(m.end(), m.end(), Rank.SENTENCE) for m in _CJK_SENTENCE_END.finditer(text))
     yield from sorted([*gaps, *cjk], key=lambda p: p.start)
 
 
-def _rank_gap(text: str, start: int, end: int, markdown: bool) -> Rank:
+def _rank_gap(text: str, start: int, end: int, markdown: bool, marks: _HeadingMarks) -> Rank:
     gap = text[start:end]
-    newlines = gap.count("\n") + 2 * gap.count(_PARAGRAPH_SEPARATOR)
-    if markdown and newlines >= 1 and _ATX_HEADING.match(text, end) is not None:
+    newlines = gap.count("\n") + gap.count("\f") + 2 * gap.count(_PARAGRAPH_SEPARATOR)
+    # A heading belongs with the text under it, never alone at a chunk's end (checked before "a heading
+    # follows": a title right above a section heading stays with it too).
+    if start in marks.ends or (markdown and newlines >= 1 and _follows_heading(text, start)):
+        return Rank.LINE if newlines >= 1 else Rank.WORD
+    if newlines >= 1 and (end in marks.starts or (markdown and _ATX_HEADING.match(text, end) is not None)):
         return Rank.HEADING
-    if markdown and newlines >= 1 and _follows_heading(text, start):
-        return Rank.LINE  # a heading belongs with the text under it, not alone at a chunk's end
     if newlines >= 2:
         return Rank.PARAGRAPH
     if _ends_sentence(text, start, end):
@@ -122,8 +137,11 @@ def _follows_heading(text: str, start: int) -> bool:
 
 
 def _ends_sentence(text: str, start: int, end: int) -> bool:
-    """Terminal punctuation before the gap and no lowercase letter after it ("e.g. this" is not a sentence end)."""
+    """Terminal punctuation before the gap and no lowercase letter after it ("e.g. this" is not a sentence end);
+    a section or list number opening its line ("3.", "1.4.", "b.") ends no sentence."""
     if _SENTENCE_END.search(text, max(0, start - 8), start) is None:
+        return False
+    if _LINE_NUMBER.fullmatch(text, text.rfind("\n", 0, start) + 1, start) is not None:
         return False
     return end >= len(text) or not text[end].islower()
 

@@ -6,9 +6,11 @@ caches and what the gateway wraps into a block, so nothing downstream ever re-to
 
 Cutting is greedy: from a chunk's start, the token budget decides how far the chunk may reach, and the chunk ends
 at the best-ranked cut point in that reach (heading > paragraph > sentence > line > word), the latest one of that
-rank; only a run without whitespace longer than the budget is cut at a token boundary. The document's tokens
-are read once with their character offsets to estimate every span's token count; each chunk is then encoded
-alone and shrunk if the estimate was short, so the limit holds exactly.
+rank; only a run without whitespace longer than the budget is cut at a token boundary. A chunk is never headings
+alone: the gap after a heading ranks as a line break, and a piece that would still be only headings takes the next
+cut instead (`headings.py` finds Markdown headings and plain text's numbered and stand-alone titles). The
+document's tokens are read once with their character offsets to estimate every span's token count; each chunk
+is then encoded alone and shrunk if the estimate was short, so the limit holds exactly.
 
 Overlap: when a cut falls inside a paragraph (a sentence, line or word cut), the next chunk repeats the last
 whole units of the same rank or better that fit in `overlap` tokens, so a thought cut in two keeps its context.
@@ -28,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from service.engine.kv_layout import TokenIds
 from service.engine.prompt import encode
 from service.retrieval.boundaries import CutPoint, Rank, Span, find_cut_points
+from service.retrieval.headings import is_heading_only
 
 # Below this a budget cannot hold even a few words plus the edge effects of tokenizing a span alone.
 MIN_CHUNK_SIZE = 16
@@ -194,6 +197,7 @@ class _Packer:
         self.tokens = tokens
         self.size = config.chunk_size
         self.overlap = config.overlap
+        self.markdown = markdown
         self.content_start = len(text) - len(text.lstrip())
         self.content_end = len(text.rstrip())
         self.cuts = _CutIndex(find_cut_points(text, markdown=markdown, keep_whole=self._fits))
@@ -232,12 +236,23 @@ class _Packer:
             cut = None if hi >= self.content_end else self.cuts.best(floor, hi) or self._token_cut(floor, hi)
             if hi < self.content_end and cut is None:
                 return None
+            cut = self._past_headings(start, cut, hi)
             end = self.content_end if cut is None else cut.start
             ids = self.encode(self.text[start:end])
             if len(ids) <= self.size:
                 return _Piece(start, end, ids, cut)
             budget -= len(ids) - self.size  # the estimate was short by about this much
         return None
+
+    def _past_headings(self, start: int, cut: CutPoint | None, hi: int) -> CutPoint | None:
+        """A later cut when the piece up to `cut` would be headings only (a heading joins the text under it);
+        the ranks already keep headings with their text, this holds where no better cut was in reach."""
+        while cut is not None and is_heading_only(self.text[start : cut.start], self.markdown):
+            later = self.cuts.best(cut.start, hi)
+            if later is None:
+                return cut
+            cut = later
+        return cut
 
     def _token_cut(self, floor: int, hi: int) -> CutPoint | None:
         """The latest token boundary in (floor, hi] inside a run without whitespace: the last resort."""

@@ -105,6 +105,7 @@ class RetrievedChunk:
     char_end: int
     metadata: Mapping[str, Any] = field(default_factory=dict)
     visible: bool = True  # published (searches return published chunks only)
+    context: Mapping[str, Any] = field(default_factory=dict)  # title, headings, page, last_page (those known)
 
 
 class ChunkCollection:
@@ -148,15 +149,20 @@ class ChunkCollection:
         kv_keys: Sequence[str] | None = None,
         metadata: Mapping[str, Any] | None = None,
         visible: bool = True,
+        contexts: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[str]:
         """Write one point per chunk (same ids for the same doc, version and index: re-running is harmless); their
-        ids. Ingestion writes them invisible and `publish`es the version once every chunk is in."""
+        ids. Ingestion writes them invisible and `publish`es the version once every chunk is in. `contexts`: per
+        chunk, where it sits (title, heading path, pages; `outline.ChunkContext.payload`)."""
         keys = list(kv_keys) if kv_keys is not None else [""] * len(chunks)
-        if not len(chunks) == len(vectors) == len(keys):
-            raise ValueError(f"got {len(chunks)} chunks, {len(vectors)} vectors and {len(keys)} KV keys")
+        where = list(contexts) if contexts is not None else [{}] * len(chunks)
+        if not len(chunks) == len(vectors) == len(keys) == len(where):
+            raise ValueError(
+                f"got {len(chunks)} chunks, {len(vectors)} vectors, {len(keys)} KV keys, {len(where)} contexts"
+            )
         points = [
-            self._point(chunk, vector, version, key, metadata or {}, visible)
-            for chunk, vector, key in zip(chunks, vectors, keys, strict=True)
+            self._point(chunk, vector, version, key, metadata or {}, visible, context)
+            for chunk, vector, key, context in zip(chunks, vectors, keys, where, strict=True)
         ]
         with self._lock:
             for start in range(0, len(points), UPSERT_BATCH):
@@ -367,6 +373,7 @@ class ChunkCollection:
         kv_key: str,
         metadata: Mapping[str, Any],
         visible: bool,
+        context: Mapping[str, Any],
     ) -> models.PointStruct:
         self._check_vector(vector)
         payload = {
@@ -377,6 +384,7 @@ class ChunkCollection:
             "char_start": chunk.char_start,
             "char_end": chunk.char_end,
             "metadata": dict(metadata),
+            "context": dict(context),
             "kv_key": kv_key,
             "token_count": chunk.token_count,
             "token_ids": pack_token_ids(chunk.token_ids),
@@ -479,6 +487,7 @@ def _retrieved(hit: models.ScoredPoint) -> RetrievedChunk:
         char_end=int(payload.get("char_end", 0)),
         metadata=dict(payload.get("metadata") or {}),
         visible=payload.get(VISIBLE) is not False,  # missing: written before the flag existed, shown
+        context=dict(payload.get("context") or {}),
     )
 
 

@@ -28,6 +28,7 @@ OPERATIONS = {
     "GET /readyz": False,
     "GET /metrics": False,
     "POST /ingest": True,
+    "POST /ingest/files": True,
     "GET /ingest/{job_id}": True,
     "GET /documents": True,
     "GET /documents/{doc_id}": True,

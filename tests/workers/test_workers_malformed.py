@@ -368,7 +368,7 @@ def test_collect_documents_walks_folders_for_text_files(tmp_path: Path) -> None:
     write(corpus / "a.md", "# A\n\nAlpha.")
     write(corpus / "sub" / "b.txt", "Beta.")
     write(corpus / "sub" / "c.markdown", "Gamma.")
-    write(corpus / "skipped.pdf", "%PDF")
+    write(corpus / "skipped.bin", "a folder walk takes known extensions only")
     write(corpus / ".hidden" / "d.txt", "Hidden.")
     single = write(tmp_path / "single.txt", "Single.")
 
@@ -406,18 +406,20 @@ def test_collect_documents_refuses_an_empty_file(tmp_path: Path, content: str) -
     assert str(caught.value) == f"{empty}: the file is empty"
 
 
-def test_collect_documents_refuses_an_unsupported_suffix_given_directly(tmp_path: Path) -> None:
+def test_collect_documents_refuses_a_broken_pdf_given_directly(tmp_path: Path) -> None:
     pdf = write(tmp_path / "paper.pdf", "%PDF-1.7")
     with pytest.raises(InputError) as caught:
         collect_documents([pdf], max_chars=100)
-    assert str(caught.value) == f"{pdf}: only .txt, .md, .markdown files can be ingested"
+    assert str(caught.value).startswith(f"{pdf}: not a readable PDF (")
 
 
 def test_collect_documents_refuses_a_folder_without_text_files(tmp_path: Path) -> None:
-    write(tmp_path / "corpus" / "paper.pdf", "%PDF-1.7")
+    write(tmp_path / "corpus" / "image.png", b"\x89PNG\r\n")
     with pytest.raises(InputError) as caught:
         collect_documents([tmp_path / "corpus"], max_chars=100)
-    assert str(caught.value) == "no .txt, .md or .markdown files found in the paths given"
+    assert str(caught.value) == (
+        "no .txt, .text, .md, .markdown, .html, .htm, .xhtml, .pdf files found in the paths given"
+    )
 
 
 def test_collect_documents_refuses_two_files_with_one_document_id(tmp_path: Path) -> None:

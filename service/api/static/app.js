@@ -435,6 +435,15 @@
       if (!el.sources.childElementCount) el.sourcesEmpty.textContent = "No sources received.";
     }
 
+    // Where a chunk sits: its document's title, the innermost heading, its page(s) (PDF).
+    function sourcePlace(c) {
+      const parts = [];
+      if (typeof c.title === "string" && c.title) parts.push(c.title);
+      if (Array.isArray(c.headings) && c.headings.length) parts.push(String(c.headings[c.headings.length - 1]));
+      if (isNum(c.page)) parts.push(isNum(c.last_page) && c.last_page !== c.page ? "pp. " + c.page + "–" + c.last_page : "p. " + c.page);
+      return parts.join(" · ");
+    }
+
     function renderSources(chunks) {
       el.sources.replaceChildren();
       if (!Array.isArray(chunks) || chunks.length === 0) {
@@ -462,6 +471,13 @@
         tokens.className = "tokens";
         tokens.textContent = fmtCount(c.tokens) + " tokens";
         head.append(doc, score, tokens);
+        const where = sourcePlace(c);
+        if (where) {
+          const place = document.createElement("span");
+          place.className = "place";
+          place.textContent = where;
+          head.append(place);
+        }
 
         const details = document.createElement("details");
         const summary = document.createElement("summary");
@@ -604,49 +620,25 @@
       el.ingestStatus.dataset.state = state;
     }
 
-    function readFile(file) {
-      return new Promise(function (resolve, reject) {
-        const reader = new FileReader();
-        reader.onload = function () { resolve(String(reader.result)); };
-        reader.onerror = function () { reject(new Error("Could not read " + file.name + ": " + (reader.error && reader.error.message))); };
-        reader.readAsText(file, "utf-8");
-      });
-    }
-
-    async function collectDocuments() {
-      const docs = [];
+    // Pasted text goes as JSON to /ingest; files (text, Markdown, HTML, PDF) as multipart to /ingest/files, where
+    // the server tells each file's kind by its bytes.
+    function collectIngest() {
       const text = el.ingestText.value;
       const id = el.ingestId.value.trim();
-      if (text.trim() !== "") {
-        if (!id) { el.ingestId.focus(); throw new Error("Give the pasted document an id."); }
-        docs.push({ id: id, text: text, metadata: { source: "paste" }, format: el.ingestFormat.value === "markdown" ? "markdown" : "text" });
-      } else if (id && el.ingestFiles.files.length === 0) {
-        el.ingestText.focus();
-        throw new Error("Paste the text of document '" + id + "'.");
-      }
       const files = Array.prototype.slice.call(el.ingestFiles.files || []);
-      const rejected = files.filter(function (f) { return !/\.(txt|md|markdown)$/i.test(f.name); });
-      if (rejected.length) {
-        throw new Error("Only .txt and .md files can be ingested: " + rejected.map(function (f) { return f.name; }).join(", "));
+      if (text.trim() !== "" && files.length) throw new Error("Ingest the pasted text and the files one at a time.");
+      if (files.length) {
+        const form = new FormData();
+        files.forEach(function (f) { form.append("files", f, f.name); });
+        return { path: "ingest/files", body: form, count: files.length, json: false };
       }
-      const texts = await Promise.all(files.map(readFile));
-      files.forEach(function (f, i) {
-        docs.push({
-          id: f.name,
-          text: texts[i],
-          metadata: { source: "upload", filename: f.name },
-          format: /\.(md|markdown)$/i.test(f.name) ? "markdown" : "text",
-        });
-      });
-      if (docs.length === 0) throw new Error("Paste some text or choose files to ingest.");
-      const seen = {};
-      docs.forEach(function (d) {
-        if (seen[d.id]) throw new Error("Two documents share the id '" + d.id + "'.");
-        seen[d.id] = true;
-      });
-      const empty = docs.filter(function (d) { return d.text.trim() === ""; });
-      if (empty.length) throw new Error("Empty document: " + empty.map(function (d) { return d.id; }).join(", "));
-      return docs;
+      if (text.trim() === "") {
+        if (id) { el.ingestText.focus(); throw new Error("Paste the text of document '" + id + "'."); }
+        throw new Error("Paste some text or choose files to ingest.");
+      }
+      if (!id) { el.ingestId.focus(); throw new Error("Give the pasted document an id."); }
+      const doc = { id: id, text: text, metadata: { source: "paste" }, format: el.ingestFormat.value === "markdown" ? "markdown" : "text" };
+      return { path: "ingest", body: JSON.stringify({ documents: [doc] }), count: 1, json: true };
     }
 
     async function ingest() {
@@ -655,12 +647,13 @@
       el.ingestSubmit.disabled = true;
       try {
         setIngest("Reading…", "sending");
-        const docs = await collectDocuments();
-        setIngest("Sending " + plural(docs.length, "document") + "…", "sending");
-        const res = await guarded(fetch(url("ingest"), {
+        const send = collectIngest();
+        setIngest("Sending " + plural(send.count, "document") + "…", "sending");
+        const kind = send.json ? { "Content-Type": "application/json", "Accept": "application/json" } : { "Accept": "application/json" };
+        const res = await guarded(fetch(url(send.path), {
           method: "POST",
-          headers: headers({ "Content-Type": "application/json", "Accept": "application/json" }),
-          body: JSON.stringify({ documents: docs }),
+          headers: headers(kind),
+          body: send.body,
           cache: "no-store",
         }), "sending the documents");
         if (!res.ok) throw await httpError(res);
@@ -713,7 +706,7 @@
       let text = "Job " + (job.job_id || jobId) + ": " + status + " — " + counts;
       if (status === "failed") text += ". Error: " + (job.error || "unknown");
       setIngest(text, status);
-      const done = (isNum(job.chunks_precomputed) ? job.chunks_precomputed : 0) + (isNum(job.chunks_reused) ? job.chunks_reused : 0);
+      const done = isNum(job.chunks_done) ? job.chunks_done : (isNum(job.chunks_precomputed) ? job.chunks_precomputed : 0) + (isNum(job.chunks_reused) ? job.chunks_reused : 0);
       if (isNum(job.chunks) && job.chunks > 0) {
         el.ingestProgress.hidden = false;
         el.ingestProgress.max = job.chunks;

@@ -1,0 +1,81 @@
+"""POST /ingest/files: upload files (text, Markdown, HTML, PDF) as one ingest job, the same job as POST /ingest.
+
+Each file becomes one document whose id is its file name; its kind is told by its bytes (`service.formats`), its
+title and page count go into the document's metadata. Bounds: at most KVSTITCH_MAX_UPLOAD_FILES files (422
+naming `files`), each at most KVSTITCH_MAX_UPLOAD_FILE_MB (413 naming the file), the whole body at most
+KVSTITCH_MAX_REQUEST_MB (413); a file that cannot be read is a 422 naming it. Nothing is queued unless every file
+is good.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, File, HTTPException, UploadFile, status
+from fastapi.concurrency import run_in_threadpool
+
+from service.api.deps import FacadeDep, field_error, http_error, require_api_key
+from service.api.openapi import errors
+from service.api.schemas import IngestAccepted
+from service.errors import InvalidRequestError
+from service.formats import ExtractError, extract
+from service.jobs.documents import MAX_DOC_ID_CHARS, Document
+
+router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
+
+_DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\](?:\.text)?")
+
+
+@router.post(
+    "/ingest/files",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=IngestAccepted,
+    responses=errors(400, 413, 422, 503),
+)
+async def ingest_files(
+    files: Annotated[list[UploadFile], File(description="text, Markdown, HTML or PDF files; id = file name")],
+    facade: FacadeDep,
+) -> IngestAccepted:
+    """Queue uploaded files for ingestion as one job; poll GET /ingest/{job_id}."""
+    limits = facade.limits
+    if len(files) > limits.max_upload_files:
+        raise field_error("files", f"at most {limits.max_upload_files} files per upload, got {len(files)}")
+    names = [_name(i, upload) for i, upload in enumerate(files)]
+    documents = []
+    for upload, name in zip(files, names, strict=True):
+        data = await _read(upload, name, limits.max_upload_file_bytes)
+        try:
+            extracted = await run_in_threadpool(extract, name, data)
+        except ExtractError as err:
+            raise field_error("files", str(err)) from err
+        documents.append(
+            Document(name, extracted.text, extracted.metadata(source="upload", filename=name), extracted.format)
+        )
+    try:
+        job_id = await run_in_threadpool(facade.submit_ingest, documents)
+    except InvalidRequestError as err:  # name the file, not the document index the job contract uses
+        message = _DOCUMENT_INDEX.sub(lambda m: names[int(m.group(1))], err.message)
+        raise field_error("files", message) from err
+    except Exception as err:
+        raise http_error(err) from err
+    return IngestAccepted(job_id=job_id)
+
+
+def _name(index: int, upload: UploadFile) -> str:
+    """The document id: the file's base name (browsers send no folders; other clients may)."""
+    name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1].strip()
+    if not name or len(name) > MAX_DOC_ID_CHARS or not name.isprintable():
+        raise field_error("files", f"files[{index}] needs a printable file name of 1-{MAX_DOC_ID_CHARS} characters")
+    return name
+
+
+async def _read(upload: UploadFile, name: str, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise HTTPException(
+            status.HTTP_413_CONTENT_TOO_LARGE, detail=f"{name}: larger than the {limit // 2**20} MiB a file may be"
+        )
+    if not data.strip():
+        raise field_error("files", f"{name}: the file is empty")
+    return data

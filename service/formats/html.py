@@ -1,0 +1,151 @@
+"""HTML to Markdown-shaped text with selectolax (MIT; the Lexbor parser in C: fast, tolerant of broken markup).
+
+Scripts, styles and other non-text elements are dropped; headings become ATX headings and list items `- ` lines,
+block elements paragraphs, so the chunker cuts at sections and the heading path is kept. The walk is iterative:
+a deeply nested page cannot exhaust Python's stack.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from selectolax.lexbor import LexborHTMLParser
+
+DROPPED = frozenset(
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "svg",
+        "math",
+        "iframe",
+        "object",
+        "canvas",
+        "head",
+        "button",
+        "select",
+        "input",
+        "textarea",
+        "-comment",
+    }
+)
+BLOCKS = frozenset(
+    {
+        "p",
+        "div",
+        "section",
+        "article",
+        "main",
+        "header",
+        "footer",
+        "nav",
+        "aside",
+        "blockquote",
+        "ul",
+        "ol",
+        "dl",
+        "dd",
+        "dt",
+        "table",
+        "thead",
+        "tbody",
+        "tfoot",
+        "figure",
+        "figcaption",
+        "form",
+        "fieldset",
+        "address",
+        "details",
+        "summary",
+        "hr",
+        "body",
+        "html",
+    }
+)
+LINES = frozenset({"br", "li", "tr"})
+HEADINGS = {f"h{n}": n for n in range(1, 7)}
+_SPACES = re.compile(r"\s+")
+
+
+def html_to_markdown(html: str) -> tuple[str, str | None]:
+    """(Markdown text, the `<title>` or None)."""
+    tree = LexborHTMLParser(html)
+    title_node = tree.css_first("title")
+    title = _inline(title_node.text(deep=True)) if title_node is not None else ""
+    root = tree.body or tree.root
+    out = _Writer()
+    if root is not None:
+        _walk(root, out)
+    return out.text(), title or None
+
+
+def _walk(root: Any, out: _Writer) -> None:
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if node is None:  # the end of a block element
+            out.paragraph()
+            continue
+        tag = node.tag
+        if tag == "-text":
+            out.inline(node.text(deep=False))
+        elif tag in DROPPED:
+            continue
+        elif tag in HEADINGS:
+            out.paragraph()
+            out.raw("#" * HEADINGS[tag] + " " + _inline(node.text(deep=True, separator=" ")))
+            out.paragraph()
+        elif tag == "pre":
+            out.paragraph()
+            out.raw(node.text(deep=True).strip("\n"))
+            out.paragraph()
+        else:
+            if tag in LINES:
+                out.line()
+                if tag == "li":
+                    out.raw("- ")
+            if tag in BLOCKS:
+                out.paragraph()
+                stack.append(None)
+            stack.extend(reversed(list(node.iter(include_text=True))))
+
+
+def _inline(text: str) -> str:
+    return _SPACES.sub(" ", text).strip()
+
+
+class _Writer:
+    """Text with collapsed whitespace and breaks merged: a paragraph break wins over a line break."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._pending = 0  # newlines owed before the next text
+        self._at_line_start = True
+
+    def line(self) -> None:
+        self._pending = max(self._pending, 1)
+
+    def paragraph(self) -> None:
+        self._pending = 2
+
+    def inline(self, text: str) -> None:
+        collapsed = _SPACES.sub(" ", text)
+        if self._pending or self._at_line_start:
+            collapsed = collapsed.lstrip()
+        if collapsed:
+            self.raw(collapsed)
+
+    def raw(self, text: str) -> None:
+        if not text:
+            return
+        if self._pending and self._parts:
+            self._parts[-1] = self._parts[-1].rstrip(" ")
+            self._parts.append("\n" * self._pending)
+        self._pending = 0
+        self._parts.append(text)
+        self._at_line_start = text.endswith("\n") or text == "- "
+
+    def text(self) -> str:
+        return "".join(self._parts).strip()
