@@ -125,7 +125,7 @@ def test_points_survive_a_reopen_and_a_different_size_is_refused(tmp_path: Path)
 
 
 def test_inputs_that_do_not_match_are_refused(collection: ChunkCollection) -> None:
-    with pytest.raises(ValueError, match="2 chunks, 1 vectors and 2 KV keys"):
+    with pytest.raises(ValueError, match="2 chunks, 1 vectors, 2 KV keys"):
         collection.upsert([chunk("a", 0), chunk("a", 1)], [AXES["x"]], version="v1")
     with pytest.raises(ValueError, match="vector has 3 dimensions"):
         collection.upsert([chunk("a", 0)], [[1.0, 0.0, 0.0]], version="v1")

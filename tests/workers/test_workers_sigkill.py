@@ -25,6 +25,7 @@ import redis
 from qdrant_client import QdrantClient
 
 from service.engine.engine import StitchEngine
+from service.ingest import EMBED_FORM
 from service.jobs.documents import Document, document_version
 from service.jobs.ordering import RedisDocumentOrder
 from service.jobs.queue import RedisStreamQueue
@@ -181,7 +182,7 @@ def expected_points(engine: StitchEngine, documents: list[Document]) -> list[Exp
     defaults = Settings()
     chunker = Chunker(engine.tokenizer, ChunkerConfig(CHUNK_SIZE, CHUNK_OVERLAP, defaults.max_document_chars))
     fingerprint = model_fingerprint(engine.model)
-    chunking = f"size={CHUNK_SIZE};overlap={CHUNK_OVERLAP};template={engine.template.version}"
+    chunking = f"size={CHUNK_SIZE};overlap={CHUNK_OVERLAP};template={engine.template.version};embed={EMBED_FORM}"
     expected = []
     for doc in documents:
         version = document_version(doc, chunking)
