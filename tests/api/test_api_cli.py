@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import httpx
 
+from service.commands.ask import print_events, sse_events
 from tests.ports import free_port
 
 STARTUP_TIMEOUT_S = 180
@@ -78,3 +82,23 @@ def _wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
             pass
         time.sleep(0.25)
     raise AssertionError(f"kvstitch serve did not become ready:\n{log.read_text()}")
+
+
+def test_ask_prints_no_control_characters_but_newlines_and_tabs() -> None:
+    # The body a server could send: JSON escapes let any character through (ESC sequences, CR, BEL, C1, DEL).
+    events = [
+        ("retrieval", {"chunks": [{"doc_id": "evil\x1b]0;owned\x07.md", "score": 0.5}], "dropped": 0}),
+        ("token", {"text": "red\x1b[31m text\r\n"}),
+        ("token", {"text": "\tcleared\x1b[2J\x9b\x7f\x00 end\x08"}),
+        ("done", {"kv": {"gpu": 0}, "timings_ms": {"load": 1.0}, "ttft_ms": 2.0, "mode": "turbo\x1b[0m",
+                  "output_tokens": 2}),
+    ]  # fmt: skip
+    lines = [line for name, data in events for line in (f"event: {name}", f"data: {json.dumps(data)}", "")]
+    out = io.StringIO()
+
+    assert print_events(sse_events(iter(lines)), out) == 0
+
+    printed = out.getvalue()
+    assert printed.startswith("[sources: evil]0;owned.md (0.50)]\nred[31m text\n\tcleared[2J end\n\nTTFT 2.0 ms")
+    assert "(turbo[0m)" in printed
+    assert not [c for c in printed if unicodedata.category(c) == "Cc" and c not in "\n\t"]
