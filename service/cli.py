@@ -13,23 +13,27 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; every argument carries help text (tests/test_cli_help.py checks it)."""
     parser = argparse.ArgumentParser(prog="kvstitch", description="RAG serving with stitched chunk KV caches")
     commands = parser.add_subparsers(dest="command", required=True)
 
     verify = commands.add_parser("verify", help="run the correctness gate on a model and print the largest diff")
     verify.add_argument("--model", required=True, help="HF model folder or hub id")
-    verify.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    verify.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     verify.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     verify.add_argument(
         "--tolerance", type=float, default=None, help="default: 1e-4 in fp32; in bf16 10%% of the largest logit"
     )
-    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--seed", type=int, default=0, help="seed of the synthetic chunks and question (default 0)")
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="qwen2")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir", help="folder to write the model and tokenizer to (created)")
+    tiny.add_argument(
+        "--arch", choices=("llama", "qwen2", "mistral"), default="qwen2", help="architecture (default qwen2)"
+    )
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
     serve = commands.add_parser("serve", help="run the gateway (embedded Qdrant, index and worker by default)")
     _add_runtime_options(serve)
@@ -38,13 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-gate", action="store_true", help="skip the start-up correctness gate")
 
     ask = commands.add_parser("ask", help="stream an answer from a running server, then TTFT and tier hits")
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question, in quotes")
     ask.add_argument("--url", default=None, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
     ask.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
-    ask.add_argument("--mode", choices=("turbo", "naive"), default="turbo")
-    ask.add_argument("--positions", choices=("reordered", "composite"), default="reordered")
-    ask.add_argument("--top-k", type=int, default=5)
-    ask.add_argument("--max-new-tokens", type=int, default=None)
+    ask.add_argument(
+        "--mode", choices=("turbo", "naive"), default="turbo", help="turbo: stitched chunk KV; naive: full prefill"
+    )
+    ask.add_argument(
+        "--positions", choices=("reordered", "composite"), default="reordered", help="positions of the stitched chunks"
+    )
+    ask.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default 5)")
+    ask.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit (default: the server's)")
     ask.add_argument("--recompute", default=None, metavar="SPEC", help="none | prefix:N | selective:R (server default)")
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
@@ -52,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
 
     ingest = commands.add_parser("ingest", help="ingest .txt/.md files and folders, via a server or embedded")
-    ingest.add_argument("paths", nargs="+", metavar="PATH")
+    ingest.add_argument(
+        "paths", nargs="+", metavar="PATH", help="files and folders (.txt, .md, .markdown; folders walked recursively)"
+    )
     ingest.add_argument(
         "--url", default=None, help="server to send to (default: KVSTITCH_URL or http://127.0.0.1:8000)"
     )
@@ -256,7 +266,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvstitch` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     handlers = {
         "serve": _serve,
         "ask": _ask,
