@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where a variable is read outside `Settings`: os.environ.get / os.getenv / os.environ[...] / `in os.environ` in
+# Python, `${VAR}` / `${VAR:-default}` in compose files and shell scripts.
+ENV_READS = (
+    re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](KVSTITCH_[A-Z0-9_]+)["']"""),
+    re.compile(r"""["'](KVSTITCH_[A-Z0-9_]+)["']\s+(?:not\s+)?in\s+os\.environ"""),
+    re.compile(r"\$\{(KVSTITCH_[A-Z0-9_]+)"),
+)
+SOURCES = ("service", "workers", "loadtest", "tests", "deploy", "docker-compose.yml", "Dockerfile", ".ci")
 
 
 def _readme() -> str:
@@ -22,7 +31,25 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands() -> None:
     assert ci_lines[-2:] == commands
 
 
+def _settings_table() -> set[str]:
+    """The variables the README's settings table has a row for."""
+    return set(re.findall(r"^\| `(KVSTITCH_[A-Z0-9_]+)` \|", _readme(), flags=re.MULTILINE))
+
+
+def _variables_read_outside_settings() -> set[str]:
+    files = [p for name in SOURCES for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
+    texts = [p.read_text(encoding="utf-8", errors="ignore") for p in files if p.is_file() and p.suffix not in (".png", ".pyc")]
+    return {name for text in texts for pattern in ENV_READS for name in pattern.findall(text)}
+
+
 def test_the_readme_documents_every_setting() -> None:
-    readme = _readme()
-    missing = [name for name in Settings.model_fields if f"`KVSTITCH_{name.upper()}`" not in readme]
+    table = _settings_table()
+    missing = [name for name in Settings.model_fields if f"KVSTITCH_{name.upper()}" not in table]
     assert missing == []
+
+
+def test_the_readme_documents_every_variable_read_anywhere() -> None:
+    read = _variables_read_outside_settings()
+
+    assert {"KVSTITCH_URL", "KVSTITCH_API_KEY", "KVSTITCH_TARGET"} <= read  # the scan finds the CLI's and compose's
+    assert sorted(read - _settings_table()) == []
