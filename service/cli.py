@@ -1,4 +1,5 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | verify | tiny-model | eval | finetune | make-qa."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | eval | finetune |
+make-qa."""
 
 from __future__ import annotations
 
@@ -70,8 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--embedded", action="store_true", help="ingest in this process, no server (needs --model)")
     ingest.add_argument("--batch", type=int, default=100, help="documents per job (default 100)")
     _add_runtime_options(ingest)
+    _add_documents(commands)
     _add_quality_commands(commands)
     return parser
+
+
+def _add_documents(commands: Any) -> None:
+    """`documents` lists a page; `documents show ID` and `documents delete ID` act on one document."""
+    documents = commands.add_parser("documents", help="list, show or delete the documents a running server stores")
+    _add_client_options(documents, argparse.SUPPRESS)  # the subcommands' own copies win when given
+    documents.add_argument("--offset", type=int, default=0, help="documents to skip, sorted by id (default 0)")
+    documents.add_argument("--limit", type=int, default=20, help="documents per page, 1-1000 (default 20)")
+    actions = documents.add_subparsers(dest="action", metavar="{show,delete}", title="actions (default: list)")
+    show = actions.add_parser("show", help="one document: version, chunks, tokens, ingested time, metadata")
+    show.add_argument("doc_id", metavar="ID", help="the document's id")
+    _add_client_options(show, argparse.SUPPRESS)
+    delete = actions.add_parser("delete", help="remove a document and the KV blocks no other document uses")
+    delete.add_argument("doc_id", metavar="ID", help="the document's id")
+    delete.add_argument("--wait", action="store_true", help="follow the delete job until it is done")
+    _add_client_options(delete, argparse.SUPPRESS)
+
+
+def _add_client_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """--url, --api-key and --json for a command that talks to a running server."""
+    parser.add_argument("--url", default=default, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=default, help="bearer token (default: KVSTITCH_API_KEY)")
+    parser.add_argument("--json", action="store_true", default=default, help="print the server's JSON as it is")
 
 
 def _add_quality_commands(commands: Any) -> None:
@@ -235,6 +260,39 @@ def _ask(args: argparse.Namespace) -> int:
     return ask(_server_url(args), body, args.api_key or os.environ.get("KVSTITCH_API_KEY"))
 
 
+def _documents(args: argparse.Namespace) -> int:
+    import os
+
+    from service.commands.documents import (
+        MAX_LIMIT,
+        MAX_OFFSET,
+        DocumentsClient,
+        ServerError,
+        delete_document,
+        list_documents,
+        show_document,
+    )
+
+    for option, value, low, high in (("--offset", args.offset, 0, MAX_OFFSET), ("--limit", args.limit, 1, MAX_LIMIT)):
+        if not low <= value <= high:
+            print(f"error: {option} must be {low}-{high:,}, got {value}", file=sys.stderr)
+            return 2
+    url = _server_url(argparse.Namespace(url=getattr(args, "url", None)))
+    client = DocumentsClient(url, getattr(args, "api_key", None) or os.environ.get("KVSTITCH_API_KEY"))
+    as_json = bool(getattr(args, "json", False))
+    try:
+        if args.action == "show":
+            return show_document(client, args.doc_id, as_json, sys.stdout)
+        if args.action == "delete":
+            return delete_document(client, args.doc_id, args.wait, sys.stdout)
+        return list_documents(client, args.offset, args.limit, as_json, sys.stdout)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
 def _worker(args: argparse.Namespace) -> int:
     from workers.__main__ import run_worker
 
@@ -272,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ask": _ask,
         "worker": _worker,
         "ingest": _ingest,
+        "documents": _documents,
         "verify": _verify,
         "tiny-model": _tiny_model,
         "eval": _eval,

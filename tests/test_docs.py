@@ -38,7 +38,7 @@ def _settings_table() -> set[str]:
 
 def _variables_read_outside_settings() -> set[str]:
     files = [p for name in SOURCES for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
-    texts = [p.read_text(encoding="utf-8", errors="ignore") for p in files if p.is_file() and p.suffix not in (".png", ".pyc")]
+    texts = [p.read_text(encoding="utf-8", errors="ignore") for p in files if p.is_file() and p.suffix != ".pyc"]
     return {name for text in texts for pattern in ENV_READS for name in pattern.findall(text)}
 
 
