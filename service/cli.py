@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from service.data_dir_lock import DataDirInUseError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -337,7 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finetune": _finetune,
         "make-qa": _make_qa,
     }
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except DataDirInUseError as err:  # one line, not a traceback: the user runs the other process somewhere
+        print(f"kvstitch: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

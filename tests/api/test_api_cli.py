@@ -102,3 +102,43 @@ def test_ask_prints_no_control_characters_but_newlines_and_tabs() -> None:
     assert printed.startswith("[sources: evil]0;owned.md (0.50)]\nred[31m text\n\tcleared[2J end\n\nTTFT 2.0 ms")
     assert "(turbo[0m)" in printed
     assert not [c for c in printed if unicodedata.category(c) == "Cc" and c not in "\n\t"]
+
+
+def test_a_data_dir_in_use_stops_a_second_serve_and_ingest_with_one_line(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    env = {**os.environ, "KVSTITCH_DEVICE": "cpu", "KVSTITCH_HOST_CACHE_MB": "8"}
+    env.pop("KVSTITCH_REDIS_URL", None)
+    env.pop("KVSTITCH_QDRANT_URL", None)
+    model, data_dir, port = str(tiny_model_dirs["qwen2"]), tmp_path / "data", free_port()
+    (tmp_path / "note.txt").write_text("Sea otters hold hands while they sleep.\n", encoding="utf-8")
+    log = (tmp_path / "serve.log").open("w")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", model, "--data-dir", str(data_dir), "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", first, tmp_path / "serve.log")
+        started = time.monotonic()
+        second = _kvstitch("serve", "--model", model, "--data-dir", str(data_dir), "--port", str(free_port()), env=env)
+        embedded = _kvstitch("ingest", "--embedded", "--model", model, "--data-dir", str(data_dir),
+                             str(tmp_path / "note.txt"), env=env)  # fmt: skip
+        elapsed = time.monotonic() - started
+        still_ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=60)
+        log.close()
+
+    expected = f"kvstitch: data dir {data_dir.resolve()} is in use by another kvstitch process (pid {first.pid})"
+    for result in (second, embedded):
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.strip().splitlines() == [expected]
+        assert "Traceback" not in result.stdout + result.stderr
+    assert elapsed < 60  # both gave up at once: neither loaded the model nor waited for anything
+    assert still_ready == 200 and first.returncode == 0
+    # the lock went with the first process: the data dir is free again
+    again = _kvstitch("ingest", "--embedded", "--model", model, "--data-dir", str(data_dir),
+                      str(tmp_path / "note.txt"), env=env)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "done — 1 documents" in again.stdout
