@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 from service.settings import Settings
@@ -29,6 +31,40 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands() -> None:
 
     assert len(commands) == 2 and commands[1] == ".venv/bin/pytest"
     assert ci_lines[-2:] == commands
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _torch_install() -> str:
+    """The set-up line's torch install, as written (`.venv/bin/pip install torch==… …`)."""
+    set_up = _readme().split("```bash\n", 1)[1].splitlines()[0]
+    return next(step.strip() for step in set_up.split(" && ") if "pip install torch" in step)
+
+
+def _pip_arguments(command: str, **env: str) -> list[str]:
+    """The arguments bash hands pip for `command` (pip itself replaced by printf, so nothing is installed)."""
+    shown = command.replace(".venv/bin/pip", "printf '%s\\n'", 1)
+    clean = {k: v for k, v in os.environ.items() if k != "KVSTITCH_TORCH_INDEX"}
+    done = subprocess.run(["bash", "-c", shown], env={**clean, **env}, capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()
+
+
+def test_the_torch_install_takes_the_cpu_index_when_asked_and_pips_own_otherwise() -> None:
+    command = _torch_install()
+
+    # unset (CI here: pip's local CPU wheel; a GPU machine: PyPI's CUDA build): plain `pip install torch==2.13.0`
+    assert _pip_arguments(command) == ["install", "torch==2.13.0"]
+    assert _pip_arguments(command, KVSTITCH_TORCH_INDEX=CPU_INDEX) == [
+        "install",
+        "torch==2.13.0",
+        "--index-url",
+        CPU_INDEX,
+    ]
+    # the text under the commands says which value gives which build
+    notes = _readme().split("```bash\n", 1)[1].split("```", 1)[1].split("## Run", 1)[0]
+    assert f"KVSTITCH_TORCH_INDEX={CPU_INDEX}" in notes
+    assert "https://download.pytorch.org/whl/cu128" in notes and "CUDA build" in notes
 
 
 def _settings_table() -> set[str]:
