@@ -80,10 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_documents(commands: Any) -> None:
     """`documents` lists a page; `documents show ID` and `documents delete ID` act on one document."""
+    from service.commands.documents import MAX_LIMIT
+
     documents = commands.add_parser("documents", help="list, show or delete the documents a running server stores")
     _add_client_options(documents, argparse.SUPPRESS)  # the subcommands' own copies win when given
     documents.add_argument("--offset", type=int, default=0, help="documents to skip, sorted by id (default 0)")
-    documents.add_argument("--limit", type=int, default=20, help="documents per page, 1-1000 (default 20)")
+    documents.add_argument("--limit", type=int, default=20, help=f"documents per page, 1-{MAX_LIMIT} (default 20)")
     actions = documents.add_subparsers(dest="action", metavar="{show,delete}", title="actions (default: list)")
     show = actions.add_parser("show", help="one document: version, chunks, tokens, ingested time, metadata")
     show.add_argument("doc_id", metavar="ID", help="the document's id")
@@ -91,14 +93,15 @@ def _add_documents(commands: Any) -> None:
     delete = actions.add_parser("delete", help="remove a document and the KV blocks no other document uses")
     delete.add_argument("doc_id", metavar="ID", help="the document's id")
     delete.add_argument("--wait", action="store_true", help="follow the delete job until it is done")
-    _add_client_options(delete, argparse.SUPPRESS)
+    _add_client_options(delete, argparse.SUPPRESS, json=False)
 
 
-def _add_client_options(parser: argparse.ArgumentParser, default: Any) -> None:
-    """--url, --api-key and --json for a command that talks to a running server."""
+def _add_client_options(parser: argparse.ArgumentParser, default: Any, json: bool = True) -> None:
+    """--url, --api-key (and --json) for a command that talks to a running server."""
     parser.add_argument("--url", default=default, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=default, help="bearer token (default: KVSTITCH_API_KEY)")
-    parser.add_argument("--json", action="store_true", default=default, help="print the server's JSON as it is")
+    if json:
+        parser.add_argument("--json", action="store_true", default=default, help="print the server's JSON as it is")
 
 
 def _add_quality_commands(commands: Any) -> None:
