@@ -1,4 +1,5 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | verify | tiny-model | eval | finetune | make-qa."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | eval | finetune |
+make-qa."""
 
 from __future__ import annotations
 
@@ -10,26 +11,32 @@ from typing import Any
 
 import torch
 
+from service.data_dir_lock import DataDirInUseError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; every argument carries help text (tests/test_cli_help.py checks it)."""
     parser = argparse.ArgumentParser(prog="kvstitch", description="RAG serving with stitched chunk KV caches")
     commands = parser.add_subparsers(dest="command", required=True)
 
     verify = commands.add_parser("verify", help="run the correctness gate on a model and print the largest diff")
     verify.add_argument("--model", required=True, help="HF model folder or hub id")
-    verify.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    verify.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     verify.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     verify.add_argument(
         "--tolerance", type=float, default=None, help="default: 1e-4 in fp32; in bf16 10%% of the largest logit"
     )
-    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--seed", type=int, default=0, help="seed of the synthetic chunks and question (default 0)")
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="qwen2")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir", help="folder to write the model and tokenizer to (created)")
+    tiny.add_argument(
+        "--arch", choices=("llama", "qwen2", "mistral"), default="qwen2", help="architecture (default qwen2)"
+    )
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
     serve = commands.add_parser("serve", help="run the gateway (embedded Qdrant, index and worker by default)")
     _add_runtime_options(serve)
@@ -38,13 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-gate", action="store_true", help="skip the start-up correctness gate")
 
     ask = commands.add_parser("ask", help="stream an answer from a running server, then TTFT and tier hits")
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question, in quotes")
     ask.add_argument("--url", default=None, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
     ask.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
-    ask.add_argument("--mode", choices=("turbo", "naive"), default="turbo")
-    ask.add_argument("--positions", choices=("reordered", "composite"), default="reordered")
-    ask.add_argument("--top-k", type=int, default=5)
-    ask.add_argument("--max-new-tokens", type=int, default=None)
+    ask.add_argument(
+        "--mode", choices=("turbo", "naive"), default="turbo", help="turbo: stitched chunk KV; naive: full prefill"
+    )
+    ask.add_argument(
+        "--positions", choices=("reordered", "composite"), default="reordered", help="positions of the stitched chunks"
+    )
+    ask.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default 5)")
+    ask.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit (default: the server's)")
     ask.add_argument("--recompute", default=None, metavar="SPEC", help="none | prefix:N | selective:R (server default)")
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
@@ -52,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
 
     ingest = commands.add_parser("ingest", help="ingest .txt/.md files and folders, via a server or embedded")
-    ingest.add_argument("paths", nargs="+", metavar="PATH")
+    ingest.add_argument(
+        "paths", nargs="+", metavar="PATH", help="files and folders (.txt, .md, .markdown; folders walked recursively)"
+    )
     ingest.add_argument(
         "--url", default=None, help="server to send to (default: KVSTITCH_URL or http://127.0.0.1:8000)"
     )
@@ -60,8 +73,35 @@ def _parser() -> argparse.ArgumentParser:
     ingest.add_argument("--embedded", action="store_true", help="ingest in this process, no server (needs --model)")
     ingest.add_argument("--batch", type=int, default=100, help="documents per job (default 100)")
     _add_runtime_options(ingest)
+    _add_documents(commands)
     _add_quality_commands(commands)
     return parser
+
+
+def _add_documents(commands: Any) -> None:
+    """`documents` lists a page; `documents show ID` and `documents delete ID` act on one document."""
+    from service.commands.documents import MAX_LIMIT
+
+    documents = commands.add_parser("documents", help="list, show or delete the documents a running server stores")
+    _add_client_options(documents, argparse.SUPPRESS)  # the subcommands' own copies win when given
+    documents.add_argument("--offset", type=int, default=0, help="documents to skip, sorted by id (default 0)")
+    documents.add_argument("--limit", type=int, default=20, help=f"documents per page, 1-{MAX_LIMIT} (default 20)")
+    actions = documents.add_subparsers(dest="action", metavar="{show,delete}", title="actions (default: list)")
+    show = actions.add_parser("show", help="one document: version, chunks, tokens, ingested time, metadata")
+    show.add_argument("doc_id", metavar="ID", help="the document's id")
+    _add_client_options(show, argparse.SUPPRESS)
+    delete = actions.add_parser("delete", help="remove a document and the KV blocks no other document uses")
+    delete.add_argument("doc_id", metavar="ID", help="the document's id")
+    delete.add_argument("--wait", action="store_true", help="follow the delete job until it is done")
+    _add_client_options(delete, argparse.SUPPRESS, json=False)
+
+
+def _add_client_options(parser: argparse.ArgumentParser, default: Any, json: bool = True) -> None:
+    """--url, --api-key (and --json) for a command that talks to a running server."""
+    parser.add_argument("--url", default=default, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=default, help="bearer token (default: KVSTITCH_API_KEY)")
+    if json:
+        parser.add_argument("--json", action="store_true", default=default, help="print the server's JSON as it is")
 
 
 def _add_quality_commands(commands: Any) -> None:
@@ -236,6 +276,39 @@ def _ask(args: argparse.Namespace) -> int:
     return ask(_server_url(args), body, args.api_key or os.environ.get("KVSTITCH_API_KEY"))
 
 
+def _documents(args: argparse.Namespace) -> int:
+    import os
+
+    from service.commands.documents import (
+        MAX_LIMIT,
+        MAX_OFFSET,
+        DocumentsClient,
+        ServerError,
+        delete_document,
+        list_documents,
+        show_document,
+    )
+
+    for option, value, low, high in (("--offset", args.offset, 0, MAX_OFFSET), ("--limit", args.limit, 1, MAX_LIMIT)):
+        if not low <= value <= high:
+            print(f"error: {option} must be {low}-{high:,}, got {value}", file=sys.stderr)
+            return 2
+    url = _server_url(argparse.Namespace(url=getattr(args, "url", None)))
+    client = DocumentsClient(url, getattr(args, "api_key", None) or os.environ.get("KVSTITCH_API_KEY"))
+    as_json = bool(getattr(args, "json", False))
+    try:
+        if args.action == "show":
+            return show_document(client, args.doc_id, as_json, sys.stdout)
+        if args.action == "delete":
+            return delete_document(client, args.doc_id, args.wait, sys.stdout)
+        return list_documents(client, args.offset, args.limit, as_json, sys.stdout)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
 def _worker(args: argparse.Namespace) -> int:
     from workers.__main__ import run_worker
 
@@ -267,19 +340,24 @@ def _ingest(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvstitch` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     handlers = {
         "serve": _serve,
         "ask": _ask,
         "worker": _worker,
         "ingest": _ingest,
+        "documents": _documents,
         "verify": _verify,
         "tiny-model": _tiny_model,
         "eval": _eval,
         "finetune": _finetune,
         "make-qa": _make_qa,
     }
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except DataDirInUseError as err:  # one line, not a traceback: the user runs the other process somewhere
+        print(f"kvstitch: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

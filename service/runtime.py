@@ -23,6 +23,7 @@ from typing import Any, Protocol, Self
 
 import torch
 
+from service.data_dir_lock import DataDirLock, claim_data_dir
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
 from service.engine.kv_pool import KVPool
@@ -115,6 +116,7 @@ class Runtime:
     order: DocumentOrder
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
+    data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -226,6 +228,8 @@ class Runtime:
             self._safely(close)
         for close in (self.index.close, self.collection.close):
             self._safely(close)
+        if self.data_dir_lock is not None:
+            self.data_dir_lock.release()  # last: every store in the data dir is closed
 
     def _stop_worker(self) -> None:
         if self._worker is None or self._worker_thread is None:
@@ -323,9 +327,33 @@ def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
     return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path)
 
 
+def needs_data_dir_to_itself(settings: Settings) -> bool:
+    """Embedded Qdrant or the SQLite stores (no Redis) in the data dir: no other process may open them."""
+    return settings.redis_url is None or settings.qdrant_url is None
+
+
+def hold_data_dir(settings: Settings) -> DataDirLock | None:
+    """Claim the data dir for this process when the settings need it to themselves (DataDirInUseError when
+    another process has it); None when they do not. Entry points call it before anything slow, to fail fast."""
+    return claim_data_dir(settings.data_dir) if needs_data_dir_to_itself(settings) else None
+
+
 def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedder: Embedder | None = None) -> Runtime:
-    """Open every component (the engine and embedder too unless given, e.g. shared by tests)."""
+    """Open every component (the engine and embedder too unless given, e.g. shared by tests); the data dir is
+    claimed first, before the model loads and before embedded Qdrant or SQLite opens."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_data_dir(settings)
+    try:
+        runtime = _open_components(settings, engine, embedder)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    runtime.data_dir_lock = lock
+    return runtime
+
+
+def _open_components(settings: Settings, engine: StitchEngine | None, embedder: Embedder | None) -> Runtime:
     engine = engine or open_engine(settings)
     loop = EngineLoop(settings.max_queue)
     precompute = loop.bind(engine.precompute)

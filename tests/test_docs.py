@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from pathlib import Path
 
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where a variable is read outside `Settings`: os.environ.get / os.getenv / os.environ[...] / `in os.environ` in
+# Python, `${VAR}` / `${VAR:-default}` in compose files and shell scripts.
+ENV_READS = (
+    re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](KVSTITCH_[A-Z0-9_]+)["']"""),
+    re.compile(r"""["'](KVSTITCH_[A-Z0-9_]+)["']\s+(?:not\s+)?in\s+os\.environ"""),
+    re.compile(r"\$\{(KVSTITCH_[A-Z0-9_]+)"),
+)
+SOURCES = ("service", "workers", "loadtest", "tests", "deploy", "docker-compose.yml", "Dockerfile", ".ci")
 
 
 def _readme() -> str:
@@ -22,7 +33,59 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands() -> None:
     assert ci_lines[-2:] == commands
 
 
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _torch_install() -> str:
+    """The set-up line's torch install, as written (`.venv/bin/pip install torch==… …`)."""
+    set_up = _readme().split("```bash\n", 1)[1].splitlines()[0]
+    return next(step.strip() for step in set_up.split(" && ") if "pip install torch" in step)
+
+
+def _pip_arguments(command: str, **env: str) -> list[str]:
+    """The arguments bash hands pip for `command` (pip itself replaced by printf, so nothing is installed)."""
+    shown = command.replace(".venv/bin/pip", "printf '%s\\n'", 1)
+    clean = {k: v for k, v in os.environ.items() if k != "KVSTITCH_TORCH_INDEX"}
+    done = subprocess.run(["bash", "-c", shown], env={**clean, **env}, capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()
+
+
+def test_the_torch_install_takes_the_cpu_index_when_asked_and_pips_own_otherwise() -> None:
+    command = _torch_install()
+
+    # unset (CI here: pip's local CPU wheel; a GPU machine: PyPI's CUDA build): plain `pip install torch==2.13.0`
+    assert _pip_arguments(command) == ["install", "torch==2.13.0"]
+    assert _pip_arguments(command, KVSTITCH_TORCH_INDEX=CPU_INDEX) == [
+        "install",
+        "torch==2.13.0",
+        "--index-url",
+        CPU_INDEX,
+    ]
+    # the text under the commands says which value gives which build
+    notes = _readme().split("```bash\n", 1)[1].split("```", 1)[1].split("## Run", 1)[0]
+    assert f"KVSTITCH_TORCH_INDEX={CPU_INDEX}" in notes
+    assert "https://download.pytorch.org/whl/cu128" in notes and "CUDA build" in notes
+
+
+def _settings_table() -> set[str]:
+    """The variables the README's settings table has a row for."""
+    return set(re.findall(r"^\| `(KVSTITCH_[A-Z0-9_]+)` \|", _readme(), flags=re.MULTILINE))
+
+
+def _variables_read_outside_settings() -> set[str]:
+    files = [p for name in SOURCES for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
+    texts = [p.read_text(encoding="utf-8", errors="ignore") for p in files if p.is_file() and p.suffix != ".pyc"]
+    return {name for text in texts for pattern in ENV_READS for name in pattern.findall(text)}
+
+
 def test_the_readme_documents_every_setting() -> None:
-    readme = _readme()
-    missing = [name for name in Settings.model_fields if f"`KVSTITCH_{name.upper()}`" not in readme]
+    table = _settings_table()
+    missing = [name for name in Settings.model_fields if f"KVSTITCH_{name.upper()}" not in table]
     assert missing == []
+
+
+def test_the_readme_documents_every_variable_read_anywhere() -> None:
+    read = _variables_read_outside_settings()
+
+    assert {"KVSTITCH_URL", "KVSTITCH_API_KEY", "KVSTITCH_TARGET"} <= read  # the scan finds the CLI's and compose's
+    assert sorted(read - _settings_table()) == []

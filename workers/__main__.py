@@ -12,6 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
+from service.data_dir_lock import DataDirInUseError
 from service.metrics import Metrics
 from service.runtime import Runtime, open_runtime
 from service.settings import Settings
@@ -77,7 +78,11 @@ def serve_metrics(settings: Settings, runtime: Runtime, worker: IngestWorker) ->
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_worker(Settings())
+    try:
+        return run_worker(Settings())
+    except DataDirInUseError as err:  # as `kvstitch worker` reports it: one line, no traceback
+        print(f"kvstitch: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,15 @@ from typing import Any, TextIO
 
 import httpx
 
+# Every control character (C0, DEL, C1) but newline and tab: an answer or a source name that comes with ESC or CR
+# must not move the cursor, recolour or clear the user's terminal.
+CONTROL_CHARACTERS = dict.fromkeys(c for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t")
+
+
+def printable(text: str) -> str:
+    """`text` without control characters (newlines and tabs kept)."""
+    return text.translate(CONTROL_CHARACTERS)
+
 
 class SseDecoder:
     """Turns the lines of a text/event-stream body into (event, data) pairs, one line at a time."""
@@ -58,31 +67,33 @@ def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO = sys.s
         ):
             if reply.status_code >= 400:
                 reply.read()
-                print(f"error: HTTP {reply.status_code}: {_detail(reply)}", file=sys.stderr)
+                print(printable(f"error: HTTP {reply.status_code}: {_detail(reply)}"), file=sys.stderr)
                 return 1
-            return _print_events(sse_events(reply.iter_lines()), out)
+            return print_events(sse_events(reply.iter_lines()), out)
     except httpx.HTTPError as err:
         print(f"error: cannot talk to the server at {url}: {err}", file=sys.stderr)
         return 1
 
 
-def _print_events(events: Iterator[tuple[str, str]], out: TextIO) -> int:
+def print_events(events: Iterator[tuple[str, str]], out: TextIO) -> int:
+    """Print an /ask event stream (sources, tokens, then TTFT and tiers), every control character stripped;
+    0 after `done`, 1 after `error` or when the stream ends without `done`."""
     for name, data in events:
         payload = json.loads(data)
         if name == "retrieval":
             sources = ", ".join(f"{c['doc_id']} ({c['score']:.2f})" for c in payload["chunks"])
-            print(f"[sources: {sources or 'none'}]", file=out, flush=True)
+            print(printable(f"[sources: {sources or 'none'}]"), file=out, flush=True)
         elif name == "token":
-            out.write(payload["text"])
+            out.write(printable(payload["text"]))
             out.flush()
         elif name == "done":
             kv = " ".join(f"{tier}={n}" for tier, n in payload["kv"].items())
             timings = " ".join(f"{k}={v:.1f}" for k, v in payload["timings_ms"].items())
-            print(f"\n\nTTFT {payload['ttft_ms']:.1f} ms ({payload['mode']}), KV tiers: {kv}", file=out)
-            print(f"timings ms: {timings}; {payload['output_tokens']} tokens", file=out)
+            print(printable(f"\n\nTTFT {payload['ttft_ms']:.1f} ms ({payload['mode']}), KV tiers: {kv}"), file=out)
+            print(printable(f"timings ms: {timings}; {payload['output_tokens']} tokens"), file=out)
             return 0
         elif name == "error":
-            print(f"\nerror: {payload['message']}", file=sys.stderr)
+            print(printable(f"\nerror: {payload['message']}"), file=sys.stderr)
             return 1
     print("\nerror: the stream ended without a done event", file=sys.stderr)
     return 1

@@ -11,12 +11,16 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.runtime import hold_data_dir
     from service.server import Server
     from workers.worker import in_process_worker
 
     if not settings.model:
         print("error: no model: pass --model DIR_OR_HUB_ID or set KVSTITCH_MODEL")
         return 2
+    # Before the port opens and the model loads: a data dir in use ends here with one line (DataDirInUseError,
+    # reported by the CLI), not with a server answering 503 forever. Held until the process ends.
+    data_dir_lock = hold_data_dir(settings)
     logging.getLogger().setLevel(logging.INFO)
     form = "embedded (local Qdrant and index)" if settings.embedded else "distributed (Redis)"
     form += ", in-process ingest worker" if settings.worker_in_process else ", workers run as `kvstitch worker`"
@@ -31,4 +35,6 @@ def serve(settings: Settings) -> int:
         log_level="info",
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
     )
+    if data_dir_lock is not None:
+        data_dir_lock.release()
     return 0

@@ -205,6 +205,8 @@ class KVStore:
         self._hits: Counter[Tier] = Counter()
         self._misses = 0
         self._corrupt = 0
+        self._put_blocks = 0  # blocks and bytes `put` wrote (ingestion); the write-back counts its own
+        self._put_bytes = 0
 
     def key_of(self, token_ids: Sequence[int]) -> str:
         return self._cached_key(tuple(map(int, token_ids)))
@@ -275,7 +277,12 @@ class KVStore:
         written = 0
         for block in blocks:
             check_block(self.spec, block)
-            written += self.disk.write(self.key_of(block.token_ids), block)
+            size = self.disk.write(self.key_of(block.token_ids), block)
+            # Ingestion writes here, not through the write-back queue: count it too (kvstitch_kv_blocks_written).
+            with self._lock:
+                self._put_blocks += size > 0
+                self._put_bytes += size
+            written += size
         return written
 
     # ---- housekeeping ------------------------------------------------------------------------------------
@@ -297,6 +304,7 @@ class KVStore:
             hits = {t: self._hits[t] for t in CACHE_TIERS}
             misses, corrupt = self._misses, self._corrupt
             evictions = {Tier.GPU: self.gpu.evictions, Tier.HOST: pool.evictions, Tier.DISK: self.disk.evictions}
+            put_blocks, put_bytes = self._put_blocks, self._put_bytes
         disk_usage = TierUsage(self._disk_used_bytes(), self.disk.budget_bytes, None)
         return StoreStats(
             usage={Tier.GPU: gpu_usage, Tier.HOST: host_usage, Tier.DISK: disk_usage},
@@ -304,8 +312,8 @@ class KVStore:
             misses=misses,
             corrupt=corrupt,
             evictions=evictions,
-            blocks_written=wb.blocks_written,
-            bytes_written=wb.bytes_written,
+            blocks_written=wb.blocks_written + put_blocks,
+            bytes_written=wb.bytes_written + put_bytes,
             pending_writes=wb.pending,
             write_errors=wb.error_counts(),
         )

@@ -10,6 +10,7 @@ Skipped only where Debian's chromium or chromedriver is absent (the README's set
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -344,6 +345,7 @@ def test_chat_page_streams_answers_with_ttft_tiers_and_sources(
 
     assert page.history_modes() == ["naive", "turbo", "turbo"]
     assert "naive / turbo = " in page.text("history-summary")
+    assert_whole_at_each_width(page, tmp_path / "screenshots")
 
 
 # Records the JSON body of every /ask the page sends from now on.
@@ -421,3 +423,83 @@ def test_chat_page_asks_for_the_api_key_then_works_with_it(
     page = ChatPage(chat_browser, page.url)
     assert page.attribute("api-key", "value") == API_KEY
     assert_answered(page.ask(QUESTION), "turbo")
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+
+# Every laid-out element's box, the page's scroll width, the panels' boxes and the history table against its wrapper.
+MEASURE_LAYOUT_JS = """
+const width = document.documentElement.clientWidth;
+const describe = function (el) {
+  return el.tagName.toLowerCase() + (el.id ? "#" + el.id : "") + (el.className ? "." + el.className : "");
+};
+const outside = [];
+document.body.querySelectorAll("*").forEach(function (el) {
+  if (el.closest(".visually-hidden, .skip-link, [hidden]")) return;
+  const r = el.getBoundingClientRect();
+  if (r.width === 0 && r.height === 0) return;
+  if (r.left < -0.5 || r.right > width + 0.5) outside.push(describe(el) + " " + r.left + ".." + r.right);
+});
+const box = function (el) { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+const wrap = document.querySelector(".table-wrap");
+const table = document.getElementById("history");
+const shown = function (el) { const r = el.getBoundingClientRect(); return r.width > 0 || r.height > 0; };
+const cells = Array.from(table.querySelectorAll("th, td")).filter(shown).map(box);
+return {
+  width: width,
+  scrollWidth: document.documentElement.scrollWidth,
+  outside: outside,
+  ask: box(document.querySelector(".ask-panel")),
+  side: box(document.querySelector(".side")),
+  wrap: box(wrap),
+  wrapScroll: [wrap.scrollWidth, wrap.clientWidth],
+  cells: cells,
+  rows: table.tBodies[0].rows.length,
+};
+"""
+
+
+def layout_at(page: ChatPage, width: int, screenshot: Path) -> dict[str, Any]:
+    """The page laid out `width` CSS pixels wide (device metrics, as a phone or a window would give), measured,
+    and a screenshot of all of it written to `screenshot`. The viewport is made as tall as the page, so there is
+    no scroll bar: what is measured is what the screenshot shows."""
+
+    def resize(height: int) -> None:
+        metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+        page.driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+        page.wait(lambda d: d.execute_script("return window.innerWidth") == width, 10, f"the page at {width} px")
+
+    resize(800)
+    resize(int(page.driver.execute_script("return document.documentElement.scrollHeight")))
+    layout: dict[str, Any] = page.driver.execute_script(MEASURE_LAYOUT_JS)
+    shot = page.driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png"})
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    screenshot.write_bytes(base64.b64decode(shot["data"]))
+    return layout
+
+
+def assert_whole_at_each_width(page: ChatPage, shots: Path) -> None:
+    """1280 px: the two columns side by side and the history table whole. 400 px: one column, nothing wider than
+    the screen, the table whole too. Screenshots of both go to `shots` (docs/chat-page-*.png are such shots)."""
+    try:
+        wide = layout_at(page, 1280, shots / "chat-page-1280.png")
+        narrow = layout_at(page, 400, shots / "chat-page-400.png")
+    finally:
+        page.driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    # columns shown: all 7 when wide; on a phone mode, TTFT, KV tiers and the question
+    for name, layout, columns in (("1280", wide, 7), ("400", narrow, 4)):
+        assert layout["rows"] == 3, name  # the three answers above are in the table
+        assert len(layout["cells"]) == 4 * columns, name  # the header and three rows
+        assert layout["width"] == int(name)
+        assert layout["scrollWidth"] <= layout["width"], f"{name} px: the page scrolls sideways"
+        assert layout["outside"] == [], f"{name} px: elements outside the viewport"
+        scroll_width, client_width = layout["wrapScroll"]
+        assert scroll_width <= client_width, (
+            f"{name} px: the history table is clipped ({scroll_width} > {client_width})"
+        )
+        left, _, right, _ = layout["wrap"]
+        assert all(left - 0.5 <= cell[0] and cell[2] <= right + 0.5 for cell in layout["cells"]), name
+        assert (shots / f"chat-page-{name}.png").stat().st_size > 10_000
+    # side by side when wide: the history beside the answer; stacked when narrow: the history under it
+    assert wide["side"][0] >= wide["ask"][2] and wide["side"][1] == pytest.approx(wide["ask"][1], abs=1)
+    assert narrow["side"][0] == pytest.approx(narrow["ask"][0], abs=1) and narrow["side"][1] >= narrow["ask"][3]

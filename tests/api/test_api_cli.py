@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import httpx
 
+from service.commands.ask import print_events, sse_events
 from tests.ports import free_port
 
 STARTUP_TIMEOUT_S = 180
@@ -78,3 +82,63 @@ def _wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
             pass
         time.sleep(0.25)
     raise AssertionError(f"kvstitch serve did not become ready:\n{log.read_text()}")
+
+
+def test_ask_prints_no_control_characters_but_newlines_and_tabs() -> None:
+    # The body a server could send: JSON escapes let any character through (ESC sequences, CR, BEL, C1, DEL).
+    events = [
+        ("retrieval", {"chunks": [{"doc_id": "evil\x1b]0;owned\x07.md", "score": 0.5}], "dropped": 0}),
+        ("token", {"text": "red\x1b[31m text\r\n"}),
+        ("token", {"text": "\tcleared\x1b[2J\x9b\x7f\x00 end\x08"}),
+        ("done", {"kv": {"gpu": 0}, "timings_ms": {"load": 1.0}, "ttft_ms": 2.0, "mode": "turbo\x1b[0m",
+                  "output_tokens": 2}),
+    ]  # fmt: skip
+    lines = [line for name, data in events for line in (f"event: {name}", f"data: {json.dumps(data)}", "")]
+    out = io.StringIO()
+
+    assert print_events(sse_events(iter(lines)), out) == 0
+
+    printed = out.getvalue()
+    assert printed.startswith("[sources: evil]0;owned.md (0.50)]\nred[31m text\n\tcleared[2J end\n\nTTFT 2.0 ms")
+    assert "(turbo[0m)" in printed
+    assert not [c for c in printed if unicodedata.category(c) == "Cc" and c not in "\n\t"]
+
+
+def test_a_data_dir_in_use_stops_a_second_serve_and_ingest_with_one_line(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    env = {**os.environ, "KVSTITCH_DEVICE": "cpu", "KVSTITCH_HOST_CACHE_MB": "8"}
+    env.pop("KVSTITCH_REDIS_URL", None)
+    env.pop("KVSTITCH_QDRANT_URL", None)
+    model, data_dir, port = str(tiny_model_dirs["qwen2"]), tmp_path / "data", free_port()
+    (tmp_path / "note.txt").write_text("Sea otters hold hands while they sleep.\n", encoding="utf-8")
+    log = (tmp_path / "serve.log").open("w")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", model, "--data-dir", str(data_dir), "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", first, tmp_path / "serve.log")
+        started = time.monotonic()
+        second = _kvstitch("serve", "--model", model, "--data-dir", str(data_dir), "--port", str(free_port()), env=env)
+        embedded = _kvstitch("ingest", "--embedded", "--model", model, "--data-dir", str(data_dir),
+                             str(tmp_path / "note.txt"), env=env)  # fmt: skip
+        elapsed = time.monotonic() - started
+        still_ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=60)
+        log.close()
+
+    expected = f"kvstitch: data dir {data_dir.resolve()} is in use by another kvstitch process (pid {first.pid})"
+    for result in (second, embedded):
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.strip().splitlines() == [expected]
+        assert "Traceback" not in result.stdout + result.stderr
+    assert elapsed < 60  # both gave up at once: neither loaded the model nor waited for anything
+    assert still_ready == 200 and first.returncode == 0
+    # the lock went with the first process: the data dir is free again
+    again = _kvstitch("ingest", "--embedded", "--model", model, "--data-dir", str(data_dir),
+                      str(tmp_path / "note.txt"), env=env)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "done — 1 documents" in again.stdout

@@ -62,6 +62,22 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     assert value(m, "kvstitch_tier_bytes", tier="host", kind="budget") == 8 << 20  # API_SETTINGS' host_cache_mb
     assert value(m, "kvstitch_tier_bytes", tier="disk", kind="used") > 0
     assert value(m, "kvstitch_kv_corrupt_total") == 0
+    # ingestion writes its blocks itself (not through the answer path's write-back): every one is counted
+    assert status["chunks_precomputed"] > 0
+    assert value(m, "kvstitch_kv_blocks_written_total") == status["chunks_precomputed"]
+
+
+def test_static_files_are_counted_under_their_mount(client: TestClient) -> None:
+    assert client.get("/static/style.css").status_code == 200
+    assert client.get("/static/app.js").status_code == 200
+    assert client.get("/static/missing.js").status_code == 404
+    assert client.get("/no-such-page").status_code == 404
+
+    m = scrape(client)
+
+    assert value(m, "kvstitch_requests_total", route="/static", status="200") == 2
+    assert value(m, "kvstitch_requests_total", route="/static", status="404") == 1
+    assert value(m, "kvstitch_requests_total", route="unmatched", status="404") == 1
 
 
 def test_a_second_ingest_of_the_same_documents_counts_reused_chunks(client: TestClient) -> None:

@@ -1,0 +1,42 @@
+"""Every argument of every `kvstitch` subcommand explains itself in `--help`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+from service.cli import build_parser
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """(full command name, parser) of the parser and every subcommand below it, nested ones included."""
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _subcommands(sub)
+
+
+def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        "/".join(action.option_strings) or action.dest
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction) and not (action.help or "").strip()
+    ]
+
+
+def test_every_option_of_every_subcommand_has_help_text() -> None:
+    commands = dict(_subcommands(build_parser()))
+    missing = {name: args for name, parser in commands.items() if (args := _undocumented(parser))}
+
+    assert {"kvstitch ask", "kvstitch verify", "kvstitch tiny-model", "kvstitch serve"} <= set(commands)
+    assert missing == {}
+
+
+def test_every_subcommand_has_a_summary() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summaries = {choice.dest: choice.help for choice in subparsers._choices_actions}
+
+    assert set(summaries) == set(subparsers.choices)
+    assert [name for name, text in summaries.items() if not (text or "").strip()] == []
