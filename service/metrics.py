@@ -200,7 +200,7 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
         write_errors = CounterMetricFamily(
             "kvstitch_kv_write_errors",
-            "Background KV writes (block files, index updates) that failed, by reason: index, disk, other",
+            "KV writes (block files, index updates) that failed, by reason: index, disk, no_space, other",
             labels=["reason"],
         )
         for reason, n in stats.write_errors.items():
