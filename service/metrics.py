@@ -137,7 +137,7 @@ class Metrics:
     # ---- ingestion ------------------------------------------------------------------------------------------
 
     def ingest_finished(self, status: str, counts: ChunkCounts | None) -> None:
-        """`IngestWorker.on_job_finished`: one delivery ended with `status` (done, failed, retry)."""
+        """`IngestWorker.on_job_finished`: one delivery ended with `status` (done, failed, retry, cancelled)."""
         self.ingest_jobs.labels(status).inc()
         if counts is not None:
             self.ingest_chunks.labels("precomputed").inc(counts.chunks_precomputed)

@@ -42,7 +42,9 @@ WHY = {
     400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows).",
     401: "KVSTITCH_API_KEY is set and the request has no matching `Authorization: Bearer` header.",
     404: "No such job or document.",
-    413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read).",
+    409: "The job already finished (done, failed or cancelled): nothing to cancel.",
+    413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read), or an ingest "
+    "job's documents hold more than KVSTITCH_MAX_JOB_TOKENS tokens.",
     422: "A field is missing, malformed or out of bounds; the error names it.",
     503: "Not ready yet, the engine's line is full, or a dependency (Qdrant, the KV index, Redis) is away; "
     "see Retry-After.",
