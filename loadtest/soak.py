@@ -91,7 +91,7 @@ class Tally:
     def error(self, kind: str, reason: str, detail: str = "") -> None:
         self.errors[f"{kind}: {reason}"] += 1
         if len(self.examples) < 20:
-            self.examples.append(f"{kind}: {reason} {detail[:300]}")
+            self.examples.append(f"{time.strftime('%H:%M:%S')} {kind}: {reason} {detail[:300]}")
 
 
 class RefusedError(Exception):
@@ -271,7 +271,11 @@ async def soak_client(client: httpx.AsyncClient, cid: int, config: SoakConfig, e
 
 
 async def run_soak(config: SoakConfig, url: str, pid: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=config.clients + 8, max_keepalive_connections=config.clients + 8)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive closes them: reusing one the server is closing at
+    # that moment fails with a read error that says nothing about the server (every HTTP client must do this).
+    limits = httpx.Limits(
+        max_connections=config.clients + 8, max_keepalive_connections=config.clients + 8, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         reply = await client.post("/ingest", json={"documents": corpus(config.topics, 4, config.seed)})
         reply.raise_for_status()
