@@ -26,7 +26,7 @@ def test_a_short_soak_keeps_every_invariant(tiny_model_dirs: dict[str, Path], tm
     assert set(report["requests_ok"]) == set(KINDS), report["requests_ok"]  # every kind of client got through
     assert report["client_disconnects"] >= 1  # the dropped streams were seen as such by the server
     assert report["rss_growth"] < 0.10, report["rss_mb"]
-    assert report["fds"]["end"] <= report["fds"]["after_warmup"] + 16, report["fds"]
-    assert report["threads"]["end"] <= report["threads"]["after_warmup"] + 8, report["threads"]
+    assert report["fds"]["end_of_load"] <= report["fds"]["after_warmup"] + 16, report["fds"]
+    assert report["threads"]["end_of_load"] <= report["threads"]["after_warmup"] + 8, report["threads"]
     assert report["passed"] and report["server_exit_code"] == 0
     assert len(report["samples"]) >= 10 and (tmp_path / "soak" / "soak.json").is_file()
