@@ -122,7 +122,8 @@ class IngestWorker:
             self._drop_cancelled(delivery, job)
             return
         self._status(job.job_id, documents, status="running", error=None, kind=job.kind)
-        log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, len(_docs(job)), delivery.attempt)
+        this_turn = len(job.documents) if isinstance(job, IngestJob) else 1
+        log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, this_turn, delivery.attempt)
         try:
             counts = self._run(job, delivery)
         except IngestYieldedError as paused:
@@ -203,9 +204,9 @@ class IngestWorker:
         """A job cancelled while it waited: withdraw what earlier turns or a dead worker may have left, ack."""
         try:
             released = self.ingestor.withdraw(job)
-        except Exception:
-            log.exception("withdrawing cancelled job %s failed; it is retried", job.job_id)
-            self.queue.release(delivery)
+        except Exception as err:  # Qdrant or the index away: retried like any failed step, attempts counted
+            log.exception("withdrawing cancelled job %s failed", job.job_id)
+            self.queue.fail(delivery, f"withdrawing the cancelled job failed: {type(err).__name__}: {err}")
             return
         progress = job.progress if isinstance(job, IngestJob) else {}
         counts = IngestCounts.carried(progress)
@@ -286,10 +287,6 @@ def _document_count(delivery: Delivery) -> int:
         return int(progress["documents"])
     documents = delivery.payload.get("documents")
     return len(documents) if isinstance(documents, list) else 0
-
-
-def _docs(job: IngestJob | DeleteJob) -> tuple[object, ...]:
-    return job.documents if isinstance(job, IngestJob) else (job.doc_id,)
 
 
 def _clip(text: str) -> str:
