@@ -29,6 +29,7 @@ OPERATIONS = {
     "GET /metrics": False,
     "POST /ingest": True,
     "GET /ingest/{job_id}": True,
+    "DELETE /ingest/{job_id}": True,
     "GET /documents": True,
     "GET /documents/{doc_id}": True,
     "DELETE /documents/{doc_id}": True,
