@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--batch", type=int, default=100, help="documents per job (default 100)")
     _add_runtime_options(ingest)
     _add_documents(commands)
+
+    cancel = commands.add_parser("cancel", help="cancel a queued or running ingest job on a server")
+    cancel.add_argument("job_id", metavar="JOB_ID", help="the id `kvstitch ingest` or POST /ingest gave")
+    cancel.add_argument("--url", default=None, help="server (default: KVSTITCH_URL or http://127.0.0.1:8000)")
+    cancel.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
     _add_quality_commands(commands)
     return parser
 
@@ -337,6 +342,18 @@ def _ingest(args: argparse.Namespace) -> int:
         return 1
 
 
+def _cancel(args: argparse.Namespace) -> int:
+    import os
+
+    from service.commands.ingest import cancel_remote
+
+    try:
+        return cancel_remote(args.job_id, _server_url(args), args.api_key or os.environ.get("KVSTITCH_API_KEY"))
+    except RuntimeError as err:  # unknown job, already finished, server away
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvstitch` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -347,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "worker": _worker,
         "ingest": _ingest,
         "documents": _documents,
+        "cancel": _cancel,
         "verify": _verify,
         "tiny-model": _tiny_model,
         "eval": _eval,

@@ -31,3 +31,15 @@ class InvalidRequestError(ValueError):
 
 class UnknownDocumentError(LookupError):
     """No document with this id was ever ingested or submitted."""
+
+
+class TooLargeError(InvalidRequestError):
+    """A request over a size bound (a job's tokens over KVSTITCH_MAX_JOB_TOKENS): 413, naming the field."""
+
+
+class UnknownJobError(LookupError):
+    """No job with this id (never submitted, or its status expired)."""
+
+
+class JobFinishedError(RuntimeError):
+    """The job already finished (done, failed or cancelled): there is nothing left to cancel."""

@@ -111,6 +111,10 @@ class Facade(Protocol):
 
     def job_status(self, job_id: str) -> JobStatus | None: ...
 
+    def cancel_job(self, job_id: str) -> JobStatus:
+        """Cancel a queued or running job; `UnknownJobError`, or `JobFinishedError` when it already finished."""
+        ...
+
     def list_documents(self, offset: int, limit: int) -> DocumentPage:
         """The stored documents, a page at a time (`UnavailableError` when Qdrant is away)."""
         ...

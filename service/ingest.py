@@ -23,6 +23,11 @@ deleted under its lock, and skipped when a later job for it was submitted meanwh
 Documents are processed in groups of roughly `group_tokens` so that the KV precompute sees batches that fill the
 device (`max_precompute_tokens` per forward, blocks of similar length together) while progress is reported,
 and the job's lease kept alive, between groups.
+
+A worker steers a running job through `JobControl`: between groups the job stops (its worker is stopping) or
+gives other waiting jobs a turn (the rest of it is queued again, carrying its counts), and a cancelled job stops
+before the next document is published; its documents not finished are withdrawn (`withdraw`: unpublished points
+deleted, blocks no point names released), those finished stay (each document is all or nothing).
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptTemplate
-from service.jobs.documents import DeleteJob, Document, IngestJob, document_version
+from service.jobs.documents import DeleteJob, Document, IngestJob, Job, document_version
 from service.jobs.ordering import DocumentOrder, applying
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_and_store
 from service.kvcache.store import KVStore
@@ -68,7 +73,7 @@ class IngestCounts:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def status_fields(self) -> dict[str, int]:
-        """The counts a job status carries."""
+        """The counts a job status carries (and the rest of a job carries to its next turn)."""
         return {
             "documents_done": self.documents_done,
             "chunks": self.chunks,
@@ -77,16 +82,55 @@ class IngestCounts:
             "chunks_reused": self.chunks_reused,
         }
 
+    @classmethod
+    def carried(cls, progress: Mapping[str, int]) -> IngestCounts:
+        """Counts starting from what a job's earlier turns did."""
+        return cls(
+            documents_done=progress.get("documents_done", 0),
+            chunks=progress.get("chunks", 0),
+            chunks_done=progress.get("chunks_done", 0),
+            chunks_precomputed=progress.get("chunks_precomputed", 0),
+            chunks_reused=progress.get("chunks_reused", 0),
+        )
+
 
 Progress = Callable[[IngestCounts], None]
 ShouldStop = Callable[[], bool]
 
 
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class JobControl:
+    """How a worker steers a running ingest: `should_stop` (the worker is stopping) and `should_yield` (other
+    jobs wait for a turn) are asked between document groups, `cancelled` also before each document is published."""
+
+    should_stop: ShouldStop = _never
+    should_yield: ShouldStop = _never
+    cancelled: ShouldStop = _never
+
+
 class IngestInterruptedError(Exception):
-    """The job stopped between two document groups because its worker is stopping; it is safe to run again."""
+    """The job stopped between two document groups because its worker is stopping; it is safe to run again.
+    `done`: documents of this run finished (the rest of the job is `job.rest(done, counts.status_fields())`)."""
+
+    def __init__(self, counts: IngestCounts, done: int = 0) -> None:
+        super().__init__(f"stopped after {counts.documents_done} documents")
+        self.counts = counts
+        self.done = done
+
+
+class IngestYieldedError(IngestInterruptedError):
+    """The job paused between two document groups to let waiting jobs run; its rest goes to the queue's end."""
+
+
+class IngestCancelledError(Exception):
+    """The job was cancelled; its documents not finished were withdrawn (counted in `counts.blocks_released`)."""
 
     def __init__(self, counts: IngestCounts) -> None:
-        super().__init__(f"stopped after {counts.documents_done} documents")
+        super().__init__(f"cancelled after {counts.documents_done} documents")
         self.counts = counts
 
 
@@ -159,17 +203,24 @@ class Ingestor:
         )
 
     def ingest(
-        self, job: IngestJob, progress: Progress | None = None, should_stop: ShouldStop | None = None
+        self, job: IngestJob, progress: Progress | None = None, control: JobControl | None = None
     ) -> IngestCounts:
-        """Ingest every document of the job; `progress` is called after each group of documents, and
-        `should_stop` before each one (True: raise `IngestInterruptedError`, the groups done stay done)."""
-        counts = IngestCounts()
+        """Ingest every document of the job; `progress` is called after each group of documents. `control`
+        may stop the job between groups (`IngestInterruptedError`, or `IngestYieldedError` when others wait: the
+        groups done stay done) or cancel it (`IngestCancelledError`, after withdrawing the unfinished documents)."""
+        control = control or JobControl()
+        counts = IngestCounts.carried(job.progress)
+        done = 0  # documents of this run finished
         for group in self._groups(job.documents, counts):
-            if should_stop is not None and should_stop():
-                raise IngestInterruptedError(counts)
+            if control.should_stop():
+                raise IngestInterruptedError(counts, done)
+            if control.cancelled():
+                raise self._cancel(job, done, set(), counts)
             self._store_kv(group, counts, progress)
             superseded: set[str] = set()
-            for prepared in group:
+            for i, prepared in enumerate(group):
+                if control.cancelled():  # the blocks stored for this group and not yet named go too
+                    raise self._cancel(job, done, superseded | {k for p in group[i:] for k in p.keys}, counts)
                 with applying(self.order, prepared.doc.id, job.sequence) as current:
                     if current:
                         self._index(prepared, counts)
@@ -177,11 +228,41 @@ class Ingestor:
                         counts.documents_superseded += 1
                         superseded.update(prepared.keys)
                 counts.documents_done += 1
+                done += 1
             # KV computed above for documents a later job made moot: released unless some point names it.
             counts.blocks_released += self._release(superseded)
             if progress is not None:
                 progress(counts)
+            if done < len(job.documents) and control.should_yield():
+                raise IngestYieldedError(counts, done)
         return counts
+
+    def withdraw(self, job: Job, stored: Collection[str] = ()) -> int:
+        """A cancelled job's documents (those of `job`, the rest not finished) are left as they were before it:
+        their unpublished points go and the blocks it `stored` or those points named are released unless some
+        point names them; how many blocks. Each document is then counted as applied (it is no longer pending).
+        A document a later job was submitted for is left to that job."""
+        if isinstance(job, DeleteJob):
+            with applying(self.order, job.doc_id, job.sequence):
+                return 0
+        ids = {doc.id for doc in job.documents}
+        unpublished: dict[str, set[str]] = {}
+        for doc_id, _, key in self.collection.invisible_points():  # one scan, not one per document
+            if doc_id in ids:
+                unpublished.setdefault(doc_id, set()).add(key)
+        keys = set(stored)
+        for doc in job.documents:
+            with applying(self.order, doc.id, job.sequence) as current:
+                if current and doc.id in unpublished:
+                    self.collection.delete_invisible(doc.id)
+                    keys |= unpublished[doc.id]
+        keys.discard("")
+        return self._release(keys)
+
+    def _cancel(self, job: IngestJob, done: int, stored: set[str], counts: IngestCounts) -> IngestCancelledError:
+        rest = IngestJob(job.job_id, job.documents[done:], job.sequence)
+        counts.blocks_released += self.withdraw(rest, stored)
+        return IngestCancelledError(counts)
 
     def abandon(self, job: IngestJob) -> int:
         """Clean up after a job given up on: its documents' unpublished points go, and the KV blocks it stored

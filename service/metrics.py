@@ -137,7 +137,7 @@ class Metrics:
     # ---- ingestion ------------------------------------------------------------------------------------------
 
     def ingest_finished(self, status: str, counts: ChunkCounts | None) -> None:
-        """`IngestWorker.on_job_finished`: one delivery ended with `status` (done, failed, retry)."""
+        """`IngestWorker.on_job_finished`: one delivery ended with `status` (done, failed, retry, cancelled)."""
         self.ingest_jobs.labels(status).inc()
         if counts is not None:
             self.ingest_chunks.labels("precomputed").inc(counts.chunks_precomputed)
@@ -218,7 +218,7 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
         write_errors = CounterMetricFamily(
             "kvstitch_kv_write_errors",
-            "Background KV writes (block files, index updates) that failed, by reason: index, disk, other",
+            "KV writes (block files, index updates) that failed, by reason: index, disk, no_space, other",
             labels=["reason"],
         )
         for reason, n in stats.write_errors.items():

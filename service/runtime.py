@@ -277,7 +277,7 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
     report = repair(index, kv_dir)
     if report.reindexed or report.entries_removed or report.corrupt_removed or report.temp_removed:
         log.info("KV cache repaired at start: %s", report)
-    return kv_store_for(
+    store = kv_store_for(
         engine,
         kv_dir,
         index,
@@ -287,6 +287,10 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
         direct_io=settings.direct_io,
         disk_format=settings.kv_disk_format,
     )
+    trimmed = store.disk.trim()  # a budget lowered since the last run applies now, not after the next write
+    if trimmed:
+        log.info("KV disk tier trimmed to its %d MiB budget at start: %d blocks gone", settings.disk_cache_mb, trimmed)
+    return store
 
 
 def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrder]:

@@ -22,7 +22,16 @@ from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_rec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.engine_loop import EngineBusyError
-from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError, UnknownDocumentError
+from service.errors import (
+    BusyError,
+    InvalidRequestError,
+    JobFinishedError,
+    NotReadyError,
+    TooLargeError,
+    UnavailableError,
+    UnknownDocumentError,
+    UnknownJobError,
+)
 from service.facade import AnswerRequest, DocumentPage, RequestLimits
 from service.jobs.documents import Document, IngestJob, JobError, parse_job
 from service.jobs.status import JobStatus
@@ -253,6 +262,7 @@ class Server:
             parse_job(IngestJob(job_id, tuple(documents)).to_payload(), runtime.limits)
         except JobError as err:
             raise InvalidRequestError("documents", str(err)) from err
+        self._check_job_tokens(runtime, documents)
         try:
             submit_ingest(runtime.queue, runtime.jobs, runtime.order, documents, job_id)
         except Exception as err:  # Redis away: the job was not queued, say so
@@ -277,6 +287,30 @@ class Server:
             raise UnavailableError("the job queue", err) from err
         self.metrics.ingest_jobs.labels("submitted").inc()
         return job_id
+
+    def _check_job_tokens(self, runtime: Runtime, documents: Sequence[Document]) -> None:
+        """A job holding more tokens than the bound would hold the worker for its whole run: refused up front."""
+        bound = self.settings.max_job_tokens
+        tokens = runtime.chunker.count_tokens([d.text for d in documents], stop_above=bound)
+        if tokens > bound:
+            message = (
+                f"the job's documents hold more than {bound:,} tokens (KVSTITCH_MAX_JOB_TOKENS; counted "
+                f"{tokens:,} before stopping); send them in smaller jobs"
+            )
+            raise TooLargeError("documents", message)
+
+    def cancel_job(self, job_id: str) -> JobStatus:
+        runtime = self._ready_runtime()
+        try:
+            cancelled = runtime.jobs.cancel(job_id)
+            job = runtime.jobs.get(job_id)
+        except Exception as err:
+            raise UnavailableError("the job status store", err) from err
+        if cancelled is None or job is None:
+            raise UnknownJobError(f"no ingest job {job_id!r} (unknown or expired)")
+        if not cancelled:
+            raise JobFinishedError(f"job {job_id!r} already finished ({job.status}): nothing to cancel")
+        return job
 
     def job_status(self, job_id: str) -> JobStatus | None:
         runtime = self._ready_runtime()

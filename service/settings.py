@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     chunk_overlap: int = Field(48, ge=0, description="Overlap between chunks cut inside a paragraph (tokens).")
     max_document_chars: int = Field(2_000_000, ge=1, description="Largest document accepted (characters).")
     max_documents_per_job: int = Field(1000, ge=1, description="Documents one ingest job may carry.")
+    max_job_tokens: int = Field(
+        4_000_000, ge=1, description="LLM tokens the documents of one ingest job may hold; more is a 413 at submit."
+    )
     job_max_attempts: int = Field(3, ge=1, description="Deliveries of an ingest job before it is dead-lettered.")
     job_claim_idle_ms: int = Field(
         60_000, ge=100, description="A job pending this long on a silent worker is claimed by another."

@@ -35,7 +35,7 @@ def store_stats() -> StoreStats:
         blocks_written=4,
         bytes_written=4 << 20,
         pending_writes=0,
-        write_errors={"index": 1, "disk": 0, "other": 0},
+        write_errors={"index": 1, "disk": 0, "no_space": 0, "other": 0},
     )
 
 

@@ -10,9 +10,17 @@ error re-queues the job, and after `max_attempts` deliveries it is dead-lettered
 given up on is cleaned (`Ingestor.abandon`): its unpublished points go and the KV blocks no point names are
 released. Nothing a job contains can stop the loop.
 
-Stopping (SIGTERM): `stop()` makes the running ingest return between two document groups; the job is handed back
-to the queue (`release`: not acked, the attempt not counted) with the status `queued` and a note, and the next
-worker (or the next start, in the embedded form) resumes it; the groups done are not redone.
+Stopping (SIGTERM): `stop()` makes the running ingest return between two document groups; the rest of the job is
+handed back to the queue (`release`: not acked, the attempt not counted) with the status `queued` and a note, and
+the next worker (or the next start, in the embedded form) resumes it; the groups done are not redone.
+
+Taking turns: after each document group, when other jobs wait in the queue, the rest of the running job (its
+documents not done, with its counts so far) goes to the end of the queue and the next job runs: jobs take
+document groups round-robin, so a small job sent behind a large one waits for one group, not the whole job.
+
+Cancelling (`DELETE /ingest/{id}` marks the status `cancelled`): a queued job is dropped when it is delivered and a
+running one stops before its next document is published; either way its unfinished documents are withdrawn
+(`Ingestor.withdraw`) and the message is acked.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.ingest import DeleteCounts, IngestCounts, IngestInterruptedError, Ingestor
+from service.ingest import (
+    DeleteCounts,
+    IngestCancelledError,
+    IngestCounts,
+    IngestInterruptedError,
+    Ingestor,
+    IngestYieldedError,
+    JobControl,
+)
 from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
 from service.jobs.queue import Delivery, JobQueue
 from service.jobs.status import JobStatusStore
@@ -101,13 +117,21 @@ class IngestWorker:
         except JobError as err:
             self._reject(delivery, job_id, str(err))
             return
-        documents = len(job.documents) if isinstance(job, IngestJob) else 1
+        documents = job.total_documents if isinstance(job, IngestJob) else 1
+        if self._is_cancelled(job.job_id):
+            self._drop_cancelled(delivery, job)
+            return
         self._status(job.job_id, documents, status="running", error=None, kind=job.kind)
-        log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, documents, delivery.attempt)
+        this_turn = len(job.documents) if isinstance(job, IngestJob) else 1
+        log.info("%s job %s: %d documents (attempt %d)", job.kind, job.job_id, this_turn, delivery.attempt)
         try:
             counts = self._run(job, delivery)
+        except IngestYieldedError as paused:
+            self._take_turns(delivery, job, paused)
         except IngestInterruptedError as stopped:
-            self._release(delivery, job.job_id, stopped.counts)
+            self._release(delivery, job, stopped)
+        except IngestCancelledError as cancelled:
+            self._cancelled(delivery, job.job_id, cancelled.counts)
         except JobError as err:
             self._reject(delivery, job.job_id, str(err))
             self._abandon(job)
@@ -124,9 +148,26 @@ class IngestWorker:
     def _run(self, job: IngestJob | DeleteJob, delivery: Delivery) -> IngestCounts | DeleteCounts:
         if isinstance(job, DeleteJob):
             return self.ingestor.delete(job)
-        return self.ingestor.ingest(
-            job, progress=lambda c: self._progress(delivery, job.job_id, c), should_stop=self.stopping.is_set
+        control = JobControl(
+            should_stop=self.stopping.is_set,
+            should_yield=self._others_waiting,
+            cancelled=lambda: self._is_cancelled(job.job_id),
         )
+        return self.ingestor.ingest(job, progress=lambda c: self._progress(delivery, job.job_id, c), control=control)
+
+    def _others_waiting(self) -> bool:
+        """Whether another job waits for a turn (a queue that cannot say lets the running job go on)."""
+        try:
+            return self.queue.waiting_count() > 0
+        except Exception:
+            return False
+
+    def _is_cancelled(self, job_id: str) -> bool:
+        try:
+            job = self.jobs.get(job_id)
+        except Exception:  # the status store is away: go on; the cancel is seen at the next check
+            return False
+        return job is not None and job.status == "cancelled"
 
     # ---- outcomes -------------------------------------------------------------------------------------------
 
@@ -142,13 +183,41 @@ class IngestWorker:
         if job_id is not None:
             self._status(job_id, _document_count(delivery), status="failed", error=_clip(error))
 
-    def _release(self, delivery: Delivery, job_id: str, counts: IngestCounts) -> None:
-        documents = _document_count(delivery)
-        self.queue.release(delivery)
+    def _release(self, delivery: Delivery, job: IngestJob | DeleteJob, stopped: IngestInterruptedError) -> None:
+        documents, counts = _document_count(delivery), stopped.counts
+        if isinstance(job, IngestJob):
+            self.queue.release(delivery, job.rest(stopped.done, counts.status_fields()).to_payload())
+        else:
+            self.queue.release(delivery)
         note = f"interrupted after {counts.documents_done} of {documents} documents (the worker stopped); queued again"
-        self._status(job_id, documents, status="queued", error=note)
+        self._status(job.job_id, documents, status="queued", error=note)
         self._finished("retry", None)
-        log.info("job %s handed back: %s", job_id, note)
+        log.info("job %s handed back: %s", job.job_id, note)
+
+    def _take_turns(self, delivery: Delivery, job: IngestJob | DeleteJob, paused: IngestYieldedError) -> None:
+        """Other jobs wait: the rest of this one goes to the end of the queue (its status stays `running`)."""
+        assert isinstance(job, IngestJob)  # only ingests take turns
+        self.queue.release(delivery, job.rest(paused.done, paused.counts.status_fields()).to_payload())
+        log.info("job %s: %d documents done, the rest queued behind waiting jobs", job.job_id, paused.done)
+
+    def _drop_cancelled(self, delivery: Delivery, job: IngestJob | DeleteJob) -> None:
+        """A job cancelled while it waited: withdraw what earlier turns or a dead worker may have left, ack."""
+        try:
+            released = self.ingestor.withdraw(job)
+        except Exception as err:  # Qdrant or the index away: retried like any failed step, attempts counted
+            log.exception("withdrawing cancelled job %s failed", job.job_id)
+            self.queue.fail(delivery, f"withdrawing the cancelled job failed: {type(err).__name__}: {err}")
+            return
+        progress = job.progress if isinstance(job, IngestJob) else {}
+        counts = IngestCounts.carried(progress)
+        counts.blocks_released = released
+        self._cancelled(delivery, job.job_id, counts)
+
+    def _cancelled(self, delivery: Delivery, job_id: str, counts: IngestCounts) -> None:
+        self.queue.ack(delivery)
+        self.jobs.update(job_id, blocks_released=counts.blocks_released, **counts.status_fields())
+        self._finished("cancelled", None)
+        log.info("job %s cancelled after %d documents", job_id, counts.documents_done)
 
     def _abandon(self, job: IngestJob | DeleteJob) -> None:
         """Clean what a job given up on left (unpublished points, blocks no point names); never raises."""
@@ -212,6 +281,10 @@ class IngestWorker:
 
 
 def _document_count(delivery: Delivery) -> int:
+    """The whole job's document count (a job taking turns carries it; its payload lists only the rest)."""
+    progress = delivery.payload.get("progress")
+    if isinstance(progress, dict) and isinstance(progress.get("documents"), int):
+        return int(progress["documents"])
     documents = delivery.payload.get("documents")
     return len(documents) if isinstance(documents, list) else 0
 

@@ -7,7 +7,16 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 
-from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError, UnknownDocumentError
+from service.errors import (
+    BusyError,
+    InvalidRequestError,
+    JobFinishedError,
+    NotReadyError,
+    TooLargeError,
+    UnavailableError,
+    UnknownDocumentError,
+    UnknownJobError,
+)
 from service.facade import Facade
 
 
@@ -36,6 +45,8 @@ def require_api_key(request: Request, facade: FacadeDep) -> None:
 
 def http_error(err: Exception) -> HTTPException:
     """A service error as the status the client should see (500 for anything unexpected)."""
+    if isinstance(err, TooLargeError):
+        return HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, detail=f"{err.field}: {err.message}")
     if isinstance(err, InvalidRequestError):
         return field_error(err.field, err.message)
     if isinstance(err, NotReadyError):
@@ -44,8 +55,10 @@ def http_error(err: Exception) -> HTTPException:
         return unavailable(str(err), retry_after_s=2)
     if isinstance(err, UnavailableError):
         return unavailable(str(err))
-    if isinstance(err, UnknownDocumentError):
+    if isinstance(err, UnknownDocumentError | UnknownJobError):
         return HTTPException(status.HTTP_404_NOT_FOUND, detail=str(err))
+    if isinstance(err, JobFinishedError):
+        return HTTPException(status.HTTP_409_CONFLICT, detail=str(err))
     return HTTPException(500, detail=f"generation failed: {type(err).__name__}: {err}")
 
 

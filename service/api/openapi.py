@@ -41,7 +41,9 @@ class Readiness(BaseModel):
 WHY = {
     401: "KVSTITCH_API_KEY is set and the request has no matching `Authorization: Bearer` header.",
     404: "No such job or document; under /v1 no such model (`model_not_found`) or URL (`unknown_url`).",
-    413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read).",
+    409: "The job already finished (done, failed or cancelled): nothing to cancel.",
+    413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read), or an ingest "
+    "job's documents hold more than KVSTITCH_MAX_JOB_TOKENS tokens.",
     400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows); under "
     "/v1 also an OpenAI option that is not served (tools, json response formats, n > 1), named in `param`.",
     422: "A field is missing, malformed or out of bounds; the error names it.",

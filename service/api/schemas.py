@@ -60,7 +60,7 @@ class IngestAccepted(BaseModel):
 class JobStatusOut(BaseModel):
     job_id: str
     kind: Literal["ingest", "delete"]
-    status: Literal["queued", "running", "done", "failed"]
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
     documents: int
     documents_done: int
     chunks: int

@@ -23,7 +23,7 @@ from service.jobs.documents import Document
 
 DEFAULT_BATCH = 100
 POLL_S = 0.5
-FINISHED = ("done", "failed")
+FINISHED = ("done", "failed", "cancelled")
 
 StatusReader = Callable[[str], Mapping[str, Any]]
 
@@ -114,7 +114,7 @@ def follow_jobs(
 def _draw(statuses: Iterator[Mapping[str, Any]] | Any, out: TextIO, width: int = 30) -> None:
     rows = list(statuses)
     total = sum(int(s.get("documents", 0)) for s in rows)
-    done = sum(int(s.get("documents" if s.get("status") in FINISHED else "documents_done", 0)) for s in rows)
+    done = sum(int(s.get("documents" if s.get("status") in ("done", "failed") else "documents_done", 0)) for s in rows)
     chunks = sum(int(s.get("chunks", 0)) for s in rows)
     chunks_done = sum(int(s.get("chunks_done", 0)) for s in rows)
     share = sum(_job_share(s) for s in rows) / total if total else 1.0
@@ -207,6 +207,24 @@ def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) ->
             worker.run_once()
 
         return report(follow_jobs(job_ids, read_status, step=work))
+
+
+def cancel_remote(job_id: str, url: str, api_key: str | None, out: TextIO | None = None) -> int:
+    """`kvstitch cancel JOB_ID`: cancel a queued or running job on a server; RuntimeError (the server's reason:
+    unknown job, already finished) when it cannot."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=60.0) as client:
+            reply = client.delete(f"/ingest/{job_id}")
+    except httpx.HTTPError as err:
+        raise RuntimeError(f"cannot talk to the server at {url}: {err}") from err
+    _raise_for(reply)
+    status = reply.json()
+    line = f"job {job_id}: {status['status']} after {status['documents_done']} of {status['documents']} documents"
+    print(f"{line} (the worker withdraws the rest at its next step)", file=out or sys.stdout)
+    return 0
 
 
 def _raise_for(reply: Any) -> None:

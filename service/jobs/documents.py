@@ -46,21 +46,43 @@ class Document:
         return {"id": self.id, "text": self.text, "metadata": dict(self.metadata), "format": self.format}
 
 
+# What the rest of a job carries from its earlier turns (a job taking turns with others is queued again as its
+# documents not yet done, with these counts): the whole job's document count and what was done so far.
+PROGRESS_FIELDS = ("documents", "documents_done", "chunks", "chunks_done", "chunks_precomputed", "chunks_reused")
+
+
 @dataclass(frozen=True)
 class IngestJob:
     job_id: str
     documents: tuple[Document, ...]
     sequence: Mapping[str, int] = field(default_factory=dict)  # doc id → its submit order (absent: unordered)
+    progress: Mapping[str, int] = field(default_factory=dict)  # PROGRESS_FIELDS of earlier turns (absent: none)
 
     kind: ClassVar[JobKind] = "ingest"
 
+    @property
+    def total_documents(self) -> int:
+        """Documents of the whole job, those done in earlier turns included."""
+        return self.progress.get("documents", len(self.documents))
+
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload = {
             "job_id": self.job_id,
             "kind": self.kind,
             "documents": [d.to_json() for d in self.documents],
             "sequence": dict(self.sequence),
         }
+        if self.progress:
+            payload["progress"] = dict(self.progress)
+        return payload
+
+    def rest(self, done: int, progress: Mapping[str, int]) -> IngestJob:
+        """The job without its first `done` documents, carrying `progress` (the next turn's payload)."""
+        left = self.documents[done:]
+        ids = {d.id for d in left}
+        sequence = {doc_id: n for doc_id, n in self.sequence.items() if doc_id in ids}
+        carried = {name: progress[name] for name in PROGRESS_FIELDS if name in progress}
+        return IngestJob(self.job_id, left, sequence, carried | {"documents": self.total_documents})
 
 
 @dataclass(frozen=True)
@@ -140,7 +162,23 @@ def _parse_ingest(job_id: str, payload: Mapping[str, Any], limits: DocumentLimit
         if doc.id in seen:
             raise JobError(f"documents[{i}].id {doc.id!r} appears twice in one job")
         seen.add(doc.id)
-    return IngestJob(job_id, documents, _sequence(payload.get("sequence"), seen))
+    return IngestJob(job_id, documents, _sequence(payload.get("sequence"), seen), _progress(payload.get("progress")))
+
+
+def _progress(raw: Any) -> dict[str, int]:
+    """Counts carried from a job's earlier turns: non-negative ints of known names."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise JobError(f"progress must be an object, got {_type(raw)}")
+    progress: dict[str, int] = {}
+    for name, n in raw.items():
+        if name not in PROGRESS_FIELDS:
+            raise JobError(f"progress names {_clipped_repr(name)}; known: {', '.join(PROGRESS_FIELDS)}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise JobError(f"progress[{name!r}] must be a non-negative integer, got {_clipped_repr(n)}")
+        progress[name] = n
+    return progress
 
 
 def _sequence(raw: Any, doc_ids: set[str]) -> dict[str, int]:

@@ -101,8 +101,13 @@ class JobQueue(Protocol):
 
     def reject(self, delivery: Delivery, error: str) -> bool: ...
 
-    def release(self, delivery: Delivery) -> None:
-        """Put an unfinished job back (its worker is stopping); the delivery does not count as an attempt."""
+    def release(self, delivery: Delivery, payload: Mapping[str, Any] | None = None) -> None:
+        """Put an unfinished job back at the end of the queue (its worker is stopping, or it gives other jobs a
+        turn), as `payload` when given (the rest of the job); the delivery does not count as an attempt."""
+        ...
+
+    def waiting_count(self) -> int:
+        """Messages enqueued and not yet handed to any consumer (jobs waiting for a turn)."""
         ...
 
     def keep_alive(self, delivery: Delivery) -> None: ...
@@ -210,9 +215,9 @@ class RedisStreamQueue:
         """Dead-letter now, whatever the attempt: the job can never succeed (a malformed document, say)."""
         return self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
 
-    def release(self, delivery: Delivery) -> None:
+    def release(self, delivery: Delivery, payload: Mapping[str, Any] | None = None) -> None:
         """Re-queue with this delivery uncounted (the stream has no "undeliver": a new entry, the old one acked)."""
-        data = reencode_payload(delivery.payload)
+        data = reencode_payload(delivery.payload if payload is None else payload)
         fields: dict[str, str | int] = {_PAYLOAD: data, _ATTEMPTS: delivery.attempt - 1}
         if delivery.last_error is not None:
             fields[_LAST_ERROR] = delivery.last_error
@@ -248,6 +253,11 @@ class RedisStreamQueue:
     def pending_count(self) -> int:
         """Messages enqueued and not yet acked or dead-lettered: waiting ones and those being processed."""
         return int(self._redis.xlen(self.stream))
+
+    def waiting_count(self) -> int:
+        """Acked entries are deleted, so what the stream holds beyond the group's pending list is undelivered."""
+        pending = self._in_group(lambda: self._redis.xpending(self.stream, self.group))
+        return max(0, int(self._redis.xlen(self.stream)) - int(pending["pending"]))
 
     def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         entries = self._redis.xrange(self.dead_letter, count=limit)
@@ -450,10 +460,11 @@ class InProcessQueue:
             self._bury(delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
             return True
 
-    def release(self, delivery: Delivery) -> None:
+    def release(self, delivery: Delivery, payload: Mapping[str, Any] | None = None) -> None:
+        data = reencode_payload(delivery.payload if payload is None else payload)
         with self._changed:
             if self._messages.pop(delivery.message_id, None) is not None:
-                self._add(reencode_payload(delivery.payload), delivery.attempt - 1, delivery.last_error)
+                self._add(data, delivery.attempt - 1, delivery.last_error)
 
     def keep_alive(self, delivery: Delivery) -> None:
         with self._changed:
@@ -482,6 +493,10 @@ class InProcessQueue:
     def pending_count(self) -> int:
         with self._changed:
             return len(self._messages)
+
+    def waiting_count(self) -> int:
+        with self._changed:
+            return len(self._ready)
 
     def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         with self._changed:

@@ -35,6 +35,7 @@ from service.jobs.queue import (
     reencode_payload,
 )
 from service.jobs.status import (
+    ACTIVE_STATES,
     COUNT_FIELDS,
     DEFAULT_JOB_TTL_S,
     JobStatus,
@@ -188,11 +189,13 @@ class SqliteJobQueue:
             self._bury(db, delivery.message_id, reencode_payload(delivery.payload), error, delivery.attempt)
             return True
 
-    def release(self, delivery: Delivery) -> None:
-        """Hand the message back unfinished (its worker is stopping): queued again, this delivery not counted."""
+    def release(self, delivery: Delivery, payload: Mapping[str, Any] | None = None) -> None:
+        """Hand the message back unfinished (its worker is stopping, or it gives other jobs a turn): queued again
+        at the end, as `payload` when given, this delivery not counted."""
+        data = reencode_payload(delivery.payload if payload is None else payload)
         with self._db.transaction() as db:
             if _delete(db, delivery.message_id):
-                _insert(db, reencode_payload(delivery.payload), delivery.attempt - 1, delivery.last_error)
+                _insert(db, data, delivery.attempt - 1, delivery.last_error)
                 self._changed.notify_all()
 
     def keep_alive(self, delivery: Delivery) -> None:
@@ -227,6 +230,9 @@ class SqliteJobQueue:
 
     def pending_count(self) -> int:
         return int(self._db.read("SELECT COUNT(*) FROM messages")[0][0])
+
+    def waiting_count(self) -> int:
+        return int(self._db.read("SELECT COUNT(*) FROM messages WHERE consumer IS NULL")[0][0])
 
     def pending_payloads(self) -> list[dict[str, Any]]:
         """Every job not yet acked or dead-lettered, oldest first (what a start-up sweep must not undo)."""
@@ -336,7 +342,28 @@ class SqliteJobStatusStore:
 
     def update(self, job_id: str, **fields: Any) -> JobStatus:
         changes = status_changes(self._clock(), fields)
-        return self._write(job_id, ", ".join(f"{name} = ?" for name in changes), list(changes.values()))
+        # A cancelled job keeps its status and times (cancelled is final); its counts still change.
+        final = ("status", "started_at", "finished_at")
+        assignments = [
+            f"{name} = CASE WHEN status = 'cancelled' THEN {name} ELSE ? END" if name in final else f"{name} = ?"
+            for name in changes
+        ]
+        return self._write(job_id, ", ".join(assignments), list(changes.values()))
+
+    def cancel(self, job_id: str) -> bool | None:
+        changes = status_changes(self._clock(), {"status": "cancelled"})
+        marks = ", ".join("?" for _ in ACTIVE_STATES)
+        with self._db.transaction() as db:
+            cursor = db.execute(
+                f"UPDATE job_status SET {', '.join(f'{name} = ?' for name in changes)} "
+                f"WHERE job_id = ? AND status IN ({marks})",
+                [*changes.values(), job_id, *ACTIVE_STATES],
+            )
+            if cursor.rowcount:
+                return True
+            return (
+                None if db.execute("SELECT 1 FROM job_status WHERE job_id = ?", (job_id,)).fetchone() is None else False
+            )
 
     def increment(self, job_id: str, **counts: int) -> JobStatus:
         _check_counts(counts)

@@ -1,6 +1,9 @@
-"""Job statuses (`queued`, `running`, `done`, `failed`, with counts, an error and timestamps) behind one protocol.
+"""Job statuses (`queued`, `running`, `done`, `failed`, `cancelled`, with counts, an error and timestamps) behind one
+protocol.
 
 A job is an ingest or a delete (`kind`); a delete reports the chunks it removed and the KV blocks it released.
+`cancel` moves a queued or running job to `cancelled` in one atomic step; `cancelled` is final: later writes (the
+worker's last counts) keep it, so a worker that finishes its step after the cancel cannot turn it back to `done`.
 
 The gateway creates a status when it enqueues a job, the worker updates and increments it, the gateway reads it.
 `RedisJobStatusStore` keeps hashes with a TTL for deployments with separate workers; the embedded form keeps them
@@ -18,7 +21,9 @@ from typing import Any, Protocol
 
 import redis
 
-JOB_STATES = ("queued", "running", "done", "failed")
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
+ACTIVE_STATES = ("queued", "running")  # what `cancel` may stop
+FINISHED_STATES = ("done", "failed", "cancelled")
 JOB_KINDS = ("ingest", "delete")
 COUNT_FIELDS = (
     "documents",
@@ -67,6 +72,10 @@ class JobStatusStore(Protocol):
 
     def get(self, job_id: str) -> JobStatus | None: ...
 
+    def cancel(self, job_id: str) -> bool | None:
+        """Mark a queued or running job cancelled: True when it was, False when it had finished, None unknown."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -86,9 +95,16 @@ def status_changes(now: float, fields: Mapping[str, Any]) -> dict[str, Any]:
         changes[name] = value
     if fields.get("status") == "running":
         changes["started_at"] = now
-    if fields.get("status") in ("done", "failed"):
+    if fields.get("status") in FINISHED_STATES:
         changes["finished_at"] = now
     return changes
+
+
+def keeping_cancelled(job: JobStatus, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The changes a write may make to `job`: a cancelled job keeps its status and times (cancelled is final)."""
+    if job.status != "cancelled":
+        return dict(changes)
+    return {k: v for k, v in changes.items() if k not in ("status", "started_at", "finished_at")}
 
 
 def _check_kind(kind: str) -> None:
@@ -127,8 +143,19 @@ class InMemoryJobStatusStore:
     def update(self, job_id: str, **fields: Any) -> JobStatus:
         changes = status_changes(self._clock(), fields)
         with self._lock:
-            self._jobs[job_id] = replace(self._known(job_id), **changes)
+            job = self._known(job_id)
+            self._jobs[job_id] = replace(job, **keeping_cancelled(job, changes))
             return self._jobs[job_id]
+
+    def cancel(self, job_id: str) -> bool | None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None
+            if job.status not in ACTIVE_STATES:
+                return False
+            self._jobs[job_id] = replace(job, **status_changes(self._clock(), {"status": "cancelled"}))
+            return True
 
     def increment(self, job_id: str, **counts: int) -> JobStatus:
         _check_counts(counts)
@@ -163,6 +190,21 @@ return 1
 """
 _UPDATE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local cancelled = redis.call('HGET', KEYS[1], 'status') == 'cancelled'
+for i = 2, #ARGV, 2 do
+  local name = ARGV[i]
+  if not (cancelled and (name == 'status' or name == 'started_at' or name == 'finished_at')) then
+    redis.call('HSET', KEYS[1], name, ARGV[i + 1])
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+# Returns -1 for an unknown job, 0 for a finished one, 1 when it was queued or running and is cancelled now.
+_CANCEL_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+if status ~= 'queued' and status ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
@@ -191,6 +233,7 @@ class RedisJobStatusStore:
         self._redis: Any = redis.Redis.from_url(url, decode_responses=True)
         self._create = self._redis.register_script(_CREATE_SCRIPT)
         self._update = self._redis.register_script(_UPDATE_SCRIPT)
+        self._cancel = self._redis.register_script(_CANCEL_SCRIPT)
         self._increment = self._redis.register_script(_INCREMENT_SCRIPT)
 
     def create(self, job_id: str, documents: int, kind: str = "ingest") -> JobStatus:
@@ -219,6 +262,11 @@ class RedisJobStatusStore:
 
     def get(self, job_id: str) -> JobStatus | None:
         return _job_from_hash(job_id, self._redis.hgetall(self._key(job_id)))
+
+    def cancel(self, job_id: str) -> bool | None:
+        changes = status_changes(self._clock(), {"status": "cancelled"})
+        outcome = int(self._cancel(keys=[self._key(job_id)], args=[self.ttl_s, *_flatten(changes)]))
+        return None if outcome < 0 else bool(outcome)
 
     def close(self) -> None:
         self._redis.close()

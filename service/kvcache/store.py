@@ -146,7 +146,7 @@ class StoreStats:
     blocks_written: int
     bytes_written: int
     pending_writes: int
-    write_errors: dict[str, int]  # by reason: index, disk, other (writeback.WRITE_ERROR_REASONS)
+    write_errors: dict[str, int]  # by reason: index, disk, no_space, other (writeback.WRITE_ERROR_REASONS)
 
 
 class KVStore:
@@ -277,7 +277,11 @@ class KVStore:
         written = 0
         for block in blocks:
             check_block(self.spec, block)
-            size = self.disk.write(self.key_of(block.token_ids), block)
+            try:
+                size = self.disk.write(self.key_of(block.token_ids), block)
+            except Exception as err:  # counted with the background writes' failures (disk full, index away)
+                self._writeback.record_failure(err)
+                raise
             # Ingestion writes here, not through the write-back queue: count it too (kvstitch_kv_blocks_written).
             with self._lock:
                 self._put_blocks += size > 0

@@ -324,14 +324,42 @@ class DiskTier:
         return self.index.get(key) is None or not self.path_of(key).is_file()
 
     def write(self, key: str, block: KVBlock) -> int:
-        """Store a block unless it already is; returns the bytes written (0 when stored already or too big)."""
-        if not self.wants(key, self.stored_nbytes(block)):
+        """Store a block unless it already is; returns the bytes written (0 when stored already or too big).
+
+        Room is made first (least recently used blocks evicted down to the budget less this block), so a full
+        budget, or a disk that filled up before its budget did, does not fail every later write. A write that
+        fails leaves nothing behind: no temp file, no file without an index entry."""
+        nbytes = self.stored_nbytes(block)
+        if not self.wants(key, nbytes):
             return 0
-        size = write_block(self.path_of(key), key, self.fingerprint, block, self.fmt)
-        now = time.time()
-        self.index.put(IndexEntry(key, block_relpath(key), size, block.num_tokens, now, now))
-        self.enforce_budget(keep=key)
+        self.enforce_budget(limit=self.budget_bytes - nbytes)
+        path = self.path_of(key)
+        try:
+            size = write_block(path, key, self.fingerprint, block, self.fmt)
+            now = time.time()
+            self.index.put(IndexEntry(key, block_relpath(key), size, block.num_tokens, now, now))
+        except BaseException:
+            self._drop_unindexed(path, key)
+            raise
+        self.enforce_budget(keep=key)  # the header may have pushed it a page past
         return size
+
+    def trim(self) -> int:
+        """At start: evict down to the budget (it may be lower than the last run's); how many blocks went.
+        A budget of 0 means the tier is off, not empty: nothing is deleted then."""
+        return self.enforce_budget() if self.budget_bytes > 0 else 0
+
+    def _drop_unindexed(self, path: Path, key: str) -> None:
+        """After a failed write: a file the rename put in place but the index does not list goes (a file that is
+        listed is a complete one, written before); an index that cannot even be asked leaves the file to
+        `repair` at the next start."""
+        try:
+            listed = self.index.get(key) is not None
+        except Exception:
+            log.warning("KV index unreachable after a failed write of %s; repair at start will reconcile", key)
+            return
+        if not listed:
+            path.unlink(missing_ok=True)
 
     def stored_nbytes(self, block: KVBlock) -> int:
         """The payload bytes a block takes in this tier's form."""
@@ -345,10 +373,12 @@ class DiskTier:
         self.index.remove(key)
         self.path_of(key).unlink(missing_ok=True)
 
-    def enforce_budget(self, keep: str | None = None) -> int:
-        """Evict least recently used blocks (never `keep`) until the total fits; returns how many went."""
+    def enforce_budget(self, keep: str | None = None, limit: int | None = None) -> int:
+        """Evict least recently used blocks (never `keep`) until the total is within `limit` (default: the
+        budget); returns how many went."""
+        limit = self.budget_bytes if limit is None else max(0, limit)
         removed = 0
-        while self.index.total_bytes() > self.budget_bytes:
+        while self.index.total_bytes() > limit:
             victims = [e for e in self.index.lru(EVICTION_BATCH) if e.key != keep]
             if not victims:
                 # Only the new block is left and it alone is over budget (its header pushed it past): drop it.
@@ -359,7 +389,7 @@ class DiskTier:
             for entry in victims:
                 self.remove(entry.key)
                 removed += 1
-                if self.index.total_bytes() <= self.budget_bytes:
+                if self.index.total_bytes() <= limit:
                     break
         with self._lock:
             self.evictions += removed

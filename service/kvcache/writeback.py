@@ -9,6 +9,7 @@ request's compute stream never waits for a write.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import threading
 import time
@@ -26,9 +27,10 @@ from service.outage import OutageLog
 
 log = logging.getLogger(__name__)
 
-# Why a background write failed: the index (Redis or SQLite) is away, the disk refused the file, or anything else
-# (a bug: logged with its traceback every time).
-WRITE_ERROR_REASONS = ("index", "disk", "other")
+# Why a write failed: the index (Redis or SQLite) is away, the disk is full (or over quota), the disk refused the
+# file otherwise, or anything else (a bug: logged with its traceback every time).
+WRITE_ERROR_REASONS = ("index", "disk", "no_space", "other")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class WriteBack:
@@ -46,7 +48,11 @@ class WriteBack:
         self.bytes_written = 0
         self.errors: Counter[str] = Counter()
         # An unreachable index fails every queued touch and write: logged once per outage, counted each time.
-        self._outages = {"index": OutageLog(log, "KV index update"), "disk": OutageLog(log, "KV block write")}
+        self._outages = {
+            "index": OutageLog(log, "KV index update"),
+            "disk": OutageLog(log, "KV block write"),
+            "no_space": OutageLog(log, "KV block write (disk full)"),
+        }
 
     @property
     def pending(self) -> int:
@@ -94,18 +100,23 @@ class WriteBack:
         with self._lock:
             self._pending.discard(future)
 
+    def record_failure(self, err: Exception) -> None:
+        """Count a failed write or touch by reason and log it (once per outage; a bug with its traceback).
+        Also called for the ingest's own synchronous writes (`KVStore.put`), so every failed write is counted."""
+        reason = write_error_reason(err)
+        with self._lock:
+            self.errors[reason] += 1
+        if reason in self._outages:
+            self._outages[reason].failed(err)
+        else:
+            log.error("KV cache write failed", exc_info=err)
+
     def _guarded(self, job: Callable[[], None]) -> None:
         # A failed write only costs a later recompute; count it, log it (once per outage) and keep the worker alive.
         try:
             job()
         except Exception as err:
-            reason = write_error_reason(err)
-            with self._lock:
-                self.errors[reason] += 1
-            if reason in self._outages:
-                self._outages[reason].failed(err)
-            else:
-                log.exception("KV cache background write failed")
+            self.record_failure(err)
 
     def _touch(self, keys: list[str], now: float) -> None:
         self._disk.touch(keys, now)
@@ -118,8 +129,8 @@ class WriteBack:
                 return  # stored meanwhile (another worker) or over budget: skip the device-to-host copy
             host = _to_host(block.kv, self._stream, ready)
             written = self._disk.write(key, KVBlock(block.token_ids, host))
-            self._outages["index"].succeeded()
-            self._outages["disk"].succeeded()
+            for outage in self._outages.values():
+                outage.succeeded()
             with self._lock:
                 self.blocks_written += written > 0
                 self.bytes_written += written
@@ -132,7 +143,9 @@ def write_error_reason(error: Exception) -> str:
     """The `reason` label of a failed background write (one of WRITE_ERROR_REASONS)."""
     if isinstance(error, INDEX_ERRORS):
         return "index"
-    return "disk" if isinstance(error, OSError) else "other"
+    if isinstance(error, OSError):
+        return "no_space" if error.errno in _NO_SPACE else "disk"
+    return "other"
 
 
 def _to_host(kv: torch.Tensor, stream: device.CopyStream | None, ready: CopyEvent | None) -> torch.Tensor:

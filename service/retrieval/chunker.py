@@ -35,6 +35,7 @@ from service.retrieval.headings import is_heading_only
 # Below this a budget cannot hold even a few words plus the edge effects of tokenizing a span alone.
 MIN_CHUNK_SIZE = 16
 DEFAULT_MAX_DOCUMENT_CHARS = 2_000_000
+COUNT_BATCH = 32  # texts per tokenizer call when counting a job's tokens (the fast tokenizer batches in Rust)
 _END_OF_TEXT = max(Rank) + 1  # ranks a final piece above any cut: it needs none
 
 
@@ -91,6 +92,18 @@ class Chunker:
         return [
             Chunk(doc_id, i, p.start, p.end, text[p.start : p.end], p.token_ids) for i, p in enumerate(packer.pieces())
         ]
+
+    def count_tokens(self, texts: Sequence[str], stop_above: int) -> int:
+        """Tokens of the texts (no special tokens), counted a few texts at a time and stopping as soon as the
+        total passes `stop_above` (a job over its bound is refused without tokenizing all of it)."""
+        total = 0
+        for start in range(0, len(texts), COUNT_BATCH):
+            batch = list(texts[start : start + COUNT_BATCH])
+            encoded = self.tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
+            total += sum(len(ids) for ids in encoded)
+            if total > stop_above:
+                break
+        return total
 
     def _check_size(self, doc_id: str, text: str) -> None:
         limit = self.config.max_document_chars

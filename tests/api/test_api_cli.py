@@ -52,6 +52,9 @@ def test_serve_ingest_and_ask_from_the_command_line(tiny_model_dirs: dict[str, P
         ingested = _kvstitch("ingest", str(corpus), "--url", url, env=env)
         asked = _kvstitch("ask", "Why do otters hold hands?", "--url", url, "--max-new-tokens", "6", env=env)
         asked_naive = _kvstitch("ask", "Why do otters hold hands?", "--url", url, "--mode", "naive", env=env)
+        finished_job = ingested.stdout.split()[1].rstrip(":")  # "job <id>: done — …"
+        cancel_finished = _kvstitch("cancel", finished_job, "--url", url, env=env)
+        cancel_unknown = _kvstitch("cancel", "no-such-job", "--url", url, env=env)
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
@@ -63,6 +66,9 @@ def test_serve_ingest_and_ask_from_the_command_line(tiny_model_dirs: dict[str, P
     assert "[sources: corpus/otters.md" in asked.stdout
     assert "TTFT" in asked.stdout and "KV tiers: gpu=0 host=0 disk=2 miss=0" in asked.stdout
     assert "(naive), KV tiers: gpu=0 host=0 disk=0 miss=0" in asked_naive.stdout
+    assert cancel_finished.returncode == 1 and "409" in cancel_finished.stderr
+    assert f"job {finished_job!r} already finished (done)" in cancel_finished.stderr
+    assert cancel_unknown.returncode == 1 and "404" in cancel_unknown.stderr and "no-such-job" in cancel_unknown.stderr
     assert server.returncode == 0
 
 

@@ -30,6 +30,7 @@ OPERATIONS = {
     "POST /ingest": True,
     "POST /ingest/files": True,
     "GET /ingest/{job_id}": True,
+    "DELETE /ingest/{job_id}": True,
     "GET /documents": True,
     "GET /documents/{doc_id}": True,
     "DELETE /documents/{doc_id}": True,

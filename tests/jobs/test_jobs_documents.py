@@ -3,6 +3,7 @@ field."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -43,4 +44,29 @@ def test_a_payload_from_an_older_version_is_an_unordered_ingest() -> None:
 )
 def test_malformed_job_fields_are_refused_by_name(payload: dict[str, Any], message: str) -> None:
     with pytest.raises(JobError, match=message):
+        parse_job(payload, LIMITS)
+
+
+def test_the_rest_of_a_job_carries_its_counts_and_the_whole_jobs_size() -> None:
+    job = IngestJob("j1", tuple(Document(d, "text") for d in "abcd"), {"a": 1, "b": 2, "c": 3, "d": 4})
+    rest = job.rest(3, {"documents_done": 3, "chunks": 7, "chunks_precomputed": 5, "chunks_reused": 2})
+
+    assert [d.id for d in rest.documents] == ["d"] and rest.sequence == {"d": 4}
+    assert rest.total_documents == 4 and rest.progress["documents_done"] == 3
+    assert parse_job(rest.to_payload(), LIMITS) == rest
+    assert rest.rest(0, {"documents_done": 3}).total_documents == 4  # the size stays the whole job's
+
+
+@pytest.mark.parametrize(
+    ("progress", "message"),
+    [
+        ([3], "progress must be an object"),
+        ({"documents_done": -1}, "progress['documents_done'] must be a non-negative integer"),
+        ({"documents_done": True}, "progress['documents_done'] must be a non-negative integer"),
+        ({"blocks": 1}, "progress names 'blocks'"),
+    ],
+)
+def test_carried_progress_is_checked_naming_the_field(progress: Any, message: str) -> None:
+    payload = {"job_id": "j", "documents": [{"id": "a", "text": "t"}], "progress": progress}
+    with pytest.raises(JobError, match=re.escape(message)):
         parse_job(payload, LIMITS)

@@ -274,3 +274,24 @@ def test_a_released_job_is_handed_out_again_without_spending_an_attempt(queue: J
     assert queue.pending_count() == 1
     queue.ack(again)
     assert queue.pending_count() == 0
+
+
+# ---- taking turns (issue 15) -------------------------------------------------------------------------------
+
+
+def test_a_job_released_with_its_rest_goes_behind_the_waiting_jobs(queue: JobQueue) -> None:
+    queue.enqueue({"job_id": "big", "documents": ["d1", "d2", "d3"]})
+    assert queue.waiting_count() == 1
+    [big] = queue.consume("worker-1", block_ms=100)
+    assert queue.waiting_count() == 0 and queue.pending_count() == 1
+    queue.enqueue({"job_id": "small"})
+    assert queue.waiting_count() == 1
+
+    queue.release(big, {"job_id": "big", "documents": ["d3"], "progress": {"documents_done": 2}})
+
+    assert queue.waiting_count() == 2 and queue.pending_count() == 2
+    first, second = (queue.consume("worker-1", block_ms=100)[0] for _ in range(2))
+    assert first.payload == {"job_id": "small"}
+    assert second.payload == {"job_id": "big", "documents": ["d3"], "progress": {"documents_done": 2}}
+    assert second.attempt == 1  # a turn given up is not an attempt
+    assert queue.waiting_count() == 0

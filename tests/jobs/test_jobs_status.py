@@ -103,3 +103,35 @@ def test_redis_statuses_expire(redis_url: str, redis_prefix: str) -> None:
 def test_in_memory_store_uses_wall_clock_by_default() -> None:
     job = InMemoryJobStatusStore().create("job-1", documents=0)
     assert job.created_at > 1.6e9
+
+
+# ---- cancelling (issue 15) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["queued", "running"])
+def test_a_queued_or_running_job_is_cancelled_and_cancelled_is_final(store: JobStatusStore, state: str) -> None:
+    store.create("job-1", documents=4)
+    if state == "running":
+        store.update("job-1", status="running")
+
+    assert store.cancel("job-1") is True
+    cancelled = store.get("job-1")
+    assert cancelled is not None and cancelled.status == "cancelled"
+    assert cancelled.finished_at == cancelled.updated_at is not None
+
+    # The worker's last write (it finished its step after the cancel) keeps the status and times, not the counts.
+    after = store.update("job-1", status="done", documents_done=2, chunks=9)
+    assert (after.status, after.documents_done, after.chunks) == ("cancelled", 2, 9)
+    assert after.finished_at == cancelled.finished_at
+    assert store.cancel("job-1") is False  # cancelled once: nothing left to cancel
+
+
+@pytest.mark.parametrize("final", ["done", "failed"])
+def test_a_finished_job_cannot_be_cancelled_and_an_unknown_one_is_none(store: JobStatusStore, final: str) -> None:
+    store.create("job-1", documents=1)
+    store.update("job-1", status=final)
+    assert store.cancel("job-1") is False
+    job = store.get("job-1")
+    assert job is not None and job.status == final
+    assert store.cancel("no-such-job") is None
+    assert store.get("no-such-job") is None  # asking to cancel creates nothing

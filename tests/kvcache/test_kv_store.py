@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,14 @@ from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.kv_for_engine import kv_store_for
-from service.kvcache import device
+from service.kvcache import device, fileformat, tiers
 from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
 from service.kvcache.index import KVIndex
 from service.kvcache.precompute import precompute_batches
 from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
+from service.runtime import open_store
+from service.settings import Settings
 
 EngineFactory = Callable[..., StitchEngine]
 CHUNK_LENGTHS = (23, 9, 31, 14)
@@ -559,3 +563,104 @@ def test_disk_hits_are_read_with_o_direct_into_the_host_pool(
         assert result.counts == counts(disk=n)
         for got, want in zip(result.blocks, fresh, strict=True):
             assert torch.equal(bits(got.kv), bits(want.kv))
+
+
+# ---- a disk that frees itself (issue 15) -------------------------------------------------------------------
+
+
+def test_a_lower_disk_budget_at_restart_is_applied_at_start(
+    engine: StitchEngine, stores: Stores, index: KVIndex, tmp_path: Path
+) -> None:
+    blocks = engine.precompute(synthetic_ids(engine, [300] * 16, seed=21))
+    assert sum(b.nbytes() for b in blocks) > 2 * MIB  # more than the lower budget below
+    first = stores.open(index, disk=64 * MIB)
+    first.put(blocks)
+    first.close()
+    assert index.total_bytes() > MIB
+
+    settings = Settings(model="unused", data_dir=tmp_path / "data", cache_dir=stores.cache_dir, disk_cache_mb=1)
+    restarted = open_store(settings, engine, index, engine.precompute)
+    stores.opened.append(restarted)
+
+    on_disk = block_files(stores.cache_dir)
+    assert index.total_bytes() <= MIB  # trimmed before any write
+    assert 0 < len(on_disk) == len(index.keys()) < len(blocks)
+    assert sum(p.stat().st_size for p in on_disk) == index.total_bytes()
+    assert restarted.stats().evictions[Tier.DISK] == len(blocks) - len(on_disk)
+
+
+def test_a_full_budget_makes_room_before_writing(
+    engine: StitchEngine, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks = engine.precompute(synthetic_ids(engine, [40] * 5, seed=23))
+    budget = 3 * (blocks[0].nbytes() + 8192)
+    store = stores.open(index, disk=budget)
+    store.put(blocks[:3])
+    peak = 0
+    real_write = fileformat.write_block
+
+    def measured(*args: Any, **kwargs: Any) -> int:
+        nonlocal peak  # what the tier holds while the new file is being written
+        peak = max(peak, index.total_bytes() + blocks[0].nbytes())
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(tiers, "write_block", measured)
+    store.put(blocks[3:])
+
+    assert peak <= budget  # evicted first: the disk never holds more than the budget, even mid-write
+    assert store.contains(store.key_of(blocks[4].token_ids))
+
+
+class _NoSpaceAfter:
+    """Makes one step of a block write fail with ENOSPC, as a full disk does part-way through a file."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real = real
+        self.armed = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("step", ["fsync", "directory fsync"])
+def test_a_write_failing_with_enospc_leaves_nothing_is_counted_and_later_writes_succeed(
+    engine: StitchEngine,
+    stores: Stores,
+    index: KVIndex,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+) -> None:
+    blocks = engine.precompute(synthetic_ids(engine, [40, 41], seed=25))
+    store = stores.open(index)
+    failing = _NoSpaceAfter(os.fsync if step == "fsync" else fileformat._fsync_dir)
+    if step == "fsync":  # mid-file: the temp file holds part of the block
+        monkeypatch.setattr(fileformat.os, "fsync", failing)
+    else:  # after the rename: the file is in place but not yet listed in the index
+        monkeypatch.setattr(fileformat, "_fsync_dir", failing)
+
+    with pytest.raises(OSError, match="No space left"):
+        store.put(blocks[:1])
+
+    assert list(stores.cache_dir.rglob("*")) == [p for p in stores.cache_dir.rglob("*") if p.is_dir()]  # no file
+    assert index.keys() == [] and index.total_bytes() == 0
+    assert store.stats().write_errors == {"index": 0, "disk": 0, "no_space": 1, "other": 0}
+
+    assert store.put(blocks) > 0  # the next writes go through
+    assert sorted(index.keys()) == sorted(store.key_of(b.token_ids) for b in blocks)
+    assert len(block_files(stores.cache_dir)) == 2
+
+
+def test_a_background_write_failing_with_enospc_is_counted_as_no_space(
+    engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = stores.open(index)
+    monkeypatch.setattr(fileformat.os, "fsync", _NoSpaceAfter(os.fsync))
+    store.fetch(prompt.blocks)  # misses: computed, then written in the background; the first write fails
+    store.flush()
+
+    assert store.stats().write_errors["no_space"] == 1
+    assert len(block_files(stores.cache_dir)) == len(index.keys()) == len(prompt.blocks) - 1
+    assert not [p for p in stores.cache_dir.rglob("*") if p.is_file() and p.suffix != ".kvblock"]  # no temp file

@@ -31,7 +31,8 @@ class FlakyDisk:
     [
         (redis.ConnectionError("Connection refused"), "index", "KV index update"),
         (sqlite3.OperationalError("database is locked"), "index", "KV index update"),
-        (OSError(28, "No space left on device"), "disk", "KV block write"),
+        (OSError(28, "No space left on device"), "no_space", "KV block write (disk full)"),
+        (OSError(5, "Input/output error"), "disk", "KV block write"),
     ],
 )
 def test_an_outage_is_one_warning_then_a_count_then_one_recovery_line(
@@ -50,7 +51,7 @@ def test_an_outage_is_one_warning_then_a_count_then_one_recovery_line(
         writeback.touch(["again"])
         writeback.close()
 
-    assert writeback.error_counts() == {"index": 0, "disk": 0, "other": 0} | {reason: 7}
+    assert writeback.error_counts() == {"index": 0, "disk": 0, "no_space": 0, "other": 0} | {reason: 7}
     assert during == [f"{what} failed: {type(error).__name__}: {error} (further failures are counted, not logged, "
                       "until it recovers)"]  # fmt: skip
     messages = [r.getMessage() for r in caplog.records]
@@ -71,5 +72,5 @@ def test_an_unexpected_error_is_counted_as_other_and_logged_with_its_traceback_e
         writeback.touch(["b"])
         writeback.close()
 
-    assert writeback.error_counts() == {"index": 0, "disk": 0, "other": 2}
+    assert writeback.error_counts() == {"index": 0, "disk": 0, "no_space": 0, "other": 2}
     assert [r.exc_info is not None for r in caplog.records] == [True, True]

@@ -67,7 +67,13 @@ def test_a_stopping_worker_hands_its_job_back_between_groups(runtime: Runtime, m
     final = runtime.jobs.get(job_id)
     assert final is not None
     assert (final.status, final.error, final.documents_done) == ("done", None, len(DOCUMENTS))
-    assert final.chunks_reused >= 1  # the first run's KV is used again
+    # Only the rest was handed back (with the counts so far): the groups done are neither redone nor recounted.
+    assert again.payload["documents"] == [d.to_json() for d in DOCUMENTS[status.documents_done :]]
+    assert (final.chunks, final.chunks_precomputed, final.chunks_reused) == (
+        sum(chunks.values()),
+        sum(chunks.values()),
+        0,
+    )
     assert visible_counts(runtime.collection, list(chunks)) == chunks
     assert runtime.queue.pending_count() == 0
 

@@ -681,7 +681,7 @@
         const job = await res.json();
         if (token !== pollToken) return;
         showJob(job, jobId);
-        if (job.status === "done" || job.status === "failed") return;
+        if (job.status === "done" || job.status === "failed" || job.status === "cancelled") return;
         next = 0;
       } catch (err) {
         if (token !== pollToken) return;
