@@ -322,9 +322,12 @@ def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore
 
 
 def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
+    hybrid = settings.hybrid_search
     if settings.qdrant_url:
-        return ChunkCollection(settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key)
-    return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path)
+        return ChunkCollection(
+            settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key, hybrid=hybrid
+        )
+    return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path, hybrid=hybrid)
 
 
 def needs_data_dir_to_itself(settings: Settings) -> bool:
