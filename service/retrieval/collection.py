@@ -287,26 +287,34 @@ class ChunkCollection:
     ) -> list[list[RetrievedChunk]]:
         """Dense and sparse rankings of published points fused by reciprocal rank. Both rankings take the filter:
         dropping unpublished hits after fusion (as `_search_embedded` does) would leave the ranks they held in the
-        fused scores, so the order would differ from the filtered one."""
-        requests = [
-            models.QueryRequest(
-                prefetch=self._prefetches(vector, text, HYBRID_PREFETCH * k),
-                query=models.FusionQuery(fusion=models.Fusion.RRF),
-                limit=k,
-                with_payload=True,
-            )
-            for vector, text, k in zip(vectors, texts, top_ks, strict=True)
-        ]
+        fused scores, so the order would differ from the filtered one. Embedded Qdrant checks a filter in Python on
+        every point for each ranking, so there the filter is left out while no point is unpublished (the usual case
+        between ingests), counted under the same lock as the query (every write takes it too)."""
         with self._lock:
+            selector = _SHOWN if not self.embedded or self._has_invisible() else None
+            requests = [
+                models.QueryRequest(
+                    prefetch=self._prefetches(vector, text, HYBRID_PREFETCH * k, selector),
+                    query=models.FusionQuery(fusion=models.Fusion.RRF),
+                    limit=k,
+                    with_payload=True,
+                )
+                for vector, text, k in zip(vectors, texts, top_ks, strict=True)
+            ]
             responses = self._client.query_batch_points(self.name, requests=requests)
         return [[_retrieved(h) for h in r.points] for r in responses]
 
-    def _prefetches(self, vector: Sequence[float], text: str, limit: int) -> list[models.Prefetch]:
-        prefetches = [models.Prefetch(query=list(vector), filter=_SHOWN, limit=limit)]
+    def _has_invisible(self) -> bool:
+        return self._client.count(self.name, count_filter=models.Filter(must=_invisible()), exact=True).count > 0
+
+    def _prefetches(
+        self, vector: Sequence[float], text: str, limit: int, selector: models.Filter | None
+    ) -> list[models.Prefetch]:
+        prefetches = [models.Prefetch(query=list(vector), filter=selector, limit=limit)]
         question = sparse.query_vector(text)
         if question.indices:  # a question with no word (only punctuation) ranks by the dense vector alone
             query = models.SparseVector(indices=question.indices, values=question.values)
-            prefetches.append(models.Prefetch(query=query, using=SPARSE_VECTOR, filter=_SHOWN, limit=limit))
+            prefetches.append(models.Prefetch(query=query, using=SPARSE_VECTOR, filter=selector, limit=limit))
         return prefetches
 
     def _query(
