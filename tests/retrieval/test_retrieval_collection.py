@@ -399,3 +399,14 @@ def test_hybrid_search_never_returns_unpublished_points(collection: ChunkCollect
 
     collection.publish("draft", "v1")
     assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="zorblax")] == ["draft", "draft"]
+
+
+def test_a_chunk_without_ascii_words_gets_an_empty_sparse_vector_and_is_found_by_its_vector(
+    collection: ChunkCollection,
+) -> None:
+    collection.upsert(
+        [chunk("ja", 0, "日本語の文"), chunk("en", 0, "alpha beta")], [AXES["x"], AXES["y"]], version="v1"
+    )
+
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="日本語")] == ["ja", "en"]
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="alpha")] == ["en", "ja"]
