@@ -2,7 +2,7 @@
 
     python -m loadtest.recall                       # chunks as ingestion makes them, dense search
     python -m loadtest.recall --context none        # embed the chunk text alone (what ingestion did before)
-    python -m loadtest.recall --hybrid              # also dense + BM25-style sparse vectors, fused (RRF) in Qdrant
+    python -m loadtest.recall --hybrid              # also the service's hybrid search (dense + BM25-style sparse, RRF)
 
 The corpus is `tests/data/licenses/` (Apache-2.0, MPL-2.0, CC0-1.0, copied from Debian's common-licenses; the
 licences' own terms allow verbatim copies) and its `questions.json`: each question names the document and a short
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
+import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from service.devtools.tiny_model import build_tokenizer
-from service.retrieval.chunker import Chunker, ChunkerConfig
+from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
+from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "licenses"
-_WORD = re.compile(r"[a-z0-9]+")
 
 
 @dataclass(frozen=True)
@@ -102,55 +100,19 @@ def dense_ranking(
 def hybrid_ranking(
     embedder: Embedder, chunks: list[Indexed], questions: list[dict[str, str]], k: int
 ) -> list[list[int]]:
-    """Dense and BM25-style sparse vectors in one Qdrant collection (in memory), fused by reciprocal rank."""
-    from qdrant_client import QdrantClient, models
-
-    vocab: dict[str, int] = {}
-    docs_terms = [Counter(_WORD.findall(c.embedded.lower())) for c in chunks]
-    df = Counter(t for terms in docs_terms for t in terms)
-    avg_len = sum(sum(t.values()) for t in docs_terms) / len(docs_terms)
-    idf = {t: math.log(1 + (len(chunks) - n + 0.5) / (n + 0.5)) for t, n in df.items()}
-
-    def doc_vector(terms: Counter[str]) -> models.SparseVector:
-        length = sum(terms.values())
-        weights = {
-            vocab.setdefault(t, len(vocab)): idf[t] * f * 2.2 / (f + 1.2 * (0.25 + 0.75 * length / avg_len))
-            for t, f in terms.items()
-        }
-        return models.SparseVector(indices=list(weights), values=list(weights.values()))
-
-    def query_vector(text: str) -> models.SparseVector:
-        terms = {vocab[t] for t in _WORD.findall(text.lower()) if t in vocab}
-        return models.SparseVector(indices=sorted(terms), values=[1.0] * len(terms))
-
-    client = QdrantClient(location=":memory:")
-    client.create_collection(
-        "recall",
-        vectors_config={"dense": models.VectorParams(size=embedder.dimension, distance=models.Distance.COSINE)},
-        sparse_vectors_config={"bm25": models.SparseVectorParams()},
-    )
-    dense = embedder.embed_documents([c.embedded for c in chunks])
-    client.upsert(
-        "recall",
-        [
-            models.PointStruct(id=i, vector={"dense": dense[i], "bm25": doc_vector(docs_terms[i])})
-            for i in range(len(chunks))
-        ],
-    )
-    ranked = []
-    for question, vector in zip(questions, embedder.embed_queries([q["q"] for q in questions]), strict=True):
-        hits = client.query_points(
-            "recall",
-            prefetch=[
-                models.Prefetch(query=vector, using="dense", limit=4 * k),
-                models.Prefetch(query=query_vector(question["q"]), using="bm25", limit=4 * k),
-            ],
-            query=models.FusionQuery(fusion=models.Fusion.RRF),
-            limit=k,
-        ).points
-        ranked.append([int(h.id) for h in hits])
-    client.close()
-    return ranked
+    """The service's hybrid search: dense and BM25-style sparse vectors (`service.retrieval.sparse`) in a
+    `ChunkCollection` (embedded Qdrant in a temporary folder), fused by reciprocal rank."""
+    with tempfile.TemporaryDirectory() as folder:
+        collection = ChunkCollection("recall", embedder.dimension, path=folder, hybrid=True)
+        try:
+            stored = [Chunk(c.doc, i, 0, len(c.text), c.text, ()) for i, c in enumerate(chunks)]
+            embedded = [c.embedded for c in chunks]
+            collection.upsert(stored, embedder.embed_documents(embedded), version="recall", texts=embedded)
+            texts = [q["q"] for q in questions]
+            hits = collection.search_many(embedder.embed_queries(texts), [k] * len(texts), texts)
+        finally:
+            collection.close()
+    return [[h.index for h in found] for found in hits]
 
 
 def heading_only(chunks: list[Indexed]) -> int:

@@ -366,7 +366,14 @@ class Ingestor:
             start = time.perf_counter()
             contexts = [x.payload() for x in prepared.contexts]
             self.collection.upsert(
-                prepared.chunks, vectors, version, prepared.keys, doc.metadata, visible=False, contexts=contexts
+                prepared.chunks,
+                vectors,
+                version,
+                prepared.keys,
+                doc.metadata,
+                visible=False,
+                contexts=contexts,
+                texts=texts,
             )
             counts.add_time("upsert", time.perf_counter() - start)
         if not written or len(mine) != len(existing) or not all(p.visible for p in mine):

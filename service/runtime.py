@@ -326,9 +326,14 @@ def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore
 
 
 def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
+    # Unset: hybrid where Qdrant ranks sparse vectors through an inverted index (a server). Embedded Qdrant scores
+    # them in Python against every point, ~20x dense retrieval (docs/benchmarks.md §11.1): opt in there.
+    hybrid = settings.hybrid_search if settings.hybrid_search is not None else bool(settings.qdrant_url)
     if settings.qdrant_url:
-        return ChunkCollection(settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key)
-    return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path)
+        return ChunkCollection(
+            settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key, hybrid=hybrid
+        )
+    return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path, hybrid=hybrid)
 
 
 def needs_data_dir_to_itself(settings: Settings) -> bool:

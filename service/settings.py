@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     qdrant_url: str | None = Field(None, description="Qdrant server; unset = embedded Qdrant under DATA_DIR/qdrant.")
     qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
     collection: str = Field("kvstitch_chunks", min_length=1, description="Qdrant collection name.")
+    hybrid_search: bool | None = Field(
+        None,
+        description="Dense + BM25-style sparse search fused by RRF; unset = on with a Qdrant server, off embedded.",
+    )
     gpu_cache_mb: int = Field(8192, ge=0, description="GPU tier budget (MiB of chunk KV kept on the device).")
     host_cache_mb: int = Field(4096, ge=0, description="Pinned host pool, allocated once at start (MiB).")
     disk_cache_mb: int = Field(200_000, ge=0, description="Disk tier budget (MiB); least recently used files go.")

@@ -68,7 +68,7 @@ class Corpus:
     collection: Any
 
     def search(self, text: str, top_k: int) -> list[RetrievedChunk]:
-        hits: list[RetrievedChunk] = self.collection.search(self.embedder.embed_query(text), top_k)
+        hits: list[RetrievedChunk] = self.collection.search(self.embedder.embed_query(text), top_k, text)
         return hits
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ from service.retrieval.collection import RetrievedChunk
 DEFAULT_MAX_BATCH = 64
 
 EmbedMany = Callable[[Sequence[str]], list[list[float]]]
-SearchMany = Callable[[Sequence[Sequence[float]], Sequence[int]], list[list[RetrievedChunk]]]
+# (question vectors, top_k of each, question texts) → hits of each; the texts make the sparse half of hybrid search
+SearchMany = Callable[[Sequence[Sequence[float]], Sequence[int], Sequence[str]], list[list[RetrievedChunk]]]
 
 
 @dataclass
@@ -77,8 +78,8 @@ class RetrievalBatcher:
         self.rounds += 1
         self.largest_round = max(self.largest_round, len(batch))
         try:
-            vectors = self._embed([p.text for p in batch])
-            hits = self._searched(vectors, [p.top_k for p in batch])
+            texts = [p.text for p in batch]
+            hits = self._searched(self._embed(texts), [p.top_k for p in batch], texts)
         except BaseException as err:  # every caller of this round learns why
             for pending in batch:
                 pending.result.set_exception(err)
@@ -86,8 +87,8 @@ class RetrievalBatcher:
         for pending, found in zip(batch, hits, strict=True):
             pending.result.set_result(found)
 
-    def _searched(self, vectors: list[list[float]], top_ks: list[int]) -> list[list[RetrievedChunk]]:
+    def _searched(self, vectors: list[list[float]], top_ks: list[int], texts: list[str]) -> list[list[RetrievedChunk]]:
         try:
-            return self._search(vectors, top_ks)
+            return self._search(vectors, top_ks, texts)
         except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
             raise UnavailableError("Qdrant", err) from err

@@ -17,6 +17,11 @@ are packed into one string (base64 of little-endian uint32): a search copies and
 (embedded Qdrant deep-copies it, a server sends it as JSON), and a list of ~500 ints per hit made that the largest
 cost of retrieval under load (16 hits x 32 concurrent questions). Points written as a plain list still read.
 
+Search is hybrid by default: each point holds its dense vector (the unnamed default vector) and a BM25-style
+sparse vector ("bm25", `service.retrieval.sparse`; Qdrant weighs its terms by IDF), and a question runs both and
+fuses the two rankings by reciprocal rank (RRF). A collection created before the sparse vector existed has none: it
+keeps working with dense search only (said once at open; re-create it and ingest again to get hybrid search).
+
 Qdrant runs embedded (a folder under the data dir; one client per folder per process) or as a server (a URL).
 """
 
@@ -42,6 +47,7 @@ from typing import Any
 from qdrant_client import QdrantClient, models
 
 from service.engine.kv_layout import TokenIds
+from service.retrieval import sparse
 from service.retrieval.chunker import Chunk
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,9 @@ class CollectionMismatchError(ValueError):
 VISIBLE = "visible"
 # Extra hits an embedded search asks for so that unpublished points among the best can be dropped afterwards.
 EMBEDDED_OVERFETCH = 16
+SPARSE_VECTOR = "bm25"
+# Each ranking a hybrid search fuses holds this many times top_k hits (what docs/benchmarks.md §11 measured).
+HYBRID_PREFETCH = 4
 
 
 def point_id(doc_id: str, index: int, version: str) -> str:
@@ -91,7 +100,8 @@ class DocumentSummary:
 
 @dataclass(frozen=True)
 class RetrievedChunk:
-    """A search hit: the chunk, its score (cosine similarity) and what the KV plan needs."""
+    """A search hit: the chunk, its score (cosine similarity; with hybrid search the fused reciprocal-rank score)
+    and what the KV plan needs."""
 
     id: str
     doc_id: str
@@ -109,7 +119,8 @@ class RetrievedChunk:
 
 
 class ChunkCollection:
-    """Chunks and their vectors in one Qdrant collection; `path` for embedded mode, `url` for a server."""
+    """Chunks and their vectors in one Qdrant collection; `path` for embedded mode, `url` for a server. `hybrid`:
+    search with the sparse vector too (when the collection has one; points get it whenever it does)."""
 
     def __init__(
         self,
@@ -120,6 +131,7 @@ class ChunkCollection:
         url: str | None = None,
         api_key: str | None = None,
         timeout_s: int = 10,
+        hybrid: bool = True,
     ) -> None:
         if (path is None) == (url is None):
             raise ValueError("give exactly one of path (embedded Qdrant) or url (Qdrant server)")
@@ -137,7 +149,15 @@ class ChunkCollection:
         self._lock: contextlib.AbstractContextManager[Any] = (
             threading.RLock() if self.embedded else contextlib.nullcontext()
         )
-        self._ensure_collection()
+        self.sparse = self._ensure_collection()
+        self.hybrid = hybrid and self.sparse
+        if hybrid and not self.sparse:
+            log.warning(
+                "collection %r has no sparse vector %r (created before hybrid search): searching dense only; "
+                "re-create it and ingest again for hybrid search",
+                name,
+                SPARSE_VECTOR,
+            )
 
     # ---- writes ----------------------------------------------------------------------------------------------
 
@@ -150,19 +170,23 @@ class ChunkCollection:
         metadata: Mapping[str, Any] | None = None,
         visible: bool = True,
         contexts: Sequence[Mapping[str, Any]] | None = None,
+        texts: Sequence[str] | None = None,
     ) -> list[str]:
         """Write one point per chunk (same ids for the same doc, version and index: re-running is harmless); their
         ids. Ingestion writes them invisible and `publish`es the version once every chunk is in. `contexts`: per
-        chunk, where it sits (title, heading path, pages; `outline.ChunkContext.payload`)."""
+        chunk, where it sits (title, heading path, pages; `outline.ChunkContext.payload`). `texts`: per chunk, what
+        its sparse vector is made of (what was embedded for it; the chunk's text if not given)."""
         keys = list(kv_keys) if kv_keys is not None else [""] * len(chunks)
         where = list(contexts) if contexts is not None else [{}] * len(chunks)
-        if not len(chunks) == len(vectors) == len(keys) == len(where):
+        terms = list(texts) if texts is not None else [c.text for c in chunks]
+        if not len(chunks) == len(vectors) == len(keys) == len(where) == len(terms):
             raise ValueError(
-                f"got {len(chunks)} chunks, {len(vectors)} vectors, {len(keys)} KV keys, {len(where)} contexts"
+                f"got {len(chunks)} chunks, {len(vectors)} vectors, {len(keys)} KV keys, {len(where)} contexts, "
+                f"{len(terms)} texts"
             )
         points = [
-            self._point(chunk, vector, version, key, metadata or {}, visible, context)
-            for chunk, vector, key, context in zip(chunks, vectors, keys, where, strict=True)
+            self._point(chunk, vector, version, key, metadata or {}, visible, context, text)
+            for chunk, vector, key, context, text in zip(chunks, vectors, keys, where, terms, strict=True)
         ]
         with self._lock:
             for start in range(0, len(points), UPSERT_BATCH):
@@ -209,9 +233,9 @@ class ChunkCollection:
 
     # ---- reads -----------------------------------------------------------------------------------------------
 
-    def search(self, vector: Sequence[float], top_k: int = 5) -> list[RetrievedChunk]:
-        """The `top_k` chunks nearest to the vector, best first."""
-        return self.search_many([vector], [top_k])[0]
+    def search(self, vector: Sequence[float], top_k: int = 5, text: str | None = None) -> list[RetrievedChunk]:
+        """The `top_k` chunks nearest to the vector, best first; with the question's `text`, hybrid (when on)."""
+        return self.search_many([vector], [top_k], None if text is None else [text])[0]
 
     def documents(self, doc_id: str | None = None) -> list[DocumentSummary]:
         """Every stored document (or the one named), sorted by id. One scroll over the points' small payload
@@ -223,14 +247,18 @@ class ChunkCollection:
             grouped.setdefault(str(payload.get("doc_id", "")), []).append(payload)
         return [_summary(name, grouped[name]) for name in sorted(grouped)]
 
-    def search_many(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
-        """`search` for several vectors in one call (one round trip to a Qdrant server)."""
-        if len(vectors) != len(top_ks):
-            raise ValueError(f"{len(vectors)} vectors for {len(top_ks)} top_k values")
+    def search_many(
+        self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str] | None = None
+    ) -> list[list[RetrievedChunk]]:
+        """`search` for several vectors (and their questions' texts) in one call (one round trip to a server)."""
+        if len(vectors) != len(top_ks) or (texts is not None and len(texts) != len(vectors)):
+            raise ValueError(f"{len(vectors)} vectors for {len(top_ks)} top_k values and {len(texts or [])} texts")
         if any(k < 1 for k in top_ks):
             raise ValueError("top_k must be positive")
         for vector in vectors:
             self._check_vector(vector)
+        if self.hybrid and texts is not None:
+            return self._search_hybrid(vectors, texts, top_ks)
         if not self.embedded:  # a server filters through its payload index
             return self._query(vectors, _SHOWN, top_ks)
         return self._search_embedded(vectors, top_ks)
@@ -253,6 +281,41 @@ class ChunkCollection:
             for i, found in zip(again, redo, strict=True):
                 results[i] = found
         return [r or [] for r in results]
+
+    def _search_hybrid(
+        self, vectors: Sequence[Sequence[float]], texts: Sequence[str], top_ks: Sequence[int]
+    ) -> list[list[RetrievedChunk]]:
+        """Dense and sparse rankings of published points fused by reciprocal rank. Both rankings take the filter:
+        dropping unpublished hits after fusion (as `_search_embedded` does) would leave the ranks they held in the
+        fused scores, so the order would differ from the filtered one. Embedded Qdrant checks a filter in Python on
+        every point for each ranking, so there the filter is left out while no point is unpublished (the usual case
+        between ingests), counted under the same lock as the query (every write takes it too)."""
+        with self._lock:
+            selector = _SHOWN if not self.embedded or self._has_invisible() else None
+            requests = [
+                models.QueryRequest(
+                    prefetch=self._prefetches(vector, text, HYBRID_PREFETCH * k, selector),
+                    query=models.FusionQuery(fusion=models.Fusion.RRF),
+                    limit=k,
+                    with_payload=True,
+                )
+                for vector, text, k in zip(vectors, texts, top_ks, strict=True)
+            ]
+            responses = self._client.query_batch_points(self.name, requests=requests)
+        return [[_retrieved(h) for h in r.points] for r in responses]
+
+    def _has_invisible(self) -> bool:
+        return self._client.count(self.name, count_filter=models.Filter(must=_invisible()), exact=True).count > 0
+
+    def _prefetches(
+        self, vector: Sequence[float], text: str, limit: int, selector: models.Filter | None
+    ) -> list[models.Prefetch]:
+        prefetches = [models.Prefetch(query=list(vector), filter=selector, limit=limit)]
+        question = sparse.query_vector(text)
+        if question.indices:  # a question with no word (only punctuation) ranks by the dense vector alone
+            query = models.SparseVector(indices=question.indices, values=question.values)
+            prefetches.append(models.Prefetch(query=query, using=SPARSE_VECTOR, filter=selector, limit=limit))
+        return prefetches
 
     def _query(
         self, vectors: Sequence[Sequence[float]], selector: models.Filter | None, limits: Sequence[int]
@@ -336,12 +399,14 @@ class ChunkCollection:
 
     # ---- internals -------------------------------------------------------------------------------------------
 
-    def _ensure_collection(self) -> None:
+    def _ensure_collection(self) -> bool:
+        """Create the collection unless it exists, check its dense vector; whether it has the sparse one."""
         with self._lock:
             if not self._client.collection_exists(self.name):
                 params = models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)
+                bm25 = {SPARSE_VECTOR: models.SparseVectorParams(modifier=models.Modifier.IDF)}
                 try:
-                    self._client.create_collection(self.name, vectors_config=params)
+                    self._client.create_collection(self.name, vectors_config=params, sparse_vectors_config=bm25)
                 except Exception:  # another process created it first; the check below decides
                     if not self._client.collection_exists(self.name):
                         raise
@@ -349,7 +414,9 @@ class ChunkCollection:
                     for key in ("doc_id", "version", "kv_key"):
                         self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
                     self._client.create_payload_index(self.name, VISIBLE, models.PayloadSchemaType.BOOL)
-            self._check_vector_params(self._client.get_collection(self.name).config.params.vectors)
+            config = self._client.get_collection(self.name).config.params
+            self._check_vector_params(config.vectors)
+            return SPARSE_VECTOR in (config.sparse_vectors or {})
 
     def _check_vector_params(self, vectors: Any) -> None:
         if not isinstance(vectors, models.VectorParams):
@@ -374,6 +441,7 @@ class ChunkCollection:
         metadata: Mapping[str, Any],
         visible: bool,
         context: Mapping[str, Any],
+        text: str,
     ) -> models.PointStruct:
         self._check_vector(vector)
         payload = {
@@ -392,7 +460,14 @@ class ChunkCollection:
             VISIBLE: visible,
         }
         point = point_id(chunk.doc_id, chunk.index, version)
-        return models.PointStruct(id=point, vector=list(vector), payload=payload)
+        if not self.sparse:
+            return models.PointStruct(id=point, vector=list(vector), payload=payload)
+        terms = sparse.document_vector(text)
+        vectors: dict[str, Any] = {
+            "": list(vector),
+            SPARSE_VECTOR: models.SparseVector(indices=terms.indices, values=terms.values),
+        }
+        return models.PointStruct(id=point, vector=vectors, payload=payload)
 
 
 def _match(key: str, value: str) -> models.FieldCondition:

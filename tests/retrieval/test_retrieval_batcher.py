@@ -33,6 +33,7 @@ class SlowBackend:
     def __init__(self) -> None:
         self.embed_batches: list[list[str]] = []
         self.search_batches: list[list[int]] = []
+        self.search_texts: list[list[str]] = []
         self.release = threading.Event()
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -41,8 +42,11 @@ class SlowBackend:
             assert self.release.wait(10)
         return [[float(len(t))] for t in texts]
 
-    def search(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+    def search(
+        self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str]
+    ) -> list[list[RetrievedChunk]]:
         self.search_batches.append(list(top_ks))
+        self.search_texts.append(list(texts))
         return [[chunk(f"len{int(v[0])}", r) for r in range(k)] for v, k in zip(vectors, top_ks, strict=True)]
 
 
@@ -71,13 +75,16 @@ def test_questions_arriving_during_a_round_go_together_in_the_next() -> None:
     assert backend.embed_batches[0] == ["a"]
     assert sorted(backend.embed_batches[1]) == sorted("b" * n for n in range(2, 7))  # one round for all five
     assert batcher.rounds == 2 and batcher.largest_round == 5
+    assert backend.search_texts == backend.embed_batches  # each question's text goes to the (hybrid) search
     for n in range(2, 7):
         assert [c.id for c in results["b" * n]] == [f"len{n}-{r}" for r in range(n)]  # each its own hits
     assert [c.id for c in results["a"]] == ["len1-0"]
 
 
 def test_a_search_failure_reaches_every_caller_as_qdrant_unavailable() -> None:
-    def down(vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+    def down(
+        vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str]
+    ) -> list[list[RetrievedChunk]]:
         raise ConnectionRefusedError("connection refused")
 
     batcher = RetrievalBatcher(lambda texts: [[1.0] for _ in texts], down)

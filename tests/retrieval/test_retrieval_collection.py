@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
 from service.retrieval.collection import (
     EMBEDDED_OVERFETCH,
+    HYBRID_PREFETCH,
     ChunkCollection,
     CollectionMismatchError,
     pack_token_ids,
@@ -301,3 +302,111 @@ def test_unpublished_points_crowding_the_top_do_not_hide_published_ones(collecti
     collection.publish("draft", "v1")
     assert [(c.doc_id, c.index) for c in collection.search(AXES["x"], top_k=3)] == [("draft", i) for i in range(3)]
     assert all(c.visible for c in collection.search_many([AXES["x"], AXES["y"]], [4, 4])[1])
+
+
+# ---- hybrid search (dense + sparse, RRF) --------------------------------------------------------------------------
+
+
+def _with_a_rare_term(collection: ChunkCollection) -> None:
+    """Five chunks near the x axis about common words, one far from it (the w axis) holding a rare term."""
+    texts = [f"the licence grants the rights of part {n}" for n in range(5)]
+    vectors = [[1.0, 0.1 * n, 0.0, 0.0] for n in range(5)]
+    collection.upsert(
+        [chunk("common", n, t) for n, t in enumerate(texts)] + [chunk("rare", 0, "the zorblax clause")],
+        [*vectors, AXES["w"]],
+        version="v1",
+    )
+
+
+def test_hybrid_search_finds_a_chunk_by_a_rare_term_dense_search_ranks_last(collection: ChunkCollection) -> None:
+    _with_a_rare_term(collection)
+    question = "what does the zorblax clause say"
+
+    dense = collection.search(AXES["x"], top_k=3)  # no text: dense only
+    hybrid = collection.search(AXES["x"], top_k=3, text=question)
+
+    assert collection.sparse and collection.hybrid
+    assert [c.doc_id for c in dense] == ["common"] * 3
+    assert "rare" not in [c.doc_id for c in collection.search(AXES["x"], top_k=5)]  # dense ranks it 6th of 6
+    # Reciprocal rank: "rare" is 1st by its terms and 6th by its vector; "common" 0 is 1st by its vector and 2nd by
+    # its terms ("the"), so it stays ahead.
+    assert [(c.doc_id, c.index) for c in hybrid] == [("common", 0), ("rare", 0), ("common", 1)]
+    assert hybrid[1].text == "the zorblax clause" and hybrid[1].token_ids == (1, 2, 3)
+    # A question sharing no word with the common chunks: only "rare" is in the sparse ranking, and it leads.
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="zorblax clause?")] == ["rare", "common"]
+    # search_many: each question with its own text; a question of no words ranks by its vector alone.
+    many = collection.search_many([AXES["x"], AXES["x"]], [2, 2], ["zorblax", "?!"])
+    assert [c.doc_id for c in many[0]] == ["rare", "common"]
+    assert [(c.doc_id, c.index) for c in many[1]] == [("common", 0), ("common", 1)]
+
+
+def test_hybrid_search_off_searches_dense_only(tmp_path: Path) -> None:
+    collection = ChunkCollection("chunks", DIM, path=tmp_path / "qdrant", hybrid=False)
+    try:
+        _with_a_rare_term(collection)
+        assert collection.sparse and not collection.hybrid  # points still get their sparse vectors
+        hits = collection.search(AXES["x"], top_k=3, text="the zorblax clause")
+        assert [c.doc_id for c in hits] == ["common"] * 3
+    finally:
+        collection.close()
+
+
+def test_a_collection_made_before_hybrid_search_still_searches_dense_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from qdrant_client import QdrantClient, models
+
+    old = QdrantClient(path=str(tmp_path / "qdrant"))  # the layout of earlier versions: one unnamed dense vector
+    old.create_collection("chunks", vectors_config=models.VectorParams(size=DIM, distance=models.Distance.COSINE))
+    old.upsert("chunks", [models.PointStruct(id=point_id("old", 0, "v0"), vector=AXES["y"], payload=_payload())])
+    old.close()
+
+    with caplog.at_level("WARNING", logger="service.retrieval.collection"):
+        collection = ChunkCollection("chunks", DIM, path=tmp_path / "qdrant")
+    try:
+        assert (collection.sparse, collection.hybrid) == (False, False)
+        assert [r.message for r in caplog.records if "no sparse vector" in r.message] != []
+        _with_a_rare_term(collection)  # new points are written dense only
+        hits = collection.search(AXES["y"], top_k=2, text="the zorblax clause")
+        assert [(c.doc_id, c.index) for c in hits] == [("old", 0), ("common", 4)]
+        assert collection.count() == 7
+    finally:
+        collection.close()
+
+
+def _payload() -> dict[str, object]:
+    return {"doc_id": "old", "version": "v0", "index": 0, "text": "written before", "token_ids": [7, 8]}
+
+
+def test_hybrid_search_never_returns_unpublished_points(collection: ChunkCollection) -> None:
+    # Drafts hold the question's rare term and its exact vector, and more of them than either ranking fetches: both
+    # rankings still see only the published points.
+    crowd = HYBRID_PREFETCH * 2 + EMBEDDED_OVERFETCH
+    drafts = [chunk("draft", i, f"zorblax zorblax draft {i}") for i in range(crowd)]
+    collection.upsert(drafts, [AXES["x"]] * crowd, version="v1", visible=False)
+    collection.upsert(
+        [chunk("pub", 0, "a zorblax clause"), chunk("pub", 1, "unrelated words")],
+        [AXES["y"], AXES["z"]],
+        version="v1",
+    )
+    collection.publish("pub", "v1")
+
+    hits = collection.search(AXES["x"], top_k=2, text="zorblax")
+    assert [(c.doc_id, c.index) for c in hits] == [("pub", 0), ("pub", 1)]
+    assert all(c.visible for c in hits)
+    many = collection.search_many([AXES["x"], AXES["z"]], [5, 1], ["zorblax draft", "draft"])
+    assert [[c.doc_id for c in found] for found in many] == [["pub", "pub"], ["pub"]]
+
+    collection.publish("draft", "v1")
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="zorblax")] == ["draft", "draft"]
+
+
+def test_a_chunk_without_ascii_words_gets_an_empty_sparse_vector_and_is_found_by_its_vector(
+    collection: ChunkCollection,
+) -> None:
+    collection.upsert(
+        [chunk("ja", 0, "日本語の文"), chunk("en", 0, "alpha beta")], [AXES["x"], AXES["y"]], version="v1"
+    )
+
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="日本語")] == ["ja", "en"]
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="alpha")] == ["en", "ja"]

@@ -196,3 +196,23 @@ def test_a_job_whose_workers_keep_dying_ends_failed_not_running(open_test_runtim
     assert status.error is not None and "without an ack" in status.error
     assert [d.original_id for d in runtime.queue.dead_letters()] == [taken[0].message_id]
     assert outcomes == ["failed"] and runtime.queue.pending_count() == 0
+
+
+def test_ingested_points_are_found_by_the_words_of_their_title_with_hybrid_search(
+    open_test_runtime: OpenRuntime,
+) -> None:
+    # The sparse vector is made of what is embedded (the title in front of the chunk), not of the chunk text alone.
+    titled = Document("notes.txt", "Sea otters hold hands while they sleep.", {"title": "Zorblax field notes"})
+    runtime = open_test_runtime(hybrid_search=True)  # embedded Qdrant: hybrid only when asked for
+    run_job(runtime, [*CORPUS, titled])
+    question = "zorblax"
+    knight = runtime.embedder.embed_query("which chess piece can jump over others")
+
+    assert runtime.collection.hybrid
+    best = runtime.collection.search_many([knight], [3], [question])[0][0]  # both rankings hold every chunk
+    assert (best.doc_id, best.text) == ("notes.txt", "Sea otters hold hands while they sleep.")
+    assert runtime.collection.search(knight, top_k=1)[0].doc_id == "chess.txt"  # dense alone
+
+    off = open_test_runtime(hybrid_search=False)  # KVSTITCH_HYBRID_SEARCH=false: the same points, dense only
+    assert (off.collection.sparse, off.collection.hybrid) == (True, False)
+    assert off.collection.search_many([knight], [1], [question])[0][0].doc_id == "chess.txt"
