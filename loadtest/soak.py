@@ -192,9 +192,22 @@ async def ask_json(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
         raise FailedError("no answer in the reply", reply.text)
 
 
+_served: dict[str, str] = {}
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    """The model name the server answers to (`/v1/models`; any other is a 404), asked once per server."""
+    key = str(client.base_url)
+    if key not in _served:
+        reply = await client.get("/v1/models")
+        check(reply, reply.content)
+        _served[key] = str(reply.json()["data"][0]["id"])
+    return _served[key]
+
+
 async def chat(client: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> None:
     request = {
-        "model": "tiny",
+        "model": await served_model(client),
         "messages": [{"role": "user", "content": body["question"]}],
         "max_tokens": body["max_new_tokens"],
         "stream": stream,
