@@ -324,9 +324,7 @@ class Scheduler:
         stitch kernel runs (it needs a contiguous buffer; a slab is a strided view of the pool), then copied into
         the slab (device to device, live slots only)."""
         engine, prompt = self.engine, request.prompt
-        chunk_kv = request.chunk_kv
-        if chunk_kv is None:
-            chunk_kv = engine.precompute(prompt.blocks) if prompt.blocks else []
+        chunk_kv = self._chunk_kv(request)
         room = len(prompt.question) + request.sampling.max_new_tokens
         graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
         if graph is None:
@@ -339,6 +337,13 @@ class Scheduler:
             request.buffer.copy_from(staged)
         finally:
             engine.release_graph(graph)
+
+    def _chunk_kv(self, request: BatchRequest) -> Sequence[KVBlock]:
+        """The chunks' KV as fetched at admission, or computed here when none was given (offline use, tests)."""
+        if request.chunk_kv is not None:
+            return request.chunk_kv
+        blocks = request.prompt.blocks
+        return self.engine.precompute(blocks) if blocks else []
 
     def _batched_prefill_pays(self) -> bool:
         """On the CPU the loop attention is the reference kernel, so one forward for all questions only saves
@@ -436,9 +441,8 @@ class Scheduler:
             _, logits = engine.prefill_naive(prompt, request.sampling.max_new_tokens, into=buffer)
             timings.prefill_ms = watch.lap_ms()
             return logits
-        chunk_kv = request.chunk_kv
-        if chunk_kv is None:
-            chunk_kv = engine.precompute(prompt.blocks) if prompt.blocks else []
+        chunk_kv = self._chunk_kv(request)
+        if request.chunk_kv is None:
             timings.precompute_ms = watch.lap_ms()
         extra = request.sampling.max_new_tokens
         turbo = TurboPrefill(
