@@ -30,7 +30,7 @@ from service.engine.batch_decode import (
 )
 from service.engine.batch_graph import BatchGraphs, batch_bucket
 from service.engine.engine import StitchEngine
-from service.engine.extend_graph import TOKEN_BUCKETS, ExtendGraphs, extend_layout, token_bucket
+from service.engine.extend_graph import ExtendGraphs, extend_layout, split_by_tokens, token_bucket
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
@@ -440,7 +440,7 @@ def test_gpu_batched_greedy_follows_eager(
         assert t.request.result.finish_reason == "length"
         _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
     # The graphs' padding slot (and the batched-prefill graphs' scratch slab) stay theirs.
-    scratch = (1 if graphs else 0) + (max(TOKEN_BUCKETS) if scheduler.extend_graphs is not None else 0)
+    scratch = (1 if graphs else 0) + (scheduler.extend_graphs.scratch_slots if scheduler.extend_graphs else 0)
     assert scheduler.pool.used_slots == scratch
     assert (scheduler.extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
 
@@ -644,7 +644,16 @@ def test_extend_layout_pads_rows_and_tokens_into_the_scratch_slab() -> None:
     for requests, rows, tokens in (([([1], 0, 0, 0)] * 3, 2, 8), ([([1] * 9, 0, 0, 0)], 1, 8), ([], 1, 8)):
         with pytest.raises(ValueError, match="do not fit"):
             extend_layout(requests, rows, tokens, 0)
-    assert [token_bucket(n) for n in (1, 64, 65, 1024)] == [64, 64, 128, 1024] and token_bucket(1025) is None
+    assert [token_bucket(n) for n in (1, 64, 65, 4096)] == [64, 64, 128, 4096] and token_bucket(4097) is None
+    assert token_bucket(300, (64, 256)) is None
+
+
+def test_a_group_longer_than_the_largest_bucket_is_split_in_order_with_requests_kept_whole() -> None:
+    requests = [([1] * n, 0, 0, 0) for n in (100, 200, 50, 700, 10)]
+    parts = split_by_tokens(requests, 300)
+    assert [[len(r[0]) for r in part] for part in parts] == [[100, 200], [50], [700], [10]]
+    many = split_by_tokens([([1], 0, 0, 0)] * 70, 4096)
+    assert [len(part) for part in many] == [32, 32, 6]  # no part beyond the largest row bucket
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -684,10 +693,11 @@ def test_gpu_extend_graphs_match_the_eager_extend(get_engine: Callable[..., Stit
     tokens to 64), the same eagerly; then one question alone through its own bucket."""
     engine = get_engine("qwen2", "cuda")
     graphed_pool = nan_pool(engine, 3000)
-    rows = _stitched_rows(engine, graphed_pool, TOGETHER[:3], extra=40)
+    rows = _stitched_rows(engine, graphed_pool, TOGETHER[:3], extra=400)
     eager_pool = nan_pool(engine, 3000)
     eager_pool.data.copy_(graphed_pool.data)
     graphs = ExtendGraphs(BatchDecoder(engine.forward, graphed_pool))
+    assert graphs.buckets[-1] == 512  # a quarter of the pool at most
     eager = BatchDecoder(engine.forward, eager_pool)
     questions = ([3, 9, 4, 4, 1], [7], [2, 2, 8, 5, 6, 1, 1, 9, 9, 3])
     for group in (rows, rows[1:2]):
@@ -696,11 +706,17 @@ def test_gpu_extend_graphs_match_the_eager_extend(get_engine: Callable[..., Stit
         expected = eager.extend(ExtendRows.build(requests, engine.spec.device))
         diff = float((replayed - expected).abs().max())
         assert diff <= BF16_TOLERANCE, f"{len(group)} rows: |graph - eager| = {diff:.4f}"
-    # The slabs' K/V (context + the questions written twice over) agree between the two pools.
+    # Two long questions (600 tokens > the 512 bucket): two replays, one per request, logits joined in order.
+    long_questions = [[(7 * i + j) % 50 + 1 for j in range(300)] for i in range(2)]
+    requests = [(long_questions[i], r[1].next_position, r[2], r[1].length) for i, r in enumerate(rows[:2])]
+    replayed = graphs.extend(requests)
+    expected = eager.extend(ExtendRows.build(requests, engine.spec.device))
+    assert replayed.shape == expected.shape and float((replayed - expected).abs().max()) <= BF16_TOLERANCE
+    # The slabs' K/V (context + the questions written over each other) agree between the two pools.
     for _, buffer, start, _ in rows:
-        span = slice(start, start + buffer.length + 10)
+        span = slice(start, start + buffer.length + 300)
         graphed, eager_kv = graphed_pool.data[:, :, :, span].float(), eager_pool.data[:, :, :, span].float()
         assert torch.equal(graphed.isnan(), eager_kv.isnan())  # the same slots written (the rest keep their NaN)
         assert float((graphed.nan_to_num(0.0) - eager_kv.nan_to_num(0.0)).abs().max()) <= 0.1
-    assert set(graphs._graphs) == {(4, 64), (1, 64)}
+    assert set(graphs._graphs) == {(4, 64), (1, 64), (1, 512)}
     graphs.close()

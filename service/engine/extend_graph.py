@@ -32,9 +32,13 @@ from service.engine.cuda_graph import _capture
 
 log = logging.getLogger(__name__)
 
-# Total new tokens of one batched prefill a graph is captured for; more run eagerly. 32 questions of ~30 tokens
-# (the gateway benchmark's) fill 1,024.
-TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
+# Total new tokens of one batched prefill a graph is captured for. A group with more is prefilled in several
+# replays (requests split between them, each whole). The gateway benchmark's questions are ~150-250 tokens with
+# the prompt's tail, so 8 of them fill 2,048. The padding slab holds the largest bucket: 4,096 slots are 235 MB
+# of a Qwen2-7B pool's 16 GiB; a small pool gets smaller buckets (`ExtendGraphs`).
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+# The padding slab may take at most this share of the pool.
+SCRATCH_SHARE = 0.25
 
 # (new ids, first position, slab start, live slots before) per request, as `ExtendRows.build` takes them.
 ExtendRequest = tuple[Sequence[int], int, int, int]
@@ -81,6 +85,21 @@ def extend_layout(
     return flat, tuple(spans)
 
 
+def split_by_tokens(requests: Sequence[ExtendRequest], limit: int) -> list[list[ExtendRequest]]:
+    """`requests` in order, cut into runs of at most `limit` new tokens and `max(BATCH_BUCKETS)` requests (a
+    request longer than `limit` makes a run of its own)."""
+    parts: list[list[ExtendRequest]] = [[]]
+    held = 0
+    for request in requests:
+        n = len(request[0])
+        if parts[-1] and (held + n > limit or len(parts[-1]) == max(BATCH_BUCKETS)):
+            parts.append([])
+            held = 0
+        parts[-1].append(request)
+        held += n
+    return parts
+
+
 class ExtendGraph:
     """One captured batched prefill of up to `rows` requests and `tokens` new tokens."""
 
@@ -119,6 +138,11 @@ class ExtendGraph:
 class ExtendGraphs:
     """Batched-prefill graphs by (row bucket, token bucket), captured on first use or by `warm`."""
 
+    @staticmethod
+    def fit(pool_slots: int) -> bool:
+        """Whether a pool of `pool_slots` can spare a padding slab for the smallest bucket."""
+        return min(TOKEN_BUCKETS) <= pool_slots * SCRATCH_SHARE
+
     def __init__(self, decoder: BatchDecoder) -> None:
         spec = decoder.forward.spec
         if spec.device.type != "cuda":
@@ -126,19 +150,32 @@ class ExtendGraphs:
         if decoder.extend_backend != FLASH_VARLEN:
             raise ValueError("only the flash varlen batched prefill can be captured")
         self.decoder = decoder
+        fits = [b for b in TOKEN_BUCKETS if b <= decoder.pool.slots * SCRATCH_SHARE]
+        if not fits:
+            raise ValueError(f"a pool of {decoder.pool.slots} slots is too small for batched-prefill graphs")
+        self.buckets = tuple(fits)
         # The padding row's slab, held as long as the graphs live: room for a whole bucket of padding.
-        self._scratch = decoder.pool.allocate(max(TOKEN_BUCKETS))
+        self._scratch = decoder.pool.allocate(max(self.buckets))
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], ExtendGraph] = {}
 
+    @property
+    def scratch_slots(self) -> int:
+        return self._scratch.size
+
     def extend(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
-        """Every request's new tokens after its live slots, one replay (eager when no bucket holds them);
-        logits [len(requests), vocab]."""
+        """Every request's new tokens after its live slots, in as few replays as the largest bucket allows (a
+        request longer than it alone runs eagerly); logits [len(requests), vocab]."""
+        parts = [self._extend_part(part) for part in split_by_tokens(requests, max(self.buckets))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _extend_part(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
         rows = batch_bucket(len(requests))
-        tokens = token_bucket(sum(len(ids) for ids, *_ in requests))
+        tokens = token_bucket(sum(len(ids) for ids, *_ in requests), self.buckets)
         if rows is None or tokens is None:
             return self.decoder.extend(ExtendRows.build(requests, self.decoder.forward.spec.device))
-        return self._graph(rows, tokens).replay(requests)
+        # A copy: the next part's replay may reuse this graph's output memory (the graphs share one pool).
+        return self._graph(rows, tokens).replay(requests).clone()
 
     def _graph(self, rows: int, tokens: int) -> ExtendGraph:
         graph = self._graphs.get((rows, tokens))
@@ -154,7 +191,7 @@ class ExtendGraphs:
         for rows in BATCH_BUCKETS:
             if rows < min_rows and rows != batch_bucket(min_rows):
                 continue
-            for tokens in TOKEN_BUCKETS:
+            for tokens in self.buckets:
                 if tokens >= rows:
                     self._graph(rows, tokens)
 

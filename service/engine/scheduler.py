@@ -164,7 +164,8 @@ class Scheduler:
         self.decoder = BatchDecoder(engine.forward, pool, attention)
         self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
         # The batched question prefill through graphs too, where it runs batched at all (flash on CUDA).
-        capture_extend = cuda_graphs and batch_prefill_min > 0 and self._batched_prefill_pays()
+        capture_extend = cuda_graphs and batch_prefill_min > 0 and ExtendGraphs.fit(pool.slots)
+        capture_extend = capture_extend and self._batched_prefill_pays()
         self.extend_graphs = ExtendGraphs(self.decoder) if capture_extend else None
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
