@@ -280,7 +280,7 @@ def batch_figures(requests: list[dict[str, float]]) -> dict[str, float]:
     last = requests[-1]
     return {
         "first_ttft_ms": requests[0]["ttft_ms"],
-        "median_ttft_ms": median([r["offset_ms"] + r["ttft_ms"] for r in requests]),
+        "p50_ttft_ms": median([r["offset_ms"] + r["ttft_ms"] for r in requests]),
         "last_ttft_ms": last["offset_ms"] + last["ttft_ms"],
         "batch_ms": last["offset_ms"] + last["total_ms"],
         "decode_ms_per_step": median([r["decode_ms_per_token"] for r in requests]),
@@ -471,7 +471,7 @@ def _ttft_line(row: dict[str, Any], tiers: list[str], batch: int) -> str:
     cells, totals, decodes = [], [], []
     for t in tiers:
         e = _entry(row, t, batch)
-        ttft = "—" if e is None else " / ".join(_ms(e[k]) for k in ("first_ttft_ms", "median_ttft_ms", "last_ttft_ms"))
+        ttft = "—" if e is None else " / ".join(_ms(e[k]) for k in ("first_ttft_ms", "p50_ttft_ms", "last_ttft_ms"))
         cells.append("failed" if _failed(row, t, batch) else ttft)
         totals.append("—" if e is None else _ms(e["batch_ms"]))
         decodes.append("—" if e is None else _decode(e, batch))

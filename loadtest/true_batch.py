@@ -100,7 +100,7 @@ class BatchRun:
         full = [seconds * 1e3 for n, seconds in self.steps if n == largest]
         return {
             "first_ttft_ms": min(ttfts),
-            "median_ttft_ms": statistics.median(ttfts),
+            "p50_ttft_ms": statistics.median(ttfts),
             "last_ttft_ms": max(ttfts),
             "batch_ms": (max(a.finished_at for a in self.answered) - self.started) * 1e3,
             "decode_ms_per_step": statistics.median(full) if full else float("nan"),
