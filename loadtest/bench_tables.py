@@ -320,11 +320,16 @@ def batch_entry(figures: list[dict[str, float]], requests: list[dict[str, float]
 def failure(what: str, err: BaseException, engine: StitchEngine) -> dict[str, str]:
     """A failed cell's entry (the sweep goes on); device memory the failure left cached is given back."""
     log.warning("%s failed: %s", what, err)
+    free_device_memory(engine)
+    first_line = (str(err).splitlines() or [""])[0]
+    return {"error": f"{type(err).__name__}: {first_line[:200]}"}
+
+
+def free_device_memory(engine: StitchEngine) -> None:
+    """Drop what is unreferenced now and give the device memory torch caches back (before the next allocation)."""
     gc.collect()
     if device.uses_cuda(engine.spec.device):
         torch.cuda.empty_cache()
-    first_line = (str(err).splitlines() or [""])[0]
-    return {"error": f"{type(err).__name__}: {first_line[:200]}"}
 
 
 # ---- true batches ------------------------------------------------------------------------------------------
@@ -352,9 +357,7 @@ def measure_true_batches(ctx: Context, args: argparse.Namespace) -> dict[str, An
         finally:
             release(scheduler)
             del scheduler
-            gc.collect()
-            if device.uses_cuda(ctx.engine.spec.device):
-                torch.cuda.empty_cache()
+            free_device_memory(ctx.engine)
     return tiers
 
 
@@ -666,9 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.json.write_text(json.dumps(report, indent=1))
             if args.markdown:
                 args.markdown.write_text(render(report, args))
-            gc.collect()
-            if device.uses_cuda(engine.spec.device):
-                torch.cuda.empty_cache()
+            free_device_memory(engine)
     report["seconds"] = time.perf_counter() - started
     text = render(report, args)
     sys.stdout.write(text)

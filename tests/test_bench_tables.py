@@ -116,7 +116,7 @@ def test_the_rows_hold_each_true_batch_figure(tiny_model_dirs: dict[str, Path], 
 def test_a_failed_cell_is_reported_and_the_sweep_goes_on(
     tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = bench.run_batch
+    real = run_batch
 
     def out_of_memory_at_three(scheduler: Any, prompts: Any, sampling: Any, store: Any, expected: Any) -> Any:
         if len(prompts) == 3 and expected is Tier.GPU:
