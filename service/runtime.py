@@ -193,7 +193,7 @@ class Runtime:
         # Every capacity bucket from the typical answer's up to what the pool can hold for one answer.
         tokens, largest = self._typical_tokens(), min(self.engine.spec.max_context, scheduler.pool.slots)
         while True:
-            scheduler.graphs.warm(min(tokens, largest))
+            scheduler.warm(min(tokens, largest))
             if tokens >= largest:
                 break
             tokens *= 2

@@ -30,6 +30,7 @@ from service.engine.batch_decode import (
 )
 from service.engine.batch_graph import BatchGraphs, batch_bucket
 from service.engine.engine import StitchEngine
+from service.engine.extend_graph import TOKEN_BUCKETS, ExtendGraphs, extend_layout, token_bucket
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
@@ -438,7 +439,10 @@ def test_gpu_batched_greedy_follows_eager(
     for t in tracked:
         assert t.request.result.finish_reason == "length"
         _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
-    assert scheduler.pool.used_slots == (1 if graphs else 0)  # the graphs' padding slot stays theirs
+    # The graphs' padding slot (and the batched-prefill graphs' scratch slab) stay theirs.
+    scratch = (1 if graphs else 0) + (max(TOKEN_BUCKETS) if scheduler.extend_graphs is not None else 0)
+    assert scheduler.pool.used_slots == scratch
+    assert (scheduler.extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
 
 
 def test_batch_buckets_and_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
@@ -620,3 +624,83 @@ def test_flash_extend_agrees_with_the_loop_on_a_poisoned_pool(get_engine: Callab
     assert engine.spec.dtype == torch.bfloat16
     diff = probe_extend(engine.spec, "flash_varlen")
     assert diff <= 2e-2, f"flash varlen extend differs from the loop by {diff}"
+
+
+# ---- the batched prefill captured in CUDA graphs: padded layouts ----------------------------------------------
+
+
+def test_extend_layout_pads_rows_and_tokens_into_the_scratch_slab() -> None:
+    flat, spans = extend_layout([([5, 6], 7, 100, 3), ([8], 2, 0, 0)], rows=4, tokens=8, scratch=500)
+    ids, positions, slots = flat[0:8], flat[8:16], flat[16:24]
+    starts, used, last, cu = flat[24:29], flat[29:34], flat[34:39], flat[39:]
+    assert ids == [5, 6, 8, 0, 0, 0, 0, 0]
+    assert positions == [7, 8, 2, 0, 1, 2, 3, 4]  # the padding row counts from 0 in its own slab
+    assert slots == [103, 104, 0, 500, 501, 502, 503, 504]
+    assert starts == [100, 0, 500, 500, 500] and used == [5, 1, 1, 1, 5]
+    assert cu == [0, 2, 3, 3, 3, 8] and last == [1, 2, 2, 2, 7]
+    assert spans == ((100, 5, 2), (0, 1, 1), (500, 1, 0), (500, 1, 0), (500, 5, 5))
+    full, full_spans = extend_layout([([1, 2, 3], 0, 10, 0)], rows=1, tokens=3, scratch=50)
+    assert full[-2:] == [3, 3] and full_spans[-1] == (50, 1, 0)  # no padding: an empty padding row
+    for requests, rows, tokens in (([([1], 0, 0, 0)] * 3, 2, 8), ([([1] * 9, 0, 0, 0)], 1, 8), ([], 1, 8)):
+        with pytest.raises(ValueError, match="do not fit"):
+            extend_layout(requests, rows, tokens, 0)
+    assert [token_bucket(n) for n in (1, 64, 65, 1024)] == [64, 64, 128, 1024] and token_bucket(1025) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_padded_extend_equals_the_unpadded_one_and_writes_only_its_slots(
+    get_engine: Callable[..., StitchEngine], arch: str
+) -> None:
+    """The layout a graph replays, run eagerly through the loop attention: the real rows' logits and K/V are the
+    unpadded extend's exactly, and padding touches the scratch slab alone (every other slot keeps its NaN)."""
+    engine = get_engine(arch, "cpu")
+    pool = nan_pool(engine, 1500)
+    stitched = _stitched_rows(engine, pool, TOGETHER[:3], extra=30)
+    scratch = pool.allocate(64)
+    requests = [([3, 9, 4][: i + 1], r[1].next_position, r[2], r[1].length) for i, r in enumerate(stitched)]
+    decoder = BatchDecoder(engine.forward, pool)
+    before = pool.data.clone()
+    flat, spans = extend_layout(requests, rows=4, tokens=64, scratch=scratch.start)
+    padded = decoder.extend(ExtendRows.from_flat(torch.tensor(flat), 5, 64, spans))
+    after_padded = pool.data.clone()
+    pool.data.copy_(before)
+    plain = decoder.extend(ExtendRows.build(requests, engine.spec.device))
+    # fp32 rounding only: a matmul over 64 rows may block differently from one over 6.
+    assert float((padded[:3] - plain).abs().max()) <= 1e-5
+    outside = torch.ones(pool.slots, dtype=torch.bool)
+    outside[scratch.start : scratch.end] = False
+    got, want = after_padded[:, :, :, outside], pool.data[:, :, :, outside]
+    assert torch.equal(got.isnan(), want.isnan()), "padding wrote outside the scratch slab"
+    assert float((got.nan_to_num(0.0) - want.nan_to_num(0.0)).abs().max()) <= 1e-5
+    pad = 64 - sum(len(ids) for ids, *_ in requests)
+    assert not after_padded[:, :, :, scratch.start : scratch.start + pad].isnan().any()  # the padding's own K/V
+    assert after_padded[:, :, :, scratch.start + pad : scratch.end].isnan().all()
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_gpu_extend_graphs_match_the_eager_extend(get_engine: Callable[..., StitchEngine]) -> None:
+    """Two pools with the same contents: three questions prefilled through a graph (3 rows padded to 4, their
+    tokens to 64), the same eagerly; then one question alone through its own bucket."""
+    engine = get_engine("qwen2", "cuda")
+    graphed_pool = nan_pool(engine, 3000)
+    rows = _stitched_rows(engine, graphed_pool, TOGETHER[:3], extra=40)
+    eager_pool = nan_pool(engine, 3000)
+    eager_pool.data.copy_(graphed_pool.data)
+    graphs = ExtendGraphs(BatchDecoder(engine.forward, graphed_pool))
+    eager = BatchDecoder(engine.forward, eager_pool)
+    questions = ([3, 9, 4, 4, 1], [7], [2, 2, 8, 5, 6, 1, 1, 9, 9, 3])
+    for group in (rows, rows[1:2]):
+        requests = [(questions[i], r[1].next_position, r[2], r[1].length) for i, r in enumerate(group)]
+        replayed = graphs.extend(requests).clone()
+        expected = eager.extend(ExtendRows.build(requests, engine.spec.device))
+        diff = float((replayed - expected).abs().max())
+        assert diff <= BF16_TOLERANCE, f"{len(group)} rows: |graph - eager| = {diff:.4f}"
+    # The slabs' K/V (context + the questions written twice over) agree between the two pools.
+    for _, buffer, start, _ in rows:
+        span = slice(start, start + buffer.length + 10)
+        graphed, eager_kv = graphed_pool.data[:, :, :, span].float(), eager_pool.data[:, :, :, span].float()
+        assert torch.equal(graphed.isnan(), eager_kv.isnan())  # the same slots written (the rest keep their NaN)
+        assert float((graphed.nan_to_num(0.0) - eager_kv.nan_to_num(0.0)).abs().max()) <= 0.1
+    assert set(graphs._graphs) == {(4, 64), (1, 64)}
+    graphs.close()

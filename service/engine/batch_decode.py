@@ -74,7 +74,7 @@ class ExtendRows:
     ids: torch.Tensor  # [T] every request's new tokens, request after request
     positions: torch.Tensor  # [T] their rotary positions
     slots: torch.Tensor  # [T] the pool slot each token's K/V is written to
-    cu_q: torch.Tensor  # [R+1] int32 where each request's tokens start in `ids`
+    cu_q: torch.Tensor  # [R+1] where each request's tokens start in `ids` (int32, or int64 from `from_flat`)
     starts: torch.Tensor  # [R] each slab's first slot
     used: torch.Tensor  # [R] live slots of each slab after the extend (the new tokens included)
     last: torch.Tensor  # [R] index in `ids` of each request's last token (its logits are returned)
@@ -101,6 +101,18 @@ class ExtendRows:
         rows = per_row.to(device, non_blocking=True)
         cu_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
         return cls(per_token[0], per_token[1], per_token[2], cu_q, rows[0], rows[1], rows[2], tuple(spans))
+
+    @classmethod
+    def from_flat(
+        cls, flat: torch.Tensor, rows: int, tokens: int, spans: tuple[tuple[int, int, int], ...] = ()
+    ) -> ExtendRows:
+        """Views over one flat tensor laid out by `extend_layout` (a CUDA graph's static inputs): `tokens`
+        ids, positions and slots, then `rows` starts, used and last indices, then `rows + 1` cu_q entries."""
+        ids, positions, slots = flat[: 3 * tokens].view(3, tokens)
+        per_row = flat[3 * tokens : 3 * tokens + 3 * rows].view(3, rows)
+        # A view, like the rest (int64): converted where the attention is built, so a graph captures the conversion.
+        cu_q = flat[3 * tokens + 3 * rows : 3 * tokens + 4 * rows + 1]
+        return cls(ids, positions, slots, cu_q, per_row[0], per_row[1], per_row[2], spans)
 
     @property
     def max_new(self) -> int:
@@ -133,13 +145,15 @@ class BatchDecoder:
         return fwd.head_rows(hidden)
 
     @torch.inference_mode()
-    def extend(self, rows: ExtendRows) -> torch.Tensor:
+    def extend(self, rows: ExtendRows, bounds: tuple[int, int] | None = None) -> torch.Tensor:
         """Feed each request its new tokens (causal among themselves, after its live slots), writing their K/V into
         its slab; returns fp32 logits [R, vocab] of each request's last token. The decode step is the case of one
-        new token per request: the same per-layer code, only the attention's query rows differ."""
+        new token per request: the same per-layer code, only the attention's query rows differ. `bounds`: the
+        most new tokens and live slots of any row (flash's max_seqlen_q/k); None: read from the host spans (a
+        captured extend has none and passes its buckets)."""
         fwd = self.forward
         hidden = fwd.embed_static(rows.ids.view(1, -1))
-        attend = extend_attention(self.extend_backend, rows, self.pool.slots)
+        attend = extend_attention(self.extend_backend, rows, self.pool.slots, bounds)
         hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
         return fwd.head_rows(hidden.index_select(0, rows.last))
 
@@ -157,13 +171,15 @@ class BatchDecoder:
         return self._extend_backend
 
 
-def extend_attention(backend: str, rows: ExtendRows, pool_slots: int) -> StaticAttend:
+def extend_attention(
+    backend: str, rows: ExtendRows, pool_slots: int, bounds: tuple[int, int] | None = None
+) -> StaticAttend:
     """The attention of each request's new tokens over its slab's live slots, causal and end-aligned (a token
-    sees the context and the new tokens up to itself)."""
+    sees the context and the new tokens up to itself). `bounds`: see `BatchDecoder.extend`."""
     if backend == LOOP:
         return _extend_loop(rows.spans)
     if backend == FLASH_VARLEN:
-        return _extend_flash(rows, pool_slots)
+        return _extend_flash(rows, pool_slots, bounds or (rows.max_new, rows.max_used))
     raise ValueError(f"extend attention must be {LOOP} or {FLASH_VARLEN}")
 
 
@@ -171,6 +187,8 @@ def _extend_loop(spans: Sequence[tuple[int, int, int]]) -> StaticAttend:
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         outs, first = [], 0
         for start, used, new in spans:
+            if new == 0:  # an empty row of a padded layout: no queries, nothing to attend
+                continue
             k = keys[:, start : start + used].unsqueeze(0)
             v = values[:, start : start + used].unsqueeze(0)
             rows_q = q[first : first + new].transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
@@ -181,19 +199,21 @@ def _extend_loop(spans: Sequence[tuple[int, int, int]]) -> StaticAttend:
     return attend
 
 
-def _extend_flash(rows: ExtendRows, pool_slots: int) -> StaticAttend:
+def _extend_flash(rows: ExtendRows, pool_slots: int, bounds: tuple[int, int]) -> StaticAttend:
     # As the decode step's call, with several queries per request: flash aligns the causal mask to the bottom
     # right of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
+    # Upper bounds are enough for max_q/max_k: the kernel reads each row's own lengths from cu_q and seqused_k.
     cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
+    cu_q = rows.cu_q.to(torch.int32)
     used = rows.used.to(torch.int32)
-    max_q, max_k = rows.max_new, rows.max_used
+    max_q, max_k = bounds
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._flash_attention_forward(
             q,
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            rows.cu_q,
+            cu_q,
             cu_k,
             max_q,
             max_k,

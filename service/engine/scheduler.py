@@ -39,6 +39,7 @@ from service.engine.engine import (
     TurboPrefill,
     check_request,
 )
+from service.engine.extend_graph import ExtendGraphs
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool, Slab
@@ -163,6 +164,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
         self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
+        # The batched question prefill through graphs too, where it runs batched at all (flash on CUDA).
+        capture_extend = cuda_graphs and batch_prefill_min > 0 and self._batched_prefill_pays()
+        self.extend_graphs = ExtendGraphs(self.decoder) if capture_extend else None
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
@@ -208,6 +212,14 @@ class Scheduler:
         if self.running:
             finished += self._decode()
         return finished
+
+    def warm(self, tokens: int) -> None:
+        """Capture the decode step's graphs for live lengths up to `tokens` and every batched-prefill graph now
+        (server start), so no capture happens while answers are served."""
+        if self.graphs is not None:
+            self.graphs.warm(tokens)
+        if self.extend_graphs is not None:
+            self.extend_graphs.warm(self.batch_prefill_min)
 
     def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
         """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
@@ -361,7 +373,10 @@ class Scheduler:
             buffer.reserve(len(question))
             assert request.slab is not None
             entries.append((question, buffer.next_position, request.slab.start, buffer.length))
-        logits = self.decoder.extend(ExtendRows.build(entries, device))
+        if self.extend_graphs is not None:
+            logits = self.extend_graphs.extend(entries)
+        else:
+            logits = self.decoder.extend(ExtendRows.build(entries, device))
         for request in group:
             n = len(request.prompt.question)
             request.buffer.commit(n, request.buffer.next_position + n)

@@ -1,0 +1,164 @@
+"""The batched question prefill (`BatchDecoder.extend`) captured in CUDA graphs, one per (row bucket, token bucket).
+
+Eagerly, the questions admitted together cost the same ~1,500 kernel launches as a decode step, on the engine
+thread that shares the GIL with the event loop and retrieval: 41 ms for a group at 8 clients and 169 ms at 32
+on an H100, where the GPU work is a few ms (docs/benchmarks.md §10.5). A graph replays them with one call.
+
+A graph fixes shapes and pointers, so each is captured for `rows` requests (a bucket of `BATCH_BUCKETS`) and
+`tokens` new tokens in all (a bucket of `TOKEN_BUCKETS`). The real requests come first; the rows up to the
+bucket are empty (no queries); one padding row after them takes the tokens up to the bucket, at positions
+0.. in a scratch slab the graphs own, so padding writes and reads only that slab. Flash varlen reads each row's
+query range from `cu_q` and its live keys from `seqused_k`, so its max_seqlen_q/k only need to be upper bounds
+(the token bucket and the model's context): no capacity bucket is needed, unlike the decode step's gather.
+Only the flash varlen extend can be captured (the loop slices by host lengths).
+
+`extend_layout` builds the flat static inputs on the host; the CPU tests run it eagerly through the loop
+attention, and the GPU test compares each graph's logits with the eager extend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from service.engine.attention import FLASH_VARLEN
+from service.engine.batch_decode import BatchDecoder, ExtendRows
+from service.engine.batch_graph import BATCH_BUCKETS, batch_bucket
+from service.engine.cuda_graph import _capture
+
+log = logging.getLogger(__name__)
+
+# Total new tokens of one batched prefill a graph is captured for; more run eagerly. 32 questions of ~30 tokens
+# (the gateway benchmark's) fill 1,024.
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
+
+# (new ids, first position, slab start, live slots before) per request, as `ExtendRows.build` takes them.
+ExtendRequest = tuple[Sequence[int], int, int, int]
+Span = tuple[int, int, int]  # (slab start, live slots after, new tokens) per row
+
+
+def token_bucket(tokens: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | None:
+    """The smallest captured token count holding `tokens`, or None when none does."""
+    if tokens <= 0:
+        raise ValueError("a batched prefill needs at least one token")
+    return next((b for b in sorted(buckets) if b >= tokens), None)
+
+
+def extend_layout(
+    requests: Sequence[ExtendRequest], rows: int, tokens: int, scratch: int
+) -> tuple[list[int], tuple[Span, ...]]:
+    """The flat static inputs of `requests` padded to `rows` rows (+ the padding row) and `tokens` tokens:
+    [ids | positions | slots] (`tokens` each), [starts | used | last] (`rows + 1` each), cu_q (`rows + 2`),
+    as `ExtendRows.from_flat` reads them; and each row's host span (for the loop attention)."""
+    new = sum(len(ids) for ids, *_ in requests)
+    if not requests or len(requests) > rows or new > tokens or any(not ids for ids, *_ in requests):
+        raise ValueError(f"{len(requests)} requests of {new} tokens do not fit {rows} rows of {tokens} tokens")
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu, spans = [0], []
+    for request_ids, position, start, live in requests:
+        n = len(request_ids)
+        ids += request_ids
+        positions += range(position, position + n)
+        slots += range(start + live, start + live + n)
+        cu.append(cu[-1] + n)
+        spans.append((start, live + n, n))
+    spans += [(scratch, 1, 0)] * (rows - len(requests))  # empty rows: no queries, one harmless scratch key
+    cu += [new] * (rows - len(requests))
+    pad = tokens - new
+    ids += [0] * pad
+    positions += range(pad)
+    slots += range(scratch, scratch + pad)
+    spans.append((scratch, max(pad, 1), pad))
+    cu.append(tokens)
+    last = [max(c - 1, 0) for c in cu[1:]]  # an empty row's "last token" is any valid index; its logits are dropped
+    flat = ids + positions + slots + [s for s, _, _ in spans] + [u for _, u, _ in spans] + last + cu
+    return flat, tuple(spans)
+
+
+class ExtendGraph:
+    """One captured batched prefill of up to `rows` requests and `tokens` new tokens."""
+
+    def __init__(self, decoder: BatchDecoder, rows: int, tokens: int, scratch: int, pool: Any) -> None:
+        spec = decoder.forward.spec
+        self.rows, self.tokens, self._scratch = rows, tokens, scratch
+        width = 3 * tokens + 3 * (rows + 1) + rows + 2
+        # Pinned, so the per-replay copy is asynchronous DMA.
+        self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
+        self._inputs = torch.zeros(width, dtype=torch.long, device=spec.device)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._fill([([0], 0, scratch, 0)])
+        static = ExtendRows.from_flat(self._inputs, rows + 1, tokens)
+        bounds = (tokens, spec.max_context)
+        self._graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        self._logits: torch.Tensor = _capture(self._graph, lambda: decoder.extend(static, bounds), spec.device, pool)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+
+    def _fill(self, requests: Sequence[ExtendRequest]) -> None:
+        flat, _ = extend_layout(requests, self.rows, self.tokens, self._scratch)
+        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
+        self._copied.synchronize()
+        self._host.copy_(torch.tensor(flat))
+        with torch.inference_mode():
+            self._inputs.copy_(self._host, non_blocking=True)
+        self._copied.record()
+
+    def replay(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
+        """fp32 logits [len(requests), vocab] of each request's last token; static (read before the next replay)."""
+        self._fill(requests)
+        self._graph.replay()
+        return self._logits[: len(requests)]
+
+
+class ExtendGraphs:
+    """Batched-prefill graphs by (row bucket, token bucket), captured on first use or by `warm`."""
+
+    def __init__(self, decoder: BatchDecoder) -> None:
+        spec = decoder.forward.spec
+        if spec.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        if decoder.extend_backend != FLASH_VARLEN:
+            raise ValueError("only the flash varlen batched prefill can be captured")
+        self.decoder = decoder
+        # The padding row's slab, held as long as the graphs live: room for a whole bucket of padding.
+        self._scratch = decoder.pool.allocate(max(TOKEN_BUCKETS))
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], ExtendGraph] = {}
+
+    def extend(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
+        """Every request's new tokens after its live slots, one replay (eager when no bucket holds them);
+        logits [len(requests), vocab]."""
+        rows = batch_bucket(len(requests))
+        tokens = token_bucket(sum(len(ids) for ids, *_ in requests))
+        if rows is None or tokens is None:
+            return self.decoder.extend(ExtendRows.build(requests, self.decoder.forward.spec.device))
+        return self._graph(rows, tokens).replay(requests)
+
+    def _graph(self, rows: int, tokens: int) -> ExtendGraph:
+        graph = self._graphs.get((rows, tokens))
+        if graph is None:
+            graph = ExtendGraph(self.decoder, rows, tokens, self._scratch.start, self._pool)
+            self._graphs[(rows, tokens)] = graph
+            log.info("captured the %d-row, %d-token batched prefill in %.0f ms", rows, tokens, graph.capture_ms)
+        return graph
+
+    def warm(self, min_rows: int) -> None:
+        """Capture every bucket a group of at least `min_rows` requests can use now (server start), so no
+        capture happens while answers are served."""
+        for rows in BATCH_BUCKETS:
+            if rows < min_rows and rows != batch_bucket(min_rows):
+                continue
+            for tokens in TOKEN_BUCKETS:
+                if tokens >= rows:
+                    self._graph(rows, tokens)
+
+    def close(self) -> None:
+        """Give the scratch slab back to the pool (the graphs must not replay afterwards)."""
+        self._graphs.clear()
+        self.decoder.pool.free(self._scratch)
