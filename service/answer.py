@@ -23,8 +23,10 @@ from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
+from service.engine.scheduler import BatchRequest
 from service.engine.stitch import PositionMode
 from service.errors import InvalidRequestError, UnavailableError
+from service.kv_for_engine import fetch_chunk_kv
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import RetrievedChunk
@@ -179,10 +181,13 @@ class Answerer:
         blocks = tuple(self.engine.template.chunk_block(c.token_ids) for c in retrieval.chunks)
         return PromptIds(self.engine.template.prefix, blocks, self._ids(question))
 
-    def fetch(self, prompt: PromptIds) -> FetchResult:
-        """The chunks' KV on the device, whichever tier holds it (misses computed); on the engine loop, at the
-        request's admission. Copies may still run when this returns: the stitch waits for each block."""
-        return self._fetch(prompt)
+    def fetch(self, request: BatchRequest) -> FetchResult:
+        """The request's chunk KV on the device, whichever tier holds it (misses computed), handed to the request;
+        on the engine loop, at its admission (`fetch_chunk_kv`). `UnavailableError` when the KV index is away."""
+        try:
+            return fetch_chunk_kv(self.store, request)
+        except (redis.RedisError, ConnectionError, TimeoutError) as err:
+            raise UnavailableError("the KV index", err) from err
 
     def done_event(
         self,
@@ -218,12 +223,6 @@ class Answerer:
             return str(tokenizer.decode([token]))
 
         return tuple(Logprob(text(e.token), e.logprob, tuple((text(t), lp) for t, lp in e.top)) for e in entries)
-
-    def _fetch(self, prompt: PromptIds) -> FetchResult:
-        try:
-            return self.store.fetch(prompt.blocks, overlap=True)
-        except (redis.RedisError, ConnectionError, TimeoutError) as err:
-            raise UnavailableError("the KV index", err) from err
 
 
 def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: Any) -> dict[str, float]:

@@ -89,9 +89,7 @@ class AnswerSession:
         self._listener(TokenEvent(delta, self.answerer.named(entries)))
 
     def _admitted(self, request: BatchRequest) -> None:
-        self.fetch = self.answerer.fetch(request.prompt)
-        request.chunk_kv = self.fetch.blocks
-        request.chunk_ready = self.fetch.ready or None
+        self.fetch = self.answerer.fetch(request)
 
     def _finished(self, request: BatchRequest) -> None:
         """The request ended (done, stopped, cancelled or failed): report it and give up the place in line."""

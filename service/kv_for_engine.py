@@ -1,5 +1,6 @@
 """The KV store for one engine: its model fingerprint, template version and dtype key the blocks, its forward
-computes the misses, its layer groups shape the overlapped copies.
+computes the misses, its layer groups shape the overlapped copies. And the fetch a request's admission runs
+(`fetch_chunk_kv`, the scheduler's `on_admit` in the server).
 
 The store itself never imports the engine (it takes a precompute callable); this is where the two meet. It
 imports only the engine and the KV cache, so the GPU benchmarks and the engine/cache tests use it without the
@@ -11,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.engine.engine import StitchEngine
+from service.engine.scheduler import BatchRequest
 from service.kvcache.index import KVIndex
 from service.kvcache.keys import model_fingerprint
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute
 from service.kvcache.quant import DiskFormat
-from service.kvcache.store import DEFAULT_READ_THREADS, KVStore, TierBudgets
+from service.kvcache.store import DEFAULT_READ_THREADS, FetchResult, KVStore, TierBudgets
 
 
 def kv_store_for(
@@ -46,3 +48,13 @@ def kv_store_for(
         direct_io=direct_io,
         disk_format=disk_format,
     )
+
+
+def fetch_chunk_kv(store: KVStore, request: BatchRequest) -> FetchResult:
+    """A request's chunk KV at its admission (on the scheduler's thread, before its prefill), from whichever tier
+    holds it (misses computed), handed to the request. Copies may still run when this returns: the stitch waits
+    for each block (`chunk_ready`)."""
+    fetch = store.fetch(request.prompt.blocks, overlap=True)
+    request.chunk_kv = fetch.blocks
+    request.chunk_ready = fetch.ready or None
+    return fetch

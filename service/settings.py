@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine import batching_defaults
 from service.engine.recompute_spec import parse_recompute
 
 MIB = 1 << 20
@@ -110,14 +111,16 @@ class Settings(BaseSettings):
     max_upload_files: int = Field(100, ge=1, le=1000, description="Files one POST /ingest/files may carry.")
     max_upload_file_mb: int = Field(32, ge=1, description="Largest file POST /ingest/files accepts (MiB); 413 above.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
-    max_batch: int = Field(32, ge=1, le=256, description="Answers decoded together in one batched step, at most.")
+    max_batch: int = Field(
+        batching_defaults.MAX_BATCH, ge=1, le=256, description="Answers decoded together in one batched step, at most."
+    )
     prefill_chunk: int = Field(
-        1024,
+        batching_defaults.PREFILL_CHUNK,
         ge=0,
         description="Naive prompts are prefilled this many tokens per step, between decode steps; 0 = whole.",
     )
     batch_prefill_min: int = Field(
-        3,
+        batching_defaults.BATCH_PREFILL_MIN,
         ge=0,
         le=256,
         description="Turbo questions admitted in one step are prefilled in one forward from this many on; 0 = never.",

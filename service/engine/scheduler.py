@@ -26,6 +26,7 @@ from enum import StrEnum
 
 import torch
 
+from service.engine import batching_defaults
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
@@ -49,7 +50,7 @@ from service.engine.stitch import BlockReady, PositionMode
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 32
+DEFAULT_MAX_BATCH = batching_defaults.MAX_BATCH
 STEP_PHASES = ("admit", "prefill", "decode", "emit")
 
 TextSink = Callable[[str], None]

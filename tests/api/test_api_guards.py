@@ -9,11 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from api_support import QUESTION, ingest, sse
 from app_server import LiveServer, MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
-
-from service.errors import UnavailableError
 
 ASK_ERRORS = [
     ({"question": "x" * 501}, "question"),
@@ -170,9 +169,9 @@ def test_the_kv_index_away_mid_request_ends_the_stream_with_an_error_event(
     assert answerer is not None
 
     def index_down(*args: Any, **kwargs: Any) -> Any:
-        raise UnavailableError("the KV index", ConnectionError("redis went away"))
+        raise redis.ConnectionError("redis went away")  # the store's index lookup, as the admission fetch sees it
 
-    monkeypatch.setattr(answerer, "_fetch", index_down)
+    monkeypatch.setattr(answerer.store, "fetch", index_down)
     with client.stream("POST", "/ask", json={"question": QUESTION}) as reply:
         events = list(sse(reply.iter_lines()))
 
