@@ -53,11 +53,8 @@ class Embedder:
             ) from err
         # On a GPU shared with the engine, embeddings run on a stream of their own: on the default stream they
         # would queue behind the engine's decode steps and prefills (measured: retrieve 12 ms alone, 100+ ms at 8
-        # concurrent clients). The stream has the highest priority: when SMs free up, the GPU's block scheduler
-        # runs the embedder's pending blocks before more of the engine's, so a question's ~60 small kernels do not
-        # each wait behind whole compute-bound prefill kernels (a question is embedded once; the engine's work
-        # then goes on).
-        self._stream = _priority_stream(device) if device.startswith("cuda") else None
+        # concurrent clients).
+        self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
         self._dimension = self._read_dimension()
 
     @property
@@ -120,12 +117,3 @@ class Embedder:
             probe: Any = self._model.encode(["dimension probe"], convert_to_numpy=True, show_progress_bar=False)
             dimension = len(probe[0])
         return int(dimension)
-
-
-# Lower is higher; torch maps a value beyond the device's range to its nearest end (the highest priority here).
-HIGHEST_STREAM_PRIORITY = -100
-
-
-def _priority_stream(device: str) -> torch.cuda.Stream:
-    """A CUDA stream of the device's highest priority."""
-    return torch.cuda.Stream(torch.device(device), priority=HIGHEST_STREAM_PRIORITY)  # type: ignore[no-untyped-call]
