@@ -69,9 +69,10 @@ def test_a_true_batch_of_three_gives_every_request_its_tokens_alone(three_prompt
     assert run.prefilled_together == (0 if tier == "naive" else 3)
     figures = run.figures()
     assert 0 < figures["first_ttft_ms"] <= figures["p50_ttft_ms"] <= figures["last_ttft_ms"] <= figures["batch_ms"]
-    # Turbo requests decode together from the first step. Naive prompts are prefilled one chunk per step, oldest
-    # first: the second joins the first's decoding, the third only once the first has its 5 tokens.
-    assert figures["decode_batch"] == (2 if tier == "naive" else 3)
+    # Turbo requests decode together from the first step. Naive prompts share PREFILL_CHUNK tokens per step, oldest
+    # first, in one batched forward (the first's tail beside the second's head): all three decode together before
+    # the first has its 5 tokens (one chunk of one prompt per step, as before, gave only 2).
+    assert figures["decode_batch"] == 3
     assert figures["decode_ms_per_step"] > 0
 
 

@@ -445,6 +445,23 @@ def test_gpu_batched_greedy_follows_eager(
     assert (scheduler.extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
 
 
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_gpu_naive_chunks_through_the_prefill_graphs_follow_eager(get_engine: Callable[..., StitchEngine]) -> None:
+    """Long naive prompts prefilled 64 tokens per step through the batched-prefill graphs, beside turbo answers."""
+    engine = get_engine("qwen2", "cuda")
+    scheduler = Scheduler(engine, nan_pool(engine, 3000), max_batch=8, cuda_graphs=True, prefill_chunk=64)
+    assert scheduler.extend_graphs is not None
+    cases = (*MIXED[2:3], Case((50, 30, 70), mode="naive", max_new=9, seed=21), *MIXED[:2])
+    tracked = [Tracked(engine, case) for case in cases]
+    for t in tracked:
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in tracked:
+        assert t.request.result.finish_reason == "length"
+        _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
+
+
 def test_batch_buckets_and_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
     assert batch_bucket(33) is None
@@ -548,6 +565,37 @@ def test_a_chunked_naive_prefill_interleaves_with_decoding_and_equals_alone(
     running.assert_matches(run_alone(engine, running.case))
     naive.assert_matches(run_alone(engine, naive.case))
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_naive_chunks_share_one_budget_per_step_in_one_forward_and_equal_alone(
+    get_engine: Callable[..., StitchEngine], arch: str
+) -> None:
+    """Two long naive prompts: each step prefills `prefill_chunk` tokens in all, oldest first, the first's tail and
+    the second's head in one batched forward; both finish their prompts in ceil(total / chunk) steps and give their
+    tokens alone. With the batched prefill off, one chunk of the oldest per step (as before)."""
+    engine = get_engine(arch, "cpu")
+    cases = (Case((60, 40, 20), mode="naive", max_new=8, seed=12), Case((50, 30), mode="naive", max_new=6, seed=13))
+    lengths = [len(c.prompt(engine).joined()) for c in cases]
+    for minimum, steps_needed in ((2, -(-sum(lengths) // 16)), (0, sum(-(-n // 16) for n in lengths))):
+        scheduler = Scheduler(engine, nan_pool(engine, 2000), prefill_chunk=16, batch_prefill_min=minimum)
+        tracked = [Tracked(engine, case) for case in cases]
+        for t in tracked:
+            scheduler.add(t.request)
+        scheduler.step()  # both admitted; the first chunk (the oldest's first 16 tokens)
+        steps(scheduler, -(-lengths[0] // 16) - 1)  # the oldest's prompt is in after this step...
+        filled = [t.request.buffer.length for t in tracked if t.request.kv is not None]
+        if minimum:
+            assert filled[0] == lengths[0] + 1 and 0 < filled[1] < lengths[1]  # ...and the second began beside it
+        taken = -(-lengths[0] // 16)
+        while scheduler.prefilling:
+            scheduler.step()
+            taken += 1
+        assert taken == steps_needed, minimum
+        drain(scheduler)
+        for t in tracked:
+            t.assert_matches(run_alone(engine, t.case))
+        assert scheduler.pool.used_slots == 0
 
 
 def test_a_cancelled_chunked_prefill_frees_its_slab(get_engine: Callable[..., StitchEngine]) -> None:

@@ -185,12 +185,10 @@ class ExtendGraphs:
             log.info("captured the %d-row, %d-token batched prefill in %.0f ms", rows, tokens, graph.capture_ms)
         return graph
 
-    def warm(self, min_rows: int) -> None:
-        """Capture every bucket a group of at least `min_rows` requests can use now (server start), so no
-        capture happens while answers are served."""
+    def warm(self) -> None:
+        """Capture every bucket now (server start), so no capture happens while answers are served: the
+        questions admitted together take the larger row buckets, a step's naive chunks the smaller ones."""
         for rows in BATCH_BUCKETS:
-            if rows < min_rows and rows != batch_bucket(min_rows):
-                continue
             for tokens in self.buckets:
                 if tokens >= rows:
                     self._graph(rows, tokens)

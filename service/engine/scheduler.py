@@ -148,10 +148,12 @@ class Scheduler:
         batch_prefill_min: int = 2,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
-        `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled one chunk per step,
-        between the running answers' decode steps, instead of stalling them for its whole prefill (0: never).
+        `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
+        this many tokens per step over all such requests (oldest first), between the running answers' decode
+        steps, instead of stalling them for its whole prefill (0: never).
         `batch_prefill_min`: when at least this many turbo requests are admitted in one step, their questions are
-        prefilled together in one batched forward instead of one prefill each (0: never)."""
+        prefilled together in one batched forward instead of one prefill each, and the naive chunks of a step run
+        as one batched forward too (0: never, and one naive chunk per step)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
@@ -220,7 +222,7 @@ class Scheduler:
         if self.graphs is not None:
             self.graphs.warm(tokens)
         if self.extend_graphs is not None:
-            self.extend_graphs.warm(self.batch_prefill_min)
+            self.extend_graphs.warm()
 
     def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
         """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
@@ -365,22 +367,23 @@ class Scheduler:
         per request, slower than each question's own CUDA-graph prefill (measured, docs/benchmarks.md §10.5)."""
         return self.engine.spec.device.type == "cpu" or self.decoder.extend_backend == FLASH_VARLEN
 
-    def _extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
-        """Every request's question after its stitched context, one forward; logits [len(group), vocab]."""
+    def _extend(self, group: Sequence[BatchRequest], new_ids: Sequence[list[int]] | None = None) -> torch.Tensor:
+        """Each request's new tokens (default: its question) after its live slots, one batched forward; logits
+        [len(group), vocab] of each one's last new token."""
         device = self.engine.spec.device
+        tokens = new_ids if new_ids is not None else [list(r.prompt.question) for r in group]
         entries = []
-        for request in group:
-            buffer, question = request.buffer, list(request.prompt.question)
-            buffer.reserve(len(question))
+        for request, ids in zip(group, tokens, strict=True):
+            buffer = request.buffer
+            buffer.reserve(len(ids))
             assert request.slab is not None
-            entries.append((question, buffer.next_position, request.slab.start, buffer.length))
+            entries.append((ids, buffer.next_position, request.slab.start, buffer.length))
         if self.extend_graphs is not None:
             logits = self.extend_graphs.extend(entries)
         else:
             logits = self.decoder.extend(ExtendRows.build(entries, device))
-        for request in group:
-            n = len(request.prompt.question)
-            request.buffer.commit(n, request.buffer.next_position + n)
+        for request, ids in zip(group, tokens, strict=True):
+            request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
         return logits
 
     def _chunked(self, request: BatchRequest) -> bool:
@@ -407,11 +410,17 @@ class Scheduler:
         return True
 
     def _prefill_chunk(self) -> list[BatchRequest]:
-        """One chunk of the oldest chunked prefill (the running answers decode between chunks); returns the
-        request when it finished (error, or already done at its first token)."""
+        """Up to `prefill_chunk` tokens of the chunked naive prefills, oldest first (the running answers decode
+        between steps); returns the requests that finished (error, or already done at their first token). Where
+        the batched prefill pays, every request's chunk of this step runs in one batched forward (through its CUDA
+        graphs on CUDA); elsewhere one chunk of the oldest runs alone."""
         if not self.prefilling:
             return []
-        request = self.prefilling[0]
+        if self.batch_prefill_min == 0 or not self._batched_prefill_pays():
+            return self._prefill_chunk_alone(self.prefilling[0])
+        return self._prefill_chunks_together()
+
+    def _prefill_chunk_alone(self, request: BatchRequest) -> list[BatchRequest]:
         ids = request.prompt.joined()
         begin = request.buffer.length
         end = min(len(ids), begin + self.prefill_chunk)
@@ -423,9 +432,41 @@ class Scheduler:
             self._finish(request, "error")
             return [request]
         request.result.timings.prefill_ms += watch.lap_ms()
-        if end < len(ids):
+        return self._after_chunk(request, logits, end == len(ids))
+
+    def _prefill_chunks_together(self) -> list[BatchRequest]:
+        """This step's chunks (the oldest requests' next tokens, `prefill_chunk` in all) in one batched forward."""
+        group, chunks, budget = [], [], self.prefill_chunk
+        for request in self.prefilling:
+            ids, begin = request.prompt.joined(), request.buffer.length
+            take = min(len(ids) - begin, budget)
+            group.append(request)
+            chunks.append(list(ids[begin : begin + take]))
+            budget -= take
+            if budget == 0:
+                break
+        watch = Stopwatch(self.engine.spec.device)
+        try:
+            logits = self._extend(group, chunks)
+        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
+            log.exception("batched prefill of %d naive chunks failed", len(group))
+            for request in group:
+                request.error = err
+                self._finish(request, "error")
+            return group
+        spent = watch.lap_ms()
+        finished = []
+        for row, request in enumerate(group):
+            request.result.timings.prefill_ms += spent
+            done = request.buffer.length == len(request.prompt.joined())
+            finished += self._after_chunk(request, logits[row], done)
+        return finished
+
+    def _after_chunk(self, request: BatchRequest, logits: torch.Tensor, done: bool) -> list[BatchRequest]:
+        """A chunk of `request`'s prompt went in: at the end of the prompt its first token is picked and it runs."""
+        if not done:
             return []
-        self.prefilling.popleft()
+        self.prefilling.remove(request)
         if self._first_token(request, logits):
             self.running.append(request)
             return []
