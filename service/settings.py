@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     prefill_chunk: int = Field(
         batching_defaults.PREFILL_CHUNK,
         ge=0,
-        description="Naive prompts are prefilled this many tokens per step in all, oldest first, between decode steps; 0 = whole.",
+        description="Naive prompts are prefilled this many tokens a step in all, oldest first; 0 = whole.",
     )
     batch_prefill_min: int = Field(
         batching_defaults.BATCH_PREFILL_MIN,
