@@ -66,6 +66,26 @@ class DecodeRows:
         return max(u for _, u in self.spans)
 
 
+ExtendLists = tuple[list[int], list[int], list[int], list[int], list[tuple[int, int, int]]]
+
+
+def extend_lists(requests: Sequence[tuple[Sequence[int], int, int, int]]) -> ExtendLists:
+    """Host lists of an extend from (new ids, first position, slab start, live slots before) per request: every
+    token's id, position and pool slot, the query offsets (cu_q) and each row's (start, used after, new) span."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu, spans = [0], []
+    for new, position, start, live in requests:
+        n = len(new)
+        ids += new
+        positions += range(position, position + n)
+        slots += range(start + live, start + live + n)
+        cu.append(cu[-1] + n)
+        spans.append((start, live + n, n))
+    return ids, positions, slots, cu, spans
+
+
 @dataclass(frozen=True)
 class ExtendRows:
     """Inputs of one batched extend: several new tokens per request (questions admitted together), each request's
@@ -85,17 +105,7 @@ class ExtendRows:
         """From (new ids, first position, slab start, live slots before) per request."""
         if not requests or any(not ids for ids, *_ in requests):
             raise ValueError("an extend needs at least one request, each with at least one new token")
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu, spans = [0], []
-        for new, position, start, live in requests:
-            n = len(new)
-            ids += new
-            positions += range(position, position + n)
-            slots += range(start + live, start + live + n)
-            cu.append(cu[-1] + n)
-            spans.append((start, live + n, n))
+        ids, positions, slots, cu, spans = extend_lists(requests)
         per_token = torch.tensor([ids, positions, slots]).to(device, non_blocking=True)
         per_row = torch.tensor([[s for s, _, _ in spans], [u for _, u, _ in spans], [c - 1 for c in cu[1:]]])
         rows = per_row.to(device, non_blocking=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from service.engine.attention import FLASH_VARLEN
-from service.engine.batch_decode import BatchDecoder, ExtendRows
+from service.engine.batch_decode import BatchDecoder, ExtendRows, extend_lists
 from service.engine.batch_graph import BATCH_BUCKETS, batch_bucket
 from service.engine.cuda_graph import _capture
 
@@ -61,17 +61,7 @@ def extend_layout(
     new = sum(len(ids) for ids, *_ in requests)
     if not requests or len(requests) > rows or new > tokens or any(not ids for ids, *_ in requests):
         raise ValueError(f"{len(requests)} requests of {new} tokens do not fit {rows} rows of {tokens} tokens")
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu, spans = [0], []
-    for request_ids, position, start, live in requests:
-        n = len(request_ids)
-        ids += request_ids
-        positions += range(position, position + n)
-        slots += range(start + live, start + live + n)
-        cu.append(cu[-1] + n)
-        spans.append((start, live + n, n))
+    ids, positions, slots, cu, spans = extend_lists(requests)
     spans += [(scratch, 1, 0)] * (rows - len(requests))  # empty rows: no queries, one harmless scratch key
     cu += [new] * (rows - len(requests))
     pad = tokens - new
