@@ -26,11 +26,13 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import platform
 import random
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ from service.quality.pretrain import (
 )
 
 log = logging.getLogger("quality_demo")
+PROBE_QUESTIONS = 256  # held-out questions scored during base training (exact match, one batched forward)
 TINY = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=1024)
 
 
@@ -90,12 +93,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fit the tokenizer on the first N training questions (default 20000; more adds time, few merges)",
     )
     base.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny: 2)")
+    base.add_argument(
+        "--hidden", type=int, default=None, help="hidden size; heads of 64, MLP 2.75x (default 512; --tiny: 64)"
+    )
     budget = base.add_mutually_exclusive_group()
     budget.add_argument("--pretrain-seconds", type=float, default=None, help="time budget (default 240)")
     budget.add_argument("--pretrain-steps", type=int, default=None, help="a fixed step count instead of a budget")
     base.add_argument("--pretrain-batch-size", type=int, default=64, help="sequences per step (default 64)")
     base.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     base.add_argument("--pretrain-warmup", type=int, default=100, help="linear warm-up steps (default 100)")
+    base.add_argument(
+        "--curriculum-steps",
+        type=int,
+        default=0,
+        help="the first N steps train only on the set with the fewest --train-chunks (default 0)",
+    )
+    base.add_argument(
+        "--probe-every", type=int, default=250, help="steps between held-out exact-match probes (default 250)"
+    )
     base.add_argument(
         "--context-loss-weight",
         type=float,
@@ -146,27 +161,44 @@ class DataSet:
 
 def make_data(args: argparse.Namespace, work: Path) -> dict[str, DataSet]:
     """Training sets (one per --train-chunks k, seed `seed + 10k`), the fine-tuning set (seed + 1), the test
-    set (seed + 2); the last two at --chunks, the served case the table measures."""
+    set (seed + 2), the probe set (seed + 3, scored during base training); the last three at --chunks, the
+    served case the table measures."""
     per_k = max(1, args.train_questions // len(args.train_chunks))
     wanted = {f"train-k{k}": (per_k, k, args.seed + 10 * k) for k in args.train_chunks}
     wanted["finetune"] = (args.finetune_steps * args.finetune_batch_size, args.chunks, args.seed + 1)
     wanted["test"] = (args.test_questions, args.chunks, args.seed + 2)
-    sets = {}
-    for name, (size, chunks, seed) in wanted.items():
-        path = write_qa_file(work / "qa" / f"{name}.jsonl", size, chunks, seed, args.two_fact_share)
-        sets[name] = DataSet(path, size, chunks, seed)
-    return sets
+    wanted["probe"] = (PROBE_QUESTIONS, args.chunks, args.seed + 3)
+    # One process per set: a generator is a single-threaded Python loop, ~7 s per 60,000 questions.
+    with ProcessPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1)) as pool:
+        paths = {
+            name: pool.submit(write_qa_file, work / "qa" / f"{name}.jsonl", size, chunks, seed, args.two_fact_share)
+            for name, (size, chunks, seed) in wanted.items()
+        }
+        return {name: DataSet(paths[name].result(), *wanted[name]) for name in wanted}
 
 
-def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) -> dict[str, Any]:
-    """Tokenizer + random model saved, loaded back through `load_model`, trained, saved over (fp32)."""
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The default or tiny shape with --layers and --hidden applied (heads of 64 dimensions, a quarter as KV)."""
     shape = TINY if args.tiny else ModelShape()
-    shape = replace(shape, layers=args.layers or shape.layers)
+    if args.layers:
+        shape = replace(shape, layers=args.layers)
+    if args.hidden:
+        heads = max(1, args.hidden // 64)
+        kv_heads = max(1, heads // 4)
+        shape = replace(shape, hidden=args.hidden, heads=heads, kv_heads=kv_heads, intermediate=args.hidden * 11 // 4)
+    return shape
+
+
+def train_base(args: argparse.Namespace, train: list[QASample], probe: list[QASample], folder: Path) -> dict[str, Any]:
+    """Tokenizer + random model saved, loaded back through `load_model`, trained, saved over (fp32)."""
+    shape = model_shape(args)
     save_untrained(folder, shape, train[: args.tokenizer_questions], args.vocab_size, args.seed)
     model = load_model(folder, device=args.device, dtype=torch.float32)
     hf = model.hf.requires_grad_(True)
     tokenizer = model.tokenizer
-    encoded = encode_batch(tokenizer, build_template(tokenizer), train, model.spec.max_context)
+    template = build_template(tokenizer)
+    encoded = encode_batch(tokenizer, template, train, model.spec.max_context)
+    held_out = encode_batch(tokenizer, template, probe, model.spec.max_context)
     config = PretrainConfig(
         batch_size=args.pretrain_batch_size,
         lr=args.pretrain_lr,
@@ -174,9 +206,11 @@ def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) ->
         steps=args.pretrain_steps,
         seconds=args.pretrain_seconds if args.pretrain_steps is None else None,
         context_weight=args.context_loss_weight,
+        curriculum_steps=args.curriculum_steps,
+        probe_every=args.probe_every,
         seed=args.seed,
     )
-    report = pretrain(hf, encoded, eos_id(model), int(tokenizer.pad_token_id), config)
+    report = pretrain(hf, encoded, eos_id(model), int(tokenizer.pad_token_id), config, held_out)
     hf.save_pretrained(folder)
     record = _pretrain_record(report, shape, config)
     record.update(parameters=parameter_count(hf), vocab_size=len(tokenizer))
@@ -197,6 +231,7 @@ def _pretrain_record(report: PretrainReport, shape: ModelShape, config: Pretrain
         "loss_first": report.losses[0],
         "loss_last_50": sum(report.losses[-50:]) / len(report.losses[-50:]),
         "loss_curve": [[step, round(loss, 4)] for step, loss in report.loss_curve()],
+        "held_out_exact_match": [[step, round(share, 4)] for step, share in report.probes],
     }
 
 
@@ -271,7 +306,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "two_fact_share": args.two_fact_share,
     }
     log.info("training the base model")
-    record["pretrain"] = train_base(args, train, models / "base")
+    probe = read_samples(files["probe"].file)
+    record["pretrain"] = train_base(args, train, probe, models / "base")
     save(record, args.json)
     log.info("block fine-tuning")
     record["finetune"] = block_finetune(args, models / "base", files["finetune"].file, models / "block-finetuned")

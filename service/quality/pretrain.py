@@ -142,6 +142,8 @@ class PretrainConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at this share of `lr`
     weight_decay: float = 0.1
     context_weight: float = 0.0  # weight of a next-token loss on the prompt beside the answer loss (0: answer only)
+    curriculum_steps: int = 0  # the first steps draw only from the samples with the fewest chunks
+    probe_every: int = 0  # steps between held-out exact-match probes (0: none)
     steps: int | None = None  # a fixed step count, or
     seconds: float | None = None  # a time budget (the step count is then derived from the measured step time)
     seed: int = 0
@@ -163,6 +165,7 @@ class PretrainReport:
     seconds: float = 0.0
     step_ms: float = 0.0
     losses: list[float] = field(default_factory=list)  # the answer loss of each step
+    probes: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out exact match)
 
     def loss_curve(self, points: int = 20) -> list[tuple[int, float]]:
         """(last step, mean loss) over `points` equal spans of the run: the curve without 5,000 numbers."""
@@ -253,14 +256,53 @@ def training_pairs(encoded: Sequence[Encoded], eos: int) -> list[tuple[torch.Ten
     return pairs
 
 
-def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: PretrainConfig) -> PretrainReport:
-    """Train `hf` (fp32 weights, in place) on the samples; the report holds every step's loss."""
+@torch.no_grad()
+def exact_match(hf: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pad: int, batch_size: int = 64) -> float:
+    """Share of samples whose every answer token and EOS is the argmax given the tokens before it: exactly the
+    samples that greedy decoding answers with the reference answer and then stops (teacher forcing gives the
+    same logits as decoding while every earlier token was right), in one batched forward instead of a decode."""
+    device = next(hf.parameters()).device
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    was_training = hf.training
+    hf.eval()
+    right = 0
+    for start in range(0, len(pairs), batch_size):
+        batch = collate(pairs[start : start + batch_size], pad)
+        targets = batch.targets.to(device)
+        with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
+            hidden = hf.model(input_ids=batch.input_ids.to(device), use_cache=False).last_hidden_state[:, :-1]
+            where = targets != IGNORE
+            hits = torch.ones_like(targets, dtype=torch.bool)
+            hits[where] = hf.lm_head(hidden[where]).argmax(-1) == targets[where]
+        right += int(hits.all(dim=-1).sum())
+    hf.train(was_training)
+    return right / max(1, len(pairs))
+
+
+def curriculum_pool(encoded: Sequence[Encoded]) -> list[int]:
+    """Indices of the samples with the fewest chunks: lookup among two chunks is learnt before among five."""
+    fewest = min(len(e.prompt.blocks) for e in encoded)
+    return [i for i, e in enumerate(encoded) if len(e.prompt.blocks) == fewest]
+
+
+def pretrain(
+    hf: Any,
+    encoded: Sequence[Encoded],
+    eos: int,
+    pad: int,
+    config: PretrainConfig,
+    held_out: Sequence[Encoded] = (),
+) -> PretrainReport:
+    """Train `hf` (fp32 weights, in place) on the samples; the report holds every step's loss and, every
+    `config.probe_every` steps, the exact-match accuracy on `held_out` (the lookup shows there, not in the loss)."""
     config.check()
     device = next(hf.parameters()).device
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     pairs = training_pairs(encoded, eos)
+    probe_pairs = training_pairs(held_out, eos)
+    everything, easy = range(len(pairs)), curriculum_pool(encoded)
     decay = [p for n, p in hf.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in hf.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -284,7 +326,8 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
                 break
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, total, config)
-        batch = collate([pairs[i] for i in rng.sample(range(len(pairs)), min(config.batch_size, len(pairs)))], pad)
+        pool = easy if step < config.curriculum_steps else everything
+        batch = collate([pairs[i] for i in rng.sample(pool, min(config.batch_size, len(pool)))], pad)
         loss, answer = answer_loss(hf, batch, device, compute, config.context_weight)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -295,6 +338,9 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
         if len(pending) == 50 or step >= total:  # read losses back in groups: a sync per step stalls the GPU
             _collect(pending, report)
             log.info("pretrain step %d/%d loss %.4f", step, total, report.losses[-1])
+        if probe_pairs and config.probe_every and (step % config.probe_every == 0 or step >= total):
+            report.probes.append((step, exact_match(hf, probe_pairs, pad)))
+            log.info("pretrain step %d: held-out exact match %.3f", step, report.probes[-1][1])
     _collect(pending, report)
     _synchronize(device)
     hf.eval()

@@ -16,7 +16,7 @@ from loadtest.quality_demo import main as demo_main
 from service.engine.model import load_model
 from service.engine.prompt import build_template, encode
 from service.quality.dataset import QASample, read_samples
-from service.quality.finetune import Precision, encode_samples, eos_id, full_attention_sample, sample_loss
+from service.quality.finetune import IGNORE, Precision, encode_samples, eos_id, full_attention_sample, sample_loss
 from service.quality.generator import write_qa_file
 from service.quality.pretrain import (
     EOS_TOKEN,
@@ -28,7 +28,9 @@ from service.quality.pretrain import (
     build_qa_tokenizer,
     collate,
     corpus,
+    curriculum_pool,
     encode_batch,
+    exact_match,
     lr_at,
     pretrain,
     save_untrained,
@@ -163,3 +165,42 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
         assert len(read_samples(tmp_path / "work" / "qa" / d["file"])) == d["questions"]
     tables = capsys.readouterr().out
     assert tables.count("3 samples, greedy, up to 3 new tokens") == 2
+
+
+def greedy_continuation(hf: Any, ids: torch.Tensor, length: int) -> list[int]:
+    """`length` tokens decoded greedily after `ids`, a full forward per token (the slow, obvious way)."""
+    out = ids.tolist()
+    with torch.no_grad():
+        for _ in range(length):
+            out.append(int(hf(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+def test_exact_match_is_the_share_that_greedy_decoding_answers_exactly(base_dir: Path, samples: list[QASample]) -> None:
+    model = load_model(base_dir)
+    pad = int(model.tokenizer.pad_token_id)
+    encoded = encode_batch(model.tokenizer, build_template(model.tokenizer), samples[:4], model.spec.max_context)
+    # Labels the model answers greedily by construction: its own argmax continuation (2 to 5 tokens, so the batch
+    # is padded and every answer token is checked, not only the first).
+    pairs = []
+    for length, item in enumerate(encoded, start=2):
+        prompt = torch.tensor(item.prompt.joined())
+        continuation = torch.tensor(greedy_continuation(model.hf, prompt, length))
+        labels = torch.cat([torch.full_like(prompt, IGNORE), continuation])
+        pairs.append((torch.cat([prompt, continuation]), labels))
+    assert exact_match(model.hf, pairs, pad, batch_size=3) == 1.0
+    ids, labels = pairs[2]
+    labels = labels.clone()
+    labels[-2] = (labels[-2] + 1) % len(model.tokenizer)  # one token, not the first, is not what greedy decodes
+    pairs[2] = (ids, labels)
+    assert exact_match(model.hf, pairs, pad, batch_size=3) == 0.75
+    assert exact_match(model.hf, training_pairs(encoded, eos_id(model)), pad) == 0.0  # random weights
+    assert not model.hf.training
+
+
+def test_the_curriculum_pool_holds_the_samples_with_the_fewest_chunks(tmp_path: Path, base_dir: Path) -> None:
+    model = load_model(base_dir)
+    mixed = [*read_samples(write_qa_file(tmp_path / "k3.jsonl", 5, 3, seed=1))]
+    mixed += read_samples(write_qa_file(tmp_path / "k2.jsonl", 4, 2, seed=2))
+    encoded = encode_batch(model.tokenizer, build_template(model.tokenizer), mixed, model.spec.max_context)
+    assert curriculum_pool(encoded) == [5, 6, 7, 8]
