@@ -54,10 +54,10 @@ OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the st
 class ModelShape:
     """A Qwen2-config decoder; the defaults are the demonstration's (~30M parameters with a 4K vocabulary)."""
 
-    layers: int = 8
+    layers: int = 6
     hidden: int = 512
     heads: int = 8
-    kv_heads: int = 2
+    kv_heads: int = 4
     intermediate: int = 1408
     max_positions: int = 1024
     tied_embeddings: bool = True  # the output matrix is the input embedding, so copying a token is one mapping
@@ -143,7 +143,7 @@ class PretrainConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at this share of `lr`
     weight_decay: float = 0.1
     context_weight: float = 0.0  # weight of a next-token loss on the prompt beside the answer loss (0: answer only)
-    curriculum_steps: int = 0  # the first steps draw only from the samples with the fewest chunks
+    curriculum_share: float = 0.0  # this share of the steps draws only from the samples with the fewest chunks
     probe_every: int = 0  # steps between held-out exact-match probes (0: none)
     steps: int | None = None  # a fixed step count, or
     seconds: float | None = None  # a time budget (the step count is then derived from the measured step time)
@@ -158,6 +158,8 @@ class PretrainConfig:
             raise ValueError("seconds must be positive")
         if self.batch_size < 1 or not self.lr > 0 or self.warmup_steps < 0:
             raise ValueError("batch_size must be at least 1, lr positive, warmup_steps at least 0")
+        if not 0.0 <= self.curriculum_share <= 1.0:
+            raise ValueError("curriculum_share must be within 0..1")
 
 
 @dataclass
@@ -325,7 +327,7 @@ def pretrain(
                 break
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, total, config)
-        pool = easy if step < config.curriculum_steps else everything
+        pool = easy if step < config.curriculum_share * total else everything
         batch = collate([pairs[i] for i in rng.sample(pool, min(config.batch_size, len(pool)))], pad)
         loss, answer = answer_loss(hf, batch, device, compute, config.context_weight)
         optimiser.zero_grad(set_to_none=True)

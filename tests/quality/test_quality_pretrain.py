@@ -128,6 +128,7 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
     argv += ["--vocab-size", "512", "--train-questions", "64", "--test-questions", "3", "--chunks", "3"]
     argv += ["--pretrain-steps", "30", "--pretrain-batch-size", "8", "--pretrain-warmup", "3", "--pretrain-lr", "3e-3"]
     argv += ["--finetune-steps", "2", "--finetune-batch-size", "2", "--max-new-tokens", "3", "--selective", "0.5"]
+    argv += ["--probe-every", "10", "--curriculum-share", "0.2"]
     assert demo_main(argv) == 0
 
     record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
@@ -154,13 +155,18 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
             assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["f1"] <= 1.0 and row["kl_first_token"] >= 0.0
         assert (tmp_path / "work" / "models" / name / "config.json").is_file()
     assert {name: d["chunks"] for name, d in record["data"].items()} == {
+        "train-k1": 1,
         "train-k2": 2,
         "train-k3": 3,
         "train-k5": 5,
         "finetune": 3,
         "test": 3,
+        "probe": 3,
     }
-    assert len({d["seed"] for d in record["data"].values()}) == 5  # every set from its own seed
+    assert len({d["seed"] for d in record["data"].values()}) == 7  # every set from its own seed
+    assert record["data"]["train-k1"]["two_fact_share"] == 0.0 and record["data"]["test"]["two_fact_share"] == 0.3
+    probes = pretrained["held_out_exact_match"]
+    assert [step for step, _ in probes] == [10, 20, 30] and all(0.0 <= share <= 1.0 for _, share in probes)
     for d in record["data"].values():
         assert len(read_samples(tmp_path / "work" / "qa" / d["file"])) == d["questions"]
     tables = capsys.readouterr().out
