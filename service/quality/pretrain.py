@@ -47,6 +47,7 @@ TEMPLATE_WEIGHT = 1000  # copies of the template text in the tokenizer's trainin
 WARM_STEPS = 10  # untimed steps first: the allocator and the kernels' first calls make them slow
 TIMING_STEPS = 40  # steps then timed to turn a time budget into a step count
 RETIME_STEP = 250  # the count is fixed again here, from the longer average (the first estimate ran 20-50% high)
+RETIME_EVERY = 250  # and every this many steps after, from the last window alone (the curriculum's steps are shorter)
 OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the step count is not reached
 
 
@@ -311,18 +312,14 @@ def pretrain(
     hf.train()
     report = PretrainReport()
     total = config.steps or 10**9  # a time budget fixes it after the timing steps
+    budget = StepBudget(config.seconds, device) if config.seconds is not None else None
     pending: list[torch.Tensor] = []
     began = time.perf_counter()
-    timing_start = 0.0
     step = 0
     while step < total:
-        if config.seconds is not None:
-            if step == WARM_STEPS:
-                _synchronize(device)
-                timing_start = time.perf_counter()
-            elif step in (WARM_STEPS + TIMING_STEPS, RETIME_STEP) and step < total:
-                total = _steps_in_budget(config.seconds, began, timing_start, step, device)
-            elif step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - began > OVERRUN * config.seconds:
+        if budget is not None:
+            total = budget.steps(step, total)
+            if budget.overrun(step):
                 log.warning("pretrain: over budget at step %d of %d; stopping", step, total)
                 break
         for group in optimiser.param_groups:
@@ -357,15 +354,42 @@ def _collect(pending: list[torch.Tensor], report: PretrainReport) -> None:
         pending.clear()
 
 
-def _steps_in_budget(seconds: float, began: float, timing_start: float, step: int, device: torch.device) -> int:
-    """The step count that ends near the budget, from the steady step time of the timing steps."""
-    _synchronize(device)
-    now = time.perf_counter()
-    step_s = (now - timing_start) / (step - WARM_STEPS)
-    left = seconds - (now - began)
-    total = step + max(0, int(left / step_s))
-    log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, seconds)
-    return max(total, step + 1)  # the step under way runs
+class StepBudget:
+    """Turns a time budget into a step count: untimed warm steps, a first estimate from the timing steps, then
+    a new one every `RETIME_EVERY` steps from the last window's step time alone, so a phase of shorter steps
+    (the one-chunk curriculum) does not leave the count too high and the cosine unfinished when time runs out."""
+
+    def __init__(self, seconds: float, device: torch.device) -> None:
+        self.seconds = seconds
+        self.device = device
+        self.began = time.perf_counter()
+        self.mark = (0, self.began)  # (step, time) where the current timing window opened
+
+    def steps(self, step: int, total: int) -> int:
+        """The step count to run, given the one so far, before `step` starts."""
+        if step == WARM_STEPS:
+            self.mark = (step, self._now())
+        elif self.is_timing_point(step) and step < total:
+            now = self._now()
+            step_s = (now - self.mark[1]) / (step - self.mark[0])
+            self.mark = (step, now)
+            total = step + max(0, int((self.seconds - (now - self.began)) / step_s))
+            log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, self.seconds)
+            return max(total, step + 1)  # the step under way runs
+        return total
+
+    @staticmethod
+    def is_timing_point(step: int) -> bool:
+        later = step >= RETIME_STEP and (step - RETIME_STEP) % RETIME_EVERY == 0
+        return step == WARM_STEPS + TIMING_STEPS or later
+
+    def overrun(self, step: int) -> bool:
+        """Past `OVERRUN` times the budget: stop whatever the count says (the estimate can still be short)."""
+        return step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - self.began > OVERRUN * self.seconds
+
+    def _now(self) -> float:
+        _synchronize(self.device)
+        return time.perf_counter()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -24,6 +24,7 @@ from service.quality.pretrain import (
     WARM_STEPS,
     ModelShape,
     PretrainConfig,
+    StepBudget,
     answer_loss,
     build_qa_tokenizer,
     collate,
@@ -210,3 +211,18 @@ def test_the_curriculum_pool_holds_the_samples_with_the_fewest_chunks(tmp_path: 
     mixed += read_samples(write_qa_file(tmp_path / "k2.jsonl", 4, 2, seed=2))
     encoded = encode_batch(model.tokenizer, build_template(model.tokenizer), mixed, model.spec.max_context)
     assert curriculum_pool(encoded) == [5, 6, 7, 8]
+
+
+def test_the_step_budget_follows_slower_steps_after_a_fast_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 s of budget: the first 300 steps (the one-chunk curriculum) take 10 ms each, every later one 20 ms, so
+    # 3 s + 350 x 20 ms fill it at step 650. An estimate from the average since the start would say ~900.
+    clock = {"now": 0.0}
+    monkeypatch.setattr("service.quality.pretrain.time.perf_counter", lambda: clock["now"])
+    budget = StepBudget(10.0, torch.device("cpu"))
+    total, step = 10**9, 0
+    while step < total and not budget.overrun(step):
+        total = budget.steps(step, total)
+        clock["now"] += 0.010 if step < 300 else 0.020
+        step += 1
+    assert 640 <= step <= 680
+    assert clock["now"] == pytest.approx(10.0, abs=0.4)  # ends at the budget, not at the 110 % cut-off
