@@ -1,6 +1,6 @@
 """The quality demonstration of issue 13 on a model trained here: data → base model → block fine-tuning → eval.
 
-    python -m loadtest.quality_demo --work-dir /tmp/demo --json quality.json   # the whole run, ~9 min of one H200
+    python -m loadtest.quality_demo --work-dir /tmp/demo --json quality.json   # the whole run, ~7.5 min of one H200
     python -m loadtest.quality_demo --work-dir /tmp/demo --json demo.json --device cpu --tiny \\
         --pretrain-steps 40 --train-questions 200 --test-questions 6 --finetune-steps 2     # a CPU smoke run
 
@@ -95,7 +95,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     base.add_argument("--layers", type=int, default=None, help="decoder layers (default 6; --tiny: 2)")
     base.add_argument(
-        "--hidden", type=int, default=None, help="hidden size; heads of 64, half as many KV heads, MLP 2.75x (default 512; --tiny: 64)"
+        "--hidden",
+        type=int,
+        default=None,
+        help="hidden size; heads of 64, half as many KV heads, MLP 2.75x (default 512; --tiny: 64)",
     )
     budget = base.add_mutually_exclusive_group()
     budget.add_argument("--pretrain-seconds", type=float, default=None, help="time budget (default 260)")

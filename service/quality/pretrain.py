@@ -53,7 +53,7 @@ OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the st
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2-config decoder; the defaults are the demonstration's (~30M parameters with a 4K vocabulary)."""
+    """A Qwen2-config decoder; the defaults are the demonstration's (~20M parameters with a 4K vocabulary)."""
 
     layers: int = 6
     hidden: int = 512
