@@ -1,16 +1,17 @@
 """The quality demonstration of issue 13 on a model trained here: data → base model → block fine-tuning → eval.
 
-    python -m loadtest.quality_demo --work-dir /tmp/demo --json quality.json --pretrain-batch-size 128 \
-        --context-loss-weight 1.0                               # full size on one GPU (the runs: docs/quality.md)
+    python -m loadtest.quality_demo --work-dir /tmp/demo --json quality.json   # the whole run, ~7.5 min of one H200
     python -m loadtest.quality_demo --work-dir /tmp/demo --json demo.json --device cpu --tiny \\
         --pretrain-steps 40 --train-questions 200 --test-questions 6 --finetune-steps 2     # a CPU smoke run
 
 1. `make-qa` sets, each from its own seed: training sets for the base model (one per --train-chunks k), a
-   fine-tuning set, a test set.
-2. A byte-level BPE tokenizer fitted to the training text and a Qwen2-config causal LM (8 layers, hidden 512,
-   8 heads, 2 KV heads by default; `--tiny` for tests), saved as an HF folder (`service/quality/pretrain.py`).
-3. The base model trained from scratch under full causal attention on the served prompts, loss on the answer,
-   for `--pretrain-seconds` (the step count follows from the measured step time) or `--pretrain-steps`.
+   fine-tuning set, a test set, a probe set scored during base training.
+2. A byte-level BPE tokenizer fitted to the training text and a Qwen2-config causal LM (6 layers, hidden 512,
+   8 heads, 4 KV heads, tied embeddings by default; `--tiny` for tests), saved as an HF folder
+   (`service/quality/pretrain.py`).
+3. The base model trained from scratch under full causal attention on the served prompts (loss on the answer
+   plus the prompt's next-token loss, the one-chunk set first), for `--pretrain-seconds` (the step count follows
+   from the measured step time) or `--pretrain-steps`.
 4. Block fine-tuning of the base with `kvstitch finetune`'s code (`service/quality/finetune.py`), a share of
    full-attention samples mixed in (`--full-attention-share`).
 5. `kvstitch verify`'s gate and `kvstitch eval`'s code (`service/quality/eval.py`) on both models: naive, turbo
@@ -26,11 +27,13 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import platform
 import random
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,7 @@ from service.quality.pretrain import (
 )
 
 log = logging.getLogger("quality_demo")
+PROBE_QUESTIONS = 256  # held-out questions scored during base training (exact match, one batched forward)
 TINY = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=1024)
 
 
@@ -69,15 +73,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-64 model (tests and smoke runs)")
     data = parser.add_argument_group("data (kvstitch make-qa)")
-    data.add_argument("--train-questions", type=int, default=45_000, help="base training set size (default 45000)")
+    data.add_argument("--train-questions", type=int, default=160_000, help="base training set size (default 160000)")
     data.add_argument("--test-questions", type=int, default=300, help="test set size (default 300)")
     data.add_argument("--chunks", type=int, default=5, help="chunks per question of the test set (default 5)")
     data.add_argument(
         "--train-chunks",
         type=int,
         nargs="+",
-        default=[2, 3, 5],
-        help="chunks per question of the base training set, an equal share each (default 2 3 5)",
+        default=[1, 2, 3, 5],
+        help="chunks per question of the base training set, an equal share each (default 1 2 3 5)",
     )
     data.add_argument("--two-fact-share", type=float, default=0.3, help="share of two-fact questions (default 0.3)")
     data.add_argument("--seed", type=int, default=1, help="train set seed; fine-tune +1, test +2 (default 1)")
@@ -86,27 +90,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     base.add_argument(
         "--tokenizer-questions",
         type=int,
-        default=20_000,
-        help="fit the tokenizer on the first N training questions (default 20000; more adds time, few merges)",
+        default=10_000,
+        help="fit the tokenizer on the first N training questions (default 10000; more adds time, few merges)",
     )
-    base.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny: 2)")
+    base.add_argument("--layers", type=int, default=None, help="decoder layers (default 6; --tiny: 2)")
+    base.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="hidden size; heads of 64, half as many KV heads, MLP 2.75x (default 512; --tiny: 64)",
+    )
     budget = base.add_mutually_exclusive_group()
-    budget.add_argument("--pretrain-seconds", type=float, default=None, help="time budget (default 240)")
+    budget.add_argument("--pretrain-seconds", type=float, default=None, help="time budget (default 260)")
     budget.add_argument("--pretrain-steps", type=int, default=None, help="a fixed step count instead of a budget")
-    base.add_argument("--pretrain-batch-size", type=int, default=64, help="sequences per step (default 64)")
-    base.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
-    base.add_argument("--pretrain-warmup", type=int, default=100, help="linear warm-up steps (default 100)")
+    base.add_argument("--pretrain-batch-size", type=int, default=256, help="sequences per step (default 256)")
+    base.add_argument("--pretrain-lr", type=float, default=1.5e-3, help="peak AdamW learning rate (default 1.5e-3)")
+    base.add_argument("--pretrain-warmup", type=int, default=200, help="linear warm-up steps (default 200)")
+    base.add_argument(
+        "--curriculum-share",
+        type=float,
+        default=0.1,
+        help="this share of the steps trains only on the set with the fewest --train-chunks (default 0.1)",
+    )
+    base.add_argument(
+        "--probe-every", type=int, default=250, help="steps between held-out exact-match probes (default 250)"
+    )
     base.add_argument(
         "--context-loss-weight",
         type=float,
-        default=0.0,
-        help="add this weight times a next-token loss on the prompt to the answer loss (default 0: answer only)",
+        default=1.0,
+        help="add this weight times a next-token loss on the prompt to the answer loss (default 1; 0: answer only)",
     )
     tune = parser.add_argument_group("block fine-tuning (kvstitch finetune)")
-    tune.add_argument("--finetune-steps", type=int, default=300, help="optimiser steps (default 300)")
+    tune.add_argument("--finetune-steps", type=int, default=120, help="optimiser steps (default 120)")
     tune.add_argument("--finetune-batch-size", type=int, default=16, help="samples per step (default 16)")
-    tune.add_argument("--finetune-lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
-    tune.add_argument("--finetune-warmup", type=int, default=20, help="warm-up steps (default 20)")
+    tune.add_argument("--finetune-lr", type=float, default=2e-4, help="learning rate (default 2e-4)")
+    tune.add_argument("--finetune-warmup", type=int, default=10, help="warm-up steps (default 10)")
     tune.add_argument(
         "--full-attention-share", type=float, default=0.5, help="share of full-attention samples (default 0.5)"
     )
@@ -115,10 +134,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ev.add_argument(
         "--selective", type=float, action="append", help="selective:R rows, repeatable (default 0.1 0.25 0.5)"
     )
-    ev.add_argument("--max-new-tokens", type=int, default=16, help="greedy answer length limit (default 16)")
+    ev.add_argument("--max-new-tokens", type=int, default=12, help="greedy answer length limit (default 12)")
     args = parser.parse_args(argv)
     if args.pretrain_steps is None and args.pretrain_seconds is None:
-        args.pretrain_seconds = 240.0
+        args.pretrain_seconds = 260.0
     args.prefix = args.prefix or [8]
     args.selective = args.selective or [0.1, 0.25, 0.5]
     return args
@@ -142,31 +161,51 @@ class DataSet:
     questions: int
     chunks: int
     seed: int
+    two_fact_share: float
 
 
 def make_data(args: argparse.Namespace, work: Path) -> dict[str, DataSet]:
     """Training sets (one per --train-chunks k, seed `seed + 10k`), the fine-tuning set (seed + 1), the test
-    set (seed + 2); the last two at --chunks, the served case the table measures."""
+    set (seed + 2), the probe set (seed + 3, scored during base training); the last three at --chunks, the
+    served case the table measures."""
     per_k = max(1, args.train_questions // len(args.train_chunks))
-    wanted = {f"train-k{k}": (per_k, k, args.seed + 10 * k) for k in args.train_chunks}
-    wanted["finetune"] = (args.finetune_steps * args.finetune_batch_size, args.chunks, args.seed + 1)
-    wanted["test"] = (args.test_questions, args.chunks, args.seed + 2)
-    sets = {}
-    for name, (size, chunks, seed) in wanted.items():
-        path = write_qa_file(work / "qa" / f"{name}.jsonl", size, chunks, seed, args.two_fact_share)
-        sets[name] = DataSet(path, size, chunks, seed)
-    return sets
+    share = args.two_fact_share
+    # A one-chunk set holds one-fact questions only: a two-fact question needs two gold chunks.
+    wanted = {f"train-k{k}": (per_k, k, args.seed + 10 * k, share if k > 1 else 0.0) for k in args.train_chunks}
+    wanted["finetune"] = (args.finetune_steps * args.finetune_batch_size, args.chunks, args.seed + 1, share)
+    wanted["test"] = (args.test_questions, args.chunks, args.seed + 2, share)
+    wanted["probe"] = (PROBE_QUESTIONS, args.chunks, args.seed + 3, share)
+    # One process per set: a generator is a single-threaded Python loop, ~7 s per 60,000 questions.
+    with ProcessPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1)) as pool:
+        paths = {
+            name: pool.submit(write_qa_file, work / "qa" / f"{name}.jsonl", *numbers)
+            for name, numbers in wanted.items()
+        }
+        return {name: DataSet(paths[name].result(), *wanted[name]) for name in wanted}
 
 
-def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) -> dict[str, Any]:
-    """Tokenizer + random model saved, loaded back through `load_model`, trained, saved over (fp32)."""
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The default or tiny shape with --layers and --hidden applied (heads of 64 dimensions, half as many KV heads)."""
     shape = TINY if args.tiny else ModelShape()
-    shape = replace(shape, layers=args.layers or shape.layers)
+    if args.layers:
+        shape = replace(shape, layers=args.layers)
+    if args.hidden:
+        heads = max(1, args.hidden // 64)
+        kv_heads = heads // 2 if heads % 2 == 0 else heads
+        shape = replace(shape, hidden=args.hidden, heads=heads, kv_heads=kv_heads, intermediate=args.hidden * 11 // 4)
+    return shape
+
+
+def train_base(args: argparse.Namespace, train: list[QASample], probe: list[QASample], folder: Path) -> dict[str, Any]:
+    """Tokenizer + random model saved, loaded back through `load_model`, trained, saved over (fp32)."""
+    shape = model_shape(args)
     save_untrained(folder, shape, train[: args.tokenizer_questions], args.vocab_size, args.seed)
     model = load_model(folder, device=args.device, dtype=torch.float32)
     hf = model.hf.requires_grad_(True)
     tokenizer = model.tokenizer
-    encoded = encode_batch(tokenizer, build_template(tokenizer), train, model.spec.max_context)
+    template = build_template(tokenizer)
+    encoded = encode_batch(tokenizer, template, train, model.spec.max_context)
+    held_out = encode_batch(tokenizer, template, probe, model.spec.max_context)
     config = PretrainConfig(
         batch_size=args.pretrain_batch_size,
         lr=args.pretrain_lr,
@@ -174,9 +213,11 @@ def train_base(args: argparse.Namespace, train: list[QASample], folder: Path) ->
         steps=args.pretrain_steps,
         seconds=args.pretrain_seconds if args.pretrain_steps is None else None,
         context_weight=args.context_loss_weight,
+        curriculum_share=args.curriculum_share,
+        probe_every=args.probe_every,
         seed=args.seed,
     )
-    report = pretrain(hf, encoded, eos_id(model), int(tokenizer.pad_token_id), config)
+    report = pretrain(hf, encoded, eos_id(model), int(tokenizer.pad_token_id), config, held_out)
     hf.save_pretrained(folder)
     record = _pretrain_record(report, shape, config)
     record.update(parameters=parameter_count(hf), vocab_size=len(tokenizer))
@@ -197,6 +238,7 @@ def _pretrain_record(report: PretrainReport, shape: ModelShape, config: Pretrain
         "loss_first": report.losses[0],
         "loss_last_50": sum(report.losses[-50:]) / len(report.losses[-50:]),
         "loss_curve": [[step, round(loss, 4)] for step, loss in report.loss_curve()],
+        "held_out_exact_match": [[step, round(share, 4)] for step, share in report.probes],
     }
 
 
@@ -271,7 +313,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "two_fact_share": args.two_fact_share,
     }
     log.info("training the base model")
-    record["pretrain"] = train_base(args, train, models / "base")
+    probe = read_samples(files["probe"].file)
+    record["pretrain"] = train_base(args, train, probe, models / "base")
     save(record, args.json)
     log.info("block fine-tuning")
     record["finetune"] = block_finetune(args, models / "base", files["finetune"].file, models / "block-finetuned")

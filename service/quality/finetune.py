@@ -117,9 +117,14 @@ def answer_ids(template: PromptTemplate, tokenizer: Any, answer: str) -> tuple[i
     Chat templates end the suffix with a newline (the assistant header) and the answer follows directly; the
     plain template ends with "Answer:", after which a space separates the answer, as in ordinary text.
     """
+    return encode(tokenizer, answer_separator(template, tokenizer) + answer)
+
+
+def answer_separator(template: PromptTemplate, tokenizer: Any) -> str:
+    """What comes between the question suffix and the answer's text: nothing after a chat template's newline,
+    a space after the plain template's "Answer:"."""
     tail = tokenizer.decode(list(template.question_tail))
-    text = answer if not tail or tail[-1].isspace() else " " + answer
-    return encode(tokenizer, text)
+    return "" if not tail or tail[-1].isspace() else " "
 
 
 def _tail_ids(prompt: PromptIds, answer: Sequence[int], eos: int) -> list[int]:
@@ -152,14 +157,20 @@ def block_sample(
 
 def full_attention_sample(prompt: PromptIds, answer: Sequence[int], eos: int) -> TrainingSample:
     """The sample as an ordinary causal sequence at positions 0..N-1 (the naive path)."""
-    ids = _tail_ids(prompt, answer, eos)
+    ids, labels = sequence_and_labels(prompt, answer, eos)
     size = len(ids)
     return TrainingSample(
-        input_ids=torch.tensor(ids),
+        input_ids=ids,
         positions=torch.arange(size),
         allowed=torch.ones(size, size, dtype=torch.bool).tril(),
-        labels=_labels(prompt, answer, eos),
+        labels=labels,
     )
+
+
+def sequence_and_labels(prompt: PromptIds, answer: Sequence[int], eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of prompt + answer + EOS, the labels IGNORE over the prompt: what a padded batch
+    needs, without the [N, N] mask of a `TrainingSample`."""
+    return torch.tensor(_tail_ids(prompt, answer, eos)), _labels(prompt, answer, eos)
 
 
 def forward_logits(hf: Any, sample: TrainingSample, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

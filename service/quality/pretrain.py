@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedToken
 from service.devtools.tiny_model import CHATML_TEMPLATE, SPECIAL_TOKENS
 from service.engine.prompt import DOC_CLOSE, DOC_OPEN, DOCS_INTRO, DOCS_OUTRO, SYSTEM_TEXT, PromptTemplate
 from service.quality.dataset import QASample
-from service.quality.finetune import IGNORE, Encoded, answer_ids, full_attention_sample
+from service.quality.finetune import IGNORE, Encoded, answer_separator, sequence_and_labels
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +47,21 @@ TEMPLATE_WEIGHT = 1000  # copies of the template text in the tokenizer's trainin
 WARM_STEPS = 10  # untimed steps first: the allocator and the kernels' first calls make them slow
 TIMING_STEPS = 40  # steps then timed to turn a time budget into a step count
 RETIME_STEP = 250  # the count is fixed again here, from the longer average (the first estimate ran 20-50% high)
+RETIME_EVERY = 250  # and every this many steps after, from the last window alone (the curriculum's steps are shorter)
 OVERRUN = 1.1  # a budgeted run stops at this share of its budget even if the step count is not reached
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2-config decoder; the defaults are the demonstration's (~30M parameters with a 4K vocabulary)."""
+    """A Qwen2-config decoder; the defaults are the demonstration's (~20M parameters with a 4K vocabulary)."""
 
-    layers: int = 8
+    layers: int = 6
     hidden: int = 512
     heads: int = 8
-    kv_heads: int = 2
+    kv_heads: int = 4
     intermediate: int = 1408
     max_positions: int = 1024
+    tied_embeddings: bool = True  # the output matrix is the input embedding, so copying a token is one mapping
 
 
 def template_texts() -> list[str]:
@@ -108,7 +110,7 @@ def build_base_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.max_positions,
         use_sliding_window=False,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tied_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -142,6 +144,8 @@ class PretrainConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at this share of `lr`
     weight_decay: float = 0.1
     context_weight: float = 0.0  # weight of a next-token loss on the prompt beside the answer loss (0: answer only)
+    curriculum_share: float = 0.0  # this share of the steps draws only from the samples with the fewest chunks
+    probe_every: int = 0  # steps between held-out exact-match probes (0: none)
     steps: int | None = None  # a fixed step count, or
     seconds: float | None = None  # a time budget (the step count is then derived from the measured step time)
     seed: int = 0
@@ -155,6 +159,8 @@ class PretrainConfig:
             raise ValueError("seconds must be positive")
         if self.batch_size < 1 or not self.lr > 0 or self.warmup_steps < 0:
             raise ValueError("batch_size must be at least 1, lr positive, warmup_steps at least 0")
+        if not 0.0 <= self.curriculum_share <= 1.0:
+            raise ValueError("curriculum_share must be within 0..1")
 
 
 @dataclass
@@ -163,6 +169,7 @@ class PretrainReport:
     seconds: float = 0.0
     step_ms: float = 0.0
     losses: list[float] = field(default_factory=list)  # the answer loss of each step
+    probes: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out exact match)
 
     def loss_curve(self, points: int = 20) -> list[tuple[int, float]]:
         """(last step, mean loss) over `points` equal spans of the run: the curve without 5,000 numbers."""
@@ -231,13 +238,15 @@ def encode_batch(
     """What `finetune.encode_samples` builds (each text encoded on its own, no special tokens, joined as ids by
     `template.prompt`), with the texts encoded in one batched call: 100,000 samples in seconds, not a minute.
     Samples longer than `max_context` (prompt, answer and EOS) raise ValueError."""
-    texts = [text for s in samples for text in (*s.chunks, s.question)]
-    ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    separator = answer_separator(template, tokenizer)
+    texts = [text for s in samples for text in (*s.chunks, s.question, separator + s.answers[0])]
+    # The Rust tokenizer directly: the Python wrapper's batch call takes twice as long for the same ids.
+    ids = iter(e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
     encoded = []
     for sample in samples:
         chunks = [tuple(next(ids)) for _ in sample.chunks]
         prompt = template.prompt(chunks, tuple(next(ids)))
-        answer = answer_ids(template, tokenizer, sample.answers[0])
+        answer = tuple(next(ids))
         if len(prompt.joined()) + len(answer) + 1 > max_context:
             raise ValueError(f"line {sample.line}: the sample does not fit the model's {max_context} positions")
         encoded.append(Encoded(prompt, answer))
@@ -246,21 +255,56 @@ def encode_batch(
 
 def training_pairs(encoded: Sequence[Encoded], eos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) of each sample as `finetune`'s full-attention sample builds it."""
-    pairs = []
-    for item in encoded:
-        sample = full_attention_sample(item.prompt, item.answer, eos)
-        pairs.append((sample.input_ids, sample.labels))
-    return pairs
+    return [sequence_and_labels(item.prompt, item.answer, eos) for item in encoded]
 
 
-def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: PretrainConfig) -> PretrainReport:
-    """Train `hf` (fp32 weights, in place) on the samples; the report holds every step's loss."""
+@torch.no_grad()
+def exact_match(hf: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pad: int, batch_size: int = 64) -> float:
+    """Share of samples whose every answer token and EOS is the argmax given the tokens before it: exactly the
+    samples that greedy decoding answers with the reference answer and then stops (teacher forcing gives the
+    same logits as decoding while every earlier token was right), in one batched forward instead of a decode."""
+    device = next(hf.parameters()).device
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    was_training = hf.training
+    hf.eval()
+    right = 0
+    for start in range(0, len(pairs), batch_size):
+        batch = collate(pairs[start : start + batch_size], pad)
+        targets = batch.targets.to(device)
+        with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
+            hidden = hf.model(input_ids=batch.input_ids.to(device), use_cache=False).last_hidden_state[:, :-1]
+            where = targets != IGNORE
+            hits = torch.ones_like(targets, dtype=torch.bool)
+            hits[where] = hf.lm_head(hidden[where]).argmax(-1) == targets[where]
+        right += int(hits.all(dim=-1).sum())
+    hf.train(was_training)
+    return right / max(1, len(pairs))
+
+
+def curriculum_pool(encoded: Sequence[Encoded]) -> list[int]:
+    """Indices of the samples with the fewest chunks: lookup among two chunks is learnt before among five."""
+    fewest = min(len(e.prompt.blocks) for e in encoded)
+    return [i for i, e in enumerate(encoded) if len(e.prompt.blocks) == fewest]
+
+
+def pretrain(
+    hf: Any,
+    encoded: Sequence[Encoded],
+    eos: int,
+    pad: int,
+    config: PretrainConfig,
+    held_out: Sequence[Encoded] = (),
+) -> PretrainReport:
+    """Train `hf` (fp32 weights, in place) on the samples; the report holds every step's loss and, every
+    `config.probe_every` steps, the exact-match accuracy on `held_out` (the lookup shows there, not in the loss)."""
     config.check()
     device = next(hf.parameters()).device
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     pairs = training_pairs(encoded, eos)
+    probe_pairs = training_pairs(held_out, eos)
+    everything, easy = range(len(pairs)), curriculum_pool(encoded)
     decay = [p for n, p in hf.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in hf.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -268,23 +312,20 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
     hf.train()
     report = PretrainReport()
     total = config.steps or 10**9  # a time budget fixes it after the timing steps
+    budget = StepBudget(config.seconds, device) if config.seconds is not None else None
     pending: list[torch.Tensor] = []
     began = time.perf_counter()
-    timing_start = 0.0
     step = 0
     while step < total:
-        if config.seconds is not None:
-            if step == WARM_STEPS:
-                _synchronize(device)
-                timing_start = time.perf_counter()
-            elif step in (WARM_STEPS + TIMING_STEPS, RETIME_STEP) and step < total:
-                total = _steps_in_budget(config.seconds, began, timing_start, step, device)
-            elif step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - began > OVERRUN * config.seconds:
+        if budget is not None:
+            total = budget.steps(step, total)
+            if budget.overrun(step):
                 log.warning("pretrain: over budget at step %d of %d; stopping", step, total)
                 break
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, total, config)
-        batch = collate([pairs[i] for i in rng.sample(range(len(pairs)), min(config.batch_size, len(pairs)))], pad)
+        pool = easy if step < config.curriculum_share * total else everything
+        batch = collate([pairs[i] for i in rng.sample(pool, min(config.batch_size, len(pool)))], pad)
         loss, answer = answer_loss(hf, batch, device, compute, config.context_weight)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -295,6 +336,9 @@ def pretrain(hf: Any, encoded: Sequence[Encoded], eos: int, pad: int, config: Pr
         if len(pending) == 50 or step >= total:  # read losses back in groups: a sync per step stalls the GPU
             _collect(pending, report)
             log.info("pretrain step %d/%d loss %.4f", step, total, report.losses[-1])
+        if probe_pairs and config.probe_every and (step % config.probe_every == 0 or step >= total):
+            report.probes.append((step, exact_match(hf, probe_pairs, pad)))
+            log.info("pretrain step %d: held-out exact match %.3f", step, report.probes[-1][1])
     _collect(pending, report)
     _synchronize(device)
     hf.eval()
@@ -310,15 +354,42 @@ def _collect(pending: list[torch.Tensor], report: PretrainReport) -> None:
         pending.clear()
 
 
-def _steps_in_budget(seconds: float, began: float, timing_start: float, step: int, device: torch.device) -> int:
-    """The step count that ends near the budget, from the steady step time of the timing steps."""
-    _synchronize(device)
-    now = time.perf_counter()
-    step_s = (now - timing_start) / (step - WARM_STEPS)
-    left = seconds - (now - began)
-    total = step + max(0, int(left / step_s))
-    log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, seconds)
-    return max(total, step + 1)  # the step under way runs
+class StepBudget:
+    """Turns a time budget into a step count: untimed warm steps, a first estimate from the timing steps, then
+    a new one every `RETIME_EVERY` steps from the last window's step time alone, so a phase of shorter steps
+    (the one-chunk curriculum) does not leave the count too high and the cosine unfinished when time runs out."""
+
+    def __init__(self, seconds: float, device: torch.device) -> None:
+        self.seconds = seconds
+        self.device = device
+        self.began = time.perf_counter()
+        self.mark = (0, self.began)  # (step, time) where the current timing window opened
+
+    def steps(self, step: int, total: int) -> int:
+        """The step count to run, given the one so far, before `step` starts."""
+        if step == WARM_STEPS:
+            self.mark = (step, self._now())
+        elif self.is_timing_point(step) and step < total:
+            now = self._now()
+            step_s = (now - self.mark[1]) / (step - self.mark[0])
+            self.mark = (step, now)
+            total = step + max(0, int((self.seconds - (now - self.began)) / step_s))
+            log.info("pretrain: %.1f ms per step, %d steps fit in %.0f s", step_s * 1e3, total, self.seconds)
+            return max(total, step + 1)  # the step under way runs
+        return total
+
+    @staticmethod
+    def is_timing_point(step: int) -> bool:
+        later = step >= RETIME_STEP and (step - RETIME_STEP) % RETIME_EVERY == 0
+        return step == WARM_STEPS + TIMING_STEPS or later
+
+    def overrun(self, step: int) -> bool:
+        """Past `OVERRUN` times the budget: stop whatever the count says (the estimate can still be short)."""
+        return step > WARM_STEPS + TIMING_STEPS and time.perf_counter() - self.began > OVERRUN * self.seconds
+
+    def _now(self) -> float:
+        _synchronize(self.device)
+        return time.perf_counter()
 
 
 def _synchronize(device: torch.device) -> None:

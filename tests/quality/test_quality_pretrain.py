@@ -16,7 +16,7 @@ from loadtest.quality_demo import main as demo_main
 from service.engine.model import load_model
 from service.engine.prompt import build_template, encode
 from service.quality.dataset import QASample, read_samples
-from service.quality.finetune import Precision, encode_samples, eos_id, full_attention_sample, sample_loss
+from service.quality.finetune import IGNORE, Precision, encode_samples, eos_id, full_attention_sample, sample_loss
 from service.quality.generator import write_qa_file
 from service.quality.pretrain import (
     EOS_TOKEN,
@@ -24,11 +24,14 @@ from service.quality.pretrain import (
     WARM_STEPS,
     ModelShape,
     PretrainConfig,
+    StepBudget,
     answer_loss,
     build_qa_tokenizer,
     collate,
     corpus,
+    curriculum_pool,
     encode_batch,
+    exact_match,
     lr_at,
     pretrain,
     save_untrained,
@@ -126,6 +129,7 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
     argv += ["--vocab-size", "512", "--train-questions", "64", "--test-questions", "3", "--chunks", "3"]
     argv += ["--pretrain-steps", "30", "--pretrain-batch-size", "8", "--pretrain-warmup", "3", "--pretrain-lr", "3e-3"]
     argv += ["--finetune-steps", "2", "--finetune-batch-size", "2", "--max-new-tokens", "3", "--selective", "0.5"]
+    argv += ["--probe-every", "10", "--curriculum-share", "0.2"]
     assert demo_main(argv) == 0
 
     record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
@@ -152,14 +156,73 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
             assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["f1"] <= 1.0 and row["kl_first_token"] >= 0.0
         assert (tmp_path / "work" / "models" / name / "config.json").is_file()
     assert {name: d["chunks"] for name, d in record["data"].items()} == {
+        "train-k1": 1,
         "train-k2": 2,
         "train-k3": 3,
         "train-k5": 5,
         "finetune": 3,
         "test": 3,
+        "probe": 3,
     }
-    assert len({d["seed"] for d in record["data"].values()}) == 5  # every set from its own seed
+    assert len({d["seed"] for d in record["data"].values()}) == 7  # every set from its own seed
+    assert record["data"]["train-k1"]["two_fact_share"] == 0.0 and record["data"]["test"]["two_fact_share"] == 0.3
+    probes = pretrained["held_out_exact_match"]
+    assert [step for step, _ in probes] == [10, 20, 30] and all(0.0 <= share <= 1.0 for _, share in probes)
     for d in record["data"].values():
         assert len(read_samples(tmp_path / "work" / "qa" / d["file"])) == d["questions"]
     tables = capsys.readouterr().out
     assert tables.count("3 samples, greedy, up to 3 new tokens") == 2
+
+
+def greedy_continuation(hf: Any, ids: torch.Tensor, length: int) -> list[int]:
+    """`length` tokens decoded greedily after `ids`, a full forward per token (the slow, obvious way)."""
+    out = ids.tolist()
+    with torch.no_grad():
+        for _ in range(length):
+            out.append(int(hf(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+def test_exact_match_is_the_share_that_greedy_decoding_answers_exactly(base_dir: Path, samples: list[QASample]) -> None:
+    model = load_model(base_dir)
+    pad = int(model.tokenizer.pad_token_id)
+    encoded = encode_batch(model.tokenizer, build_template(model.tokenizer), samples[:4], model.spec.max_context)
+    # Labels the model answers greedily by construction: its own argmax continuation (2 to 5 tokens, so the batch
+    # is padded and every answer token is checked, not only the first).
+    pairs = []
+    for length, item in enumerate(encoded, start=2):
+        prompt = torch.tensor(item.prompt.joined())
+        continuation = torch.tensor(greedy_continuation(model.hf, prompt, length))
+        labels = torch.cat([torch.full_like(prompt, IGNORE), continuation])
+        pairs.append((torch.cat([prompt, continuation]), labels))
+    assert exact_match(model.hf, pairs, pad, batch_size=3) == 1.0
+    ids, labels = pairs[2]
+    labels = labels.clone()
+    labels[-2] = (labels[-2] + 1) % len(model.tokenizer)  # one token, not the first, is not what greedy decodes
+    pairs[2] = (ids, labels)
+    assert exact_match(model.hf, pairs, pad, batch_size=3) == 0.75
+    assert exact_match(model.hf, training_pairs(encoded, eos_id(model)), pad) == 0.0  # random weights
+    assert not model.hf.training
+
+
+def test_the_curriculum_pool_holds_the_samples_with_the_fewest_chunks(tmp_path: Path, base_dir: Path) -> None:
+    model = load_model(base_dir)
+    mixed = [*read_samples(write_qa_file(tmp_path / "k3.jsonl", 5, 3, seed=1))]
+    mixed += read_samples(write_qa_file(tmp_path / "k2.jsonl", 4, 2, seed=2))
+    encoded = encode_batch(model.tokenizer, build_template(model.tokenizer), mixed, model.spec.max_context)
+    assert curriculum_pool(encoded) == [5, 6, 7, 8]
+
+
+def test_the_step_budget_follows_slower_steps_after_a_fast_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 s of budget: the first 300 steps (the one-chunk curriculum) take 10 ms each, every later one 20 ms, so
+    # 3 s + 350 x 20 ms fill it at step 650. An estimate from the average since the start would say ~900.
+    clock = {"now": 0.0}
+    monkeypatch.setattr("service.quality.pretrain.time.perf_counter", lambda: clock["now"])
+    budget = StepBudget(10.0, torch.device("cpu"))
+    total, step = 10**9, 0
+    while step < total and not budget.overrun(step):
+        total = budget.steps(step, total)
+        clock["now"] += 0.010 if step < 300 else 0.020
+        step += 1
+    assert 640 <= step <= 680
+    assert clock["now"] == pytest.approx(10.0, abs=0.4)  # ends at the budget, not at the 110 % cut-off
