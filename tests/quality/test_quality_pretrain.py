@@ -142,6 +142,8 @@ def test_the_demo_driver_runs_end_to_end_on_the_cpu(tmp_path: Path, capsys: pyte
     for name in ("base", "block-finetuned"):
         result = record["eval"][name]
         assert result["verify"]["passed"] is True and result["samples"] == 3
+        fp32 = result["verify_fp32"]
+        assert fp32["passed"] is True and fp32["max_abs_logit_diff"] <= fp32["tolerance"] == 1e-4
         labels = [(r["mode"], r["positions"], r["recompute"]) for r in result["rows"]]
         assert labels == [
             ("naive", None, "none"),
