@@ -162,9 +162,10 @@ async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
             warm_results, _ = await load.drive(client, warm)
             warm_errors = [r.error for r in warm_results if r.error]
             config = phase_config(args, url, concurrency, args.duration, args.max_requests)
-            before = engine_seconds((await client.get("/metrics")).text)
+            before_page = (await client.get("/metrics")).text
             results, duration_s = await load.drive(client, config)
-            after = engine_seconds((await client.get("/metrics")).text)
+            after_page = (await client.get("/metrics")).text
+            before, after = engine_seconds(before_page), engine_seconds(after_page)
             modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
             contexts = sorted(r.context_tokens for r in results if r.context_tokens)
             log.info("concurrency %d: %d questions in %.1f s", concurrency, len(results), duration_s)
@@ -180,6 +181,7 @@ async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
                     else {},
                     "stage_ms_median": _stage_medians(results),
                     "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
+                    "retrieval_ms_per_question": retrieval_split(before_page, after_page),
                     "results": [asdict(r) for r in results],
                 }
             )
@@ -189,12 +191,40 @@ async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
 def engine_seconds(metrics: str) -> dict[str, float]:
     """`kvstitch_engine_seconds_total` by phase from a /metrics page."""
-    seconds = {}
+    return counter_by_label(metrics, "kvstitch_engine_seconds_total", "phase")
+
+
+def counter_by_label(metrics: str, name: str, label: str) -> dict[str, float]:
+    """A labelled counter's samples from a /metrics page, by the value of `label`."""
+    values = {}
     for line in metrics.splitlines():
-        if line.startswith("kvstitch_engine_seconds_total{"):
+        if line.startswith(name + "{"):
             labels, value = line.rsplit(" ", 1)
-            seconds[labels.split('phase="')[1].split('"')[0]] = float(value)
-    return seconds
+            values[labels.split(f'{label}="')[1].split('"')[0]] = float(value)
+    return values
+
+
+def counter(metrics: str, name: str) -> float:
+    """An unlabelled counter's value from a /metrics page (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def retrieval_split(before: str, after: str) -> dict[str, float]:
+    """Mean ms a question spent per retrieval stage (wait, embed, search) between two /metrics pages, and the
+    mean round size."""
+    questions = counter(after, "kvstitch_retrieval_questions_total") - counter(
+        before, "kvstitch_retrieval_questions_total"
+    )
+    rounds = counter(after, "kvstitch_retrieval_rounds_total") - counter(before, "kvstitch_retrieval_rounds_total")
+    if questions <= 0:
+        return {}
+    spent_before = counter_by_label(before, "kvstitch_retrieval_seconds_total", "stage")
+    spent = counter_by_label(after, "kvstitch_retrieval_seconds_total", "stage")
+    split = {stage: round((s - spent_before.get(stage, 0.0)) / questions * 1e3, 2) for stage, s in spent.items()}
+    return {**split, "round_size": round(questions / max(rounds, 1), 2)}
 
 
 def run_driver(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -356,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     for phase in outcome["phases"]:
         print(
             f"clients {phase['concurrency']}: context tokens {phase['context_tokens']}; stage medians (ms) "
-            f"{phase['stage_ms_median']}; engine share {phase['engine_share']}"
+            f"{phase['stage_ms_median']}; engine share {phase['engine_share']}; "
+            f"retrieval ms per question {phase['retrieval_ms_per_question']}"
         )
     print(text)
     errors = sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.kvcache.store import StoreStats
+from service.retrieval.batcher import RetrievalStats
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,11 @@ class Metrics:
         `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does."""
         self.registry.register(_EngineCollector(seconds))
 
+    def watch_retrieval(self, stats: Callable[[], RetrievalStats]) -> None:
+        """Retrieval's time per question by stage (wait, embed, search), its questions and rounds, read at every
+        scrape: rate(seconds) / rate(questions) is the mean time a question spends in each stage."""
+        self.registry.register(_RetrievalCollector(stats))
+
     def watch_ingest_backlog(self, pending: Callable[[], int]) -> None:
         """The ingest stream's backlog at every scrape; NaN while the queue cannot be read (Redis away), so one
         unreachable dependency does not fail the whole scrape."""
@@ -191,6 +197,24 @@ class _EngineCollector(Collector):
         for phase, seconds in self._seconds().items():
             family.add_metric([phase], seconds)
         yield family
+
+
+class _RetrievalCollector(Collector):
+    def __init__(self, stats: Callable[[], RetrievalStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        seconds = CounterMetricFamily(
+            "kvstitch_retrieval_seconds",
+            "Seconds questions spent in retrieval by stage: wait (for the round before theirs), embed, search",
+            labels=["stage"],
+        )
+        for stage, value in stats.seconds().items():
+            seconds.add_metric([stage], value)
+        yield seconds
+        yield CounterMetricFamily("kvstitch_retrieval_questions", "Questions retrieved", value=stats.questions)
+        yield CounterMetricFamily("kvstitch_retrieval_rounds", "Rounds (one embedding, one search)", value=stats.rounds)
 
 
 class _StoreCollector(Collector):

@@ -98,6 +98,7 @@ class Server:
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
             self.metrics.watch_engine(runtime.loop.seconds)
+            self.metrics.watch_retrieval(runtime.retrieval.stats)
             self.gate = runtime.run_gate()
             if self.gate.max_abs_logit_diff is not None:
                 self.metrics.gate_diff.set(self.gate.max_abs_logit_diff)

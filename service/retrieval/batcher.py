@@ -12,8 +12,9 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from service.errors import UnavailableError
 from service.retrieval.collection import RetrievedChunk
@@ -30,10 +31,29 @@ class _Pending:
     text: str
     top_k: int
     result: concurrent.futures.Future[list[RetrievedChunk]] = field(default_factory=concurrent.futures.Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class RetrievalStats:
+    """What the batcher did since start. The seconds are per question and add up to its time in `retrieve`: `wait`
+    from the call to its round's start (the round before it still running), `embed` and `search` its round's
+    (every question of a round counts the whole round: it waited for all of it). Divided by `questions`, each is
+    the mean a question spent there; `questions / rounds` is the mean round size."""
+
+    questions: int = 0
+    rounds: int = 0
+    wait_s: float = 0.0
+    embed_s: float = 0.0
+    search_s: float = 0.0
+
+    def seconds(self) -> dict[str, float]:
+        return {"wait": self.wait_s, "embed": self.embed_s, "search": self.search_s}
 
 
 class RetrievalBatcher:
-    """Batches concurrent `retrieve` calls; `rounds` and `batched` count what it did (tests, metrics)."""
+    """Batches concurrent `retrieve` calls; `rounds`, `largest_round` and `stats()` tell what it did (tests,
+    metrics)."""
 
     def __init__(self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if max_batch < 1:
@@ -44,6 +64,7 @@ class RetrievalBatcher:
         self._waiting: queue.Queue[_Pending | None] = queue.Queue()
         self.rounds = 0
         self.largest_round = 0
+        self._stats = RetrievalStats()  # replaced whole after each round, so a reader never sees half an update
         self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
         self._thread.start()
 
@@ -52,6 +73,9 @@ class RetrievalBatcher:
         pending = _Pending(text, top_k)
         self._waiting.put(pending)
         return pending.result.result()
+
+    def stats(self) -> RetrievalStats:
+        return self._stats
 
     def close(self) -> None:
         self._waiting.put(None)
@@ -77,15 +101,30 @@ class RetrievalBatcher:
     def _round(self, batch: list[_Pending]) -> None:
         self.rounds += 1
         self.largest_round = max(self.largest_round, len(batch))
+        began = time.perf_counter()
         try:
             texts = [p.text for p in batch]
-            hits = self._searched(self._embed(texts), [p.top_k for p in batch], texts)
-        except BaseException as err:  # every caller of this round learns why
+            vectors = self._embed(texts)
+            embedded = time.perf_counter()
+            hits = self._searched(vectors, [p.top_k for p in batch], texts)
+        except BaseException as err:  # every caller of this round learns why (a failed round is not counted)
             for pending in batch:
                 pending.result.set_exception(err)
             return
+        self._count(batch, began, embedded, time.perf_counter())
         for pending, found in zip(batch, hits, strict=True):
             pending.result.set_result(found)
+
+    def _count(self, batch: list[_Pending], began: float, embedded: float, searched: float) -> None:
+        n, stats = len(batch), self._stats
+        self._stats = replace(
+            stats,
+            questions=stats.questions + n,
+            rounds=stats.rounds + 1,
+            wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
+            embed_s=stats.embed_s + n * (embedded - began),
+            search_s=stats.search_s + n * (searched - embedded),
+        )
 
     def _searched(self, vectors: list[list[float]], top_ks: list[int], texts: list[str]) -> list[list[RetrievedChunk]]:
         try:

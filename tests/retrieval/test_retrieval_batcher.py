@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -91,3 +92,39 @@ def test_a_search_failure_reaches_every_caller_as_qdrant_unavailable() -> None:
     with pytest.raises(UnavailableError, match="Qdrant is unreachable"):
         batcher.retrieve("q", 3)
     batcher.close()
+
+
+def test_stats_split_each_questions_time_into_wait_embed_and_search() -> None:
+    """Round 1 ("a") embeds for ~0.2 s while five questions queue behind it; round 2 (the five) searches for ~0.1 s.
+    Per question: "a" waited ~0 and embedded ~0.2; each of the five waited ~0.2 (round 1) and searched ~0.1."""
+    backend = SlowBackend()
+
+    def search(
+        vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str]
+    ) -> list[list[RetrievedChunk]]:
+        if len(vectors) > 1:
+            time.sleep(0.1)
+        return backend.search(vectors, top_ks, texts)
+
+    batcher = RetrievalBatcher(backend.embed, search)
+    first = threading.Thread(target=batcher.retrieve, args=("a", 1))
+    first.start()
+    while not backend.embed_batches:
+        pass
+    others = [threading.Thread(target=batcher.retrieve, args=("b" * n, 1)) for n in range(2, 7)]
+    for thread in others:
+        thread.start()
+    while batcher._waiting.qsize() < len(others):
+        pass
+    time.sleep(0.2)
+    backend.release.set()
+    for thread in [first, *others]:
+        thread.join(10)
+    batcher.close()
+
+    stats = batcher.stats()
+    assert (stats.questions, stats.rounds) == (6, 2)
+    assert 0.2 <= stats.embed_s < 0.2 + 0.15  # "a"'s blocked embedding, counted once (its round held one question)
+    assert 5 * 0.1 <= stats.search_s < 5 * 0.1 + 0.15  # the five's search, counted for each of them
+    assert 5 * 0.2 <= stats.wait_s < 5 * 0.2 + 0.5  # the five waited for round 1; "a" waited for nothing
+    assert stats.seconds() == {"wait": stats.wait_s, "embed": stats.embed_s, "search": stats.search_s}

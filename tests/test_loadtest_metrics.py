@@ -1,0 +1,28 @@
+"""The load test reads the server's counters from /metrics pages: the retrieval split per question."""
+
+from __future__ import annotations
+
+from loadtest.serve_random import engine_seconds, retrieval_split
+
+BEFORE = """# HELP kvstitch_retrieval_seconds_total x
+kvstitch_retrieval_seconds_total{stage="wait"} 1.0
+kvstitch_retrieval_seconds_total{stage="embed"} 0.5
+kvstitch_retrieval_seconds_total{stage="search"} 0.25
+kvstitch_retrieval_questions_total 10.0
+kvstitch_retrieval_rounds_total 5.0
+kvstitch_engine_seconds_total{phase="idle"} 3.0
+"""
+AFTER = """kvstitch_retrieval_seconds_total{stage="wait"} 3.0
+kvstitch_retrieval_seconds_total{stage="embed"} 1.5
+kvstitch_retrieval_seconds_total{stage="search"} 0.75
+kvstitch_retrieval_questions_total 50.0
+kvstitch_retrieval_rounds_total 10.0
+kvstitch_engine_seconds_total{phase="idle"} 4.5
+"""
+
+
+def test_the_retrieval_split_is_the_growth_per_question_between_two_pages() -> None:
+    # 40 questions in 5 rounds spent 2 s waiting, 1 s embedding, 0.5 s searching.
+    assert retrieval_split(BEFORE, AFTER) == {"wait": 50.0, "embed": 25.0, "search": 12.5, "round_size": 8.0}
+    assert retrieval_split(AFTER, AFTER) == {}  # no question between the pages
+    assert engine_seconds(AFTER) == {"idle": 4.5}
