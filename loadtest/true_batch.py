@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from service.engine import batching_defaults
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.extend_graph import TOKEN_BUCKETS
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
-from service.engine.scheduler import BatchRequest, Scheduler
+from service.engine.scheduler import Scheduler
 from service.kv_for_engine import fetch_chunk_kv
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
@@ -65,7 +66,7 @@ def batch_scheduler(engine: StitchEngine, prompts: Sequence[PromptIds], sampling
 
 def release(scheduler: Scheduler) -> None:
     """Give the scheduler's graphs and pool memory back (before the next batch size's pool is allocated)."""
-    for graphs in (scheduler.graphs, scheduler.extend_graphs):
+    for graphs in (scheduler.graphs, scheduler.slabs.extend_graphs):
         if graphs is not None:
             graphs.close()
     scheduler.pool.release()

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from service.engine.batch_request import BatchRequest
 from service.engine.conversation import Role as Role  # re-exported: the roles the HTTP layer accepts
 from service.engine.conversation import Turn
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
@@ -23,7 +24,6 @@ from service.engine.kv_layout import TokenIds
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
-from service.engine.scheduler import BatchRequest
 from service.engine.stitch import PositionMode
 from service.errors import InvalidRequestError, UnavailableError
 from service.kv_for_engine import fetch_chunk_kv

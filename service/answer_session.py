@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode
-from service.engine.scheduler import BatchRequest
 from service.engine_loop import Admission, EngineLoop
 from service.facade import AnswerItem
 from service.kvcache.store import FetchResult

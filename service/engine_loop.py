@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from service.engine.scheduler import BatchRequest, Scheduler
+from service.engine.batch_request import BatchRequest
+from service.engine.scheduler import Scheduler
 
 T = TypeVar("T")
 P = ParamSpec("P")

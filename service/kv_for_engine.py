@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
-from service.engine.scheduler import BatchRequest
 from service.kvcache.index import KVIndex
 from service.kvcache.keys import model_fingerprint
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute

@@ -29,6 +29,7 @@ from service.engine.batch_decode import (
     resolve_batch_attention,
 )
 from service.engine.batch_graph import BatchGraphs, batch_bucket
+from service.engine.batch_request import BatchRequest, RequestStatus
 from service.engine.engine import StitchEngine
 from service.engine.extend_graph import ExtendGraphs, extend_layout, split_by_tokens, token_bucket
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
@@ -36,7 +37,7 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
-from service.engine.scheduler import BatchRequest, QueueFullError, RequestStatus, Scheduler
+from service.engine.scheduler import QueueFullError, Scheduler
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
@@ -440,9 +441,10 @@ def test_gpu_batched_greedy_follows_eager(
         assert t.request.result.finish_reason == "length"
         _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
     # The graphs' padding slot (and the batched-prefill graphs' scratch slab) stay theirs.
-    scratch = (1 if graphs else 0) + (scheduler.extend_graphs.scratch_slots if scheduler.extend_graphs else 0)
+    extend_graphs = scheduler.slabs.extend_graphs
+    scratch = (1 if graphs else 0) + (extend_graphs.scratch_slots if extend_graphs else 0)
     assert scheduler.pool.used_slots == scratch
-    assert (scheduler.extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
+    assert (extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
 
 
 @pytest.mark.gpu
@@ -451,7 +453,7 @@ def test_gpu_naive_chunks_through_the_prefill_graphs_follow_eager(get_engine: Ca
     """Long naive prompts prefilled 64 tokens per step through the batched-prefill graphs, beside turbo answers."""
     engine = get_engine("qwen2", "cuda")
     scheduler = Scheduler(engine, nan_pool(engine, 3000), max_batch=8, cuda_graphs=True, prefill_chunk=64)
-    assert scheduler.extend_graphs is not None
+    assert scheduler.slabs.extend_graphs is not None
     cases = (*MIXED[2:3], Case((50, 30, 70), mode="naive", max_new=9, seed=21), *MIXED[:2])
     tracked = [Tracked(engine, case) for case in cases]
     for t in tracked:

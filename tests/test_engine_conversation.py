@@ -14,13 +14,14 @@ import torch
 from test_engine_batch import drain, nan_pool
 from test_engine_stitch import _assert_decode_follows_reference, tolerance
 
+from service.engine.batch_request import BatchRequest
 from service.engine.conversation import Turn
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.prompt import PromptIds
 from service.engine.reference import prompt_reference_logits, reference_greedy
 from service.engine.sampling import SamplingParams
-from service.engine.scheduler import BatchRequest, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.stitch import PositionMode
 
 

@@ -7,10 +7,11 @@ from collections.abc import Callable
 import torch
 from test_engine_batch import Case, drain, nan_pool
 
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
 from service.engine.reference import prompt_reference_logits
 from service.engine.sampling import SamplingParams, logprobs_rows
-from service.engine.scheduler import BatchRequest, Scheduler
+from service.engine.scheduler import Scheduler
 
 
 def test_rows_give_the_picked_token_and_the_likeliest() -> None:

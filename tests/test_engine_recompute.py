@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from service.engine.attention import attend_at_slots, attend_causal_end
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -16,7 +17,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
-from service.engine.scheduler import BatchRequest, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.stitch import PositionMode, StitchPlan
 
 CHUNKS = (23, 9, 31, 14)

@@ -11,6 +11,9 @@ request never needs more memory and none is ever preempted; a request the pool c
 head of the line (first come, first served: nothing behind it overtakes it, so a long request cannot starve).
 A request that could never fit (longer than the model's context or than the whole pool) is refused by `add`.
 
+The scheduler decides who is admitted and what runs together; `SlabPrefill` (slab_prefill.py) does the stitching
+and prefilling into slabs; `BatchRequest` (batch_request.py) is one request's inputs, state and result.
+
 Threading: the scheduler belongs to one thread (the engine loop, the GPU's one owner). `cancel` only sets a flag
 the next step acts on, so it may be called from anywhere; `add` and `step` from the loop's thread only.
 """
@@ -20,117 +23,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from enum import StrEnum
+from collections.abc import Sequence
 
 import torch
 
 from service.engine import batching_defaults
-from service.engine.attention import FLASH_VARLEN
-from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows
 from service.engine.batch_graph import BatchGraphs
+from service.engine.batch_request import BatchRequest, RequestStatus
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import (
     GenerationMode,
-    GenerationResult,
     StitchEngine,
     Stopwatch,
-    TurboPrefill,
     check_request,
 )
-from service.engine.extend_graph import ExtendGraphs
-from service.engine.kv_buffer import KVBuffer
-from service.engine.kv_layout import KVBlock
-from service.engine.kv_pool import KVPool, Slab
-from service.engine.prompt import PromptIds
-from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
-from service.engine.sampling import Sampler, SamplingParams, TokenLogprobs, logprobs_rows, pick_rows
-from service.engine.stitch import BlockReady, PositionMode
+from service.engine.kv_pool import KVPool
+from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows
+from service.engine.slab_prefill import SlabPrefill
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = batching_defaults.MAX_BATCH
 STEP_PHASES = ("admit", "prefill", "decode", "emit")
 
-TextSink = Callable[[str], None]
-
-
-class RequestStatus(StrEnum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
 
 class QueueFullError(RuntimeError):
     """The waiting line is at its limit; the caller should refuse the request (HTTP 503/429)."""
-
-
-class BatchRequest:
-    """One request through the scheduler: its inputs, its slab and decoding state while running, its result.
-
-    `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
-    scheduler's thread; `on_admit(request)` at admission, before the prefill. `result.finish_reason` ends as
-    "length", "stop", "cancelled" or "error" (`error` then holds the exception).
-    """
-
-    def __init__(
-        self,
-        prompt: PromptIds,
-        sampling: SamplingParams,
-        mode: GenerationMode | str = GenerationMode.TURBO,
-        positions: PositionMode | str = PositionMode.REORDERED,
-        chunk_kv: Sequence[KVBlock] | None = None,
-        chunk_ready: Sequence[BlockReady | None] | None = None,
-        on_text: TextSink | None = None,
-        on_finish: Callable[[BatchRequest], None] | None = None,
-        on_admit: Callable[[BatchRequest], None] | None = None,
-        recompute: RecomputeSpec = NO_RECOMPUTE,
-    ) -> None:
-        self.prompt = prompt
-        self.sampling = sampling
-        self.mode = GenerationMode(mode)
-        self.positions = PositionMode(positions)
-        self.chunk_kv = chunk_kv
-        self.chunk_ready = chunk_ready
-        self.recompute = recompute  # turbo only: part of the stitched context recomputed before the question
-        self.on_text = on_text
-        self.on_finish = on_finish
-        # Called at admission, before the prefill, on the scheduler's thread: where a server fetches the chunk
-        # KV (`chunk_kv`, `chunk_ready`), so blocks occupy device memory only once the request runs.
-        self.on_admit = on_admit
-        self.status = RequestStatus.WAITING
-        self.cancelled = False
-        self.error: BaseException | None = None
-        self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
-        self.queue_ms = 0.0  # from `add` to admission; part of `result.timings.ttft_ms`
-        # State the scheduler keeps while the request runs.
-        self.slab: Slab | None = None
-        self.kv: KVBuffer | None = None  # over the slab
-        self.sampler: Sampler | None = None
-        self.detok: IncrementalDetokenizer | None = None
-        self.last_token = -1  # the token the next decode step feeds
-        self.added_at = 0.0
-        self.first_token_at = 0.0
-
-    @property
-    def tokens_needed(self) -> int:
-        """Slots the request's slab holds: the joined prompt and the answer budget (as `generate` reserves)."""
-        return self.result.prompt_tokens + self.sampling.max_new_tokens
-
-    @property
-    def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
-    @property
-    def buffer(self) -> KVBuffer:
-        assert self.kv is not None, "the request is not running"
-        return self.kv
-
-    @property
-    def running_sampler(self) -> Sampler:
-        assert self.sampler is not None, "the request is not running"
-        return self.sampler
 
 
 class Scheduler:
@@ -166,10 +85,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
         self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
-        # The batched question prefill through graphs too, where it runs batched at all (flash on CUDA).
-        capture_extend = cuda_graphs and batch_prefill_min > 0 and ExtendGraphs.fit(pool.slots)
-        capture_extend = capture_extend and self._batched_prefill_pays()
-        self.extend_graphs = ExtendGraphs(self.decoder) if capture_extend else None
+        # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
+        self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min)
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
@@ -221,8 +138,7 @@ class Scheduler:
         (server start), so no capture happens while answers are served."""
         if self.graphs is not None:
             self.graphs.warm(tokens)
-        if self.extend_graphs is not None:
-            self.extend_graphs.warm()
+        self.slabs.warm()
 
     def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
         """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
@@ -271,7 +187,7 @@ class Scheduler:
             else:
                 admitted.append(request)
         together = [r for r in admitted if self._joins_batched_prefill(r)]
-        if self.batch_prefill_min == 0 or len(together) < self.batch_prefill_min or not self._batched_prefill_pays():
+        if not self.slabs.batched or len(together) < self.batch_prefill_min:
             together = []
         for request in admitted:
             if request not in together:
@@ -287,7 +203,7 @@ class Scheduler:
     def _start_admitted(self, request: BatchRequest, finished: list[BatchRequest]) -> None:
         """Prefill one admitted request alone and accept its first token."""
         try:
-            logits = self._prefill(request, request.buffer)
+            logits = self.slabs.prefill_alone(request, request.buffer)
         except Exception as err:  # one request's bad input must not take the batch down
             request.error = err
             self._finish(request, "error")
@@ -306,7 +222,7 @@ class Scheduler:
         stitched = []
         for request in group:
             try:
-                self._stitch_into_slab(request)
+                self.slabs.stitch_into_slab(request)
                 stitched.append(request)
             except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
                 request.error = err
@@ -316,7 +232,7 @@ class Scheduler:
             return finished
         stitch_ms = watch.lap_ms()
         try:
-            logits = self._extend(stitched)
+            logits = self.slabs.extend(stitched)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
             log.exception("batched question prefill of %d requests failed", len(stitched))
             for request in stitched:
@@ -334,57 +250,6 @@ class Scheduler:
             else:
                 finished.append(request)
         return finished
-
-    def _stitch_into_slab(self, request: BatchRequest) -> None:
-        """The request's chunks stitched into its slab. On CUDA through a leased graph's buffer, where the fused
-        stitch kernel runs (it needs a contiguous buffer; a slab is a strided view of the pool), then copied into
-        the slab (device to device, live slots only)."""
-        engine, prompt = self.engine, request.prompt
-        chunk_kv = self._chunk_kv(request)
-        room = len(prompt.question) + request.sampling.max_new_tokens
-        graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
-        if graph is None:
-            engine.stitch(chunk_kv, request.positions, room, request.chunk_ready, into=request.buffer)
-            return
-        try:
-            staged, _ = engine.stitch(
-                chunk_kv, request.positions, len(prompt.question), request.chunk_ready, graph.buffer
-            )
-            request.buffer.copy_from(staged)
-        finally:
-            engine.release_graph(graph)
-
-    def _chunk_kv(self, request: BatchRequest) -> Sequence[KVBlock]:
-        """The chunks' KV as fetched at admission, or computed here when none was given (offline use, tests)."""
-        if request.chunk_kv is not None:
-            return request.chunk_kv
-        blocks = request.prompt.blocks
-        return self.engine.precompute(blocks) if blocks else []
-
-    def _batched_prefill_pays(self) -> bool:
-        """On the CPU the loop attention is the reference kernel, so one forward for all questions only saves
-        work. On CUDA only with flash varlen (its start-up probe agreed): the loop there is one eager attention
-        per request, slower than each question's own CUDA-graph prefill (measured, docs/benchmarks.md §10.5)."""
-        return self.engine.spec.device.type == "cpu" or self.decoder.extend_backend == FLASH_VARLEN
-
-    def _extend(self, group: Sequence[BatchRequest], new_ids: Sequence[list[int]] | None = None) -> torch.Tensor:
-        """Each request's new tokens (default: its question) after its live slots, one batched forward; logits
-        [len(group), vocab] of each one's last new token."""
-        device = self.engine.spec.device
-        tokens = new_ids if new_ids is not None else [list(r.prompt.question) for r in group]
-        entries = []
-        for request, ids in zip(group, tokens, strict=True):
-            buffer = request.buffer
-            buffer.reserve(len(ids))
-            assert request.slab is not None
-            entries.append((ids, buffer.next_position, request.slab.start, buffer.length))
-        if self.extend_graphs is not None:
-            logits = self.extend_graphs.extend(entries)
-        else:
-            logits = self.decoder.extend(ExtendRows.build(entries, device))
-        for request, ids in zip(group, tokens, strict=True):
-            request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
-        return logits
 
     def _chunked(self, request: BatchRequest) -> bool:
         return (
@@ -416,7 +281,7 @@ class Scheduler:
         graphs on CUDA); elsewhere one chunk of the oldest runs alone."""
         if not self.prefilling:
             return []
-        if self.batch_prefill_min == 0 or not self._batched_prefill_pays():
+        if not self.slabs.batched:
             return self._prefill_chunk_alone(self.prefilling[0])
         return self._prefill_chunks_together()
 
@@ -426,7 +291,7 @@ class Scheduler:
         end = min(len(ids), begin + self.prefill_chunk)
         watch = Stopwatch(self.engine.spec.device)
         try:
-            logits = self.engine.forward.extend(request.buffer, ids[begin:end], torch.arange(begin, end))
+            logits = self.slabs.chunk_alone(request, begin, end)
         except Exception as err:
             request.error = err
             self._finish(request, "error")
@@ -447,7 +312,7 @@ class Scheduler:
                 break
         watch = Stopwatch(self.engine.spec.device)
         try:
-            logits = self._extend(group, chunks)
+            logits = self.slabs.extend(group, chunks)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
             log.exception("batched prefill of %d naive chunks failed", len(group))
             for request in group:
@@ -486,35 +351,6 @@ class Scheduler:
         request.first_token_at = time.perf_counter()
         request.result.timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
         return self._accept(request, first, logprobs)
-
-    def _prefill(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
-        """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
-
-        With CUDA graphs a turbo request is stitched and prefilled in a leased graph's buffer (the question
-        through its prefill graph, pipelined with the copies still landing) and its live KV then copied into
-        the slab: a device-to-device copy of ~0.1 ms at 8K on an H200 against the ~3x slower eager prefill."""
-        engine, timings, prompt = self.engine, request.result.timings, request.prompt
-        watch = Stopwatch(engine.spec.device)
-        if request.mode is GenerationMode.NAIVE:
-            _, logits = engine.prefill_naive(prompt, request.sampling.max_new_tokens, into=buffer)
-            timings.prefill_ms = watch.lap_ms()
-            return logits
-        chunk_kv = self._chunk_kv(request)
-        if request.chunk_kv is None:
-            timings.precompute_ms = watch.lap_ms()
-        extra = request.sampling.max_new_tokens
-        turbo = TurboPrefill(
-            chunk_kv, prompt.question, request.positions, extra, request.chunk_ready, request.recompute
-        )
-        graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), 0)
-        if graph is None:
-            return engine.prefill_turbo(turbo, watch, request.result, into=buffer)[1]
-        try:
-            staged, logits = engine.prefill_turbo(replace(turbo, extra_tokens=0), watch, request.result, graph)
-            buffer.copy_from(staged)
-        finally:
-            engine.release_graph(graph)
-        return logits
 
     # ---- run -----------------------------------------------------------------------------------------------
 

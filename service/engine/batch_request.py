@@ -1,0 +1,91 @@
+"""One request through the continuous-batching scheduler: its inputs, its state while running, its result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+
+from service.engine.detokenize import IncrementalDetokenizer
+from service.engine.engine import GenerationMode, GenerationResult
+from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import KVBlock
+from service.engine.kv_pool import Slab
+from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
+from service.engine.sampling import Sampler, SamplingParams
+from service.engine.stitch import BlockReady, PositionMode
+
+TextSink = Callable[[str], None]
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class BatchRequest:
+    """One request through the scheduler: its inputs, its slab and decoding state while running, its result.
+
+    `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
+    scheduler's thread; `on_admit(request)` at admission, before the prefill. `result.finish_reason` ends as
+    "length", "stop", "cancelled" or "error" (`error` then holds the exception).
+    """
+
+    def __init__(
+        self,
+        prompt: PromptIds,
+        sampling: SamplingParams,
+        mode: GenerationMode | str = GenerationMode.TURBO,
+        positions: PositionMode | str = PositionMode.REORDERED,
+        chunk_kv: Sequence[KVBlock] | None = None,
+        chunk_ready: Sequence[BlockReady | None] | None = None,
+        on_text: TextSink | None = None,
+        on_finish: Callable[[BatchRequest], None] | None = None,
+        on_admit: Callable[[BatchRequest], None] | None = None,
+        recompute: RecomputeSpec = NO_RECOMPUTE,
+    ) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.mode = GenerationMode(mode)
+        self.positions = PositionMode(positions)
+        self.chunk_kv = chunk_kv
+        self.chunk_ready = chunk_ready
+        self.recompute = recompute  # turbo only: part of the stitched context recomputed before the question
+        self.on_text = on_text
+        self.on_finish = on_finish
+        # Called at admission, before the prefill, on the scheduler's thread: where a server fetches the chunk
+        # KV (`chunk_kv`, `chunk_ready`), so blocks occupy device memory only once the request runs.
+        self.on_admit = on_admit
+        self.status = RequestStatus.WAITING
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
+        self.queue_ms = 0.0  # from `add` to admission; part of `result.timings.ttft_ms`
+        # State the scheduler keeps while the request runs.
+        self.slab: Slab | None = None
+        self.kv: KVBuffer | None = None  # over the slab
+        self.sampler: Sampler | None = None
+        self.detok: IncrementalDetokenizer | None = None
+        self.last_token = -1  # the token the next decode step feeds
+        self.added_at = 0.0
+        self.first_token_at = 0.0
+
+    @property
+    def tokens_needed(self) -> int:
+        """Slots the request's slab holds: the joined prompt and the answer budget (as `generate` reserves)."""
+        return self.result.prompt_tokens + self.sampling.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def buffer(self) -> KVBuffer:
+        assert self.kv is not None, "the request is not running"
+        return self.kv
+
+    @property
+    def running_sampler(self) -> Sampler:
+        assert self.sampler is not None, "the request is not running"
+        return self.sampler
