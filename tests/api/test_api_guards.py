@@ -242,4 +242,7 @@ def _timed_answer(client: httpx.Client, body: dict[str, Any]) -> tuple[dict[str,
 
 
 def _chat(max_tokens: int) -> dict[str, Any]:
-    return {"model": "qwen2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens}
+    # Greedy, as /ask's default: OpenAI's default temperature (1.0) samples, and a sampled answer of the random
+    # tiny model may meet EOS early, ending before the client gives up (the test's old flakiness).
+    messages = [{"role": "user", "content": QUESTION}]
+    return {"model": "qwen2", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
