@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from loadtest.bench_retrieval import summary
 from loadtest.serve_random import engine_seconds, retrieval_split
+from service.retrieval.batcher import RetrievalStats
 
 BEFORE = """# HELP kvstitch_retrieval_seconds_total x
 kvstitch_retrieval_seconds_total{stage="wait"} 1.0
@@ -26,3 +28,12 @@ def test_the_retrieval_split_is_the_growth_per_question_between_two_pages() -> N
     assert retrieval_split(BEFORE, AFTER) == {"wait": 50.0, "embed": 25.0, "search": 12.5, "round_size": 8.0}
     assert retrieval_split(AFTER, AFTER) == {}  # no question between the pages
     assert engine_seconds(AFTER) == {"idle": 4.5}
+
+
+def test_the_retrieval_benchmark_divides_each_stage_by_the_questions_of_its_phase() -> None:
+    before = RetrievalStats(questions=10, rounds=5, wait_s=1.0, embed_s=1.0, search_s=1.0)
+    after = RetrievalStats(questions=30, rounds=9, wait_s=1.2, embed_s=1.8, search_s=1.4)
+    row = summary(before, after, [10.0, 20.0, 30.0, 40.0])
+    assert row["questions"] == 20 and row["round_size"] == 5.0
+    assert (round(row["wait_ms"], 6), round(row["embed_ms"], 6), round(row["search_ms"], 6)) == (10.0, 40.0, 20.0)
+    assert row["p50_ms"] == 25.0 and 38.0 <= row["p95_ms"] <= 40.0
