@@ -131,7 +131,7 @@ def _sdpa_masked(mask: torch.Tensor) -> StaticAttend:
     return attend
 
 
-def _flash_varlen(
+def flash_varlen(
     cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, tokens: int, capacity: int
 ) -> StaticAttend:
     """flash-attention's variable-length kernel with `seqused_k`: only the live keys are read at all.
@@ -249,7 +249,7 @@ class LengthInputs:
             )
         if backend == FLASH_VARLEN:
             used = (slots[-1:] + 1).to(torch.int32)
-            return _flash_varlen(self.cu_q, self.cu_k, used, self.tokens, self.capacity)
+            return flash_varlen(self.cu_q, self.cu_k, used, self.tokens, self.capacity)
         visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=slots.device).masked_fill(~visible, float("-inf"))
         if self.tokens == 1:

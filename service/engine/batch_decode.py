@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from service.engine.attention import FLASH_VARLEN, StaticAttend, attend_causal_end, flash_if_it_agrees
+from service.engine.attention import FLASH_VARLEN, StaticAttend, attend_causal_end, flash_if_it_agrees, flash_varlen
 from service.engine.forward import LeanForward
 from service.engine.kv_pool import KVPool
 from service.engine.model import ModelSpec
@@ -213,29 +213,15 @@ def _extend_flash(rows: ExtendRows, pool_slots: int, bounds: tuple[int, int]) ->
     # As the decode step's call, with several queries per request: flash aligns the causal mask to the bottom
     # right of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
     # Upper bounds are enough for max_q/max_k: the kernel reads each row's own lengths from cu_q and seqused_k.
-    cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
-    cu_q = rows.cu_q.to(torch.int32)
-    used = rows.used.to(torch.int32)
     max_q, max_k = bounds
+    cu_q = rows.cu_q.to(torch.int32)
+    return flash_varlen(cu_q, _slab_offsets(rows.starts, pool_slots), rows.used.to(torch.int32), max_q, max_k)
 
-    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
-            q,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            0.0,
-            True,
-            False,
-            scale=scale,
-            seqused_k=used,
-        )[0]
-        return out
 
-    return attend
+def _slab_offsets(starts: torch.Tensor, pool_slots: int) -> torch.Tensor:
+    """flash's cu_seqlens_k over the pool: row b's keys start at its slab's first slot. With seqused_k giving each
+    row's length, the offsets need not be increasing."""
+    return torch.cat((starts, starts.new_full((1,), pool_slots))).to(torch.int32)
 
 
 def batch_attention(backend: str, rows: DecodeRows, pool_slots: int, width: int | None = None) -> StaticAttend:
@@ -268,30 +254,8 @@ def _loop(spans: Sequence[tuple[int, int]]) -> StaticAttend:
 
 def _flash_varlen(rows: DecodeRows, pool_slots: int, max_k: int) -> StaticAttend:
     batch = rows.ids.shape[0]  # not the host spans: a captured step has none
-    device = rows.ids.device
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    # Row b's keys start at cu_k[b]; seqused_k gives its length, so cu_k need not be increasing.
-    cu_k = torch.cat((rows.starts, rows.starts.new_full((1,), pool_slots))).to(torch.int32)
-    used = rows.used.to(torch.int32)
-
-    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._flash_attention_forward(
-            q,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            cu_q,
-            cu_k,
-            1,
-            max_k,
-            0.0,
-            False,
-            False,
-            scale=scale,
-            seqused_k=used,
-        )[0]
-        return out
-
-    return attend
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=rows.ids.device)
+    return flash_varlen(cu_q, _slab_offsets(rows.starts, pool_slots), rows.used.to(torch.int32), 1, max_k)
 
 
 def _sdpa_gather(rows: DecodeRows, width: int, pool_slots: int) -> StaticAttend:

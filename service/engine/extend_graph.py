@@ -52,6 +52,11 @@ def token_bucket(tokens: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | N
     return next((b for b in sorted(buckets) if b >= tokens), None)
 
 
+def buckets_for(pool_slots: int) -> tuple[int, ...]:
+    """The token buckets a pool of `pool_slots` can spare a padding slab for (`SCRATCH_SHARE` of it at most)."""
+    return tuple(b for b in TOKEN_BUCKETS if b <= pool_slots * SCRATCH_SHARE)
+
+
 def extend_layout(
     requests: Sequence[ExtendRequest], rows: int, tokens: int, scratch: int
 ) -> tuple[list[int], tuple[Span, ...]]:
@@ -131,7 +136,7 @@ class ExtendGraphs:
     @staticmethod
     def fit(pool_slots: int) -> bool:
         """Whether a pool of `pool_slots` can spare a padding slab for the smallest bucket."""
-        return min(TOKEN_BUCKETS) <= pool_slots * SCRATCH_SHARE
+        return bool(buckets_for(pool_slots))
 
     def __init__(self, decoder: BatchDecoder) -> None:
         spec = decoder.forward.spec
@@ -140,10 +145,9 @@ class ExtendGraphs:
         if decoder.extend_backend != FLASH_VARLEN:
             raise ValueError("only the flash varlen batched prefill can be captured")
         self.decoder = decoder
-        fits = [b for b in TOKEN_BUCKETS if b <= decoder.pool.slots * SCRATCH_SHARE]
-        if not fits:
+        self.buckets = buckets_for(decoder.pool.slots)
+        if not self.buckets:
             raise ValueError(f"a pool of {decoder.pool.slots} slots is too small for batched-prefill graphs")
-        self.buckets = tuple(fits)
         # The padding row's slab, held as long as the graphs live: room for a whole bucket of padding.
         self._scratch = decoder.pool.allocate(max(self.buckets))
         self._pool = torch.cuda.graph_pool_handle()
@@ -156,16 +160,18 @@ class ExtendGraphs:
     def extend(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
         """Every request's new tokens after its live slots, in as few replays as the largest bucket allows (a
         request longer than it alone runs eagerly); logits [len(requests), vocab]."""
-        parts = [self._extend_part(part) for part in split_by_tokens(requests, max(self.buckets))]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = split_by_tokens(requests, max(self.buckets))
+        if len(parts) == 1:
+            return self._extend_part(parts[0])
+        # Each part copied: the next part's replay may reuse this graph's output memory (the graphs share a pool).
+        return torch.cat([self._extend_part(part).clone() for part in parts])
 
     def _extend_part(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
         rows = batch_bucket(len(requests))
         tokens = token_bucket(sum(len(ids) for ids, *_ in requests), self.buckets)
         if rows is None or tokens is None:
             return self.decoder.extend(ExtendRows.build(requests, self.decoder.forward.spec.device))
-        # A copy: the next part's replay may reuse this graph's output memory (the graphs share one pool).
-        return self._graph(rows, tokens).replay(requests).clone()
+        return self._graph(rows, tokens).replay(requests)
 
     def _graph(self, rows: int, tokens: int) -> ExtendGraph:
         graph = self._graphs.get((rows, tokens))

@@ -255,7 +255,7 @@ class Scheduler:
         return (
             self.prefill_chunk > 0
             and request.mode is GenerationMode.NAIVE
-            and len(request.prompt.joined()) > self.prefill_chunk
+            and request.result.prompt_tokens > self.prefill_chunk
         )
 
     def _begin(self, request: BatchRequest) -> bool:
@@ -291,7 +291,7 @@ class Scheduler:
         end = min(len(ids), begin + self.prefill_chunk)
         watch = Stopwatch(self.engine.spec.device)
         try:
-            logits = self.slabs.chunk_alone(request, begin, end)
+            logits = self.slabs.chunk_alone(request, ids[begin:end], begin)
         except Exception as err:
             request.error = err
             self._finish(request, "error")
@@ -323,7 +323,7 @@ class Scheduler:
         finished = []
         for row, request in enumerate(group):
             request.result.timings.prefill_ms += spent
-            done = request.buffer.length == len(request.prompt.joined())
+            done = request.buffer.length == request.result.prompt_tokens
             finished += self._after_chunk(request, logits[row], done)
         return finished
 

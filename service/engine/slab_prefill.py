@@ -91,10 +91,10 @@ class SlabPrefill:
             request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
         return logits
 
-    def chunk_alone(self, request: BatchRequest, begin: int, end: int) -> torch.Tensor:
-        """Tokens [begin, end) of a naive prompt after its slab's live slots, on their own; logits of the last."""
-        ids = request.prompt.joined()
-        return self.engine.forward.extend(request.buffer, ids[begin:end], torch.arange(begin, end))
+    def chunk_alone(self, request: BatchRequest, ids: Sequence[int], first: int) -> torch.Tensor:
+        """A chunk of a naive prompt (its tokens from position `first`) after its slab's live slots, on its own;
+        logits of the last."""
+        return self.engine.forward.extend(request.buffer, list(ids), torch.arange(first, first + len(ids)))
 
     def prefill_alone(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
         """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
