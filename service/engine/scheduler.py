@@ -142,15 +142,13 @@ class Scheduler:
 
     def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
         """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
-        request.error = error
-        self._finish(request, "error")
+        self._fail(request, error)
 
     def fail_all(self, error: BaseException) -> list[BatchRequest]:
         """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
         failed = [*self.waiting, *self.prefilling, *self.running]
         for request in failed:
-            request.error = error
-            self._finish(request, "error")
+            self._fail(request, error)
         return failed
 
     def has_work(self) -> bool:
@@ -205,8 +203,7 @@ class Scheduler:
         try:
             logits = self.slabs.prefill_alone(request, request.buffer)
         except Exception as err:  # one request's bad input must not take the batch down
-            request.error = err
-            self._finish(request, "error")
+            self._fail(request, err)
             finished.append(request)
             return
         if self._first_token(request, logits):
@@ -225,8 +222,7 @@ class Scheduler:
                 self.slabs.stitch_into_slab(request)
                 stitched.append(request)
             except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
-                request.error = err
-                self._finish(request, "error")
+                self._fail(request, err)
                 finished.append(request)
         if not stitched:
             return finished
@@ -236,8 +232,7 @@ class Scheduler:
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
             log.exception("batched question prefill of %d requests failed", len(stitched))
             for request in stitched:
-                request.error = err
-                self._finish(request, "error")
+                self._fail(request, err)
             return finished + stitched
         prefill_ms = watch.lap_ms()
         self.prefilled_together += len(stitched)
@@ -269,8 +264,7 @@ class Scheduler:
                 request.on_admit(request)
                 request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
         except Exception as err:  # one request's failure (its KV index away, say) must not take the batch down
-            request.error = err
-            self._finish(request, "error")
+            self._fail(request, err)
             return False
         return True
 
@@ -293,8 +287,7 @@ class Scheduler:
         try:
             logits = self.slabs.chunk_alone(request, ids[begin:end], begin)
         except Exception as err:
-            request.error = err
-            self._finish(request, "error")
+            self._fail(request, err)
             return [request]
         request.result.timings.prefill_ms += watch.lap_ms()
         return self._after_chunk(request, logits, end == len(ids))
@@ -316,8 +309,7 @@ class Scheduler:
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
             log.exception("batched prefill of %d naive chunks failed", len(group))
             for request in group:
-                request.error = err
-                self._finish(request, "error")
+                self._fail(request, err)
             return group
         spent = watch.lap_ms()
         finished = []
@@ -345,8 +337,7 @@ class Scheduler:
             first = request.sampler.pick(logits)
             logprobs = self._logprobs([request], logits.unsqueeze(0), [first])[0]
         except Exception as err:
-            request.error = err
-            self._finish(request, "error")
+            self._fail(request, err)
             return False
         request.first_token_at = time.perf_counter()
         request.result.timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
@@ -363,8 +354,7 @@ class Scheduler:
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
             log.exception("batched decode step over %d requests failed", len(batch))
             for request in batch:
-                request.error = err
-                self._finish(request, "error")
+                self._fail(request, err)
             return batch
         decoded = time.perf_counter()
         self.busy_s["decode"] += decoded - began
@@ -434,6 +424,11 @@ class Scheduler:
             request.last_token = token
             return True
         return False
+
+    def _fail(self, request: BatchRequest, error: BaseException) -> None:
+        """End a request with `error` (finish reason "error")."""
+        request.error = error
+        self._finish(request, "error")
 
     def _finish(self, request: BatchRequest, reason: str) -> None:
         """End a request wherever it is: free its slab at once, flush its text, report it."""
