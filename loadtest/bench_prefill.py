@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from loadtest.qwen_vocab import qwen_tokenizer
 from service.devtools.tiny_model import CHATML_TEMPLATE, build_tokenizer
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate, synthetic_ids
@@ -48,8 +49,9 @@ QWEN2_7B = {
 }
 
 
-def random_qwen2_7b(device: torch.device) -> LoadedModel:
-    """Qwen2-7B shape, random bf16 weights, built on the device; the tiny BPE tokenizer stands in."""
+def random_qwen2_7b(device: torch.device, vocabulary: str = "stand-in") -> LoadedModel:
+    """Qwen2-7B shape, random bf16 weights, built on the device; the tokenizer is the tiny stand-in BPE, or with
+    `vocabulary="qwen"` Qwen's own (`loadtest.qwen_vocab`), for benchmarks whose prompts are text."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**QWEN2_7B)
@@ -57,9 +59,13 @@ def random_qwen2_7b(device: torch.device) -> LoadedModel:
     with device:
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf.eval().requires_grad_(False)
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return LoadedModel(hf, tokenizer, spec_from_config(config, torch.bfloat16, device), "random:qwen2-7b")
+    if vocabulary == "qwen":
+        tokenizer = qwen_tokenizer()
+    else:
+        tokenizer = build_tokenizer()
+        tokenizer.chat_template = CHATML_TEMPLATE
+    source = "random:qwen2-7b" if vocabulary == "stand-in" else f"random:qwen2-7b+{vocabulary}-vocab"
+    return LoadedModel(hf, tokenizer, spec_from_config(config, torch.bfloat16, device), source)
 
 
 def timed(
@@ -82,9 +88,10 @@ def timed(
     return times
 
 
-def build_engine(model_dir: str | None, target: torch.device) -> StitchEngine:
-    """The engine over a model folder, or over a random Qwen2-7B-shaped model when none is given."""
-    model = load_model(model_dir, device=target) if model_dir else random_qwen2_7b(target)
+def build_engine(model_dir: str | None, target: torch.device, vocabulary: str = "stand-in") -> StitchEngine:
+    """The engine over a model folder, or over a random Qwen2-7B-shaped model (and `vocabulary`) when none is
+    given."""
+    model = load_model(model_dir, device=target) if model_dir else random_qwen2_7b(target, vocabulary)
     return StitchEngine(model)
 
 

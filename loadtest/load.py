@@ -91,6 +91,7 @@ class Result:
     total_ms: float = 0.0
     kv: dict[str, int] = field(default_factory=dict)
     context_tokens: int = 0  # the done event's: tokens of context the answer saw (stitched or prefilled)
+    question_tokens: int = 0  # the done event's prompt tokens beyond the context (instruction tail + question)
     timings_ms: dict[str, float] = field(default_factory=dict)  # the done event's server stage times
     error: str | None = None
     refused: bool = False
@@ -224,6 +225,7 @@ async def ask(client: httpx.AsyncClient, config: LoadConfig, result: Result) -> 
                     result.output_tokens = int(done["output_tokens"])
                     result.kv = {tier: int(done["kv"].get(tier, 0)) for tier in TIERS}
                     result.context_tokens = int(done.get("context_tokens", 0))
+                    result.question_tokens = int(done.get("prompt_tokens", 0)) - result.context_tokens
                     result.timings_ms = {k: float(v) for k, v in done.get("timings_ms", {}).items() if v is not None}
                     # The server's decode time, as kvstitch_time_per_output_token_seconds: the client cannot time
                     # tokens, since a token event carries whatever text is complete (several tokens, or none).

@@ -2,8 +2,10 @@
 
     python -m loadtest.serve_random --out $OUT --concurrency 1 4 --duration 40
 
-Builds the engine as `bench_prefill` does (random bf16 weights of the Qwen2-7B shape built on the device, the tiny
-BPE tokenizer standing in; `--model DIR` loads a folder instead), creates the gateway with
+Builds the engine as `bench_prefill` does (random bf16 weights of the Qwen2-7B shape built on the device, with
+Qwen's own vocabulary where installed, `loadtest.qwen_vocab`, else the tiny stand-in BPE, whose ~3x longer
+questions `--vocabulary stand-in` keeps for comparison with earlier runs; `--model DIR` loads a folder instead),
+creates the gateway with
 `create_app(Server(settings, engine, worker_factory=in_process_worker))` and serves it with uvicorn on loopback in
 a background thread: the real routes, start-up gate, in-process ingest worker, embedded Qdrant, SQLite KV index and
 KV tiers. Once `/readyz` says ready, a second process (so the clients' work does not hold the server's GIL) drives
@@ -14,7 +16,7 @@ alternating. With the defaults (chunks cut at sentence ends under a 640-token ca
 16) every turbo question stitches about 8-9K tokens of context and every naive one prefills as many (a 512 cap
 averages ~410: ~7K).
 
-The random model's LM head is restricted to ids the stand-in tokenizer can stream (`stream_in_vocab`), so TTFT is
+The random model's LM head is restricted to ids that stream text on their own (`stream_in_vocab`), so TTFT is
 taken at the first token rather than after the whole decode.
 
 Writes `report.json` (settings, machine, per-phase reports and every request), `table.md` and `ttft.png` under
@@ -44,6 +46,7 @@ import uvicorn
 
 from loadtest import load
 from loadtest.bench_prefill import build_engine
+from loadtest.qwen_vocab import installed_qwen_vocab
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.server import Server
@@ -56,19 +59,34 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def stream_in_vocab(engine: StitchEngine) -> int:
-    """Zero the LM head's rows of every id the stand-in tokenizer cannot turn into text (beyond its vocabulary,
-    and its special ids, EOS included); returns how many. The random Qwen2-7B shape has 152,064 output ids and the
-    tiny BPE 384, so greedy ids would almost never decode to text: no `token` event would stream before the end and
-    TTFT, which both the server and the client take at the first text, would include the whole decode. With the
-    rows zeroed, the largest logit is an in-vocabulary byte (zero beats the maximum of 382 random logits with
-    probability 2^-382), and every answer is `max_new_tokens` long. The LM head keeps its shape, so its cost is
-    unchanged."""
+    """Zero the LM head's rows of every id that cannot stream text on its own (beyond the tokenizer's vocabulary,
+    its special ids, EOS included, and byte pieces of an unfinished UTF-8 character); returns how many. The random
+    Qwen2-7B shape has 152,064 output ids and the tiny stand-in BPE 384, so greedy ids would almost never decode to
+    text: no `token` event would stream before the end and TTFT, which both the server and the client take at the
+    first text, would include the whole decode; with Qwen's vocabulary a piece of a CJK character would hold its
+    text back a step. With the rows zeroed, the largest logit is a streamable id (zero beats the maximum of the
+    hundreds of remaining random logits but with negligible probability), and every answer is `max_new_tokens` long.
+    The LM head keeps its shape, so its cost is unchanged."""
     tokenizer = engine.tokenizer
     weight = engine.model.hf.get_output_embeddings().weight
-    silenced = list(range(len(tokenizer), weight.shape[0])) + [int(i) for i in tokenizer.all_special_ids]
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    unfinished = [i for i, text in enumerate(texts) if not text or "\ufffd" in text]
+    silenced = sorted(
+        {*range(len(tokenizer), weight.shape[0]), *(int(i) for i in tokenizer.all_special_ids), *unfinished}
+    )
     with torch.no_grad():
         weight[torch.tensor(silenced, device=weight.device)] = 0
     return len(silenced)
+
+
+def chosen_vocabulary(choice: str) -> str:
+    """`auto` means Qwen's vocabulary where it is installed (realistic question lengths), else the stand-in."""
+    if choice != "auto":
+        return choice
+    if installed_qwen_vocab() is not None:
+        return "qwen"
+    log.warning("Qwen's vocabulary is not installed: the stand-in BPE makes questions ~3x longer (loadtest.qwen_vocab)")
+    return "stand-in"
 
 
 def make_settings(args: argparse.Namespace) -> Settings:
@@ -168,6 +186,7 @@ async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
             before, after = engine_seconds(before_page), engine_seconds(after_page)
             modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
             contexts = sorted(r.context_tokens for r in results if r.context_tokens)
+            questions = sorted(r.question_tokens for r in results if r.context_tokens)
             log.info("concurrency %d: %d questions in %.1f s", concurrency, len(results), duration_s)
             phases.append(
                 {
@@ -179,6 +198,7 @@ async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
                     "context_tokens": {"min": contexts[0], "median": contexts[len(contexts) // 2], "max": contexts[-1]}
                     if contexts
                     else {},
+                    "question_tokens_median": questions[len(questions) // 2] if questions else 0,
                     "stage_ms_median": _stage_medians(results),
                     "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
                     "retrieval_ms_per_question": retrieval_split(before_page, after_page),
@@ -318,9 +338,20 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
+    parser.add_argument(
+        "--vocabulary",
+        default="auto",
+        choices=["auto", "qwen", "stand-in"],
+        help="the random model's tokenizer: Qwen's own vocabulary (loadtest.qwen_vocab), the tiny stand-in BPE, or "
+        "auto: Qwen's where installed",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--embedding-model", type=Path, default=REPO / ".minilm16")
-    parser.add_argument("--embedding-device", default=None, help="default: --device")
+    parser.add_argument(
+        "--embedding-device",
+        default="cpu",
+        help="the server's default (cpu): on the engine's GPU the embeddings queue behind its kernels (§10.8)",
+    )
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/kvstitch-load"))
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--chunk-size", type=int, default=640, help="cap; sentence-aligned cuts average ~500")
@@ -340,7 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("loadtest-out"))
     args = parser.parse_args(argv)
-    args.embedding_device = args.embedding_device or args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
@@ -350,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = make_settings(args)
 
     began = time.perf_counter()
-    engine = build_engine(args.model, torch.device(args.device))
+    engine = build_engine(args.model, torch.device(args.device), chosen_vocabulary(args.vocabulary))
     log.info("engine built in %.1f s (%s)", time.perf_counter() - began, engine.model.source)
     if args.model is None:
-        log.info("zeroed %d LM-head rows the stand-in tokenizer cannot decode", stream_in_vocab(engine))
+        log.info("zeroed %d LM-head rows the tokenizer cannot decode", stream_in_vocab(engine))
     app = create_app(Server(settings, engine, worker_factory=in_process_worker))
     with BackgroundServer(app, args.port) as server:
         readiness = wait_ready(server.url)
@@ -385,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     for phase in outcome["phases"]:
         print(
-            f"clients {phase['concurrency']}: context tokens {phase['context_tokens']}; stage medians (ms) "
+            f"clients {phase['concurrency']}: context tokens {phase['context_tokens']}; question tokens "
+            f"{phase['question_tokens_median']}; stage medians (ms) "
             f"{phase['stage_ms_median']}; engine share {phase['engine_share']}; "
             f"retrieval ms per question {phase['retrieval_ms_per_question']}"
         )

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from service.gc_pauses import PAUSE_BUCKETS, GcPauses
 from service.kvcache.store import StoreStats
 from service.retrieval.batcher import RetrievalStats
 
@@ -182,6 +183,10 @@ class Metrics:
         """Report the KV store's tier usage, hits, evictions and corrupt files at every scrape."""
         self.registry.register(_StoreCollector(stats))
 
+    def watch_gc(self, pauses: GcPauses) -> None:
+        """Report the garbage collector's pauses (every collection, by generation) at every scrape."""
+        self.registry.register(_GcCollector(pauses))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -215,6 +220,22 @@ class _RetrievalCollector(Collector):
         yield seconds
         yield CounterMetricFamily("kvstitch_retrieval_questions", "Questions retrieved", value=stats.questions)
         yield CounterMetricFamily("kvstitch_retrieval_rounds", "Rounds (one embedding, one search)", value=stats.rounds)
+
+
+class _GcCollector(Collector):
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily(
+            "kvstitch_gc_pause_seconds",
+            "Python garbage collections by generation: each one stops every thread of the gateway",
+            labels=["generation"],
+        )
+        for generation, pauses in self._pauses.by_generation.items():
+            buckets = [(str(bound), n) for bound, n in zip(PAUSE_BUCKETS, pauses.bucket_counts, strict=True)]
+            family.add_metric([str(generation)], [*buckets, ("+Inf", pauses.count)], pauses.seconds)
+        yield family
 
 
 class _StoreCollector(Collector):

@@ -33,6 +33,7 @@ from service.errors import (
     UnknownJobError,
 )
 from service.facade import AnswerRequest, DocumentPage, RequestLimits
+from service.gc_pauses import GcPauses, freeze_startup_heap
 from service.jobs.documents import Document, IngestJob, JobError, parse_job
 from service.jobs.status import JobStatus
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
@@ -57,6 +58,8 @@ class Server:
     ) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        self._gc_pauses = GcPauses()
+        self.metrics.watch_gc(self._gc_pauses)
         self.runtime: Runtime | None = None
         self.answerer: Answerer | None = None
         self.gate: GateOutcome | None = None
@@ -93,6 +96,7 @@ class Server:
         """Open, check and warm everything (on the calling thread); errors are kept for `readiness`."""
         try:
             began = time.perf_counter()
+            self._gc_pauses.install()
             runtime = self.runtime = open_runtime(self.settings, *self._given)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
@@ -111,6 +115,8 @@ class Server:
             runtime.loop.on_step = self.metrics.batch_size.observe
             self.answerer = Answerer(runtime.engine, runtime.store, runtime.retrieval.retrieve)
             self._start_worker(runtime)
+            if self.settings.gc_freeze:
+                log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
             log.info("kvstitch ready in %.1f s (model %s)", time.perf_counter() - began, self.model_name)
         except Exception as err:
             log.exception("start-up failed")
@@ -126,6 +132,7 @@ class Server:
         runtime.start_worker(self._worker_factory, self.metrics.ingest_finished)
 
     def close(self) -> None:
+        self._gc_pauses.uninstall()
         if self.runtime is not None:
             self.runtime.close()
 

@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     max_upload_files: int = Field(100, ge=1, le=1000, description="Files one POST /ingest/files may carry.")
     max_upload_file_mb: int = Field(32, ge=1, description="Largest file POST /ingest/files accepts (MiB); 413 above.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
+    gc_freeze: bool = Field(
+        True,
+        description="Once ready, freeze the start-up heap out of Python's garbage collector (no 250-450 ms full "
+        "collections).",
+    )
     max_batch: int = Field(
         batching_defaults.MAX_BATCH, ge=1, le=256, description="Answers decoded together in one batched step, at most."
     )

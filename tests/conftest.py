@@ -6,6 +6,7 @@ Where CUDA exists, engine tests also run in bf16 on the GPU (marked `gpu`).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,10 @@ import torch
 from service.devtools.tiny_model import ARCHITECTURES, build_tiny_model
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
+
+# The servers tests start must not freeze the test process's heap out of the garbage collector (every earlier
+# test's leftovers would stay): the tests that check the freeze turn it on themselves.
+os.environ.setdefault("KVSTITCH_GC_FREEZE", "false")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from api_support import DOCS, ask_events, ingest
+from app_server import MakeApp, wait_ready
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,3 +93,22 @@ def test_a_second_ingest_of_the_same_documents_counts_reused_chunks(client: Test
     assert value(m, "kvstitch_ingest_jobs_total", status="done") == 2
     assert value(m, "kvstitch_ingest_chunks_total", kv="precomputed") == first["chunks_precomputed"]
     assert value(m, "kvstitch_ingest_chunks_total", kv="reused") == first["chunks"]
+
+
+def test_a_ready_server_froze_its_start_up_heap_and_reports_every_collection(make_app: MakeApp) -> None:
+    frozen_before = gc.get_freeze_count()
+    app = make_app(gc_freeze=True)
+    try:
+        with TestClient(app) as client:
+            wait_ready(app)
+            # torch, transformers, the tokenizer and the embedder alone are hundreds of thousands of objects
+            assert gc.get_freeze_count() > frozen_before + 100_000
+            before = scrape(client)
+            gc.collect()
+            after = scrape(client)
+    finally:
+        gc.unfreeze()
+    count = value(after, "kvstitch_gc_pause_seconds_count", generation="2")
+    assert count >= value(before, "kvstitch_gc_pause_seconds_count", generation="2") + 1
+    assert value(after, "kvstitch_gc_pause_seconds_sum", generation="2") > 0
+    assert value(after, "kvstitch_gc_pause_seconds_bucket", generation="2", le="+Inf") == count

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.retrieval.embedder import Embedder, bundled_model_path
 
@@ -81,3 +82,17 @@ def test_a_model_path_overrides_the_default(embedder: Embedder, tmp_path: Path) 
 def test_a_zero_batch_size_is_refused() -> None:
     with pytest.raises(ValueError, match="batch_size must be positive"):
         Embedder(batch_size=0)
+
+
+def test_a_half_precision_folder_runs_in_fp32_on_the_cpu_with_the_same_vectors(
+    embedder: Embedder, tmp_path: Path
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(bundled_model_path()), device="cpu").half().save(str(tmp_path / "half"))
+    half = Embedder(tmp_path / "half", device="cpu")
+
+    assert {p.dtype for p in half._model.parameters()} == {torch.float32}
+    text = "The capital of France is Paris."
+    got, want = half.embed_query(text), embedder.embed_query(text)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 5e-3  # only the fp16 rounding of the weights

@@ -1,0 +1,46 @@
+"""The garbage collector's pause histogram and the start-up freeze (service/gc_pauses.py)."""
+
+from __future__ import annotations
+
+import gc
+
+from service.gc_pauses import PAUSE_BUCKETS, GcPauses, PauseHistogram, freeze_startup_heap
+
+
+def test_a_pause_counts_in_every_bucket_at_or_above_it() -> None:
+    histogram = PauseHistogram()
+    histogram.observe(0.003)
+    histogram.observe(0.3)
+
+    assert histogram.count == 2 and abs(histogram.seconds - 0.303) < 1e-12
+    expected = [int(bound >= 0.003) + int(bound >= 0.3) for bound in PAUSE_BUCKETS]
+    assert histogram.bucket_counts == expected
+    assert expected[:2] == [0, 1] and expected[-1] == 2
+
+
+def test_installed_pauses_time_each_collection_by_generation_until_uninstalled() -> None:
+    pauses = GcPauses()
+    pauses.install()
+    pauses.install()  # once only
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    finally:
+        pauses.uninstall()
+    full = pauses.by_generation[2]
+    assert full.count >= 2 and full.seconds > 0 and full.bucket_counts[-1] <= full.count
+    assert pauses.by_generation[0].count >= 1
+    gc.collect(2)
+    assert pauses.by_generation[2].count == full.count
+
+
+def test_freezing_moves_live_objects_out_of_the_collectors_walk() -> None:
+    before = gc.get_freeze_count()
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > before
+        assert gc.get_count()[2] == 0  # nothing left waiting in the oldest generation
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
