@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     gate_tolerance: float | None = Field(
         None,
         gt=0,
-        description="Gate tolerance (largest logit difference); default 1e-4 in fp32, 10% of the logit scale in bf16.",
+        description="Gate tolerance (largest logit difference); default the larger of 1e-4 and 1e-5 of the logit "
+        "scale in fp32, 10% of it in bf16.",
     )
 
     # ---- storage -------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import service.engine.engine as engine_module
 from service.cli import main
+from service.engine.gate import scaled_tolerance
 from service.engine.stitch import StitchPlan, plan_positions
 
 FINAL_LINE = re.compile(r"^max_abs_logit_diff=(\S+)$")
@@ -49,6 +51,19 @@ def test_verify_fails_when_positions_are_off_by_one(
     assert code == 1
     assert "gate FAIL" in out
     assert _final_diff(out) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "logit_scale", "bound"),
+    [
+        (torch.float32, 3.5, 1e-4),  # the tiny random models: the absolute floor
+        (torch.float32, 40.0, 4e-4),  # a trained model (the H200 demo's base: 1.3e-4 of fp32 round-off)
+        (torch.bfloat16, 40.0, 4.0),
+        (torch.bfloat16, 6.8, 0.68),  # the random Qwen2-7B shape
+    ],
+)
+def test_the_gate_bound_grows_with_the_logits(dtype: torch.dtype, logit_scale: float, bound: float) -> None:
+    assert scaled_tolerance(dtype, logit_scale) == pytest.approx(bound)
 
 
 def test_verify_runs_as_a_command(tiny_model_dirs: dict[str, Path]) -> None:
