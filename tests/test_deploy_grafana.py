@@ -14,6 +14,7 @@ import yaml
 from service.kvcache.store import StoreStats, TierUsage
 from service.kvcache.tiers import Tier
 from service.metrics import INGEST_STATUSES, STAGES, Metrics
+from service.gc_pauses import GcPauses
 from service.retrieval.batcher import RetrievalStats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +50,7 @@ def exported() -> dict[str, set[str]]:
     metrics.watch_batching(lambda: 2, lambda: 1 << 20, 1 << 30)
     metrics.watch_engine(lambda: {"idle": 1.0, "decode": 2.0})
     metrics.watch_retrieval(lambda: RetrievalStats(questions=4, rounds=2, wait_s=0.1, embed_s=0.2, search_s=0.3))
+    metrics.watch_gc(GcPauses())
     metrics.batch_size.observe(2)
     metrics.preemptions.inc(0)
     metrics.watch_ingest_backlog(lambda: 0)
