@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
+from service.gc_pauses import GcPauses
 from service.kvcache.store import StoreStats, TierUsage
 from service.kvcache.tiers import Tier
 from service.metrics import INGEST_STATUSES, STAGES, Metrics
-from service.gc_pauses import GcPauses
 from service.retrieval.batcher import RetrievalStats
 
 ROOT = Path(__file__).resolve().parent.parent
