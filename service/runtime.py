@@ -177,6 +177,7 @@ class Runtime:
             cuda_graphs=on_cuda,
             prefill_chunk=self.settings.prefill_chunk,
             batch_prefill_min=self.settings.batch_prefill_min,
+            prefill_with_decode=self.settings.prefill_with_decode,
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))

@@ -131,6 +131,11 @@ class Settings(BaseSettings):
         le=256,
         description="Turbo questions admitted in one step are prefilled in one forward from this many on; 0 = never.",
     )
+    prefill_with_decode: bool = Field(
+        True,
+        description="Questions admitted while answers run are prefilled in the decode step's own forward (any "
+        "number; needs BATCH_PREFILL_MIN > 0).",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )

@@ -641,6 +641,31 @@ def test_questions_admitted_together_are_prefilled_in_one_forward_and_match_alon
     assert scheduler.pool.used_slots == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("with_decode", [True, False])
+def test_questions_arriving_while_answers_run_are_prefilled_in_the_decode_steps_forward_and_match_alone(
+    get_engine: Callable[..., StitchEngine], arch: str, with_decode: bool
+) -> None:
+    engine = get_engine(arch, "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 3000), batch_prefill_min=3, prefill_with_decode=with_decode)
+    tracked = [Tracked(engine, case) for case in MIXED]
+    scheduler.add(tracked[0].request)
+    scheduler.step()  # nothing runs yet: prefilled alone, then its first decode step
+    assert scheduler.prefilled_with_decode == 0 and len(tracked[0].request.result.token_ids) == 2
+    scheduler.add(tracked[1].request)  # one turbo question, below the batched prefill's minimum of three
+    scheduler.step()
+    assert scheduler.prefilled_with_decode == (1 if with_decode else 0)
+    assert len(tracked[0].request.result.token_ids) == 3  # the running answer decoded in the same step
+    assert len(tracked[1].request.result.token_ids) == (1 if with_decode else 2)
+    for t in tracked[2:]:  # a naive prompt, a question without context, more turbo ones: joining mid-stream
+        scheduler.add(t.request)
+    drain(scheduler)
+    assert scheduler.prefilled_with_decode == (3 if with_decode else 0)  # MIXED holds four turbo cases
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+    assert scheduler.pool.used_slots == 0
+
+
 def test_batched_prefill_can_be_switched_off_or_needs_its_minimum(get_engine: Callable[..., StitchEngine]) -> None:
     engine = get_engine("qwen2", "cpu")
     for minimum, together in ((0, 0), (4, 0), (3, 3)):

@@ -65,6 +65,7 @@ class Scheduler:
         cuda_graphs: bool = False,
         prefill_chunk: int = 0,
         batch_prefill_min: int = 2,
+        prefill_with_decode: bool = True,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
@@ -72,7 +73,11 @@ class Scheduler:
         steps, instead of stalling them for its whole prefill (0: never).
         `batch_prefill_min`: when at least this many turbo requests are admitted in one step, their questions are
         prefilled together in one batched forward instead of one prefill each, and the naive chunks of a step run
-        as one batched forward too (0: never, and one naive chunk per step)."""
+        as one batched forward too (0: never, and one naive chunk per step).
+        `prefill_with_decode`: where the batched forward runs (`batch_prefill_min` > 0 and it pays on the device),
+        the turbo questions admitted while answers are running are prefilled in the same forward as the running
+        answers' decode step — each running answer one new token, each question its own — whatever their number:
+        one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
@@ -93,6 +98,9 @@ class Scheduler:
         self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt is prefilled in chunks
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
         self.prefilled_together = 0  # requests whose question went through a batched prefill (tests, benchmarks)
+        self.prefill_with_decode = prefill_with_decode
+        self.prefilled_with_decode = 0  # of those, the ones prefilled in a decode step's forward
+        self._questions: list[BatchRequest] = []  # stitched this step, prefilled in its decode step's forward
         # Wall seconds spent per phase of `step` since start (the engine's utilisation, exported as a metric):
         # admit (fetch, stitch, question prefill), prefill (naive chunks), decode (the batched step and the pick,
         # which waits for the GPU), emit (detokenize and hand the text to the listeners).
@@ -185,14 +193,22 @@ class Scheduler:
             else:
                 admitted.append(request)
         together = [r for r in admitted if self._joins_batched_prefill(r)]
-        if not self.slabs.batched or len(together) < self.batch_prefill_min:
+        with_decode = self._prefills_with_decode()
+        if not self.slabs.batched or (len(together) < self.batch_prefill_min and not with_decode):
             together = []
         for request in admitted:
             if request not in together:
                 self._start_admitted(request, finished)
-        if together:
+        if together and with_decode:
+            self._questions = self._stitched(together, finished)
+        elif together:
             finished += self._prefill_together(together)
         return finished
+
+    def _prefills_with_decode(self) -> bool:
+        """Whether this step's admitted questions go into its decode step's forward: answers are running (so the
+        step runs), and the batched forward is what the device runs (see `SlabPrefill.batched`)."""
+        return self.prefill_with_decode and self.slabs.batched and self.batch_prefill_min > 0 and bool(self.running)
 
     def _joins_batched_prefill(self, request: BatchRequest) -> bool:
         # Recompute needs its own eager pass between stitch and question; keep it on the one-request path.
@@ -215,18 +231,10 @@ class Scheduler:
         """Stitch each request's chunks into its slab, then prefill every question in one batched forward
         (`BatchDecoder.extend`); returns the requests that finished (failed, or done at their first token)."""
         finished: list[BatchRequest] = []
-        watch = Stopwatch(self.engine.spec.device)
-        stitched = []
-        for request in group:
-            try:
-                self.slabs.stitch_into_slab(request)
-                stitched.append(request)
-            except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
-                self._fail(request, err)
-                finished.append(request)
+        stitched = self._stitched(group, finished)
         if not stitched:
             return finished
-        stitch_ms = watch.lap_ms()
+        watch = Stopwatch(self.engine.spec.device)
         try:
             logits = self.slabs.extend(stitched)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
@@ -237,14 +245,30 @@ class Scheduler:
         prefill_ms = watch.lap_ms()
         self.prefilled_together += len(stitched)
         for row, request in enumerate(stitched):
-            # Each waited for the whole group's stitch and prefill: that is its share of the TTFT.
-            request.result.timings.stitch_ms = stitch_ms
+            # Each waited for the whole group's prefill: that is its share of the TTFT.
             request.result.timings.prefill_ms = prefill_ms
             if self._first_token(request, logits[row]):
                 self.running.append(request)
             else:
                 finished.append(request)
         return finished
+
+    def _stitched(self, group: list[BatchRequest], finished: list[BatchRequest]) -> list[BatchRequest]:
+        """Each request's chunks stitched into its slab; those that failed go to `finished`. Each request's
+        stitch time is the group's (every member waits for all of it)."""
+        watch = Stopwatch(self.engine.spec.device)
+        stitched = []
+        for request in group:
+            try:
+                self.slabs.stitch_into_slab(request)
+                stitched.append(request)
+            except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
+                self._fail(request, err)
+                finished.append(request)
+        stitch_ms = watch.lap_ms()
+        for request in stitched:
+            request.result.timings.stitch_ms = stitch_ms
+        return stitched
 
     def _chunked(self, request: BatchRequest) -> bool:
         return (
@@ -346,27 +370,60 @@ class Scheduler:
     # ---- run -----------------------------------------------------------------------------------------------
 
     def _decode(self) -> list[BatchRequest]:
-        """One batched step over every running request; returns those it finished."""
-        batch = list(self.running)
+        """One batched step over every running request (and the questions admitted to prefill with it); returns
+        those it finished."""
+        batch, questions = list(self.running), self._questions
+        self._questions = []
         began = time.perf_counter()
         try:
-            tokens, logprobs = self._step_tokens(batch)
+            tokens, logprobs, question_logits = self._step_tokens(batch, questions)
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
-            log.exception("batched decode step over %d requests failed", len(batch))
-            for request in batch:
+            log.exception("batched decode step over %d requests failed", len(batch) + len(questions))
+            for request in (*batch, *questions):
                 self._fail(request, err)
-            return batch
+            return [*batch, *questions]
         decoded = time.perf_counter()
         self.busy_s["decode"] += decoded - began
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
         rows = zip(batch, tokens, logprobs, strict=True)
         finished = [r for r, token, lp in rows if not self._accept(r, token, lp)]
+        finished += self._first_tokens(questions, question_logits, (decoded - began) * 1e3)
         self.busy_s["emit"] += time.perf_counter() - decoded
         return finished
 
-    def _step_tokens(self, batch: Sequence[BatchRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _first_tokens(
+        self, questions: Sequence[BatchRequest], logits: torch.Tensor | None, prefill_ms: float
+    ) -> list[BatchRequest]:
+        """The questions prefilled in the decode step: each one's first token; returns those it already ended."""
+        finished = []
+        self.prefilled_together += len(questions)
+        self.prefilled_with_decode += len(questions)
+        for row, request in enumerate(questions):
+            assert logits is not None
+            request.result.timings.prefill_ms = prefill_ms  # the shared step's: every member waits for all of it
+            if self._first_token(request, logits[row]):
+                self.running.append(request)
+            else:
+                finished.append(request)
+        return finished
+
+    def _step_tokens(
+        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest] = ()
+    ) -> tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None]:
         """Feed every request its last token, one batched step; the next token of each (and its
-        log-probabilities where the request asks for them)."""
+        log-probabilities where the request asks for them). With `questions`, the step is one batched extend
+        over the running requests' last tokens and the questions; their rows' logits come back too."""
+        if questions:
+            new_ids = [[r.last_token] for r in batch] + [list(r.prompt.question) for r in questions]
+            both = self.slabs.extend([*batch, *questions], new_ids)
+            logits, question_logits = both[: len(batch)], both[len(batch) :]
+        else:
+            logits, question_logits = self._decode_logits(batch), None
+        tokens = pick_rows(logits, [r.running_sampler for r in batch])
+        return tokens, self._logprobs(batch, logits, tokens), question_logits
+
+    def _decode_logits(self, batch: Sequence[BatchRequest]) -> torch.Tensor:
+        """The decode step proper: each request's last token through the step's graph (or eagerly)."""
         ids, positions, spans = self._rows(batch)
         if self.graphs is not None:
             logits = self.graphs.step(ids, positions, spans)
@@ -374,8 +431,7 @@ class Scheduler:
             logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
-        tokens = pick_rows(logits, [r.running_sampler for r in batch])
-        return tokens, self._logprobs(batch, logits, tokens)
+        return logits
 
     @staticmethod
     def _logprobs(
