@@ -140,7 +140,9 @@ class QueryEmbedProcess:
     def _death_reason(self, err: BaseException) -> str:
         process = self._process
         if process is not None:
-            process.join(timeout=1)  # a child that just died: its exit code tells how (-9 = killed)
+            # A child that just died: its exit code tells how (-9 = killed). Its threads may still be tearing down
+            # (the exit code waits for the last one); a hung child has already had its request timeout.
+            process.join(timeout=5)
             if process.exitcode is not None:
                 return f"the child (pid {process.pid}) exited with code {process.exitcode} during a request"
         return f"{type(err).__name__}: {err}"
@@ -190,7 +192,10 @@ class QueryEmbedProcess:
                 "%s (pid %s) is gone (exit code %s); starting a new one", COMPONENT, self.pid, self._exit_code()
             )
         self._stop_child()
-        dimension = self._start()
+        try:
+            dimension = self._start()
+        except EmbedProcessError as err:  # an outage for this call (a 503); the next call tries again
+            raise UnavailableError(COMPONENT, f"restart failed: {err}") from err
         if dimension != self._dimension:  # cannot happen with the same model folder; vectors would not fit Qdrant
             raise EmbedProcessError(f"{COMPONENT} restarted with dimension {dimension}, was {self._dimension}")
 

@@ -5,6 +5,7 @@ sentence-transformers imported afresh), so the tests share children where they c
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ import torch
 
 from service.errors import UnavailableError
 from service.retrieval.embed_process import EmbedProcessError, QueryEmbedProcess
-from service.retrieval.embedder import Embedder
+from service.retrieval.embedder import Embedder, bundled_model_path
 from service.runtime import question_embedder_in_child
 
 pytestmark = pytest.mark.slow
@@ -58,9 +59,18 @@ def live_embed_children() -> list[int]:
     return found
 
 
+def threads_left(pid: int) -> int:
+    """Threads of a process not yet released: a killed process's leader is a zombie while its other threads
+    (torch's) still tear down, and its parent can reap it only once they are gone."""
+    try:
+        return sum(1 for _ in Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return 0
+
+
 def wait_dead(pid: int, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
-    while alive(pid):
+    while alive(pid) or threads_left(pid) > 1:
         assert time.monotonic() < deadline, f"process {pid} still alive"
         time.sleep(0.05)
 
@@ -144,6 +154,29 @@ def _call_into(process: QueryEmbedProcess, failures: list[BaseException]) -> Non
         process.embed_queries(QUESTIONS)
     except BaseException as err:
         failures.append(err)
+
+
+def test_a_failed_restart_is_an_outage_for_that_call_and_the_next_call_tries_again(
+    embedder: Embedder, tmp_path: Path
+) -> None:
+    folder = tmp_path / "minilm"
+    shutil.copytree(bundled_model_path(), folder)
+    process = QueryEmbedProcess(str(folder))
+    try:
+        pid = process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        folder.rename(tmp_path / "moved")
+
+        with pytest.raises(UnavailableError, match="restart failed") as caught:
+            process.embed_queries(QUESTIONS)
+        assert str(folder) in str(caught.value)
+
+        (tmp_path / "moved").rename(folder)
+        assert max_abs_diff(process.embed_queries(QUESTIONS), embedder.embed_queries(QUESTIONS)) <= 1e-5
+    finally:
+        process.close()
 
 
 def test_a_missing_model_folder_fails_at_start_naming_it(tmp_path: Path) -> None:
