@@ -256,7 +256,9 @@ def serve_embeddings(conn: Connection, model: str | None, device: str) -> None:
 
 def _load_embedder(model: str | None, device: str) -> Embedder:
     torch.set_num_threads(child_threads())  # its own cores: the parent's threads are not competing for them here
-    return Embedder(model, device=device)
+    embedder = Embedder(model, device=device)
+    embedder.embed_queries(["warm-up"])  # the first forward pays lazy set-up (~200 ms): at start, not a user's
+    return embedder
 
 
 def _answer(embedder: Embedder, message: Any) -> tuple[Any, ...]:
