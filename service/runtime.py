@@ -43,6 +43,7 @@ from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
+from service.retrieval.embed_process import QueryEmbedProcess
 from service.retrieval.embedder import Embedder
 from service.settings import MIB, Settings
 
@@ -116,6 +117,7 @@ class Runtime:
     order: DocumentOrder
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
+    question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
@@ -223,7 +225,7 @@ class Runtime:
         self.closed = True
         self._stop_worker()
         self._safely(self.queue.close)  # after the worker: it still hands its job back through the queue
-        for close in (self.loop.close, self._release_pool, self.retrieval.close):
+        for close in (self.loop.close, self._release_pool, self.retrieval.close, self._close_question_embedder):
             self._safely(close)
         for close in (self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
@@ -241,6 +243,11 @@ class Runtime:
             # Its job is neither acked nor handed back: it stays pending, and is resumed at the next start (or
             # claimed by another worker) like the job of a killed process.
             log.warning("ingest worker still busy after %.0f s; closing anyway", self.settings.shutdown_timeout_s)
+
+    def _close_question_embedder(self) -> None:
+        """After the retrieval batcher: its thread may still be waiting on the child for a last round."""
+        if self.question_embedder is not None:
+            self.question_embedder.close()
 
     def _release_pool(self) -> None:
         """Give the KV pool's memory back now (a closed runtime may stay referenced, by metrics say)."""
@@ -348,13 +355,16 @@ def hold_data_dir(settings: Settings) -> DataDirLock | None:
     return claim_data_dir(settings.data_dir) if needs_data_dir_to_itself(settings) else None
 
 
-def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedder: Embedder | None = None) -> Runtime:
+def open_runtime(
+    settings: Settings, engine: StitchEngine | None = None, embedder: Embedder | None = None, answers: bool = True
+) -> Runtime:
     """Open every component (the engine and embedder too unless given, e.g. shared by tests); the data dir is
-    claimed first, before the model loads and before embedded Qdrant or SQLite opens."""
+    claimed first, before the model loads and before embedded Qdrant or SQLite opens. `answers=False` (a worker,
+    `ingest --embedded`): no question is asked here, so no question embedder process is started."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     lock = hold_data_dir(settings)
     try:
-        runtime = _open_components(settings, engine, embedder)
+        runtime = _open_components(settings, engine, embedder, answers)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -363,7 +373,30 @@ def open_runtime(settings: Settings, engine: StitchEngine | None = None, embedde
     return runtime
 
 
-def _open_components(settings: Settings, engine: StitchEngine | None, embedder: Embedder | None) -> Runtime:
+def question_embedder_in_child(mode: str, engine_device: torch.device) -> bool:
+    """Whether questions are embedded in a child process (`KVSTITCH_EMBEDDING_PROCESS`). Auto: with the LLM on
+    CUDA, where the engine thread holds the GIL between kernel launches and a CPU forward here would wait for it;
+    on the CPU (development, the tests) in-process, where a spawned child would cost seconds at every start."""
+    if mode == "auto":
+        return engine_device.type == "cuda"
+    return mode == "on"
+
+
+def open_question_embedder(settings: Settings, engine: StitchEngine, embedder: Embedder) -> QueryEmbedProcess | None:
+    """The child process for questions' embeddings when the settings call for one (the in-process `embedder`
+    keeps the documents' and the collection's dimension); None = questions embedded in this process."""
+    if not question_embedder_in_child(settings.embedding_process, engine.spec.device):
+        return None
+    child = QueryEmbedProcess(settings.embedding_model, device=settings.embedding_device)
+    if child.dimension != embedder.dimension:  # two models: its vectors would not fit the collection
+        child.close()
+        raise RuntimeError(f"question embedder dimension {child.dimension} != embedder's {embedder.dimension}")
+    return child
+
+
+def _open_components(
+    settings: Settings, engine: StitchEngine | None, embedder: Embedder | None, answers: bool = True
+) -> Runtime:
     engine = engine or open_engine(settings)
     loop = EngineLoop(settings.max_queue)
     precompute = loop.bind(engine.precompute)
@@ -374,7 +407,9 @@ def _open_components(settings: Settings, engine: StitchEngine | None, embedder: 
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
     sweep_dead_jobs(queue, collection, store)
-    retrieval = RetrievalBatcher(embedder.embed_queries, collection.search_many)
+    question_embedder = open_question_embedder(settings, engine, embedder) if answers else None
+    embed_questions = question_embedder.embed_queries if question_embedder is not None else embedder.embed_queries
+    retrieval = RetrievalBatcher(embed_questions, collection.search_many)
     return Runtime(
         settings,
         engine,
@@ -389,4 +424,5 @@ def _open_components(settings: Settings, engine: StitchEngine | None, embedder: 
         order,
         precompute,
         retrieval,
+        question_embedder,
     )

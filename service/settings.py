@@ -77,6 +77,11 @@ class Settings(BaseSettings):
         None, description="sentence-transformers model folder; unset = the bundled all-MiniLM-L6-v2."
     )
     embedding_device: str = Field("cpu", description="Device of the embedding model.")
+    embedding_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Embed questions in a child process, so the forward never waits for the gateway's GIL (engine "
+        "thread, event loop); auto = on when the LLM runs on CUDA.",
+    )
     chunk_size: int = Field(384, ge=16, le=8192, description="Chunk size in LLM tokens.")
     chunk_overlap: int = Field(48, ge=0, description="Overlap between chunks cut inside a paragraph (tokens).")
     max_document_chars: int = Field(2_000_000, ge=1, description="Largest document accepted (characters).")

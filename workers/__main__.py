@@ -34,7 +34,7 @@ def run_worker(settings: Settings, name: str | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    with open_runtime(settings) as runtime:
+    with open_runtime(settings, answers=False) as runtime:
         worker = runtime_worker(runtime, name)
         metrics_server = serve_metrics(settings, runtime, worker)
 

@@ -193,7 +193,7 @@ def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) ->
     from service.runtime import open_runtime
     from workers.worker import runtime_worker
 
-    with open_runtime(settings) as runtime:
+    with open_runtime(settings, answers=False) as runtime:
         worker = runtime_worker(runtime, name="kvstitch-ingest", poll_ms=50)
         job_ids = [
             submit_ingest(runtime.queue, runtime.jobs, runtime.order, group) for group in batches(documents, batch)
