@@ -137,9 +137,9 @@ class Settings(BaseSettings):
         description="Turbo questions admitted in one step are prefilled in one forward from this many on; 0 = never.",
     )
     prefill_with_decode: bool = Field(
-        True,
+        False,
         description="Questions admitted while answers run are prefilled in the decode step's own forward (any "
-        "number; needs BATCH_PREFILL_MIN > 0).",
+        "number; needs BATCH_PREFILL_MIN > 0). Off: slower on an H200 (docs/benchmarks.md §10.8).",
     )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."

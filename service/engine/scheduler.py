@@ -65,7 +65,7 @@ class Scheduler:
         cuda_graphs: bool = False,
         prefill_chunk: int = 0,
         batch_prefill_min: int = 2,
-        prefill_with_decode: bool = True,
+        prefill_with_decode: bool = False,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
@@ -77,7 +77,9 @@ class Scheduler:
         `prefill_with_decode`: where the batched forward runs (`batch_prefill_min` > 0 and it pays on the device),
         the turbo questions admitted while answers are running are prefilled in the same forward as the running
         answers' decode step — each running answer one new token, each question its own — whatever their number:
-        one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking)."""
+        one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Off
+        by default: through the gateway on an H200 it made the running answers' steps slower than it saved
+        (docs/benchmarks.md §10.8)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
