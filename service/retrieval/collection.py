@@ -325,12 +325,21 @@ class ChunkCollection:
     def _points(
         self, vectors: Sequence[Sequence[float]], selector: models.Filter | None, limits: Sequence[int]
     ) -> list[list[models.ScoredPoint]]:
+        if self.embedded:
+            # Embedded Qdrant answers a batch by deep-copying every request (its query vector float by float)
+            # and then querying them one by one: asking one by one skips the copies, half of a search's time.
+            with self._lock:
+                return [
+                    self._client.query_points(
+                        self.name, query=list(v), query_filter=selector, limit=limit, with_payload=True
+                    ).points
+                    for v, limit in zip(vectors, limits, strict=True)
+                ]
         requests = [
             models.QueryRequest(query=list(v), filter=selector, limit=limit, with_payload=True)
             for v, limit in zip(vectors, limits, strict=True)
         ]
-        with self._lock:
-            responses = self._client.query_batch_points(self.name, requests=requests)
+        responses = self._client.query_batch_points(self.name, requests=requests)
         return [list(r.points) for r in responses]
 
     def document_versions(self, doc_id: str) -> set[str]:

@@ -150,7 +150,8 @@ def test_qdrant_away_gives_503_and_readyz_says_so_then_service_resumes(
         raise ConnectionRefusedError("connection refused")
 
     with monkeypatch.context() as patch:
-        patch.setattr(collection._client, "query_batch_points", unreachable)  # the Qdrant client itself
+        for method in ("query_batch_points", "query_points"):  # the Qdrant client itself
+            patch.setattr(collection._client, method, unreachable)
         patch.setattr(collection, "ping", lambda: False)
         reply = client.post("/ask", json={"question": QUESTION})
         ready = client.get("/readyz")
