@@ -34,6 +34,12 @@ ATTENTION_BACKENDS = (FLASH_VARLEN, SDPA_MASK)
 # their log-sum-exp (flash-decoding's split-KV): one range per head is only 28 thread blocks for 128 queries on
 # 132 SMs, and each walks the whole context alone (10 ms of a 16K prefill; see docs/benchmarks.md §8).
 PREFILL_KV_SPLITS = 8
+# The batched prefill (several requests' new tokens, `extend_split`) splits each request's context the same way
+# while its new tokens are few: flash-attention 2 splits keys only for one query per row, so two questions over
+# 8K contexts ran 56 thread blocks that each walked 8K keys (7.5 of the forward's 15 ms on an H200, §10.9).
+# From `EXTEND_SPLIT_TOKENS` new tokens on the query blocks alone fill the GPU, and the splits shrink.
+EXTEND_KV_SPLITS = 8
+EXTEND_SPLIT_TOKENS = 256
 # Agreement between the two attention backends on the start-up probe: both are bf16 kernels with fp32
 # softmax; measured differences are a few bf16 ulps of outputs of size ~1, a wrong length is off by ~0.1.
 _PROBE_TOLERANCE = 2e-2
@@ -173,12 +179,21 @@ def _flash(
     max_k: int,
     causal: bool,
     scale: float,
+    used_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash varlen over keys/values [total_k, Hkv, D]; returns the output [total_q, H, D] and its fp32 log-sum-exp."""
+    """flash varlen over keys/values [total_k, Hkv, D]; returns the output [total_q, H, D] and its fp32 log-sum-exp.
+    `used_k`: each sequence's key count (seqused_k; its keys start at cu_k, which then need not increase)."""
     result = torch.ops.aten._flash_attention_forward(
-        q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used_k
     )
     return result[0], result[1]
+
+
+def _merge(outs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Partial attentions `outs` [P, T, H, D] over disjoint key ranges merged by their log-sum-exp `lse` [P, T, H]
+    (-inf: an empty range, weighing nothing; one range per query must be non-empty), in fp32."""
+    weights = torch.exp(lse - lse.amax(dim=0, keepdim=True)).unsqueeze(-1)
+    return ((outs.float() * weights).sum(dim=0) / weights.sum(dim=0)).to(outs.dtype)
 
 
 def _lse_rows(lse: torch.Tensor, parts: int, tokens: int, heads: int) -> torch.Tensor:
@@ -214,12 +229,88 @@ def _flash_split(
         own_out, own_lse = _flash(q, k, v, cu_q, cu_own, tokens, tokens, True, scale)
         lse = torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads)))
         # The question's own part always has a key (itself), so the maximum is finite.
-        weights = torch.exp(lse - lse.amax(dim=0, keepdim=True)).unsqueeze(-1)  # [parts, T, H, 1]
         outs = torch.cat((context_out.view(splits, tokens, heads, dim), own_out.view(1, tokens, heads, dim)))
-        merged = (outs.float() * weights).sum(dim=0) / weights.sum(dim=0)
-        return merged.to(q.dtype)
+        return _merge(outs, lse)
 
     return attend
+
+
+def extend_splits(tokens: int) -> int:
+    """Context key ranges for a batched prefill of `tokens` new tokens in all (1: one causal flash call)."""
+    if tokens <= EXTEND_SPLIT_TOKENS:
+        return EXTEND_KV_SPLITS
+    return max(1, EXTEND_KV_SPLITS * EXTEND_SPLIT_TOKENS // tokens)
+
+
+def extend_split(
+    cu_q: torch.Tensor,
+    starts: torch.Tensor,
+    used: torch.Tensor,
+    bounds: tuple[int, int],
+    pool_slots: int,
+    splits: int,
+) -> StaticAttend:
+    """Several requests' new tokens (row r's are queries cu_q[r]..cu_q[r+1], cu_q[-1] of them in all) after each
+    one's live context in the pool (row r's slab starts at starts[r] with used[r] live slots, its new tokens the
+    last ones): every row's context as `splits` non-causal key ranges, plus its new tokens over themselves
+    (causal), merged by log-sum-exp as `_flash_split` does for one request. `bounds`: upper bounds of any row's
+    new tokens and live slots. Ranges and indices are built here, once per forward and on the device (a CUDA
+    graph captures them); `cu_q`'s length and the query count are the only shapes they depend on."""
+    cu, rows = cu_q.long(), starts.shape[0]
+    new = cu[1:] - cu[:-1]
+    context = used.long() - new
+    part = torch.arange(splits + 1, device=cu.device)
+    edges = starts.long() + torch.div(context * part.unsqueeze(1), splits, rounding_mode="floor")  # [S + 1, R]
+    end = cu.new_full((1,), pool_slots)
+    # Range s of row r is sequence s * R + r; its keys start at edges[s, r] and number edges[s + 1, r] - edges[s, r].
+    cu_ranges = torch.cat((edges[:-1].reshape(-1), end)).to(torch.int32)
+    range_used = (edges[1:] - edges[:-1]).reshape(-1).to(torch.int32)
+    own_starts = torch.cat((starts.long() + context, end)).to(torch.int32)
+    own_cu, own_used = cu.to(torch.int32), new.to(torch.int32)
+    max_q, max_k = bounds
+    indices: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def by_token(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For `total` queries: cu_q of the repeated queries, each repeated query's sequence [S, T] and row and
+        index within its sequence [T] (the first layer builds them, the others reuse them)."""
+        if total not in indices:
+            token = torch.arange(total, device=cu.device)
+            row_of = torch.searchsorted(cu[1:], token, right=True)
+            repeated_cu = torch.cat(
+                ((part[:-1].unsqueeze(1) * total + cu[:-1]).reshape(-1), end.new_full((1,), splits * total))
+            )
+            entry = part[:-1].unsqueeze(1) * rows + row_of
+            indices[total] = (repeated_cu.to(torch.int32), entry, row_of, token - cu[row_of])
+        return indices[total]
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        total, heads, dim = q.shape
+        repeated_cu, entry, row_of, offset = by_token(total)
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)
+        repeated = q.unsqueeze(0).expand(splits, total, heads, dim).reshape(splits * total, heads, dim)
+        ranges = (repeated_cu, cu_ranges, max_q, max_k, False, scale, range_used)
+        context_out, context_lse = _flash(repeated, k, v, *ranges)
+        own_out, own_lse = _flash(q, k, v, own_cu, own_starts, max_q, max_q, True, scale, own_used)
+        lse = torch.cat(
+            (
+                _lse_by_token(context_lse, splits, entry, offset),
+                _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
+            )
+        )
+        # Each query's own part holds at least itself, so every query has a finite maximum.
+        outs = torch.cat((context_out.view(splits, total, heads, dim), own_out.view(1, total, heads, dim)))
+        return _merge(outs, lse)
+
+    return attend
+
+
+def _lse_by_token(lse: torch.Tensor, parts: int, entry: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """flash's log-sum-exp as [parts, T, heads] for queries laid out part after part: [heads, parts * T] (newer
+    flash-attention) or [sequences, heads, max_q] (older; query t of part p is row offset[t] of sequence
+    entry[p, t]). An empty key range reports +inf with a zero output; it must weigh nothing, so it becomes -inf."""
+    total = offset.shape[0]
+    rows = lse.view(lse.shape[0], parts, total).permute(1, 2, 0) if lse.dim() == 2 else lse[entry, :, offset]
+    return rows.masked_fill(rows == float("inf"), float("-inf"))
 
 
 class LengthInputs:

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from service.engine.attention import FLASH_VARLEN, StaticAttend, attend_causal_end, flash_if_it_agrees, flash_varlen
+from service.engine.attention import (
+    FLASH_VARLEN,
+    StaticAttend,
+    attend_causal_end,
+    extend_split,
+    extend_splits,
+    flash_if_it_agrees,
+    flash_varlen,
+)
 from service.engine.forward import LeanForward
 from service.engine.kv_pool import KVPool
 from service.engine.model import ModelSpec
@@ -210,9 +218,13 @@ def _extend_loop(spans: Sequence[tuple[int, int, int]]) -> StaticAttend:
 
 
 def _extend_flash(rows: ExtendRows, pool_slots: int, bounds: tuple[int, int]) -> StaticAttend:
-    # As the decode step's call, with several queries per request: flash aligns the causal mask to the bottom
-    # right of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
+    # Few new tokens over long contexts: each row's context split into key ranges (`extend_split`). Otherwise as
+    # the decode step's call, with several queries per request: flash aligns the causal mask to the bottom right
+    # of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
     # Upper bounds are enough for max_q/max_k: the kernel reads each row's own lengths from cu_q and seqused_k.
+    splits = extend_splits(rows.ids.shape[0])
+    if splits > 1:
+        return extend_split(rows.cu_q, rows.starts, rows.used, bounds, pool_slots, splits)
     max_q, max_k = bounds
     cu_q = rows.cu_q.to(torch.int32)
     return flash_varlen(cu_q, _slab_offsets(rows.starts, pool_slots), rows.used.to(torch.int32), max_q, max_k)
