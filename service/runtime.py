@@ -409,7 +409,7 @@ def _open_components(
     sweep_dead_jobs(queue, collection, store)
     question_embedder = open_question_embedder(settings, engine, embedder) if answers else None
     embed_questions = question_embedder.embed_queries if question_embedder is not None else embedder.embed_queries
-    retrieval = RetrievalBatcher(embed_questions, collection.search_many, overlap=question_embedder is not None)
+    retrieval = RetrievalBatcher(embed_questions, collection.search_many)
     return Runtime(
         settings,
         engine,

@@ -95,7 +95,7 @@ def test_the_rows_hold_each_true_batch_figure(tiny_model_dirs: dict[str, Path], 
     report, table = _run_main(tmp_path, tiny_model_dirs["qwen2"])
 
     assert report["batching"].startswith("true batches")
-    assert report["batching_defaults"] == {"prefill_chunk": 1024, "batch_prefill_min": 2}
+    assert report["batching_defaults"] == {"prefill_chunk": 1024, "batch_prefill_min": 3}
     cells = list(_cells(report))
     assert {(tier, batch) for tier, batch, _ in cells} == {(t, b) for t in bench.TIERS for b in ("1", "3")}
     for tier, batch, e in cells:

@@ -101,4 +101,4 @@ def test_a_row_without_new_tokens_in_the_batch_changes_nothing(monkeypatch: pyte
 
 
 def test_splits_shrink_as_the_new_tokens_grow() -> None:
-    assert [attention.extend_splits(t) for t in (1, 64, 256, 512, 1024, 2048, 4096)] == [8, 8, 8, 4, 2, 1, 1]
+    assert [attention.extend_splits(t) for t in (1, 64, 256, 512, 1024, 2048, 4096)] == [8, 8, 8, 4, 1, 1, 1]

@@ -37,7 +37,7 @@ PREFILL_KV_SPLITS = 8
 # The batched prefill (several requests' new tokens, `extend_split`) splits each request's context the same way
 # while its new tokens are few: flash-attention 2 splits keys only for one query per row, so two questions over
 # 8K contexts ran 56 thread blocks that each walked 8K keys (7.5 of the forward's 15 ms on an H200, §10.9).
-# From `EXTEND_SPLIT_TOKENS` new tokens on the query blocks alone fill the GPU, and the splits shrink.
+# Above `EXTEND_SPLIT_TOKENS` new tokens the query blocks fill more of the GPU: fewer ranges, then none.
 EXTEND_KV_SPLITS = 8
 EXTEND_SPLIT_TOKENS = 256
 # Agreement between the two attention backends on the start-up probe: both are bf16 kernels with fp32
@@ -236,10 +236,12 @@ def _flash_split(
 
 
 def extend_splits(tokens: int) -> int:
-    """Context key ranges for a batched prefill of `tokens` new tokens in all (1: one causal flash call)."""
+    """Context key ranges for a batched prefill of `tokens` new tokens in all (1: one causal flash call). Measured
+    on an H200 at 8K contexts (docs/benchmarks.md §10.9): 8 ranges took one 122-token question from 13.4 to 10.0 ms
+    and two from 19.0 to 14.4; four questions gained 5 % with 4 ranges; eight (1,024 tokens) lost 10 % with 2."""
     if tokens <= EXTEND_SPLIT_TOKENS:
         return EXTEND_KV_SPLITS
-    return max(1, EXTEND_KV_SPLITS * EXTEND_SPLIT_TOKENS // tokens)
+    return EXTEND_KV_SPLITS // 2 if tokens <= 2 * EXTEND_SPLIT_TOKENS else 1
 
 
 def extend_split(

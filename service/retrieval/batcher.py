@@ -5,11 +5,6 @@ at that moment, embeds them in one batch and searches them in one batched query,
 hits. Nothing waits for a batch to fill: a lone question goes at once (no added latency at one client), and
 under load the questions that arrive while a round runs form the next round. Retrieval never runs on the engine
 loop, so it overlaps the GPU's work.
-
-With `overlap` (the questions' embedder runs in a child process, `embed_process.py`) a round's search runs on a
-second thread while the next round is embedded: the embedding then costs this process nothing but a wait on a
-pipe, so the two stages really run at once. With the embedder in this process both stages need its CPU and its
-GIL, and overlapping them bought nothing on 2 cores (docs/benchmarks.md §10.7), so one thread does both.
 """
 
 from __future__ import annotations
@@ -40,25 +35,9 @@ class _Pending:
 
 
 @dataclass(frozen=True)
-class _Embedded:
-    """One round between the stages: its questions, their vectors, when its embedding began and ended."""
-
-    batch: list[_Pending]
-    vectors: list[list[float]]
-    began: float
-    embedded_at: float
-
-
-def _fail(batch: list[_Pending], err: BaseException) -> None:
-    for pending in batch:
-        pending.result.set_exception(err)
-
-
-@dataclass(frozen=True)
 class RetrievalStats:
     """What the batcher did since start. The seconds are per question and add up to its time in `retrieve`: `wait`
-    from the call to its round's start (the round before it still running; with `overlap` also its round's wait
-    for the search thread), `embed` and `search` its round's
+    from the call to its round's start (the round before it still running), `embed` and `search` its round's
     (every question of a round counts the whole round: it waited for all of it). Divided by `questions`, each is
     the mean a question spent there; `questions / rounds` is the mean round size."""
 
@@ -76,26 +55,18 @@ class RetrievalBatcher:
     """Batches concurrent `retrieve` calls; `rounds`, `largest_round` and `stats()` tell what it did (tests,
     metrics)."""
 
-    def __init__(
-        self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH, overlap: bool = False
-    ) -> None:
+    def __init__(self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self._embed = embed
         self._search = search
         self.max_batch = max_batch
         self._waiting: queue.Queue[_Pending | None] = queue.Queue()
-        # Embedded rounds on their way to the search thread (with `overlap`); None: closing.
-        self._embedded: queue.Queue[_Embedded | None] = queue.Queue()
         self.rounds = 0
         self.largest_round = 0
         self._stats = RetrievalStats()  # replaced whole after each round, so a reader never sees half an update
-        self._threads = [threading.Thread(target=self._run, name="retrieval", daemon=True)]
-        if overlap:
-            self._threads.append(threading.Thread(target=self._search_rounds, name="retrieval-search", daemon=True))
-        self.overlap = overlap
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
+        self._thread.start()
 
     def retrieve(self, text: str, top_k: int) -> list[RetrievedChunk]:
         """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
@@ -108,11 +79,9 @@ class RetrievalBatcher:
 
     def close(self) -> None:
         self._waiting.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        """The embedding stage: each round embedded, then searched here or handed to the search thread."""
         while (first := self._waiting.get()) is not None:
             batch = [first]
             closing = False
@@ -127,53 +96,34 @@ class RetrievalBatcher:
                 batch.append(more)
             self._round(batch)
             if closing:
-                break
-        self._embedded.put(None)
+                return
 
     def _round(self, batch: list[_Pending]) -> None:
         self.rounds += 1
         self.largest_round = max(self.largest_round, len(batch))
         began = time.perf_counter()
         try:
-            vectors = self._embed([p.text for p in batch])
+            texts = [p.text for p in batch]
+            vectors = self._embed(texts)
+            embedded = time.perf_counter()
+            hits = self._searched(vectors, [p.top_k for p in batch], texts)
         except BaseException as err:  # every caller of this round learns why (a failed round is not counted)
-            _fail(batch, err)
+            for pending in batch:
+                pending.result.set_exception(err)
             return
-        embedded = _Embedded(batch, vectors, began, time.perf_counter())
-        if self.overlap:
-            self._embedded.put(embedded)
-        else:
-            self._search_round(embedded)
-
-    def _search_rounds(self) -> None:
-        """The search stage (with `overlap`): rounds in the order they were embedded."""
-        while (embedded := self._embedded.get()) is not None:
-            self._search_round(embedded)
-
-    def _search_round(self, embedded: _Embedded) -> None:
-        batch = embedded.batch
-        began = time.perf_counter()
-        try:
-            hits = self._searched(embedded.vectors, [p.top_k for p in batch], [p.text for p in batch])
-        except BaseException as err:
-            _fail(batch, err)
-            return
-        self._count(embedded, began, time.perf_counter())
+        self._count(batch, began, embedded, time.perf_counter())
         for pending, found in zip(batch, hits, strict=True):
             pending.result.set_result(found)
 
-    def _count(self, embedded: _Embedded, search_began: float, searched: float) -> None:
-        """A question's wait is its time in line before its round's embedding plus its round's time in line
-        between the two stages (behind the round before it, with `overlap`)."""
-        batch, n, stats = embedded.batch, len(embedded.batch), self._stats
-        handoff = search_began - embedded.embedded_at
+    def _count(self, batch: list[_Pending], began: float, embedded: float, searched: float) -> None:
+        n, stats = len(batch), self._stats
         self._stats = replace(
             stats,
             questions=stats.questions + n,
             rounds=stats.rounds + 1,
-            wait_s=stats.wait_s + sum(embedded.began - p.queued_at for p in batch) + n * handoff,
-            embed_s=stats.embed_s + n * (embedded.embedded_at - embedded.began),
-            search_s=stats.search_s + n * (searched - search_began),
+            wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
+            embed_s=stats.embed_s + n * (embedded - began),
+            search_s=stats.search_s + n * (searched - embedded),
         )
 
     def _searched(self, vectors: list[list[float]], top_ks: list[int], texts: list[str]) -> list[list[RetrievedChunk]]:

@@ -94,8 +94,7 @@ def test_a_search_failure_reaches_every_caller_as_qdrant_unavailable() -> None:
     batcher.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_stats_split_each_questions_time_into_wait_embed_and_search(overlap: bool) -> None:
+def test_stats_split_each_questions_time_into_wait_embed_and_search() -> None:
     """Round 1 ("a") embeds for ~0.2 s while five questions queue behind it; round 2 (the five) searches for ~0.1 s.
     Per question: "a" waited ~0 and embedded ~0.2; each of the five waited ~0.2 (round 1) and searched ~0.1."""
     backend = SlowBackend()
@@ -107,7 +106,7 @@ def test_stats_split_each_questions_time_into_wait_embed_and_search(overlap: boo
             time.sleep(0.1)
         return backend.search(vectors, top_ks, texts)
 
-    batcher = RetrievalBatcher(backend.embed, search, overlap=overlap)
+    batcher = RetrievalBatcher(backend.embed, search)
     first = threading.Thread(target=batcher.retrieve, args=("a", 1))
     first.start()
     while not backend.embed_batches:
@@ -129,59 +128,3 @@ def test_stats_split_each_questions_time_into_wait_embed_and_search(overlap: boo
     assert 5 * 0.1 <= stats.search_s < 5 * 0.1 + 0.15  # the five's search, counted for each of them
     assert 5 * 0.2 <= stats.wait_s < 5 * 0.2 + 0.5  # the five waited for round 1; "a" waited for nothing
     assert stats.seconds() == {"wait": stats.wait_s, "embed": stats.embed_s, "search": stats.search_s}
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_with_overlap_the_next_round_is_embedded_while_a_round_searches(overlap: bool) -> None:
-    """Round 1's search waits (up to 1 s) for round 2's embedding to begin: only two stages on two threads let
-    that happen; on one thread round 2 waits for round 1's search to end."""
-    embedding_round_2, searching = threading.Event(), threading.Event()
-    embeds: list[list[str]] = []
-    overlapped: list[bool] = []
-
-    def embed(texts: Sequence[str]) -> list[list[float]]:
-        embeds.append(list(texts))
-        if len(embeds) == 2:
-            embedding_round_2.set()
-        return [[float(len(t))] for t in texts]
-
-    def search(
-        vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str]
-    ) -> list[list[RetrievedChunk]]:
-        if not searching.is_set():
-            searching.set()
-            overlapped.append(embedding_round_2.wait(1.0))
-        return [[chunk(f"len{int(v[0])}", r) for r in range(k)] for v, k in zip(vectors, top_ks, strict=True)]
-
-    batcher = RetrievalBatcher(embed, search, overlap=overlap)
-    results: dict[str, list[RetrievedChunk]] = {}
-    first = threading.Thread(target=lambda: results.update(a=batcher.retrieve("a", 1)))
-    first.start()
-    assert searching.wait(5)  # round 1 is in its search
-    results["bb"] = batcher.retrieve("bb", 2)
-    first.join(5)
-    batcher.close()
-
-    assert overlapped == [overlap]
-    assert embeds == [["a"], ["bb"]]
-    assert [c.id for c in results["a"]] == ["len1-0"] and [c.id for c in results["bb"]] == ["len2-0", "len2-1"]
-    assert all(not thread.is_alive() for thread in batcher._threads)  # close stops both stages
-
-
-def test_with_overlap_an_embedding_failure_reaches_its_callers_and_later_rounds_still_run() -> None:
-    calls: list[int] = []
-
-    def embed(texts: Sequence[str]) -> list[list[float]]:
-        calls.append(len(texts))
-        if len(calls) == 1:
-            raise RuntimeError("the embedder's child process died")
-        return [[float(len(t))] for t in texts]
-
-    backend = SlowBackend()
-    backend.release.set()
-    batcher = RetrievalBatcher(embed, backend.search, overlap=True)
-    with pytest.raises(RuntimeError, match="child process died"):
-        batcher.retrieve("q", 3)
-    assert [c.id for c in batcher.retrieve("qq", 1)] == ["len2-0"]
-    batcher.close()
-    assert (batcher.stats().questions, batcher.stats().rounds) == (1, 1)  # the failed round is not counted
