@@ -193,11 +193,15 @@ def extend_attention(
     backend: str, rows: ExtendRows, pool_slots: int, bounds: tuple[int, int] | None = None
 ) -> StaticAttend:
     """The attention of each request's new tokens over its slab's live slots, causal and end-aligned (a token
-    sees the context and the new tokens up to itself). `bounds`: see `BatchDecoder.extend`."""
+    sees the context and the new tokens up to itself). `bounds`: see `BatchDecoder.extend`; given (a captured
+    extend), flash splits each context into key ranges while the new tokens are few (`extend_splits`). Eagerly
+    the split's ~20 small kernels a layer cost more in launches than they save (one 122-token question at 8K:
+    28 against 14 ms on an H200, docs/benchmarks.md §10.9), so an eager extend runs one flash call."""
     if backend == LOOP:
         return _extend_loop(rows.spans)
     if backend == FLASH_VARLEN:
-        return _extend_flash(rows, pool_slots, bounds or (rows.max_new, rows.max_used))
+        splits = extend_splits(rows.ids.shape[0]) if bounds is not None else 1
+        return _extend_flash(rows, pool_slots, bounds or (rows.max_new, rows.max_used), splits)
     raise ValueError(f"extend attention must be {LOOP} or {FLASH_VARLEN}")
 
 
@@ -217,12 +221,11 @@ def _extend_loop(spans: Sequence[tuple[int, int, int]]) -> StaticAttend:
     return attend
 
 
-def _extend_flash(rows: ExtendRows, pool_slots: int, bounds: tuple[int, int]) -> StaticAttend:
-    # Few new tokens over long contexts: each row's context split into key ranges (`extend_split`). Otherwise as
-    # the decode step's call, with several queries per request: flash aligns the causal mask to the bottom right
-    # of each (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
+def _extend_flash(rows: ExtendRows, pool_slots: int, bounds: tuple[int, int], splits: int) -> StaticAttend:
+    # With `splits` > 1 each row's context is split into key ranges (`extend_split`). Otherwise as the decode
+    # step's call, with several queries per request: flash aligns the causal mask to the bottom right of each
+    # (queries, used keys) pair, which is exactly "the context, then the new tokens causally".
     # Upper bounds are enough for max_q/max_k: the kernel reads each row's own lengths from cu_q and seqused_k.
-    splits = extend_splits(rows.ids.shape[0])
     if splits > 1:
         return extend_split(rows.cu_q, rows.starts, rows.used, bounds, pool_slots, splits)
     max_q, max_k = bounds
@@ -330,7 +333,7 @@ def probe_attention(spec: ModelSpec, backend: str, pool_slots: int = 256) -> flo
 @torch.inference_mode()
 def probe_extend(spec: ModelSpec, backend: str, pool_slots: int = 256) -> float:
     """Largest |backend - loop| of an extend over three requests of different context and new lengths, in a pool
-    whose other slots hold NaN."""
+    whose other slots hold NaN, eagerly and as a captured extend runs it (its context split into key ranges)."""
     generator = torch.Generator(device=spec.device).manual_seed(1)
     kv_heads, d = spec.num_kv_heads, spec.head_dim
     kv = torch.full((2, kv_heads, pool_slots, d), float("nan"), dtype=spec.dtype, device=spec.device)
@@ -342,6 +345,9 @@ def probe_extend(spec: ModelSpec, backend: str, pool_slots: int = 256) -> float:
     total = sum(new for _, _, new in requests)
     wide = torch.randn((total, spec.num_heads + kv_heads, d), generator=generator, device=spec.device).to(spec.dtype)
     q = wide[:, : spec.num_heads]
-    got = extend_attention(backend, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
     want = extend_attention(LOOP, rows, pool_slots)(q, kv[0], kv[1], d**-0.5)
-    return float((got.float() - want.float()).abs().max())
+    worst = 0.0
+    for bounds in (None, (rows.max_new, rows.max_used)):  # eager (one call), and captured (split key ranges)
+        got = extend_attention(backend, rows, pool_slots, bounds)(q, kv[0], kv[1], d**-0.5)
+        worst = max(worst, float((got.float() - want.float()).abs().max()))
+    return worst
