@@ -109,6 +109,8 @@ class AnswerSession:
         done = self.answerer.done_event(self.question, self.retrieval, self.fetch, request.result, ttft_ms)
         admitted_at = request.added_at + request.queue_ms / 1e3
         done.timings_ms["queue"] = max(0.0, (admitted_at - self.started) * 1e3 - self.retrieval.retrieve_ms)
+        # The part of it spent with the engine loop: its running step, then the line (the rest is the hand-over).
+        done.timings_ms["engine_wait"] = max(0.0, (admitted_at - request.handed_at) * 1e3)
         self.done = done
         self.metrics.observe_answer(
             done.mode, done.positions, done.ttft_ms, done.timings_ms, done.kv, done.kv_bytes, done.output_tokens

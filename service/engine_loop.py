@@ -117,6 +117,7 @@ class EngineLoop:
         """Queue an answer for the scheduler (from any thread); it is added on the engine thread."""
         if self.scheduler is None:
             raise RuntimeError("the engine loop serves no answers yet")
+        request.handed_at = time.perf_counter()
         with self._wake:
             self._arrived.append(request)
             self._wake.notify()

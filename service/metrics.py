@@ -37,7 +37,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 # `queue` is the wait for the engine; `precompute` is KV computed online for misses; `recompute` the part of the
 # stitched context recomputed before the question (all part of TTFT).
-STAGES = ("retrieve", "queue", "load", "h2d", "precompute", "stitch", "recompute", "prefill", "decode")
+STAGES = ("retrieve", "queue", "engine_wait", "load", "h2d", "precompute", "stitch", "recompute", "prefill", "decode")
 # `submitted` at POST /ingest; the others as a worker's delivery ends (`retry`: failed, will be delivered again).
 INGEST_STATUSES = ("submitted", "done", "failed", "retry")
 

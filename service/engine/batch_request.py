@@ -69,6 +69,7 @@ class BatchRequest:
         self.detok: IncrementalDetokenizer | None = None
         self.last_token = -1  # the token the next decode step feeds
         self.added_at = 0.0
+        self.handed_at = 0.0  # perf_counter when handed to the engine loop (`EngineLoop.add_answer`); 0: never
         self.first_token_at = 0.0
 
     @property

@@ -6,9 +6,10 @@ import time
 
 import pytest
 from api_support import DOCS, QUESTION, ask_events, ingest, wait_job
+from app_server import server_of
 from fastapi.testclient import TestClient
 
-TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode"}
+TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode", "queue", "engine_wait"}
 
 
 def test_ingest_reports_a_finished_job_with_counts(client: TestClient) -> None:
@@ -41,6 +42,8 @@ def test_ask_streams_retrieval_tokens_then_done(client: TestClient, mode: str, p
     assert (done["mode"], done["positions"]) == (mode, positions)
     assert done["ttft_ms"] > 0 and 1 <= done["output_tokens"] <= 12
     assert set(done["timings_ms"]) >= TIMING_KEYS and all(v >= 0 for v in done["timings_ms"].values())
+    # The wait with the engine loop is part of the time between retrieval and admission (rounded to 1 µs).
+    assert done["timings_ms"]["engine_wait"] <= done["timings_ms"]["queue"] + 0.002
     assert set(done["kv"]) == {"gpu", "host", "disk", "miss"}
     assert sum(done["kv"].values()) == (2 if mode == "turbo" else 0)
 
@@ -118,3 +121,17 @@ def test_the_documents_api_lists_pages_and_describes_what_is_stored(client: Test
     wait_job(client, client.delete("/documents/otters").json()["job_id"])
     assert client.get("/documents/otters").status_code == 404
     assert client.get("/documents").json()["total"] == len(DOCS) - 1
+
+
+def test_engine_wait_is_the_time_a_question_waits_for_a_busy_engine_loop(client: TestClient) -> None:
+    """While the engine thread runs a 0.4 s work item, a question handed to it waits: `engine_wait` counts that
+    wait, and it is part of `queue` (retrieval to admission)."""
+    ingest(client)
+    loop = server_of(client.app).runtime.loop  # type: ignore[arg-type]
+    busy = loop.submit(lambda: time.sleep(0.4))
+    done = ask_events(client, top_k=1, max_new_tokens=2)[-1][1]
+    busy.result(timeout=5)
+
+    waited = done["timings_ms"]["engine_wait"]
+    assert 150 <= waited <= done["timings_ms"]["queue"] + 0.002
+    assert done["ttft_ms"] >= waited
