@@ -139,7 +139,8 @@ class Settings(BaseSettings):
     prefill_with_decode: bool = Field(
         False,
         description="Questions admitted while answers run are prefilled in the decode step's own forward (any "
-        "number; needs BATCH_PREFILL_MIN > 0). Off: slower on an H200 (docs/benchmarks.md §10.8).",
+        "number; needs BATCH_PREFILL_MIN > 0). On: lower TTFT at moderate load, fewer tokens/s (docs/benchmarks.md "
+        "§10.9).",
     )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."

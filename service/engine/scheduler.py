@@ -78,8 +78,8 @@ class Scheduler:
         the turbo questions admitted while answers are running are prefilled in the same forward as the running
         answers' decode step — each running answer one new token, each question its own — whatever their number:
         one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Off
-        by default: through the gateway on an H200 it made the running answers' steps slower than it saved
-        (docs/benchmarks.md §10.8)."""
+        by default: through the gateway on an H200 it cut TTFT at 8 clients by ~20 ms but cost 5-14 % of tokens/s
+        and 30 ms of TTFT at 32 clients (docs/benchmarks.md §10.9)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
