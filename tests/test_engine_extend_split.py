@@ -102,3 +102,29 @@ def test_a_row_without_new_tokens_in_the_batch_changes_nothing(monkeypatch: pyte
 
 def test_splits_shrink_as_the_new_tokens_grow() -> None:
     assert [attention.extend_splits(t) for t in (1, 64, 256, 512, 1024, 2048, 4096)] == [8, 8, 8, 4, 1, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("splits", [4, 8])
+def test_gpu_split_context_ranges_through_flash_match_the_loop(splits: int) -> None:
+    """The real kernel on CUDA, bf16, Qwen2-7B's head shape (28 query heads over 4 KV heads of 128): the split
+    attention against the loop's, long and short contexts, an empty one, NaN everywhere outside the slabs."""
+    heads, kv_heads, dim, pool, device = 28, 4, 128, 12_000, torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    requests = ((0, 8_000, 51), (8_100, 0, 7), (8_200, 3_000, 1), (11_300, 5, 60))
+    kv = torch.full((2, kv_heads, pool, dim), math.nan, dtype=torch.bfloat16, device=device)
+    for start, live, new in requests:
+        filled = torch.randn((2, kv_heads, live + new, dim), generator=generator, device=device)
+        kv[:, :, start : start + live + new] = filled.to(torch.bfloat16)
+    rows = ExtendRows.build([([0] * new, 0, start, live) for start, live, new in requests], device)
+    total = sum(new for *_, new in requests)
+    wide = torch.randn((total, heads + kv_heads, dim), generator=generator, device=device).to(torch.bfloat16)
+    q = wide[:, :heads]  # a strided slice, as the forward passes it
+    bounds = (rows.max_new, rows.max_used)
+
+    got = attention.extend_split(rows.cu_q, rows.starts, rows.used, bounds, pool, splits)(q, kv[0], kv[1], dim**-0.5)
+    want = _extend_loop(rows.spans)(q, kv[0], kv[1], dim**-0.5)
+
+    assert not torch.isnan(got).any()
+    assert float((got.float() - want.float()).abs().max()) <= 2e-2  # bf16 outputs of size ~1: a few ulps
