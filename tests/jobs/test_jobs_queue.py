@@ -98,11 +98,16 @@ def test_consume_waits_for_a_job_up_to_block_ms(queue: JobQueue) -> None:
     assert queue.consume("w", block_ms=150) == []
     assert time.monotonic() - started >= 0.12
 
-    threading.Timer(0.1, lambda: queue.enqueue({"late": True})).start()
+    late = threading.Timer(0.1, lambda: queue.enqueue({"late": True}))
+    late.start()
     started = time.monotonic()
     (delivery,) = queue.consume("w", block_ms=5000)
+    waited = time.monotonic() - started
+    # The consumer can wake before the producer has read its own reply: closing the queue under it (the fixture,
+    # at teardown) would end that thread with an error, reported against the next test.
+    late.join(5)
     assert delivery.payload == {"late": True}
-    assert time.monotonic() - started < 2.0  # woken by the job, not by the timeout
+    assert waited < 2.0  # woken by the job, not by the timeout
 
 
 def test_an_unacked_job_is_claimed_by_another_consumer_after_idle(make_queue: QueueFactory) -> None:
