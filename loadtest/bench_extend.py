@@ -8,20 +8,18 @@ into as many slabs as the largest group; each group of G questions (the request'
 is then prefilled after those contexts by `ExtendGraphs.extend`, as the scheduler's admission does, and the
 figure is the median wall time of `--runs` replays (each waits for the GPU). Beside it: the same group eagerly
 (`BatchDecoder.extend` with tight bounds), and one question through the engine's own prefill graph in a leased
-graph buffer (what a request admitted alone runs). `--kv-bound N` captures the graphs with N as flash's
-max_seqlen_k instead of the model's context. `--profile` prints the eager extend's CUDA kernels for a group of 2.
+graph buffer (what a request admitted alone runs). `--profile` prints the eager extend's CUDA kernels for a
+group of 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import logging
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,27 +27,14 @@ from typing import Any
 import torch
 
 from loadtest.bench_batch_decode import fill_slabs, request_prompt
-from loadtest.bench_prefill import add_workload_arguments, open_benchmark_engine, precompute_all
+from loadtest.bench_prefill import add_workload_arguments, open_benchmark_engine, precompute_all, timed
 from service.engine.batch_decode import BatchDecoder, ExtendRows
 from service.engine.engine import StitchEngine
-from service.engine.extend_graph import ExtendGraphs, ExtendRequest
+from service.engine.extend_graph import TOKEN_BUCKETS, ExtendGraphs, ExtendRequest
 from service.engine.kv_pool import KVPool
 from service.kvcache import device
 
 log = logging.getLogger("bench_extend")
-
-
-def timed(fn: Callable[[], Any], spec_device: torch.device, runs: int, warmup: int) -> float:
-    """Median wall ms of `fn` (each run waits for the device)."""
-    times = []
-    for i in range(warmup + runs):
-        device.synchronize(spec_device)
-        start = time.perf_counter()
-        fn()
-        device.synchronize(spec_device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def single_prefill_ms(engine: StitchEngine, context: int, args: argparse.Namespace) -> float | None:
@@ -62,12 +47,9 @@ def single_prefill_ms(engine: StitchEngine, context: int, args: argparse.Namespa
     try:
         engine.stitch(kv, "reordered", len(prompt.question), into=graph.buffer)
         length, position = graph.buffer.length, graph.buffer.next_position
-
-        def once() -> None:
-            graph.buffer.truncate(length, position)
-            engine.prefill_question(graph.buffer, prompt.question, graph=graph)
-
-        return timed(once, engine.spec.device, args.runs, args.warmup)
+        prefill = functools.partial(engine.prefill_question, graph.buffer, prompt.question, graph=graph)
+        back_to_context = functools.partial(graph.buffer.truncate, length, position)
+        return median_ms(prefill, engine.spec.device, args, back_to_context)
     finally:
         engine.release_graph(graph)
 
@@ -76,23 +58,22 @@ def bench(engine: StitchEngine, context: int, args: argparse.Namespace) -> list[
     prompt = request_prompt(engine, context, args)
     largest = max(args.groups)
     per_request = len(prompt.joined()) + args.tokens
-    scratch = 4096 + 1
-    pool = KVPool(engine.spec, (largest * per_request + scratch) * engine.spec.kv_bytes_per_token(), poison="zero")
+    # + the graphs' padding slots, as `true_batch.GRAPH_SCRATCH_SLOTS` (not imported: it pulls in the KV store,
+    # and with it redis, which this benchmark does not need on a bare GPU machine)
+    slots = largest * per_request + 1 + max(TOKEN_BUCKETS)
+    pool = KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token(), poison="zero")
     decoder = BatchDecoder(engine.forward, pool, "auto")
     slabs, length, _, _ = fill_slabs(engine, pool, prompt, largest, args)
     question = list(prompt.question)
     live = length - len(question)  # each slab's context, before its question
     spec = engine.spec
-    if args.kv_bound:  # the graphs read only `device` and `max_context` (from max_positions) from the spec
-        decoder.forward.spec = dataclasses.replace(spec, max_positions=args.kv_bound, sliding_window=None)
     graphs = ExtendGraphs(decoder)
-    decoder.forward.spec = spec
     rows = []
     for group in args.groups:
         requests: list[ExtendRequest] = [(question, live, slab.start, live) for slab in slabs[:group]]
-        graph_ms = timed(functools.partial(graphs.extend, requests), spec.device, args.runs, args.warmup)
+        graph_ms = median_ms(functools.partial(graphs.extend, requests), spec.device, args)
         eager = ExtendRows.build(requests, spec.device)
-        eager_ms = timed(functools.partial(decoder.extend, eager), spec.device, args.runs, args.warmup)
+        eager_ms = median_ms(functools.partial(decoder.extend, eager), spec.device, args)
         row = {"context_tokens": live, "group": group, "new_tokens": group * len(question)}
         row.update({"graph_ms": graph_ms, "eager_ms": eager_ms, "graph_ms_per_question": graph_ms / group})
         rows.append(row)
@@ -101,6 +82,13 @@ def bench(engine: StitchEngine, context: int, args: argparse.Namespace) -> list[
         profile(decoder, [(question, live, slab.start, live) for slab in slabs[:2]], spec.device)
     graphs.close()
     return rows
+
+
+def median_ms(
+    fn: Callable[[], Any], target: torch.device, args: argparse.Namespace, prepare: Callable[[], Any] | None = None
+) -> float:
+    """Median ms of `--runs` runs of `fn` after `--warmup` (each synchronised; `prepare` untimed before each)."""
+    return statistics.median(timed(fn, args.runs, args.warmup, target, prepare))
 
 
 def profile(decoder: BatchDecoder, requests: list[ExtendRequest], spec_device: torch.device) -> None:
@@ -121,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="answer room per slab")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--kv-bound", type=int, default=0, help="flash max_seqlen_k of the graphs (0: the model's)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

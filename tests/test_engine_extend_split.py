@@ -1,7 +1,8 @@
 """The batched prefill's split-KV attention (`attention.extend_split`) on the CPU: its key ranges, per-token indices
 and log-sum-exp merge, checked against the loop attention with flash-attention's varlen kernel (CUDA only)
 replaced by a reference of its semantics, in both log-sum-exp layouts flash builds return. On CUDA the real
-kernel runs it: the start-up probe (`batch_decode.probe_extend`) and the GPU tests of test_engine_batch.py."""
+kernel runs it: the last test here, the start-up probe (`batch_decode.probe_extend`) and the GPU tests of
+test_engine_batch.py."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def reference_flash(layout: str) -> Any:
 
 
 # (slab start, live slots before, new tokens): contexts longer and shorter than the splits, an empty one
-# (the graphs' padding row), and a row with no new token (an empty bucket row).
+# (the graphs' padding row), and a row with one new token (a running answer's, when questions share its step).
+# A row with no new token (an empty bucket row) is the next test's.
 REQUESTS = ((3, 40, 5), (100, 0, 7), (150, 90, 1), (260, 5, 3))
 
 
