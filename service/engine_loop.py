@@ -187,6 +187,8 @@ class EngineLoop:
                 self._arrived.clear()
             if task is not None:
                 began = time.perf_counter()
+                if self.scheduler is not None:  # a work item (a capture, say) must not overlap a launched step
+                    self.scheduler.drain()
                 task.run()
                 self._work_s += time.perf_counter() - began
             self._step(arrived)

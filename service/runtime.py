@@ -180,6 +180,7 @@ class Runtime:
             prefill_chunk=self.settings.prefill_chunk,
             batch_prefill_min=self.settings.batch_prefill_min,
             prefill_with_decode=self.settings.prefill_with_decode,
+            overlap=on_cuda if self.settings.overlap_decode is None else self.settings.overlap_decode,
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))

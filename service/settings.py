@@ -142,6 +142,11 @@ class Settings(BaseSettings):
         "number; needs BATCH_PREFILL_MIN > 0). On: lower TTFT at moderate load, fewer tokens/s (docs/benchmarks.md "
         "§10.9).",
     )
+    overlap_decode: bool | None = Field(
+        None,
+        description="Launch each batched decode step before reading the previous step's tokens, so the host's "
+        "per-step work overlaps the GPU's; unset = on where the decode step runs through CUDA graphs.",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )

@@ -133,12 +133,19 @@ MIXED = (
 )
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("attention", [LOOP, SDPA_GATHER])
-def test_batched_greedy_equals_alone(get_engine: Callable[..., StitchEngine], arch: str, attention: str) -> None:
+def test_batched_greedy_equals_alone(
+    get_engine: Callable[..., StitchEngine], arch: str, attention: str, overlap: bool
+) -> None:
     """Different context lengths, turbo and naive, both position modes; three requests join after three steps,
-    requests leave as their budgets run out, one is cancelled mid-stream."""
+    requests leave as their budgets run out, one is cancelled mid-stream. Overlapped, each step is launched
+    before the previous one is read: the same tokens, one step later on the host."""
     engine = get_engine(arch, "cpu")
-    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention)
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention, overlap=overlap)
     tracked = [Tracked(engine, case) for case in MIXED]
     cancelled = Tracked(engine, Case((25, 25), max_new=30, seed=7))
     for t in (*tracked[:3], cancelled):
@@ -163,7 +170,8 @@ def test_batched_greedy_equals_alone(get_engine: Callable[..., StitchEngine], ar
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
 
 
-def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., StitchEngine]) -> None:
+@OVERLAP
+def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., StitchEngine], overlap: bool) -> None:
     engine = get_engine("qwen2", "cpu")
     free = run_alone(engine, Case((20, 31), max_new=24, seed=11))
     stop_case = Case((20, 31), max_new=24, seed=11, stop=(free.text[8:11],))
@@ -174,7 +182,7 @@ def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., S
     config.eos_token_id = [engine.tokenizer.eos_token_id, eos_token]  # a token the run picks becomes EOS
     try:
         alone_eos = run_alone(engine, eos_case, ignore_eos=False)
-        scheduler = Scheduler(engine, nan_pool(engine, 1000))
+        scheduler = Scheduler(engine, nan_pool(engine, 1000), overlap=overlap)
         with_eos = Tracked(engine, eos_case, ignore_eos=False)
         # The same prompt with EOS ignored runs beside it and must go on to its budget.
         others = [Tracked(engine, stop_case), Tracked(engine, eos_case), Tracked(engine, MIXED[0])]
@@ -201,9 +209,10 @@ SAMPLED = (
 )
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(get_engine: Callable[..., StitchEngine]) -> None:
+@OVERLAP
+def test_seeded_sampling_is_the_same_alone_and_batched(get_engine: Callable[..., StitchEngine], overlap: bool) -> None:
     engine = get_engine("llama", "cpu")
-    scheduler = Scheduler(engine, nan_pool(engine, 1500))
+    scheduler = Scheduler(engine, nan_pool(engine, 1500), overlap=overlap)
     tracked = [Tracked(engine, case) for case in SAMPLED]
     scheduler.add(tracked[0].request)
     scheduler.step()  # the first request samples alone for a step, then beside the others
@@ -217,12 +226,13 @@ def test_seeded_sampling_is_the_same_alone_and_batched(get_engine: Callable[...,
     assert reseeded.tokens != tracked[0].request.result.token_ids
 
 
-def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine]) -> None:
+@OVERLAP
+def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine], overlap: bool) -> None:
     """The next request gets the finished one's slots: poisoned with NaN, then with huge finite garbage."""
     engine = get_engine("mistral", "cpu")
     first, second = Case((50, 30), max_new=12, seed=31), Case((40,), max_new=12, seed=32)
     alone = run_alone(engine, second)
-    scheduler = Scheduler(engine, nan_pool(engine, 400), max_batch=1)
+    scheduler = Scheduler(engine, nan_pool(engine, 400), max_batch=1, overlap=overlap)
     for garbage in (None, 1e4):
         earlier = Tracked(engine, first)
         scheduler.add(earlier.request)
@@ -241,12 +251,15 @@ def test_a_reused_slab_changes_nothing(get_engine: Callable[..., StitchEngine]) 
         later.assert_matches(alone)
 
 
-def test_exhausted_pool_makes_requests_wait_then_complete(get_engine: Callable[..., StitchEngine]) -> None:
+@OVERLAP
+def test_exhausted_pool_makes_requests_wait_then_complete(
+    get_engine: Callable[..., StitchEngine], overlap: bool
+) -> None:
     engine = get_engine("qwen2", "cpu")
     cases = [Case((30 + 7 * i,), max_new=6 + i, seed=40 + i) for i in range(5)]
     tracked = [Tracked(engine, case) for case in cases]
     needs = sorted(t.request.tokens_needed for t in tracked)
-    scheduler = Scheduler(engine, nan_pool(engine, needs[-1] + needs[-2]), max_batch=8)
+    scheduler = Scheduler(engine, nan_pool(engine, needs[-1] + needs[-2]), max_batch=8, overlap=overlap)
     for t in tracked:
         scheduler.add(t.request)
     admitted: list[BatchRequest] = []
@@ -262,6 +275,31 @@ def test_exhausted_pool_makes_requests_wait_then_complete(get_engine: Callable[.
     assert [t.request for t in tracked if t.request in admitted] == [t.request for t in tracked][: len(admitted)]
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_overlapped_step_is_read_while_the_next_runs_and_frees_a_slab_after_its_last_writer(
+    get_engine: Callable[..., StitchEngine], overlap: bool
+) -> None:
+    """Read at once, a step's token is on the host when `step` returns; overlapped, a step is launched and read
+    during the next `step`. The step that ends a request has launched one more row into its slab, so the slab
+    goes back to the pool (NaN-poisoned) only in the step after."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 600), overlap=overlap)
+    t = Tracked(engine, Case((20, 11), max_new=4, seed=70))
+    scheduler.add(t.request)
+    counts = []
+    for _ in range(6):
+        scheduler.step()
+        counts.append((len(t.request.result.token_ids), scheduler.pool.used_slots > 0, scheduler.has_work()))
+    held, done = (True, True), (False, False)  # (slab held, work left)
+    if overlap:  # admitted + first step launched; then one token a step; ended at 4 with the slab held one more
+        assert counts == [(1, *held), (2, *held), (3, *held), (4, *held), (4, *done), (4, *done)]
+    else:
+        assert counts == [(2, *held), (3, *held), (4, *done), (4, *done), (4, *done), (4, *done)]
+    assert t.request.result.finish_reason == "length"
+    t.assert_matches(run_alone(engine, t.case))
+    assert bool(scheduler.pool.data.isnan().all())  # the extra row's slot was poisoned with the rest
 
 
 def test_max_batch_bounds_the_running_requests(get_engine: Callable[..., StitchEngine]) -> None:
@@ -296,9 +334,10 @@ def test_add_refuses_what_can_never_run(get_engine: Callable[..., StitchEngine])
         scheduler.add(Tracked(engine, case).request)
 
 
-def test_a_failing_admission_ends_only_that_request(get_engine: Callable[..., StitchEngine]) -> None:
+@OVERLAP
+def test_a_failing_admission_ends_only_that_request(get_engine: Callable[..., StitchEngine], overlap: bool) -> None:
     engine = get_engine("mistral", "cpu")
-    scheduler = Scheduler(engine, nan_pool(engine, 1000))
+    scheduler = Scheduler(engine, nan_pool(engine, 1000), overlap=overlap)
     good = Tracked(engine, MIXED[0])
     prompt = Case((14,), seed=60).prompt(engine)
 
@@ -421,14 +460,18 @@ def _assert_greedy_under_eager(engine: StitchEngine, case: Case, tokens: list[in
 
 @pytest.mark.gpu
 @NEEDS_CUDA
+@OVERLAP
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("attention", ["auto", SDPA_GATHER])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_gpu_batched_greedy_follows_eager(
-    get_engine: Callable[..., StitchEngine], arch: str, attention: str, graphs: bool
+    get_engine: Callable[..., StitchEngine], arch: str, attention: str, graphs: bool, overlap: bool
 ) -> None:
+    """Overlapped, each step's ids come from the previous step's picks on the device (fed inside the graphs)."""
     engine = get_engine(arch, "cuda")
-    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, attention=attention, cuda_graphs=graphs)
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 2000), max_batch=8, attention=attention, cuda_graphs=graphs, overlap=overlap
+    )
     assert attention != "auto" or scheduler.decoder.attention in ("flash_varlen", SDPA_GATHER)
     tracked = [Tracked(engine, case) for case in MIXED]
     for t in tracked[:3]:

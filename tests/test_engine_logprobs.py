@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
-from test_engine_batch import Case, drain, nan_pool
+from test_engine_batch import Case, drain, nan_pool, steps
 
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
@@ -26,15 +27,22 @@ def test_rows_give_the_picked_token_and_the_likeliest() -> None:
     assert rows[1].top == () and abs(rows[1].logprob - float(expected[1, 0])) < 1e-6
 
 
-def test_batched_logprobs_equal_the_reference_and_only_where_asked(get_engine: Callable[..., StitchEngine]) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batched_logprobs_equal_the_reference_and_only_where_asked(
+    get_engine: Callable[..., StitchEngine], overlap: bool
+) -> None:
+    """`plain` decodes for two steps first; overlapped, the others join a step in flight, which is read before the
+    next step launches (log-probabilities come from a step's logits)."""
     engine = get_engine("qwen2", "cpu")
     case = Case((21, 8), max_new=10, seed=3)
     prompt = case.prompt(engine)
     asked = BatchRequest(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
     plain = BatchRequest(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
     beside = BatchRequest(Case((33,), max_new=6, seed=4).prompt(engine), SamplingParams(max_new_tokens=6, logprobs=0))
-    scheduler = Scheduler(engine, nan_pool(engine, 800))
-    for request in (asked, plain, beside):
+    scheduler = Scheduler(engine, nan_pool(engine, 800), overlap=overlap)
+    scheduler.add(plain)
+    steps(scheduler, 2)
+    for request in (asked, beside):
         scheduler.add(request)
     drain(scheduler)
 

@@ -34,6 +34,7 @@ from service.engine.attention import (
     flash_if_it_agrees,
     flash_varlen,
 )
+from service.engine.device_copy import to_device
 from service.engine.forward import LeanForward
 from service.engine.kv_pool import KVPool
 from service.engine.model import ModelSpec
@@ -41,6 +42,21 @@ from service.engine.model import ModelSpec
 LOOP = "loop"
 SDPA_GATHER = "sdpa_gather"
 BATCH_ATTENTION = (LOOP, FLASH_VARLEN, SDPA_GATHER)
+
+
+@dataclass(frozen=True)
+class StepFeed:
+    """Where a decode step's ids come from when the previous step's picks have not reached the host yet (the
+    overlapped step, scheduler.py): row b feeds `picks[src[b]]` where src[b] >= 0, else its host id (a request
+    admitted since, whose first token the host picked)."""
+
+    picks: torch.Tensor  # [P] int64 on the device: the previous step's picks
+    src: tuple[int, ...]  # per row of this step: its row in the previous step, or -1
+
+
+def fed_ids(host_ids: torch.Tensor, src: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """Per row, picks[src] where src >= 0, else the host id (device tensors; nothing waits for the picks)."""
+    return torch.where(src >= 0, picks[src.clamp(min=0)], host_ids)
 
 
 @dataclass(frozen=True)
@@ -56,13 +72,23 @@ class DecodeRows:
 
     @classmethod
     def build(
-        cls, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]], device: torch.device
+        cls,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        device: torch.device,
+        feed: StepFeed | None = None,
     ) -> DecodeRows:
+        """From host lists; with `feed`, the rows it names take their id from the previous step's picks."""
         if not len(ids) == len(positions) == len(spans) > 0:
             raise ValueError("a decode step needs one id, position and span per request, and one request at least")
-        host = torch.tensor([list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans]])
-        rows = host.to(device, non_blocking=True)  # one copy for the four rows
-        return cls(rows[0], rows[1], rows[2], rows[3], tuple(spans))
+        src = list(feed.src) if feed is not None else [-1] * len(ids)
+        if len(src) != len(ids):
+            raise ValueError("a step's feed needs one source per row")
+        host = torch.tensor([list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans], src])
+        rows = to_device(host, device)  # one copy for the five rows
+        fed = rows[0] if feed is None else fed_ids(rows[0], rows[4], feed.picks)
+        return cls(fed, rows[1], rows[2], rows[3], tuple(spans))
 
     @property
     def slots(self) -> torch.Tensor:

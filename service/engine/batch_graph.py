@@ -6,6 +6,8 @@ them with one call. A graph fixes shapes and pointers, so each is captured for a
 longest live length a row may have: flash's max_seqlen_k, the gather's width; powers of two as `bucket_capacity`).
 The step reads its ids, positions, slab starts and live lengths from one static device tensor, filled by one
 pinned host-to-device copy per replay, and writes K/V straight into the pool (graphs capture the pool's tensor).
+A row may instead take its id from the previous step's picks, still on the device (the overlapped step,
+scheduler.py): the graphs read them from one static `feed` tensor, by the row index a fifth input row gives.
 
 Padding rows feed token 0 at position 0 into a one-slot scratch slab the graphs own: they write and read only
 that slot, so no request's slab is touched; their logits are dropped. Only the `flash_varlen` and `sdpa_gather`
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows
+from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows, StepFeed, fed_ids
 from service.engine.cuda_graph import _capture, bucket_capacity
 
 log = logging.getLogger(__name__)
@@ -41,38 +43,59 @@ def batch_bucket(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | No
 class BatchGraph:
     """One captured batched step for `batch` rows of live lengths up to `capacity`."""
 
-    def __init__(self, decoder: BatchDecoder, batch: int, capacity: int, scratch: int, pool: Any) -> None:
+    def __init__(
+        self, decoder: BatchDecoder, batch: int, capacity: int, scratch: int, pool: Any, feed: torch.Tensor
+    ) -> None:
         device = decoder.forward.spec.device
         self.batch = batch
         self.capacity = capacity
         self._scratch = scratch
-        # [ids; positions; starts; used], pinned so the per-replay copy is asynchronous DMA.
-        self._host = torch.zeros((4, batch), dtype=torch.long, pin_memory=True)
-        self._inputs = torch.zeros((4, batch), dtype=torch.long, device=device)
+        # [ids; positions; starts; used; feed row or -1], pinned so the per-replay copy is asynchronous DMA.
+        self._host = torch.zeros((5, batch), dtype=torch.long, pin_memory=True)
+        self._inputs = torch.zeros((5, batch), dtype=torch.long, device=device)
         self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._fill([0] * batch, [0] * batch, [(scratch, 1)] * batch)
-        rows = DecodeRows(self._inputs[0], self._inputs[1], self._inputs[2], self._inputs[3], ())
+        self._fill([0] * batch, [0] * batch, [(scratch, 1)] * batch, None)
+
+        def step() -> torch.Tensor:
+            inputs = self._inputs
+            rows = DecodeRows(fed_ids(inputs[0], inputs[4], feed), inputs[1], inputs[2], inputs[3], ())
+            return decoder.step(rows, capacity)
+
         self._graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
-        self._logits: torch.Tensor = _capture(self._graph, lambda: decoder.step(rows, capacity), device, pool)
+        self._logits: torch.Tensor = _capture(self._graph, step, device, pool)
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
-    def _fill(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> None:
+    def _fill(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        src: Sequence[int] | None,
+    ) -> None:
         pad = self.batch - len(ids)
         # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
         self._copied.synchronize()
-        rows = [list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans]]
-        padding = [0, 0, self._scratch, 1]
+        fed = list(src) if src is not None else [-1] * len(ids)
+        rows = [list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans], fed]
+        padding = [0, 0, self._scratch, 1, -1]
         self._host.copy_(torch.tensor([row + [p] * pad for row, p in zip(rows, padding, strict=True)]))
         with torch.inference_mode():
             self._inputs.copy_(self._host, non_blocking=True)
         self._copied.record()
 
-    def replay(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The step for len(ids) <= batch rows; fp32 logits [len(ids), vocab], static (read before the next)."""
+    def replay(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        src: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The step for len(ids) <= batch rows; fp32 logits [len(ids), vocab], static (read before the next).
+        `src`: per row, its index in the feed tensor (the previous step's picks, copied there) or -1."""
         if not 0 < len(ids) <= self.batch or any(u > self.capacity for _, u in spans):
             raise ValueError(f"{len(ids)} rows do not fit a graph of {self.batch} rows up to {self.capacity} slots")
-        self._fill(ids, positions, spans)
+        self._fill(ids, positions, spans, src)
         self._graph.replay()
         return self._logits[: len(ids)]
 
@@ -80,7 +103,8 @@ class BatchGraph:
 class BatchGraphs:
     """Batched-step graphs by (batch bucket, capacity bucket), captured on first use, over one decoder's pool."""
 
-    def __init__(self, decoder: BatchDecoder) -> None:
+    def __init__(self, decoder: BatchDecoder, max_batch: int = max(BATCH_BUCKETS)) -> None:
+        """`max_batch`: the most rows a step may have, so a fed row's index in the previous step fits `feed`."""
         spec = decoder.forward.spec
         if spec.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
@@ -90,19 +114,38 @@ class BatchGraphs:
         self._scratch = decoder.pool.allocate(1)  # the padding rows' slot, held as long as the graphs live
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], BatchGraph] = {}
+        # The previous step's picks, for rows fed from them: one static tensor every graph reads.
+        self._feed = torch.zeros(max(max_batch, *BATCH_BUCKETS), dtype=torch.long, device=spec.device)
 
-    def step(self, ids: Sequence[int], positions: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The batched step through its bucket's graph, or eagerly for a batch larger than every bucket."""
+    def step(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        feed: StepFeed | None = None,
+    ) -> torch.Tensor:
+        """The batched step through its bucket's graph, or eagerly for a batch larger than every bucket. `feed`:
+        rows whose id is the previous step's pick, still on the device."""
+        device = self.decoder.forward.spec.device
         bucket = batch_bucket(len(ids))
         if bucket is None:
-            return self.decoder.step(DecodeRows.build(ids, positions, spans, self.decoder.forward.spec.device))
+            return self.decoder.step(DecodeRows.build(ids, positions, spans, device, feed))
         capacity = bucket_capacity(max(u for _, u in spans), self.decoder.forward.spec.max_context)
-        return self._graph(bucket, capacity).replay(ids, positions, spans)
+        graph = self._graph(bucket, capacity)
+        if feed is None:
+            return graph.replay(ids, positions, spans)
+        picks = feed.picks.numel()
+        if picks > self._feed.numel():
+            raise ValueError(f"{picks} picks do not fit the feed of {self._feed.numel()}")
+        with torch.inference_mode():
+            # Queued after the previous replay (which read the feed before) and before this one: stream order.
+            self._feed[:picks].copy_(feed.picks)
+        return graph.replay(ids, positions, spans, feed.src)
 
     def _graph(self, batch: int, capacity: int) -> BatchGraph:
         graph = self._graphs.get((batch, capacity))
         if graph is None:
-            graph = BatchGraph(self.decoder, batch, capacity, self._scratch.start, self._pool)
+            graph = BatchGraph(self.decoder, batch, capacity, self._scratch.start, self._pool, self._feed)
             self._graphs[(batch, capacity)] = graph
             log.info("captured the batch-%d decode step up to %d slots in %.0f ms", batch, capacity, graph.capture_ms)
         return graph

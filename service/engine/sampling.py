@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.engine.device_copy import to_device
+
 MAX_NEW_TOKENS_LIMIT = 8192
 MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
@@ -72,23 +74,30 @@ class Sampler:
 
 
 def pick_rows(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-    """One token per row of fp32 logits [B, vocab], row b picked as `samplers[b]` says, on the logits' device.
+    """One token per row of fp32 logits [B, vocab], row b picked as `samplers[b]` says: `pick_rows_on_device`,
+    then one host copy of the B ids."""
+    return [int(t) for t in pick_rows_on_device(logits, samplers).tolist()]
+
+
+def pick_rows_on_device(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor:
+    """The picks of `pick_rows` as a [B] int64 tensor on the logits' device, without waiting for them (the
+    overlapped decode step feeds them to the next step before the host has seen them).
 
     Greedy rows take the argmax; sampled rows are filtered (temperature, top-k, top-p) together and pick by an
     exponential race: argmax(p / E) with E ~ Exp(1) drawn per row from that row's generator selects token i
-    with probability p_i, like `torch.multinomial`, but batches as one argmax. One host copy of the B ids.
+    with probability p_i, like `torch.multinomial`, but batches as one argmax.
     """
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"logits {tuple(logits.shape)} need one row per sampler ({len(samplers)})")
     picks = torch.argmax(logits, dim=-1)
     sampled = [row for row, s in enumerate(samplers) if not s.greedy]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        index = to_device(torch.tensor(sampled), logits.device)
         params = [samplers[row].params for row in sampled]
         probs = _filtered_probs(logits.index_select(0, index).float(), params)
         noise = torch.stack([_exponential(probs.shape[1], samplers[row]) for row in sampled])
         picks = picks.index_copy(0, index, torch.argmax(probs / noise, dim=-1))
-    return [int(t) for t in picks.tolist()]
+    return picks
 
 
 def _exponential(vocab: int, sampler: Sampler) -> torch.Tensor:
@@ -101,10 +110,16 @@ def _exponential(vocab: int, sampler: Sampler) -> torch.Tensor:
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """softmax(logits / temperature) with each row's top-k and top-p cut applied, [n, vocab]."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     # top_k 0 (off) keeps every token; top_p 1 (off) drops none, even where a cumulative sum rounds above 1.
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    # One asynchronous copy for the three settings (top_k exact in fp64 up to 2**53).
+    settings = [
+        [p.temperature for p in params],
+        [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+        [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+    ]
+    on_device = to_device(torch.tensor(settings, dtype=torch.float64), device)
+    temperature = on_device[0].to(logits.dtype).unsqueeze(1)
+    top_k, top_p = on_device[1].long(), on_device[2].to(logits.dtype)
     scores = logits / temperature
     if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
         return torch.softmax(scores, dim=-1)  # no cut: skip the sort of a ~150K vocabulary

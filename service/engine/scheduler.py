@@ -6,6 +6,15 @@ or prefill the whole joined prompt in the naive mode), run ONE batched decode st
 then postprocess (append each token, emit its text, finish on EOS / max tokens / a stop string, free the slab
 at once). Requests join and leave at any step.
 
+Overlapped decode (`overlap`, on by default on CUDA): a step is launched before the previous step's tokens have
+reached the host, its rows fed from the previous picks still on the device, and the previous step is read
+(tokens accepted, text emitted, finished requests ended) while the GPU runs this one, so the host's per-step work
+no longer leaves the GPU idle between steps (SGLang's overlap scheduler). The price: a request that the previous
+step ended has one more row computed and dropped (its slab holds the whole answer budget, so the row fits), and
+a slab is returned to the pool only once the steps that may still write it have run. Steps that need the
+tokens on the host first (questions prefilled in the decode step's forward, log-probabilities) read the
+previous step before they launch.
+
 Admission reserves a request's whole sequence (context + question + max_new_tokens) in one slab, so a running
 request never needs more memory and none is ever preempted; a request the pool cannot hold yet waits at the
 head of the line (first come, first served: nothing behind it overtakes it, so a long request cannot starve).
@@ -24,11 +33,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from service.engine import batching_defaults
-from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows, StepFeed
 from service.engine.batch_graph import BatchGraphs
 from service.engine.batch_request import BatchRequest, RequestStatus
 from service.engine.detokenize import IncrementalDetokenizer
@@ -38,8 +49,8 @@ from service.engine.engine import (
     Stopwatch,
     check_request,
 )
-from service.engine.kv_pool import KVPool
-from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows
+from service.engine.kv_pool import KVPool, Slab
+from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
 from service.engine.slab_prefill import SlabPrefill
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,24 @@ STEP_PHASES = ("admit", "prefill", "decode", "emit")
 
 class QueueFullError(RuntimeError):
     """The waiting line is at its limit; the caller should refuse the request (HTTP 503/429)."""
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched but not read yet: its rows, its picks on the device and their host copy, and the
+    slabs to return to the pool once it has run (their requests ended while it could still write them)."""
+
+    batch: list[BatchRequest]
+    picks: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `copied` has passed
+    copied: Any  # torch.cuda.Event on CUDA; None where the copy was synchronous
+    free_after: list[Slab] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        """The picks on the host, waiting for the step (and the copy) to finish."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [int(t) for t in self.host.tolist()]
 
 
 class Scheduler:
@@ -66,6 +95,7 @@ class Scheduler:
         prefill_chunk: int = 0,
         batch_prefill_min: int = 2,
         prefill_with_decode: bool = False,
+        overlap: bool = False,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
@@ -79,7 +109,9 @@ class Scheduler:
         answers' decode step — each running answer one new token, each question its own — whatever their number:
         one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Off
         by default: through the gateway on an H200 it cut TTFT at 8 clients by ~20 ms but cost 5-14 % of tokens/s
-        and 30 ms of TTFT at 32 clients (docs/benchmarks.md §10.9)."""
+        and 30 ms of TTFT at 32 clients (docs/benchmarks.md §10.9).
+        `overlap`: launch each decode step before reading the previous one (see the module's docstring); it pays
+        where the device runs asynchronously to the host (CUDA) and changes no request's tokens."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
@@ -91,7 +123,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
-        self.graphs = BatchGraphs(self.decoder) if cuda_graphs else None
+        self.graphs = BatchGraphs(self.decoder, max_batch) if cuda_graphs else None
+        self.overlap = overlap
+        self._inflight: deque[_InFlight] = deque()  # launched decode steps not read yet, oldest first
         # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
         self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min)
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
@@ -138,9 +172,15 @@ class Scheduler:
         finished += self._prefill_chunk()
         prefilled = time.perf_counter()
         busy["prefill"] += prefilled - admitted
-        self.last_batch = len(self.running)
-        if self.running:
-            finished += self._decode()
+        finished += self._decode_step()
+        return finished
+
+    def drain(self) -> list[BatchRequest]:
+        """Read every launched decode step (before work that must not overlap a step); returns the requests
+        that ended."""
+        finished: list[BatchRequest] = []
+        while self._inflight:
+            finished += self._read(self._inflight.popleft())
         return finished
 
     def warm(self, tokens: int) -> None:
@@ -157,12 +197,16 @@ class Scheduler:
     def fail_all(self, error: BaseException) -> list[BatchRequest]:
         """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
         failed = [*self.waiting, *self.prefilling, *self.running]
+        stale, self._inflight = list(self._inflight), deque()  # unread: the device's state is unknown
+        for step in stale:
+            for slab in step.free_after:
+                self.pool.free(slab)
         for request in failed:
             self._fail(request, error)
         return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._inflight)
 
     def run_until_idle(self) -> None:
         """Step until nothing waits or runs (offline use and tests)."""
@@ -371,6 +415,72 @@ class Scheduler:
 
     # ---- run -----------------------------------------------------------------------------------------------
 
+    def _decode_step(self) -> list[BatchRequest]:
+        """One batched decode step over the running requests; returns those that ended. Overlapped, the step is
+        launched first and the previous one read while it runs; otherwise the previous one (if any) is read, then
+        this one runs and is read at once."""
+        if not self._overlaps():
+            read = self.drain()
+            self.last_batch = len(self.running)
+            return read + (self._decode() if self.running else [])
+        self.last_batch = len(self.running)
+        launched = bool(self.running)
+        if launched:
+            self._launch(list(self.running))
+        finished: list[BatchRequest] = []
+        while len(self._inflight) > (1 if launched else 0):  # the step just launched runs on
+            finished += self._read(self._inflight.popleft())
+        return finished
+
+    def _overlaps(self) -> bool:
+        """Whether this step may launch before the previous one is read: overlap is on, and no running request
+        needs its last token on the host to launch (questions prefilled with the step) or log-probabilities
+        (computed from a step's logits, which the next replay overwrites)."""
+        if not self.overlap or self._questions:
+            return False
+        return all(r.sampling.logprobs is None for r in self.running)
+
+    def _launch(self, batch: list[BatchRequest]) -> None:
+        """Queue a decode step over `batch` and its picks' copy to the host, without waiting for either. Rows of
+        the previous launched step feed its picks from the device; the others (admitted since) their host token."""
+        began = time.perf_counter()
+        previous = self._inflight[-1] if self._inflight else None
+        rows_before = {id(r): row for row, r in enumerate(previous.batch)} if previous is not None else {}
+        src = tuple(rows_before.get(id(r), -1) for r in batch)
+        feed = StepFeed(previous.picks, src) if previous is not None and max(src) >= 0 else None
+        try:
+            logits = self._decode_logits(batch, feed)
+            picks = pick_rows_on_device(logits, [r.running_sampler for r in batch])
+            self._inflight.append(_copy_to_host(batch, picks))
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(batch))
+            for request in batch:
+                self._fail(request, err)
+        self.busy_s["decode"] += time.perf_counter() - began
+
+    def _read(self, step: _InFlight) -> list[BatchRequest]:
+        """Wait for a launched step, return the slabs it was the last to write, accept each live row's token;
+        returns the requests it ended."""
+        began = time.perf_counter()
+        try:
+            tokens = step.tokens()
+        except Exception as err:
+            log.exception("batched decode step over %d requests failed", len(step.batch))
+            live = [r for r in step.batch if not r.finished]
+            for request in live:
+                self._fail(request, err)
+            return live
+        finally:
+            for slab in step.free_after:
+                self.pool.free(slab)
+        read = time.perf_counter()
+        self.busy_s["decode"] += read - began
+        # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
+        rows = [(r, token) for r, token in zip(step.batch, tokens, strict=True) if not r.finished]
+        finished = [r for r, token in rows if not self._accept(r, token)]
+        self.busy_s["emit"] += time.perf_counter() - read
+        return finished
+
     def _decode(self) -> list[BatchRequest]:
         """One batched step over every running request (and the questions admitted to prefill with it); returns
         those it finished."""
@@ -424,13 +534,14 @@ class Scheduler:
         tokens = pick_rows(logits, [r.running_sampler for r in batch])
         return tokens, self._logprobs(batch, logits, tokens), question_logits
 
-    def _decode_logits(self, batch: Sequence[BatchRequest]) -> torch.Tensor:
-        """The decode step proper: each request's last token through the step's graph (or eagerly)."""
+    def _decode_logits(self, batch: Sequence[BatchRequest], feed: StepFeed | None = None) -> torch.Tensor:
+        """The decode step proper: each request's last token (or, with `feed`, the previous step's pick still on
+        the device) through the step's graph (or eagerly)."""
         ids, positions, spans = self._rows(batch)
         if self.graphs is not None:
-            logits = self.graphs.step(ids, positions, spans)
+            logits = self.graphs.step(ids, positions, spans, feed)
         else:
-            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device))
+            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed))
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
         return logits
@@ -497,7 +608,7 @@ class Scheduler:
         if request in self.prefilling:
             self.prefilling.remove(request)
         if request.slab is not None:
-            self.pool.free(request.slab)
+            self._release(request.slab)
             request.slab, request.kv = None, None
         detok = request.detok
         if detok is not None:
@@ -511,6 +622,14 @@ class Scheduler:
         if request.on_finish is not None:
             request.on_finish(request)
 
+    def _release(self, slab: Slab) -> None:
+        """Return a slab to the pool, once the launched steps that may still write it have run: a step launched
+        before its request ended computes one more row into it."""
+        if self._inflight:
+            self._inflight[-1].free_after.append(slab)
+        else:
+            self.pool.free(slab)
+
     @staticmethod
     def _emit(request: BatchRequest, delta: str) -> None:
         if not delta or request.on_text is None:
@@ -520,3 +639,14 @@ class Scheduler:
         except Exception:  # the consumer is gone (a closed stream): treat it as a disconnect
             log.warning("text callback failed; cancelling the request", exc_info=True)
             request.cancelled = True
+
+
+def _copy_to_host(batch: list[BatchRequest], picks: torch.Tensor) -> _InFlight:
+    """A launched step's record, its picks' host copy queued behind it (pinned memory and an event on CUDA)."""
+    if picks.device.type != "cuda":
+        return _InFlight(batch, picks, picks, None)
+    host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+    host.copy_(picks, non_blocking=True)
+    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copied.record()
+    return _InFlight(batch, picks, host, copied)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from app_server import LiveServer
+from app_server import LiveServer, server_of
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.load import LoadConfig, corpus, main, percentile, question, run_load, topic_name, zipf_weights
@@ -21,10 +21,15 @@ pytestmark = pytest.mark.slow
 TOP_K = 2
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
 def test_the_load_generator_reports_sane_figures_per_mode(
-    live_server: Callable[..., LiveServer], tmp_path: Path
+    live_server: Callable[..., LiveServer], tmp_path: Path, overlap: bool
 ) -> None:
-    with live_server() as server:
+    """Both modes through a live gateway, its decode steps read one by one (the CPU's default) or overlapped
+    (CUDA's default: each step launched before the previous one is read)."""
+    with live_server(overlap_decode=overlap) as server:
+        scheduler = server_of(server.app).runtime.loop.scheduler
+        assert scheduler is not None and scheduler.overlap is overlap
         config = LoadConfig(
             url=server.url,
             out_dir=tmp_path / "load",
