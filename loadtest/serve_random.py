@@ -165,14 +165,15 @@ def phase_config(
     )
 
 
-async def drive_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    """Ingest once, then a warm-up and a timed phase per concurrency level."""
+async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[str, Any]:
+    """Ingest once (unless the corpus is already in: a second pass over the same server), then a warm-up and a
+    timed phase per concurrency level."""
     limits = httpx.Limits(max_connections=max(args.concurrency) + 2)
     timeout = httpx.Timeout(load.REQUEST_TIMEOUT_S)
     phases: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         began = time.perf_counter()
-        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
+        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed)) if ingest else 0
         ingest_s = time.perf_counter() - began
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
         for concurrency in args.concurrency:
@@ -247,10 +248,13 @@ def retrieval_split(before: str, after: str) -> dict[str, float]:
     return {**split, "round_size": round(questions / max(rounds, 1), 2)}
 
 
-def run_driver(args: argparse.Namespace, url: str) -> dict[str, Any]:
+def run_driver(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[str, Any]:
     """`drive_all` in its own process (the clients' SSE parsing must not share the server's GIL)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(drive_all(args, url))
+    return asyncio.run(drive_all(args, url, ingest))
+
+
+OVERLAP_PASSES = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}
 
 
 def _stage_medians(results: list[load.Result]) -> dict[str, dict[str, float]]:
@@ -370,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-cache-mb", type=int, default=12288)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("loadtest-out"))
+    parser.add_argument(
+        "--overlap",
+        choices=sorted(OVERLAP_PASSES),
+        default="auto",
+        help="overlapped decode steps (KVSTITCH_OVERLAP_DECODE): the server's setting, on, off, or both: every "
+        "level with it on, then again with it off, in one server (a paired comparison; reports in on/ and off/)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -384,31 +395,56 @@ def main(argv: list[str] | None = None) -> int:
     log.info("engine built in %.1f s (%s)", time.perf_counter() - began, engine.model.source)
     if args.model is None:
         log.info("zeroed %d LM-head rows the tokenizer cannot decode", stream_in_vocab(engine))
-    app = create_app(Server(settings, engine, worker_factory=in_process_worker))
-    with BackgroundServer(app, args.port) as server:
+    gateway = Server(settings, engine, worker_factory=in_process_worker)
+    outcomes = []
+    with BackgroundServer(create_app(gateway), args.port) as server:
         readiness = wait_ready(server.url)
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            outcome = clients.submit(run_driver, args, server.url).result()
+            for number, overlap in enumerate(OVERLAP_PASSES[args.overlap]):
+                scheduler = gateway.runtime.loop.scheduler if gateway.runtime is not None else None
+                if overlap is not None and scheduler is not None:
+                    scheduler.overlap = overlap  # read by the engine thread at its next step; the server is idle
+                outcome = clients.submit(run_driver, args, server.url, number == 0).result()
+                outcomes.append((overlap, scheduler.overlap if scheduler is not None else None, outcome))
+    errors = 0
+    for asked, used, outcome in outcomes:
+        out = args.out if asked is None else args.out / ("on" if asked else "off")
+        errors += report(args, out, engine, settings, readiness, outcome, used)
+    return 1 if errors else 0
 
+
+def report(
+    args: argparse.Namespace,
+    out: Path,
+    engine: Any,
+    settings: Settings,
+    readiness: dict[str, Any],
+    outcome: dict[str, Any],
+    overlap: bool | None,
+) -> int:
+    """Write one pass's report.json, table.md and plot into `out`, print its summary; returns its errors."""
+    out.mkdir(parents=True, exist_ok=True)
     info = machine()
     text = table(outcome["phases"])
     title = (
         f"kvstitch gateway, {info['device']}, {engine.model.source}, top-k {args.top_k} x {args.chunk_size}-token "
         f"chunks, {args.max_new_tokens} new tokens"
     )
-    png = plot(outcome["phases"], args.out / "ttft.png", title)
-    report = {
+    png = plot(outcome["phases"], out / "ttft.png", title)
+    saved = {
         "machine": info,
         "settings": settings.model_dump(mode="json"),
+        "overlap_decode": overlap,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "readiness": readiness,
         **outcome,
         "table": text,
     }
-    (args.out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    (out / "report.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
+    (out / "table.md").write_text(text + "\n", encoding="utf-8")
+    print(f"overlapped decode: {overlap}")
     print(f"{info}; ingested {outcome['chunks']} chunks in {outcome['ingest_s']:.1f} s; plot {png}")
     for line in outcome["metrics_tail"]:
         if line.startswith(("kvstitch_kv_hits_total", "kvstitch_ttft_seconds_count", "kvstitch_gate")):
@@ -421,8 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             f"retrieval ms per question {phase['retrieval_ms_per_question']}"
         )
     print(text)
-    errors = sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])
-    return 1 if errors else 0
+    return sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])
 
 
 if __name__ == "__main__":
