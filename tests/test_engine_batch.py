@@ -302,6 +302,28 @@ def test_an_overlapped_step_is_read_while_the_next_runs_and_frees_a_slab_after_i
     assert bool(scheduler.pool.data.isnan().all())  # the extra row's slot was poisoned with the rest
 
 
+def test_overlapped_a_first_token_that_ends_its_request_wastes_one_row_and_changes_nothing(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    """Overlapped, a request runs from its admission, its first token fed to the next step from the device
+    before the host has read it. A one-token answer is then ended by that read, after the step has a row for
+    it: the row is dropped, its slab returns once the step has run, and the requests beside it are unchanged."""
+    engine = get_engine("llama", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 800), overlap=True)
+    one, longer = Tracked(engine, Case((16, 9), max_new=1, seed=80)), Tracked(engine, Case((30,), max_new=6, seed=81))
+    for t in (one, longer):
+        scheduler.add(t.request)
+    scheduler.step()
+    assert one.request.finished and one.request.slab is None
+    assert scheduler.last_batch == 2  # the step launched with a row for it
+    assert scheduler.pool.used_slots == one.request.tokens_needed + longer.request.tokens_needed  # not yet back
+    drain(scheduler)
+    assert scheduler.pool.used_slots == 0
+    for t in (one, longer):
+        t.assert_matches(run_alone(engine, t.case))
+    assert len(one.request.result.token_ids) == 1 and one.request.result.finish_reason == "length"
+
+
 def test_max_batch_bounds_the_running_requests(get_engine: Callable[..., StitchEngine]) -> None:
     engine = get_engine("llama", "cpu")
     scheduler = Scheduler(engine, nan_pool(engine, 3000), max_batch=2)
@@ -488,6 +510,28 @@ def test_gpu_batched_greedy_follows_eager(
     scratch = (1 if graphs else 0) + (extend_graphs.scratch_slots if extend_graphs else 0)
     assert scheduler.pool.used_slots == scratch
     assert (extend_graphs is not None) == (graphs and scheduler.decoder.extend_backend == "flash_varlen")
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_gpu_overlapped_admissions_time_their_stages_on_the_gpu(get_engine: Callable[..., StitchEngine]) -> None:
+    """Overlapped, an admission's stitch and prefill are timed by CUDA events (no host wait) and settled at the
+    first token: each is the GPU's own time, and the TTFT is the queue (the wait for the running step included)
+    plus those stages."""
+    engine = get_engine("qwen2", "cuda")
+    scheduler = Scheduler(engine, nan_pool(engine, 3000), max_batch=8, cuda_graphs=True, overlap=True)
+    tracked = [Tracked(engine, case) for case in MIXED[:3]]
+    scheduler.add(tracked[0].request)
+    steps(scheduler, 2)  # a step runs while the others are admitted
+    for t in tracked[1:]:
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in tracked:
+        timings = t.request.result.timings
+        stages = timings.stitch_ms + timings.prefill_ms
+        assert timings.prefill_ms > 0 and (timings.stitch_ms > 0) == (t.case.mode == "turbo"), timings
+        assert timings.ttft_ms >= t.request.queue_ms + stages - 1e-3 and t.request.queue_ms >= 0
+        _assert_greedy_under_eager(engine, t.case, t.request.result.token_ids)
 
 
 @pytest.mark.gpu

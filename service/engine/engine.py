@@ -7,9 +7,10 @@ files or queues. Tensors handed to it may live on the CPU or on the model's devi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -81,17 +82,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+StageSetter = Callable[[float], None]
+
+
+def stage_setter(timings: Timings, stage: str) -> StageSetter:
+    """A setter of one `Timings` field (ms), for `Stopwatch.lap`."""
+    if not hasattr(timings, stage):
+        raise AttributeError(f"no stage {stage!r} in Timings")
+
+    def set_ms(ms: float) -> None:
+        setattr(timings, stage, ms)
+
+    return set_ms
+
+
 class Stopwatch:
-    def __init__(self, device: torch.device) -> None:
+    """Stage times of work queued on the device.
+
+    Synchronous (the default): each lap waits for the device, so it is the stage's time as the host sees it.
+    Deferred (`deferred=True`, CUDA only): a lap records a CUDA event and nothing waits; the stages' times (GPU
+    time between consecutive events, so not the wait for work queued before the first) are handed to their
+    setters by `settle()`, once the work is done — the overlapped scheduler then never stalls the GPU to time a
+    stitch or a prefill.
+    """
+
+    def __init__(self, device: torch.device, deferred: bool = False) -> None:
         self._device = device
         self._start = time.perf_counter()
+        self.deferred = deferred and device.type == "cuda"
+        self._mark: Any = self._event() if self.deferred else None
+        self._laps: list[tuple[StageSetter, Any, Any]] = []
 
     def lap_ms(self) -> float:
         """Milliseconds since the last lap, after the device finished the queued work."""
+        if self.deferred:
+            raise RuntimeError("a deferred stopwatch's laps are read by settle()")
         _sync(self._device)
         now = time.perf_counter()
         elapsed, self._start = (now - self._start) * 1e3, now
         return elapsed
+
+    def lap(self, setter: StageSetter) -> None:
+        """End a stage: its milliseconds go to `setter`, now (synchronous) or at `settle()` (deferred)."""
+        if not self.deferred:
+            setter(self.lap_ms())
+            return
+        mark = self._event()
+        self._laps.append((setter, self._mark, mark))
+        self._mark = mark
+
+    def settle(self) -> None:
+        """Hand every deferred lap its time (waits for the last one's event; at once when the work is done)."""
+        laps, self._laps = self._laps, []
+        for setter, began, ended in laps:
+            ended.synchronize()
+            setter(began.elapsed_time(ended))
+
+    @staticmethod
+    def _event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
 
 class StitchEngine:
@@ -353,17 +404,17 @@ class StitchEngine:
             if not r.recompute.active:
                 done = self.prefill_pipelined(r.chunk_kv, r.question, r.positions, r.extra_tokens, r.chunk_ready, graph)
                 if done is not None:
-                    timings.prefill_ms = watch.lap_ms()
+                    watch.lap(stage_setter(timings, "prefill_ms"))
                     return done[0], done[1]
             into = graph.buffer
         room = len(r.question) + r.extra_tokens
         buffer, plan = self.stitch(r.chunk_kv, r.positions, room, r.chunk_ready, into)
-        timings.stitch_ms = watch.lap_ms()
+        watch.lap(stage_setter(timings, "stitch_ms"))
         if r.recompute.active:
             result.recomputed_tokens = self.recompute(buffer, plan, r.chunk_kv, r.recompute)
-            timings.recompute_ms = watch.lap_ms()
+            watch.lap(stage_setter(timings, "recompute_ms"))
         logits = self.prefill_question(buffer, r.question, graph=graph)
-        timings.prefill_ms = watch.lap_ms()
+        watch.lap(stage_setter(timings, "prefill_ms"))
         return buffer, logits
 
     # ---- generate ------------------------------------------------------------------------------------------

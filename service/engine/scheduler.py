@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from service.engine.engine import (
     GenerationMode,
     StitchEngine,
     Stopwatch,
+    Timings,
     check_request,
 )
 from service.engine.kv_pool import KVPool, Slab
@@ -65,14 +66,17 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class _InFlight:
-    """A decode step launched but not read yet: its rows, its picks on the device and their host copy, and the
-    slabs to return to the pool once it has run (their requests ended while it could still write them)."""
+    """Picks queued on the device but not read yet — a decode step's, or the first tokens of requests admitted
+    together (`first`, timed by `watch`) — their host copy, and the slabs to return to the pool once this work
+    has run (their requests ended while it, or work queued before it, could still write them)."""
 
     batch: list[BatchRequest]
     picks: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `copied` has passed
     copied: Any  # torch.cuda.Event on CUDA; None where the copy was synchronous
     free_after: list[Slab] = field(default_factory=list)
+    first: bool = False
+    watch: Stopwatch | None = None
 
     def tokens(self) -> list[int]:
         """The picks on the host, waiting for the step (and the copy) to finish."""
@@ -123,7 +127,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.decoder = BatchDecoder(engine.forward, pool, attention)
-        self.graphs = BatchGraphs(self.decoder, max_batch) if cuda_graphs else None
+        # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
+        self.graphs = BatchGraphs(self.decoder, 2 * max_batch) if cuda_graphs else None
         self.overlap = overlap
         self._inflight: deque[_InFlight] = deque()  # launched decode steps not read yet, oldest first
         # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
@@ -245,8 +250,8 @@ class Scheduler:
         for request in admitted:
             if request not in together:
                 self._start_admitted(request, finished)
-        if together and with_decode:
-            self._questions = self._stitched(together, finished)
+        if together and with_decode:  # read at once with the step's other rows: timed synchronously
+            self._questions = self._stitched(together, finished, Stopwatch(self.engine.spec.device))
         elif together:
             finished += self._prefill_together(together)
         return finished
@@ -261,26 +266,29 @@ class Scheduler:
         return request.mode is GenerationMode.TURBO and not request.recompute.active and bool(request.prompt.question)
 
     def _start_admitted(self, request: BatchRequest, finished: list[BatchRequest]) -> None:
-        """Prefill one admitted request alone and accept its first token."""
+        """Prefill one admitted request alone and pick its first token."""
+        watch = self._watch()
         try:
-            logits = self.slabs.prefill_alone(request, request.buffer)
+            logits = self.slabs.prefill_alone(request, request.buffer, watch)
         except Exception as err:  # one request's bad input must not take the batch down
             self._fail(request, err)
             finished.append(request)
             return
-        if self._first_token(request, logits):
-            self.running.append(request)
-        else:
-            finished.append(request)
+        finished += self._first_tokens_of([request], logits.unsqueeze(0), watch)
+
+    def _watch(self) -> Stopwatch:
+        """Times an admission's stages: deferred where steps overlap on CUDA (settled at the first token), so
+        timing a stitch never stalls the GPU."""
+        return Stopwatch(self.engine.spec.device, deferred=self.overlap)
 
     def _prefill_together(self, group: list[BatchRequest]) -> list[BatchRequest]:
         """Stitch each request's chunks into its slab, then prefill every question in one batched forward
         (`BatchDecoder.extend`); returns the requests that finished (failed, or done at their first token)."""
         finished: list[BatchRequest] = []
-        stitched = self._stitched(group, finished)
+        watch = self._watch()
+        stitched = self._stitched(group, finished, watch)
         if not stitched:
             return finished
-        watch = Stopwatch(self.engine.spec.device)
         try:
             logits = self.slabs.extend(stitched)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
@@ -288,21 +296,16 @@ class Scheduler:
             for request in stitched:
                 self._fail(request, err)
             return finished + stitched
-        prefill_ms = watch.lap_ms()
+        # Each waited for the whole group's prefill: that is its share of the TTFT.
+        watch.lap(_set_stage(stitched, "prefill_ms"))
         self.prefilled_together += len(stitched)
-        for row, request in enumerate(stitched):
-            # Each waited for the whole group's prefill: that is its share of the TTFT.
-            request.result.timings.prefill_ms = prefill_ms
-            if self._first_token(request, logits[row]):
-                self.running.append(request)
-            else:
-                finished.append(request)
-        return finished
+        return finished + self._first_tokens_of(stitched, logits, watch)
 
-    def _stitched(self, group: list[BatchRequest], finished: list[BatchRequest]) -> list[BatchRequest]:
+    def _stitched(
+        self, group: list[BatchRequest], finished: list[BatchRequest], watch: Stopwatch
+    ) -> list[BatchRequest]:
         """Each request's chunks stitched into its slab; those that failed go to `finished`. Each request's
         stitch time is the group's (every member waits for all of it)."""
-        watch = Stopwatch(self.engine.spec.device)
         stitched = []
         for request in group:
             try:
@@ -311,9 +314,7 @@ class Scheduler:
             except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
                 self._fail(request, err)
                 finished.append(request)
-        stitch_ms = watch.lap_ms()
-        for request in stitched:
-            request.result.timings.stitch_ms = stitch_ms
+        watch.lap(_set_stage(stitched, "stitch_ms"))
         return stitched
 
     def _chunked(self, request: BatchRequest) -> bool:
@@ -399,19 +400,67 @@ class Scheduler:
             return []
         return [request]
 
-    def _first_token(self, request: BatchRequest, logits: torch.Tensor) -> bool:
-        """Pick and accept the request's first token; False when that already ended it."""
+    def _first_tokens_of(self, group: list[BatchRequest], logits: torch.Tensor, watch: Stopwatch) -> list[BatchRequest]:
+        """The first tokens of requests prefilled together (logits [len(group), vocab]); returns those that
+        ended. Overlapped (and none asks for log-probabilities, which need the logits now), they are picked on the
+        device and the requests run at once: the next step feeds the picks from there, and they are read (and
+        emitted) while it runs. Otherwise each is picked and accepted here."""
+        if not self._overlaps(group):
+            ended = []
+            for row, request in enumerate(group):
+                if self._first_token(request, logits[row], watch):
+                    self.running.append(request)
+                else:
+                    ended.append(request)
+            return ended
+        started: list[BatchRequest] = []
+        finished: list[BatchRequest] = []
+        for request in group:
+            try:
+                self._start_decoding(request)
+                started.append(request)
+            except Exception as err:
+                self._fail(request, err)
+                finished.append(request)
+        if not started:
+            return finished
+        rows = logits if len(started) == len(group) else logits[[group.index(r) for r in started]]
         try:
-            request.sampler = Sampler(request.sampling, self.engine.spec.device)
-            request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
-            first = request.sampler.pick(logits)
+            picks = pick_rows_on_device(rows, [r.running_sampler for r in started])
+        except Exception as err:
+            for request in started:
+                self._fail(request, err)
+            return finished + started
+        self._inflight.append(_copy_to_host(started, picks, watch))
+        self.running.extend(started)
+        return finished
+
+    def _start_decoding(self, request: BatchRequest) -> None:
+        request.sampler = Sampler(request.sampling, self.engine.spec.device)
+        request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
+
+    def _first_token(self, request: BatchRequest, logits: torch.Tensor, watch: Stopwatch | None = None) -> bool:
+        """Pick and accept the request's first token here; False when that already ended it."""
+        try:
+            self._start_decoding(request)
+            first = request.running_sampler.pick(logits)
             logprobs = self._logprobs([request], logits.unsqueeze(0), [first])[0]
         except Exception as err:
             self._fail(request, err)
             return False
-        request.first_token_at = time.perf_counter()
-        request.result.timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
+        self._first_token_read(request, watch)
         return self._accept(request, first, logprobs)
+
+    def _first_token_read(self, request: BatchRequest, watch: Stopwatch | None) -> None:
+        """The request's first token reached the host: its TTFT, and its stage times where they were deferred.
+        Deferred times are the GPU's own, so the wait for the work queued before the request's (the running
+        step) moves into its queue time, as it was when every stage waited for the device."""
+        request.first_token_at = time.perf_counter()
+        timings = request.result.timings
+        timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
+        if watch is not None and watch.deferred:
+            watch.settle()
+            request.queue_ms = max(request.queue_ms, timings.ttft_ms - _stages_ms(timings))
 
     # ---- run -----------------------------------------------------------------------------------------------
 
@@ -432,22 +481,20 @@ class Scheduler:
             finished += self._read(self._inflight.popleft())
         return finished
 
-    def _overlaps(self) -> bool:
-        """Whether this step may launch before the previous one is read: overlap is on, and no running request
-        needs its last token on the host to launch (questions prefilled with the step) or log-probabilities
-        (computed from a step's logits, which the next replay overwrites)."""
+    def _overlaps(self, requests: Sequence[BatchRequest] | None = None) -> bool:
+        """Whether picks of `requests` (default: the running ones, for this step) may stay unread on the device:
+        overlap is on, no question is prefilled with the step (its rows need their last token on the host), and
+        none asks for log-probabilities (computed from the logits, which the next forward overwrites)."""
         if not self.overlap or self._questions:
             return False
-        return all(r.sampling.logprobs is None for r in self.running)
+        return all(r.sampling.logprobs is None for r in (self.running if requests is None else requests))
 
     def _launch(self, batch: list[BatchRequest]) -> None:
-        """Queue a decode step over `batch` and its picks' copy to the host, without waiting for either. Rows of
-        the previous launched step feed its picks from the device; the others (admitted since) their host token."""
+        """Queue a decode step over `batch` and its picks' copy to the host, without waiting for either. A row
+        whose last token is still unread on the device (a pick of the previous step, or a first token) is fed
+        from there; the others feed their host token."""
         began = time.perf_counter()
-        previous = self._inflight[-1] if self._inflight else None
-        rows_before = {id(r): row for row, r in enumerate(previous.batch)} if previous is not None else {}
-        src = tuple(rows_before.get(id(r), -1) for r in batch)
-        feed = StepFeed(previous.picks, src) if previous is not None and max(src) >= 0 else None
+        feed = self._feed(batch)
         try:
             logits = self._decode_logits(batch, feed)
             picks = pick_rows_on_device(logits, [r.running_sampler for r in batch])
@@ -458,9 +505,25 @@ class Scheduler:
                 self._fail(request, err)
         self.busy_s["decode"] += time.perf_counter() - began
 
+    def _feed(self, batch: Sequence[BatchRequest]) -> StepFeed | None:
+        """Where each row of a step over `batch` finds an unread last token: its index in the unread picks, one
+        after the other (a request is in one unread record at most: all but the newest step are read before the
+        next launch, and first tokens are of requests admitted since)."""
+        unread: dict[int, int] = {}
+        offset = 0
+        for record in self._inflight:
+            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
+            offset += len(record.batch)
+        src = tuple(unread.get(id(r), -1) for r in batch)
+        if max(src, default=-1) < 0:
+            return None
+        records = list(self._inflight)
+        picks = records[0].picks if len(records) == 1 else torch.cat([record.picks for record in records])
+        return StepFeed(picks, src)
+
     def _read(self, step: _InFlight) -> list[BatchRequest]:
-        """Wait for a launched step, return the slabs it was the last to write, accept each live row's token;
-        returns the requests it ended."""
+        """Wait for queued picks, return the slabs that work was the last to write, accept each live row's token
+        (a first token starts its request's stream); returns the requests it ended."""
         began = time.perf_counter()
         try:
             tokens = step.tokens()
@@ -474,9 +537,12 @@ class Scheduler:
             for slab in step.free_after:
                 self.pool.free(slab)
         read = time.perf_counter()
-        self.busy_s["decode"] += read - began
+        self.busy_s["admit" if step.first else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
         rows = [(r, token) for r, token in zip(step.batch, tokens, strict=True) if not r.finished]
+        if step.first:
+            for request, _ in rows:
+                self._first_token_read(request, step.watch)
         finished = [r for r, token in rows if not self._accept(r, token)]
         self.busy_s["emit"] += time.perf_counter() - read
         return finished
@@ -641,12 +707,27 @@ class Scheduler:
             request.cancelled = True
 
 
-def _copy_to_host(batch: list[BatchRequest], picks: torch.Tensor) -> _InFlight:
-    """A launched step's record, its picks' host copy queued behind it (pinned memory and an event on CUDA)."""
+def _copy_to_host(batch: list[BatchRequest], picks: torch.Tensor, first: Stopwatch | None = None) -> _InFlight:
+    """The record of queued picks, their host copy queued behind them (pinned memory and an event on CUDA);
+    `first`: they are the first tokens of `batch`, whose stages that watch timed."""
     if picks.device.type != "cuda":
-        return _InFlight(batch, picks, picks, None)
+        return _InFlight(batch, picks, picks, None, first=first is not None, watch=first)
     host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
     host.copy_(picks, non_blocking=True)
     copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
     copied.record()
-    return _InFlight(batch, picks, host, copied)
+    return _InFlight(batch, picks, host, copied, first=first is not None, watch=first)
+
+
+def _set_stage(group: Sequence[BatchRequest], stage: str) -> Callable[[float], None]:
+    """A `Stopwatch.lap` setter giving every request of `group` the same stage time (they waited for all of it)."""
+
+    def set_ms(ms: float) -> None:
+        for request in group:
+            setattr(request.result.timings, stage, ms)
+
+    return set_ms
+
+
+def _stages_ms(timings: Timings) -> float:
+    return timings.precompute_ms + timings.stitch_ms + timings.recompute_ms + timings.prefill_ms

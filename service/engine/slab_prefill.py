@@ -17,7 +17,7 @@ import torch
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, ExtendRows
 from service.engine.batch_request import BatchRequest
-from service.engine.engine import GenerationMode, StitchEngine, Stopwatch, TurboPrefill
+from service.engine.engine import GenerationMode, StitchEngine, Stopwatch, TurboPrefill, stage_setter
 from service.engine.extend_graph import ExtendGraphs
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
@@ -96,21 +96,21 @@ class SlabPrefill:
         logits of the last."""
         return self.engine.forward.extend(request.buffer, list(ids), torch.arange(first, first + len(ids)))
 
-    def prefill_alone(self, request: BatchRequest, buffer: KVBuffer) -> torch.Tensor:
+    def prefill_alone(self, request: BatchRequest, buffer: KVBuffer, watch: Stopwatch) -> torch.Tensor:
         """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
+        Its stages are timed by `watch` (deferred in the overlapped scheduler: settled at its first token).
 
         With CUDA graphs a turbo request is stitched and prefilled in a leased graph's buffer (the question
         through its prefill graph, pipelined with the copies still landing) and its live KV then copied into
         the slab: a device-to-device copy of ~0.1 ms at 8K on an H200 against the ~3x slower eager prefill."""
         engine, timings, prompt = self.engine, request.result.timings, request.prompt
-        watch = Stopwatch(engine.spec.device)
         if request.mode is GenerationMode.NAIVE:
             _, logits = engine.prefill_naive(prompt, request.sampling.max_new_tokens, into=buffer)
-            timings.prefill_ms = watch.lap_ms()
+            watch.lap(stage_setter(timings, "prefill_ms"))
             return logits
         chunk_kv = self.chunk_kv(request)
         if request.chunk_kv is None:
-            timings.precompute_ms = watch.lap_ms()
+            watch.lap(stage_setter(timings, "precompute_ms"))
         extra = request.sampling.max_new_tokens
         turbo = TurboPrefill(
             chunk_kv, prompt.question, request.positions, extra, request.chunk_ready, request.recompute
