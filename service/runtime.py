@@ -117,8 +117,7 @@ class Runtime:
     order: DocumentOrder
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
-    # The child processes that embed questions, where they run (one retrieval lane each); none: in this process.
-    question_embedders: list[QueryEmbedProcess] = field(default_factory=list)
+    question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
@@ -227,7 +226,7 @@ class Runtime:
         self.closed = True
         self._stop_worker()
         self._safely(self.queue.close)  # after the worker: it still hands its job back through the queue
-        for close in (self.loop.close, self._release_pool, self.retrieval.close, self._close_question_embedders):
+        for close in (self.loop.close, self._release_pool, self.retrieval.close, self._close_question_embedder):
             self._safely(close)
         for close in (self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
@@ -246,10 +245,10 @@ class Runtime:
             # claimed by another worker) like the job of a killed process.
             log.warning("ingest worker still busy after %.0f s; closing anyway", self.settings.shutdown_timeout_s)
 
-    def _close_question_embedders(self) -> None:
-        """After the retrieval batcher: its lanes may still be waiting on a child for a last round."""
-        for child in self.question_embedders:
-            child.close()
+    def _close_question_embedder(self) -> None:
+        """After the retrieval batcher: its thread may still be waiting on the child for a last round."""
+        if self.question_embedder is not None:
+            self.question_embedder.close()
 
     def _release_pool(self) -> None:
         """Give the KV pool's memory back now (a closed runtime may stay referenced, by metrics say)."""
@@ -384,25 +383,16 @@ def question_embedder_in_child(mode: str, engine_device: torch.device) -> bool:
     return mode == "on"
 
 
-def open_question_embedders(settings: Settings, engine: StitchEngine, embedder: Embedder) -> list[QueryEmbedProcess]:
-    """The child processes for questions' embeddings when the settings call for them (`embedding_processes` of
-    them; the in-process `embedder` keeps the documents' and the collection's dimension); none = questions
-    embedded in this process."""
+def open_question_embedder(settings: Settings, engine: StitchEngine, embedder: Embedder) -> QueryEmbedProcess | None:
+    """The child process for questions' embeddings when the settings call for one (the in-process `embedder`
+    keeps the documents' and the collection's dimension); None = questions embedded in this process."""
     if not question_embedder_in_child(settings.embedding_process, engine.spec.device):
-        return []
-    children: list[QueryEmbedProcess] = []
-    try:
-        for _ in range(settings.embedding_processes):
-            children.append(QueryEmbedProcess(settings.embedding_model, device=settings.embedding_device))
-            if children[-1].dimension != embedder.dimension:  # two models: its vectors would not fit the collection
-                raise RuntimeError(
-                    f"question embedder dimension {children[-1].dimension} != embedder's {embedder.dimension}"
-                )
-    except BaseException:
-        for child in children:
-            child.close()
-        raise
-    return children
+        return None
+    child = QueryEmbedProcess(settings.embedding_model, device=settings.embedding_device)
+    if child.dimension != embedder.dimension:  # two models: its vectors would not fit the collection
+        child.close()
+        raise RuntimeError(f"question embedder dimension {child.dimension} != embedder's {embedder.dimension}")
+    return child
 
 
 def _open_components(
@@ -418,9 +408,9 @@ def _open_components(
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
     sweep_dead_jobs(queue, collection, store)
-    question_embedders = open_question_embedders(settings, engine, embedder) if answers else []
-    lanes = [child.embed_queries for child in question_embedders] or [embedder.embed_queries]
-    retrieval = RetrievalBatcher(lanes, collection.search_many)
+    question_embedder = open_question_embedder(settings, engine, embedder) if answers else None
+    embed_questions = question_embedder.embed_queries if question_embedder is not None else embedder.embed_queries
+    retrieval = RetrievalBatcher(embed_questions, collection.search_many)
     return Runtime(
         settings,
         engine,
@@ -435,5 +425,5 @@ def _open_components(
         order,
         precompute,
         retrieval,
-        question_embedders,
+        question_embedder,
     )

@@ -82,13 +82,6 @@ class Settings(BaseSettings):
         description="Embed questions in a child process, so the forward never waits for the gateway's GIL (engine "
         "thread, event loop); auto = on when the LLM runs on CUDA.",
     )
-    embedding_processes: int = Field(
-        2,
-        ge=1,
-        le=8,
-        description="Child processes embedding questions where they run in a child (EMBEDDING_PROCESS): one "
-        "retrieval lane each, so a question need not wait for another's round to end.",
-    )
     chunk_size: int = Field(384, ge=16, le=8192, description="Chunk size in LLM tokens.")
     chunk_overlap: int = Field(48, ge=0, description="Overlap between chunks cut inside a paragraph (tokens).")
     max_document_chars: int = Field(2_000_000, ge=1, description="Largest document accepted (characters).")

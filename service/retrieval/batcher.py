@@ -1,14 +1,10 @@
 """Retrieval for many concurrent questions: one embedding batch and one Qdrant batch query per round.
 
-Each request thread calls `retrieve(text, top_k)` and blocks. A retrieval thread (a lane) takes every question
-waiting at that moment, embeds them in one batch and searches them in one batched query, then wakes each caller
-with its hits. Nothing waits for a batch to fill: a lone question goes at once (no added latency at one client),
-and under load the questions that arrive while a round runs form the next round. Retrieval never runs on the
-engine loop, so it overlaps the GPU's work.
-
-With several lanes (one embedder each: the question embedder's child processes), a question arriving while one
-lane's round runs starts in a free lane at once instead of waiting for that round to end; the searches of
-embedded Qdrant still take turns under the collection's lock, but one lane's embedding overlaps another's search.
+Each request thread calls `retrieve(text, top_k)` and blocks. One retrieval thread takes every question waiting
+at that moment, embeds them in one batch and searches them in one batched query, then wakes each caller with its
+hits. Nothing waits for a batch to fill: a lone question goes at once (no added latency at one client), and
+under load the questions that arrive while a round runs form the next round. Retrieval never runs on the engine
+loop, so it overlaps the GPU's work.
 """
 
 from __future__ import annotations
@@ -56,35 +52,21 @@ class RetrievalStats:
 
 
 class RetrievalBatcher:
-    """Batches concurrent `retrieve` calls over one lane per embedder; `rounds`, `largest_round` and `stats()` tell
-    what it did (tests, metrics)."""
+    """Batches concurrent `retrieve` calls; `rounds`, `largest_round` and `stats()` tell what it did (tests,
+    metrics)."""
 
-    def __init__(
-        self, embed: EmbedMany | Sequence[EmbedMany], search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH
-    ) -> None:
-        """`embed`: one embedder, or one per lane (each is called by its lane's thread alone)."""
+    def __init__(self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
-        embedders = list(embed) if isinstance(embed, Sequence) else [embed]
-        if not embedders:
-            raise ValueError("retrieval needs at least one embedder")
+        self._embed = embed
         self._search = search
         self.max_batch = max_batch
         self._waiting: queue.Queue[_Pending | None] = queue.Queue()
         self.rounds = 0
         self.largest_round = 0
-        self._counted = threading.Lock()  # lanes finish rounds concurrently
         self._stats = RetrievalStats()  # replaced whole after each round, so a reader never sees half an update
-        self._lanes = [
-            threading.Thread(target=self._run, args=(e,), name=f"retrieval-{n}", daemon=True)
-            for n, e in enumerate(embedders)
-        ]
-        for lane in self._lanes:
-            lane.start()
-
-    @property
-    def lanes(self) -> int:
-        return len(self._lanes)
+        self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
+        self._thread.start()
 
     def retrieve(self, text: str, top_k: int) -> list[RetrievedChunk]:
         """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
@@ -96,12 +78,10 @@ class RetrievalBatcher:
         return self._stats
 
     def close(self) -> None:
-        for _ in self._lanes:
-            self._waiting.put(None)  # one stop per lane; questions queued before them are served first
-        for lane in self._lanes:
-            lane.join(timeout=10)
+        self._waiting.put(None)
+        self._thread.join(timeout=10)
 
-    def _run(self, embed: EmbedMany) -> None:
+    def _run(self) -> None:
         while (first := self._waiting.get()) is not None:
             batch = [first]
             closing = False
@@ -114,18 +94,17 @@ class RetrievalBatcher:
                     closing = True
                     break
                 batch.append(more)
-            self._round(batch, embed)
+            self._round(batch)
             if closing:
                 return
 
-    def _round(self, batch: list[_Pending], embed: EmbedMany) -> None:
-        with self._counted:
-            self.rounds += 1
-            self.largest_round = max(self.largest_round, len(batch))
+    def _round(self, batch: list[_Pending]) -> None:
+        self.rounds += 1
+        self.largest_round = max(self.largest_round, len(batch))
         began = time.perf_counter()
         try:
             texts = [p.text for p in batch]
-            vectors = embed(texts)
+            vectors = self._embed(texts)
             embedded = time.perf_counter()
             hits = self._searched(vectors, [p.top_k for p in batch], texts)
         except BaseException as err:  # every caller of this round learns why (a failed round is not counted)
@@ -137,17 +116,15 @@ class RetrievalBatcher:
             pending.result.set_result(found)
 
     def _count(self, batch: list[_Pending], began: float, embedded: float, searched: float) -> None:
-        n = len(batch)
-        with self._counted:
-            stats = self._stats
-            self._stats = replace(
-                stats,
-                questions=stats.questions + n,
-                rounds=stats.rounds + 1,
-                wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
-                embed_s=stats.embed_s + n * (embedded - began),
-                search_s=stats.search_s + n * (searched - embedded),
-            )
+        n, stats = len(batch), self._stats
+        self._stats = replace(
+            stats,
+            questions=stats.questions + n,
+            rounds=stats.rounds + 1,
+            wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
+            embed_s=stats.embed_s + n * (embedded - began),
+            search_s=stats.search_s + n * (searched - embedded),
+        )
 
     def _searched(self, vectors: list[list[float]], top_ks: list[int], texts: list[str]) -> list[list[RetrievedChunk]]:
         try:

@@ -14,31 +14,29 @@ from fastapi.testclient import TestClient
 pytestmark = pytest.mark.slow
 
 
-def turbo_sources(make_app: MakeApp, embedding_process: str) -> tuple[list[dict[str, Any]], list[int]]:
-    """The retrieved chunks of one turbo question after the test corpus's ingest, and the children's pids."""
+def turbo_sources(make_app: MakeApp, embedding_process: str) -> tuple[list[dict[str, Any]], int | None]:
+    """The retrieved chunks of one turbo question after the test corpus's ingest, and the child's pid (if any)."""
     app = make_app(embedding_process=embedding_process)
     with TestClient(app) as client:
         wait_ready(app)
         runtime = server_of(app).runtime
         assert runtime is not None
-        children = runtime.question_embedders
-        assert len(children) == (2 if embedding_process == "on" else 0)  # the default EMBEDDING_PROCESSES
-        assert runtime.retrieval.lanes == max(1, len(children))
-        pids = [child.pid for child in children if child.pid is not None]
-        assert len(pids) == len(children)  # every child is running
+        child = runtime.question_embedder
+        assert (child is not None) is (embedding_process == "on")
+        pid = child.pid if child is not None else None
         assert ingest(client)["status"] == "done"
         events = ask_events(client, mode="turbo", top_k=3, max_new_tokens=4)
     assert events[0][0] == "retrieval" and events[-1][0] == "done"
     chunks: list[dict[str, Any]] = events[0][1]["chunks"]
-    return chunks, pids
+    return chunks, pid
 
 
 def test_a_child_embedder_retrieves_the_same_sources_as_the_in_process_one(make_app: MakeApp) -> None:
-    in_child, pids = turbo_sources(make_app, "on")
+    in_child, pid = turbo_sources(make_app, "on")
     in_process, _ = turbo_sources(make_app, "off")
 
     assert [c["doc_id"] for c in in_child] == [c["doc_id"] for c in in_process]
     assert in_child[0]["doc_id"] == "otters" and len(in_child) == 3
     assert [c["text"] for c in in_child] == [c["text"] for c in in_process]
     assert all(abs(a["score"] - b["score"]) < 1e-4 for a, b in zip(in_child, in_process, strict=True))
-    assert pids and not any(Path(f"/proc/{pid}").exists() for pid in pids)  # the app's shutdown ended (and reaped) them
+    assert pid is not None and not Path(f"/proc/{pid}").exists()  # the app's shutdown ended (and reaped) it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -128,40 +128,3 @@ def test_stats_split_each_questions_time_into_wait_embed_and_search() -> None:
     assert 5 * 0.1 <= stats.search_s < 5 * 0.1 + 0.15  # the five's search, counted for each of them
     assert 5 * 0.2 <= stats.wait_s < 5 * 0.2 + 0.5  # the five waited for round 1; "a" waited for nothing
     assert stats.seconds() == {"wait": stats.wait_s, "embed": stats.embed_s, "search": stats.search_s}
-
-
-def test_with_two_lanes_a_question_starts_while_the_other_lane_is_busy() -> None:
-    """Each lane has its own embedder; both block in their first round until released. The second question is
-    embedded while the first lane's round still runs (one lane would hold it back until the release)."""
-    entered = [threading.Event(), threading.Event()]
-    release = threading.Event()
-
-    def embedder(lane: int) -> Callable[[Sequence[str]], list[list[float]]]:
-        def embed(texts: Sequence[str]) -> list[list[float]]:
-            entered[lane].set()
-            assert release.wait(10)
-            return [[float(len(t))] for t in texts]
-
-        return embed
-
-    backend = SlowBackend()
-    batcher = RetrievalBatcher([embedder(0), embedder(1)], backend.search)
-    assert batcher.lanes == 2
-    results: dict[str, list[RetrievedChunk]] = {}
-
-    def ask(text: str) -> None:
-        results[text] = batcher.retrieve(text, 2)
-
-    threads = [threading.Thread(target=ask, args=(text,)) for text in ("one", "three")]
-    threads[0].start()
-    assert any(e.wait(5) for e in entered)
-    threads[1].start()
-    assert entered[0].wait(5) and entered[1].wait(5), "the second question waited for the first lane's round"
-    release.set()
-    for t in threads:
-        t.join(10)
-    assert [c.id for c in results["one"]] == ["len3-0", "len3-1"]
-    assert [c.id for c in results["three"]] == ["len5-0", "len5-1"]
-    stats = batcher.stats()
-    assert (stats.questions, stats.rounds, batcher.rounds) == (2, 2, 2)
-    batcher.close()
