@@ -254,7 +254,10 @@ def run_driver(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[
     return asyncio.run(drive_all(args, url, ingest))
 
 
-OVERLAP_PASSES = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}
+# Each pass: (overlapped decode steps, overlapped admissions); None keeps the server's setting.
+OVERLAP_MODES: dict[str, tuple[bool, bool]] = {"on": (True, True), "decode": (True, False), "off": (False, False)}
+OVERLAP_PASSES = {"auto": (None,), "on": ("on",), "off": ("off",), "decode": ("decode",), "both": ("on", "off")}
+OVERLAP_PASSES["all"] = ("on", "decode", "off")
 
 
 def _stage_medians(results: list[load.Result]) -> dict[str, dict[str, float]]:
@@ -378,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap",
         choices=sorted(OVERLAP_PASSES),
         default="auto",
-        help="overlapped decode steps (KVSTITCH_OVERLAP_DECODE): the server's setting, on, off, or both: every "
-        "level with it on, then again with it off, in one server (a paired comparison; reports in on/ and off/)",
+        help="overlapped decode steps (KVSTITCH_OVERLAP_DECODE): the server's setting, on, off, decode (steps "
+        "overlapped, each admission's first token read at once), or both (on, then off) / all (on, decode, off): "
+        "every level once per pass in one server, a paired comparison; reports in on/, decode/, off/",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -402,15 +406,17 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            for number, overlap in enumerate(OVERLAP_PASSES[args.overlap]):
+            for number, name in enumerate(OVERLAP_PASSES[args.overlap]):
                 scheduler = gateway.runtime.loop.scheduler if gateway.runtime is not None else None
-                if overlap is not None and scheduler is not None:
-                    scheduler.overlap = overlap  # read by the engine thread at its next step; the server is idle
+                if name is not None and scheduler is not None:
+                    # Read by the engine thread at its next step; the server is idle between passes.
+                    scheduler.overlap, scheduler.overlap_admissions = OVERLAP_MODES[name]
                 outcome = clients.submit(run_driver, args, server.url, number == 0).result()
-                outcomes.append((overlap, scheduler.overlap if scheduler is not None else None, outcome))
+                used = name or ("on" if scheduler is not None and scheduler.overlap else "off")
+                outcomes.append((name, used, outcome))
     errors = 0
-    for asked, used, outcome in outcomes:
-        out = args.out if asked is None else args.out / ("on" if asked else "off")
+    for name, used, outcome in outcomes:
+        out = args.out if name is None else args.out / name
         errors += report(args, out, engine, settings, readiness, outcome, used)
     return 1 if errors else 0
 
@@ -422,7 +428,7 @@ def report(
     settings: Settings,
     readiness: dict[str, Any],
     outcome: dict[str, Any],
-    overlap: bool | None,
+    overlap: str,
 ) -> int:
     """Write one pass's report.json, table.md and plot into `out`, print its summary; returns its errors."""
     out.mkdir(parents=True, exist_ok=True)

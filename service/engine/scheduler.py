@@ -100,6 +100,7 @@ class Scheduler:
         batch_prefill_min: int = 2,
         prefill_with_decode: bool = False,
         overlap: bool = False,
+        overlap_admissions: bool = True,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
@@ -115,7 +116,9 @@ class Scheduler:
         by default: through the gateway on an H200 it cut TTFT at 8 clients by ~20 ms but cost 5-14 % of tokens/s
         and 30 ms of TTFT at 32 clients (docs/benchmarks.md §10.9).
         `overlap`: launch each decode step before reading the previous one (see the module's docstring); it pays
-        where the device runs asynchronously to the host (CUDA) and changes no request's tokens."""
+        where the device runs asynchronously to the host (CUDA) and changes no request's tokens.
+        `overlap_admissions` (with `overlap`): admitted requests' first tokens stay on the device too, fed to the
+        next step and read while it runs; False reads each at its admission (benchmarks compare the two)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
@@ -130,6 +133,7 @@ class Scheduler:
         # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
         self.graphs = BatchGraphs(self.decoder, 2 * max_batch) if cuda_graphs else None
         self.overlap = overlap
+        self.overlap_admissions = overlap_admissions
         self._inflight: deque[_InFlight] = deque()  # launched decode steps not read yet, oldest first
         # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
         self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min)
@@ -279,7 +283,7 @@ class Scheduler:
     def _watch(self) -> Stopwatch:
         """Times an admission's stages: deferred where steps overlap on CUDA (settled at the first token), so
         timing a stitch never stalls the GPU."""
-        return Stopwatch(self.engine.spec.device, deferred=self.overlap)
+        return Stopwatch(self.engine.spec.device, deferred=self.overlap and self.overlap_admissions)
 
     def _prefill_together(self, group: list[BatchRequest]) -> list[BatchRequest]:
         """Stitch each request's chunks into its slab, then prefill every question in one batched forward
@@ -405,7 +409,7 @@ class Scheduler:
         ended. Overlapped (and none asks for log-probabilities, which need the logits now), they are picked on the
         device and the requests run at once: the next step feeds the picks from there, and they are read (and
         emitted) while it runs. Otherwise each is picked and accepted here."""
-        if not self._overlaps(group):
+        if not (self.overlap_admissions and self._overlaps(group)):
             ended = []
             for row, request in enumerate(group):
                 if self._first_token(request, logits[row], watch):
