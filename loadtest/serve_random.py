@@ -385,13 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         "overlapped, each admission's first token read at once), or both (on, then off) / all (on, decode, off): "
         "every level once per pass in one server, a paired comparison; reports in on/, decode/, off/",
     )
-    parser.add_argument(
-        "--admit-wait-ms",
-        type=float,
-        nargs="+",
-        default=None,
-        help="KVSTITCH_ADMIT_WAIT_MS per pass (each value a pass, after --overlap's; reports in wait<ms>/)",
-    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -413,23 +406,18 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            passes = [(o, w) for o in OVERLAP_PASSES[args.overlap] for w in (args.admit_wait_ms or [None])]
-            for number, (name, wait_ms) in enumerate(passes):
+            for number, name in enumerate(OVERLAP_PASSES[args.overlap]):
                 scheduler = gateway.runtime.loop.scheduler if gateway.runtime is not None else None
-                assert scheduler is not None, "the gateway is ready, so its scheduler runs"
-                # Read by the engine thread at its next step; the server is idle between passes.
-                if name is not None:
+                if name is not None and scheduler is not None:
+                    # Read by the engine thread at its next step; the server is idle between passes.
                     scheduler.overlap, scheduler.overlap_admissions = OVERLAP_MODES[name]
-                if wait_ms is not None:
-                    scheduler.admit_wait_s = wait_ms / 1e3
                 outcome = clients.submit(run_driver, args, server.url, number == 0).result()
-                overlap = name or ("on" if scheduler.overlap else "off")
-                used = f"{overlap}, admit wait {scheduler.admit_wait_s * 1e3:g} ms"
-                label = "-".join(x for x in (name, None if wait_ms is None else f"wait{wait_ms:g}") if x)
-                outcomes.append((label, used, outcome))
+                used = name or ("on" if scheduler is not None and scheduler.overlap else "off")
+                outcomes.append((name, used, outcome))
     errors = 0
-    for label, used, outcome in outcomes:
-        errors += report(args, args.out / label if label else args.out, engine, settings, readiness, outcome, used)
+    for name, used, outcome in outcomes:
+        out = args.out if name is None else args.out / name
+        errors += report(args, out, engine, settings, readiness, outcome, used)
     return 1 if errors else 0
 
 
@@ -462,7 +450,7 @@ def report(
     }
     (out / "report.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
     (out / "table.md").write_text(text + "\n", encoding="utf-8")
-    print(f"pass: overlapped decode {overlap}")
+    print(f"overlapped decode: {overlap}")
     print(f"{info}; ingested {outcome['chunks']} chunks in {outcome['ingest_s']:.1f} s; plot {png}")
     for line in outcome["metrics_tail"]:
         if line.startswith(("kvstitch_kv_hits_total", "kvstitch_ttft_seconds_count", "kvstitch_gate")):

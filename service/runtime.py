@@ -181,8 +181,6 @@ class Runtime:
             batch_prefill_min=self.settings.batch_prefill_min,
             prefill_with_decode=self.settings.prefill_with_decode,
             overlap=on_cuda if self.settings.overlap_decode is None else self.settings.overlap_decode,
-            admit_wait_ms=self.settings.admit_wait_ms,
-            admit_wait_running=self.settings.admit_wait_running,
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))

@@ -142,14 +142,6 @@ class Settings(BaseSettings):
         "number; needs BATCH_PREFILL_MIN > 0). On: lower TTFT at moderate load, fewer tokens/s (docs/benchmarks.md "
         "§10.9).",
     )
-    admit_wait_ms: float = Field(
-        0.0,
-        ge=0,
-        le=1000,
-        description="While ADMIT_WAIT_RUNNING answers run, turbo questions are held up to this long for "
-        "BATCH_PREFILL_MIN of them to be prefilled in one forward (fewer passes over the weights); 0 = never.",
-    )
-    admit_wait_running: int = Field(16, ge=1, le=256, description="Running answers from which ADMIT_WAIT_MS applies.")
     overlap_decode: bool | None = Field(
         None,
         description="Launch each batched decode step before reading the previous step's tokens, so the host's "

@@ -12,7 +12,6 @@ request's own history, with the bf16 near-tie rule of `test_engine_cuda_graph.py
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -727,36 +726,6 @@ def test_questions_admitted_together_are_prefilled_in_one_forward_and_match_alon
     for t in tracked:
         t.assert_matches(run_alone(engine, t.case))
     assert scheduler.pool.used_slots == 0
-
-
-@OVERLAP
-def test_with_many_running_lone_questions_are_held_for_a_group_until_their_wait_ends(
-    get_engine: Callable[..., StitchEngine], overlap: bool
-) -> None:
-    """`admit_wait_ms`: with an answer running (the threshold here: 1), questions are held until
-    `batch_prefill_min` of them wait, then prefilled in one forward; a lone one goes once its wait is over."""
-    engine = get_engine("qwen2", "cpu")
-    scheduler = Scheduler(
-        engine, nan_pool(engine, 3000), batch_prefill_min=2, overlap=overlap, admit_wait_ms=60_000, admit_wait_running=1
-    )
-    first, *questions = [Tracked(engine, Case((20 + 5 * i,), max_new=8, seed=90 + i)) for i in range(4)]
-    scheduler.add(first.request)
-    scheduler.step()  # nothing runs yet: no hold
-    assert scheduler.held == 0 and len(scheduler.running) == 1
-    scheduler.add(questions[0].request)
-    steps(scheduler, 2)
-    assert scheduler.held == 2 and scheduler.waiting[0] is questions[0].request  # one question alone waits
-    scheduler.add(questions[1].request)
-    scheduler.step()
-    assert scheduler.prefilled_together == 2 and not scheduler.waiting  # a group's worth: admitted together
-    scheduler.admit_wait_s = 0.001
-    scheduler.add(questions[2].request)
-    time.sleep(0.005)
-    scheduler.step()  # its wait is over: admitted alone
-    assert not scheduler.waiting and scheduler.prefilled_together == 2 and scheduler.held == 2
-    drain(scheduler)
-    for t in (first, *questions):
-        t.assert_matches(run_alone(engine, t.case))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -101,8 +101,6 @@ class Scheduler:
         prefill_with_decode: bool = False,
         overlap: bool = False,
         overlap_admissions: bool = True,
-        admit_wait_ms: float = 0.0,
-        admit_wait_running: int = 16,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive request's prompt longer than this many tokens is prefilled in chunks, at most
@@ -120,11 +118,7 @@ class Scheduler:
         `overlap`: launch each decode step before reading the previous one (see the module's docstring); it pays
         where the device runs asynchronously to the host (CUDA) and changes no request's tokens.
         `overlap_admissions` (with `overlap`): admitted requests' first tokens stay on the device too, fed to the
-        next step and read while it runs; False reads each at its admission (benchmarks compare the two).
-        `admit_wait_ms`: while at least `admit_wait_running` answers run, turbo questions are held up to this long
-        (from their arrival) until `batch_prefill_min` of them wait, to be prefilled in one forward: each lone
-        prefill stalls every running answer for a whole pass over the weights, so with many running, fewer and
-        larger groups give more tokens/s for a few ms of TTFT (vLLM's scheduler delay; 0: never held)."""
+        next step and read while it runs; False reads each at its admission (benchmarks compare the two)."""
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
         self.prefill_chunk = prefill_chunk
@@ -140,11 +134,6 @@ class Scheduler:
         self.graphs = BatchGraphs(self.decoder, 2 * max_batch) if cuda_graphs else None
         self.overlap = overlap
         self.overlap_admissions = overlap_admissions
-        if admit_wait_ms < 0 or admit_wait_running < 1:
-            raise ValueError("admit_wait_ms must be >= 0 and admit_wait_running >= 1")
-        self.admit_wait_s = admit_wait_ms / 1e3
-        self.admit_wait_running = admit_wait_running
-        self.held = 0  # steps in which waiting questions were held for a group (tests, benchmarks)
         self._inflight: deque[_InFlight] = deque()  # launched decode steps not read yet, oldest first
         # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
         self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min)
@@ -247,9 +236,6 @@ class Scheduler:
         batched forward (`_prefill_together`) when there are at least `batch_prefill_min` of them."""
         finished: list[BatchRequest] = []
         admitted: list[BatchRequest] = []
-        if self._holds():
-            self.held += 1
-            return finished
         while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch:
             request = self.waiting[0]
             if not self.pool.can_allocate(request.tokens_needed):
@@ -273,17 +259,6 @@ class Scheduler:
         elif together:
             finished += self._prefill_together(together)
         return finished
-
-    def _holds(self) -> bool:
-        """Whether this step admits nothing, holding the waiting questions for a group (`admit_wait_ms`): many
-        answers run, fewer than a group's worth of turbo questions wait, and the oldest has not waited long."""
-        if not self.waiting or self.admit_wait_s <= 0 or not self.slabs.batched or self.batch_prefill_min < 2:
-            return False
-        if len(self.running) < self.admit_wait_running or len(self.waiting) >= self.batch_prefill_min:
-            return False
-        if not all(self._joins_batched_prefill(r) for r in self.waiting):
-            return False  # a naive or recompute request is not grouped: no reason to hold it
-        return time.perf_counter() - self.waiting[0].added_at < self.admit_wait_s
 
     def _prefills_with_decode(self) -> bool:
         """Whether this step's admitted questions go into its decode step's forward: answers are running (so the
