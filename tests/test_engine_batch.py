@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -654,6 +655,34 @@ def test_a_chunked_naive_prefill_interleaves_with_decoding_and_equals_alone(
     running.assert_matches(run_alone(engine, running.case))
     naive.assert_matches(run_alone(engine, naive.case))
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
+
+
+def test_overlapped_a_question_admitted_beside_a_chunked_prefill_has_its_first_token_before_the_chunk(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    """A naive chunk is timed synchronously; overlapped, what is queued before it (the admitted question's
+    first token) is read first, so that token goes out before the chunk runs rather than after it."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, prefill_chunk=16, overlap=True)
+    naive = Tracked(engine, Case((60, 40, 20), mode="naive", max_new=4, seed=13))
+    question = Tracked(engine, Case((20,), max_new=6, seed=14))
+    seen: list[int] = []  # the question's tokens on the host when each chunk runs
+    extend = scheduler.slabs.extend
+
+    def logged_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(len(question.request.result.token_ids))
+        return extend(*args, **kwargs)
+
+    scheduler.slabs.extend = logged_extend  # type: ignore[method-assign]
+    scheduler.add(naive.request)
+    steps(scheduler, 2)
+    assert naive.request in scheduler.prefilling and seen == [0, 0]
+    scheduler.add(question.request)
+    scheduler.step()
+    assert seen == [0, 0, 1]  # admitted in this step, its first token read before this step's chunk
+    drain(scheduler)
+    question.assert_matches(run_alone(engine, question.case))
+    naive.assert_matches(run_alone(engine, naive.case))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -178,6 +178,10 @@ class Scheduler:
         finished += self._admit()
         admitted = time.perf_counter()
         busy["admit"] += admitted - began
+        if self.prefilling:
+            # A naive chunk's time is taken synchronously: read what is queued before it first, so the first
+            # tokens of the questions just admitted go out now, not after the chunk (~35 ms at 1,024 tokens).
+            finished += self.drain()
         finished += self._prefill_chunk()
         prefilled = time.perf_counter()
         busy["prefill"] += prefilled - admitted
