@@ -181,10 +181,11 @@ class Scheduler:
         if self.prefilling:
             # A naive chunk's time is taken synchronously: read what is queued before it first, so the first
             # tokens of the questions just admitted go out now, not after the chunk (~35 ms at 1,024 tokens).
+            # (`_read` counts its own waits.)
             finished += self.drain()
+        chunk_began = time.perf_counter()
         finished += self._prefill_chunk()
-        prefilled = time.perf_counter()
-        busy["prefill"] += prefilled - admitted
+        busy["prefill"] += time.perf_counter() - chunk_began
         finished += self._decode_step()
         return finished
 
