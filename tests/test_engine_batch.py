@@ -171,6 +171,26 @@ def test_batched_greedy_equals_alone(
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
 
 
+def test_overlapped_steps_with_first_tokens_read_at_admission_equal_alone(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    """`overlap_admissions=False`: decode steps overlap, but each admitted request's first token is read at its
+    admission (the benchmarks' middle setting); tokens are each request's alone all the same."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, overlap=True, overlap_admissions=False)
+    tracked = [Tracked(engine, case) for case in MIXED]
+    for t in tracked[:3]:
+        scheduler.add(t.request)
+    scheduler.step()
+    assert all(len(t.request.result.token_ids) == 1 for t in tracked[:3])  # first tokens read, one step launched
+    for t in tracked[3:]:
+        scheduler.add(t.request)
+    drain(scheduler)
+    for t in tracked:
+        t.assert_matches(run_alone(engine, t.case))
+    assert scheduler.pool.used_slots == 0
+
+
 @OVERLAP
 def test_stop_strings_and_eos_end_only_their_request(get_engine: Callable[..., StitchEngine], overlap: bool) -> None:
     engine = get_engine("qwen2", "cpu")
