@@ -190,8 +190,8 @@ class Scheduler:
         return finished
 
     def drain(self) -> list[BatchRequest]:
-        """Read every launched decode step (before work that must not overlap a step); returns the requests
-        that ended."""
+        """Read every launched decode step and unread first token (before work that must not overlap them);
+        returns the requests that ended."""
         finished: list[BatchRequest] = []
         while self._inflight:
             finished += self._read(self._inflight.popleft())
