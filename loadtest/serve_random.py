@@ -256,8 +256,14 @@ def run_driver(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[
 
 # Each pass: (overlapped decode steps, overlapped admissions); None keeps the server's setting.
 OVERLAP_MODES: dict[str, tuple[bool, bool]] = {"on": (True, True), "decode": (True, False), "off": (False, False)}
-OVERLAP_PASSES = {"auto": (None,), "on": ("on",), "off": ("off",), "decode": ("decode",), "both": ("on", "off")}
-OVERLAP_PASSES["all"] = ("on", "decode", "off")
+OVERLAP_PASSES = {
+    "auto": (None,),
+    "on": ("on",),
+    "off": ("off",),
+    "decode": ("decode",),
+    "both": ("on", "off"),
+    "all": ("on", "decode", "off"),
+}
 
 
 def _stage_medians(results: list[load.Result]) -> dict[str, dict[str, float]]:

@@ -46,12 +46,11 @@ BATCH_ATTENTION = (LOOP, FLASH_VARLEN, SDPA_GATHER)
 
 @dataclass(frozen=True)
 class StepFeed:
-    """Where a decode step's ids come from when the previous step's picks have not reached the host yet (the
-    overlapped step, scheduler.py): row b feeds `picks[src[b]]` where src[b] >= 0, else its host id (a request
-    admitted since, whose first token the host picked)."""
+    """Where a decode step's ids come from when picks have not reached the host yet (the overlapped step,
+    scheduler.py): row b feeds `picks[src[b]]` where src[b] >= 0, else its host id (a token the host has read)."""
 
-    picks: torch.Tensor  # [P] int64 on the device: the previous step's picks
-    src: tuple[int, ...]  # per row of this step: its row in the previous step, or -1
+    picks: torch.Tensor  # [P] int64 on the device: the unread picks (the previous step's, admitted first tokens)
+    src: tuple[int, ...]  # per row of this step: its index in `picks`, or -1
 
 
 def fed_ids(host_ids: torch.Tensor, src: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,8 @@ class BatchGraph:
 class BatchGraphs:
     """Batched-step graphs by (batch bucket, capacity bucket), captured on first use, over one decoder's pool."""
 
-    def __init__(self, decoder: BatchDecoder, max_batch: int = max(BATCH_BUCKETS)) -> None:
-        """`max_batch`: the most rows a step may have, so a fed row's index in the previous step fits `feed`."""
+    def __init__(self, decoder: BatchDecoder, max_picks: int = max(BATCH_BUCKETS)) -> None:
+        """`max_picks`: the most unread picks a step may be fed from (the size of `feed`)."""
         spec = decoder.forward.spec
         if spec.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
@@ -116,7 +116,7 @@ class BatchGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], BatchGraph] = {}
         # The previous step's picks, for rows fed from them: one static tensor every graph reads.
-        self._feed = torch.zeros(max(max_batch, *BATCH_BUCKETS), dtype=torch.long, device=spec.device)
+        self._feed = torch.zeros(max(max_picks, *BATCH_BUCKETS), dtype=torch.long, device=spec.device)
 
     def step(
         self,

@@ -63,6 +63,11 @@ class Timings:
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
 
+    @property
+    def stages_ms(self) -> float:
+        """The engine's stages before the first token: precompute, stitch, recompute and prefill."""
+        return self.precompute_ms + self.stitch_ms + self.recompute_ms + self.prefill_ms
+
 
 @dataclass
 class GenerationResult:
@@ -522,8 +527,7 @@ class GenerationStream:
         sampler = Sampler(self._sampling, engine.spec.device)
         detok = IncrementalDetokenizer(engine.tokenizer, self._sampling.stop)
         first = sampler.pick(logits)
-        stages = timings.precompute_ms + timings.stitch_ms + timings.recompute_ms + timings.prefill_ms
-        timings.ttft_ms = stages + watch.lap_ms()
+        timings.ttft_ms = timings.stages_ms + watch.lap_ms()
         for token in self._decode(buffer, sampler, first):
             delta = detok.push(token)
             if delta:

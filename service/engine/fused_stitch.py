@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from service.engine.device_copy import to_device
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
 from service.engine.rotary import Rotary
@@ -113,7 +114,7 @@ class FusedStitch:
             for src, block, slot, start in zip(sources, blocks, slots, starts, strict=True)
         ]
         cos, sin = self.cos_sin(max(s + b.num_tokens for s, b in zip(starts, blocks, strict=True)), device)
-        table = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        table = to_device(torch.tensor(rows, dtype=torch.int64), device)
         strides = data.stride()
         half_p2 = max(1, 1 << (head_dim // 2 - 1).bit_length())
         if not self.overlap:

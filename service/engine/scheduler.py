@@ -47,8 +47,8 @@ from service.engine.engine import (
     GenerationMode,
     StitchEngine,
     Stopwatch,
-    Timings,
     check_request,
+    stage_setter,
 )
 from service.engine.kv_pool import KVPool, Slab
 from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
@@ -82,7 +82,8 @@ class _InFlight:
         """The picks on the host, waiting for the step (and the copy) to finish."""
         if self.copied is not None:
             self.copied.synchronize()
-        return [int(t) for t in self.host.tolist()]
+        tokens: list[int] = self.host.tolist()  # int64: Python ints
+        return tokens
 
 
 class Scheduler:
@@ -423,19 +424,22 @@ class Scheduler:
                     ended.append(request)
             return ended
         started: list[BatchRequest] = []
+        rows: list[int] = []  # their rows of `logits`
         finished: list[BatchRequest] = []
-        for request in group:
+        for row, request in enumerate(group):
             try:
                 self._start_decoding(request)
                 started.append(request)
+                rows.append(row)
             except Exception as err:
                 self._fail(request, err)
                 finished.append(request)
         if not started:
             return finished
-        rows = logits if len(started) == len(group) else logits[[group.index(r) for r in started]]
+        if len(started) < len(group):
+            logits = logits[rows]
         try:
-            picks = pick_rows_on_device(rows, [r.running_sampler for r in started])
+            picks = pick_rows_on_device(logits, [r.running_sampler for r in started])
         except Exception as err:
             for request in started:
                 self._fail(request, err)
@@ -469,7 +473,7 @@ class Scheduler:
         timings.ttft_ms = (request.first_token_at - request.added_at) * 1e3
         if watch is not None and watch.deferred:
             watch.settle()
-            request.queue_ms = max(request.queue_ms, timings.ttft_ms - _stages_ms(timings))
+            request.queue_ms = max(request.queue_ms, timings.ttft_ms - timings.stages_ms)
 
     # ---- run -----------------------------------------------------------------------------------------------
 
@@ -731,12 +735,10 @@ def _copy_to_host(batch: list[BatchRequest], picks: torch.Tensor, first: Stopwat
 def _set_stage(group: Sequence[BatchRequest], stage: str) -> Callable[[float], None]:
     """A `Stopwatch.lap` setter giving every request of `group` the same stage time (they waited for all of it)."""
 
+    setters = [stage_setter(request.result.timings, stage) for request in group]
+
     def set_ms(ms: float) -> None:
-        for request in group:
-            setattr(request.result.timings, stage, ms)
+        for setter in setters:
+            setter(ms)
 
     return set_ms
-
-
-def _stages_ms(timings: Timings) -> float:
-    return timings.precompute_ms + timings.stitch_ms + timings.recompute_ms + timings.prefill_ms
