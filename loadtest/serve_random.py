@@ -264,6 +264,25 @@ OVERLAP_PASSES = {
     "both": ("on", "off"),
     "all": ("on", "decode", "off"),
 }
+# Questions prefilled in the decode step's forward (KVSTITCH_PREFILL_WITH_DECODE) per pass; None keeps the server's.
+WITH_DECODE_PASSES: dict[str, tuple[bool | None, ...]] = {
+    "auto": (None,),
+    "on": (True,),
+    "off": (False,),
+    "both": (True, False),
+}
+
+
+def passes(overlap: str, with_decode: str) -> list[tuple[str | None, bool | None, str | None]]:
+    """Every (overlap level, with-decode setting) pass and its report's folder (None: `--out` itself)."""
+    out = []
+    for level in OVERLAP_PASSES[overlap]:
+        for piggyback in WITH_DECODE_PASSES[with_decode]:
+            named = [level] if level is not None else []
+            if piggyback is not None:
+                named.append("with-decode" if piggyback else "apart")
+            out.append((level, piggyback, "-".join(named) or None))
+    return out
 
 
 def _stage_medians(results: list[load.Result]) -> dict[str, dict[str, float]]:
@@ -391,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         "overlapped, each admission's first token read at once), or both (on, then off) / all (on, decode, off): "
         "every level once per pass in one server, a paired comparison; reports in on/, decode/, off/",
     )
+    parser.add_argument(
+        "--with-decode",
+        choices=sorted(WITH_DECODE_PASSES),
+        default="auto",
+        help="questions prefilled in the running answers' decode step (KVSTITCH_PREFILL_WITH_DECODE): the "
+        "server's setting, on, off, or both (paired passes in one server; start it with the setting on so its "
+        "mixed-step graphs are captured); reports in with-decode/ and apart/ (joined to --overlap's names)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -412,17 +439,20 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            for number, name in enumerate(OVERLAP_PASSES[args.overlap]):
+            for number, (name, with_decode, folder) in enumerate(passes(args.overlap, args.with_decode)):
                 scheduler = gateway.runtime.loop.scheduler if gateway.runtime is not None else None
+                # Read by the engine thread at its next step; the server is idle between passes.
                 if name is not None and scheduler is not None:
-                    # Read by the engine thread at its next step; the server is idle between passes.
                     scheduler.overlap, scheduler.overlap_admissions = OVERLAP_MODES[name]
+                if with_decode is not None and scheduler is not None:
+                    scheduler.prefill_with_decode = with_decode
                 outcome = clients.submit(run_driver, args, server.url, number == 0).result()
                 used = name or ("on" if scheduler is not None and scheduler.overlap else "off")
-                outcomes.append((name, used, outcome))
+                piggyback = scheduler is not None and scheduler.prefill_with_decode
+                outcomes.append((folder, f"{used}, questions with the decode step: {piggyback}", outcome))
     errors = 0
-    for name, used, outcome in outcomes:
-        out = args.out if name is None else args.out / name
+    for folder, used, outcome in outcomes:
+        out = args.out if folder is None else args.out / folder
         errors += report(args, out, engine, settings, readiness, outcome, used)
     return 1 if errors else 0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.bench_retrieval import summary
-from loadtest.serve_random import engine_seconds, retrieval_split
+from loadtest.serve_random import engine_seconds, passes, retrieval_split
 from service.retrieval.batcher import RetrievalStats
 
 BEFORE = """# HELP kvstitch_retrieval_seconds_total x
@@ -37,3 +37,10 @@ def test_the_retrieval_benchmark_divides_each_stage_by_the_questions_of_its_phas
     assert row["questions"] == 20 and row["round_size"] == 5.0
     assert (round(row["wait_ms"], 6), round(row["embed_ms"], 6), round(row["search_ms"], 6)) == (10.0, 40.0, 20.0)
     assert row["p50_ms"] == 25.0 and 38.0 <= row["p95_ms"] <= 40.0
+
+
+def test_serve_random_passes_pair_overlap_levels_with_the_with_decode_setting() -> None:
+    assert passes("auto", "auto") == [(None, None, None)]
+    assert passes("on", "both") == [("on", True, "on-with-decode"), ("on", False, "on-apart")]
+    assert passes("both", "auto") == [("on", None, "on"), ("off", None, "off")]
+    assert passes("auto", "off") == [(None, False, "apart")]

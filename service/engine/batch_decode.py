@@ -200,6 +200,36 @@ class BatchDecoder:
         hidden = fwd.layers_static(self.pool.data, hidden, rows.positions, rows.slots, attend, (0, len(fwd.layers)))
         return fwd.head_rows(hidden.index_select(0, rows.last))
 
+    @torch.inference_mode()
+    def mixed(
+        self,
+        decode: DecodeRows,
+        extend: ExtendRows,
+        width: int | None = None,
+        bounds: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """A decode step and an extend in ONE forward (questions piggybacked on the running answers' step,
+        Sarathi-Serve): every matmul runs once over the decode rows' tokens then the extend's, so the weights are
+        read once for both; the attention runs each part through its own kernel (the decode rows through the decode
+        step's, whose one-query form reads each KV head once; an extend kernel would walk every row's context once
+        per query head). Returns fp32 logits [B + R, vocab]: the decode rows', then each extend row's last token's.
+        `width` and `bounds`: as `step` and `extend` take them."""
+        fwd = self.forward
+        batch = decode.ids.shape[0]
+        step_attend = batch_attention(self.attention, decode, self.pool.slots, width)
+        extend_attend = extend_attention(self.extend_backend, extend, self.pool.slots, bounds)
+
+        def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+            head = step_attend(q[:batch], keys, values, scale)
+            return torch.cat((head, extend_attend(q[batch:], keys, values, scale)))
+
+        hidden = fwd.embed_static(torch.cat((decode.ids, extend.ids)).view(1, -1))
+        positions = torch.cat((decode.positions, extend.positions))
+        slots = torch.cat((decode.slots, extend.slots))
+        hidden = fwd.layers_static(self.pool.data, hidden, positions, slots, attend, (0, len(fwd.layers)))
+        last = torch.cat((torch.arange(batch, device=hidden.device), extend.last + batch))
+        return fwd.head_rows(hidden.index_select(0, last))
+
     @property
     def extend_backend(self) -> str:
         """The extend's attention: flash varlen where the decode step uses it and the extend probe agrees with

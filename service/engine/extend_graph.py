@@ -80,6 +80,11 @@ def extend_layout(
     return flat, tuple(spans)
 
 
+def layout_width(rows: int, tokens: int) -> int:
+    """Entries of `extend_layout`'s flat inputs for `rows` rows (+ the padding row) and `tokens` tokens."""
+    return 3 * tokens + 3 * (rows + 1) + rows + 2
+
+
 def split_by_tokens(requests: Sequence[ExtendRequest], limit: int) -> list[list[ExtendRequest]]:
     """`requests` in order, cut into runs of at most `limit` new tokens and `max(BATCH_BUCKETS)` requests (a
     request longer than `limit` makes a run of its own)."""
@@ -101,7 +106,7 @@ class ExtendGraph:
     def __init__(self, decoder: BatchDecoder, rows: int, tokens: int, scratch: int, pool: Any) -> None:
         spec = decoder.forward.spec
         self.rows, self.tokens, self._scratch = rows, tokens, scratch
-        width = 3 * tokens + 3 * (rows + 1) + rows + 2
+        width = layout_width(rows, tokens)
         # Pinned, so the per-replay copy is asynchronous DMA.
         self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
         self._inputs = torch.zeros(width, dtype=torch.long, device=spec.device)

@@ -66,17 +66,17 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class _InFlight:
-    """Picks queued on the device but not read yet — a decode step's, or the first tokens of requests admitted
-    together (`first`, timed by `watch`) — their host copy, and the slabs to return to the pool once this work
-    has run (their requests ended while it, or work queued before it, could still write them)."""
+    """Picks queued on the device but not read yet — a decode step's, the first tokens of requests admitted
+    together, or both (questions piggybacked on the step) — their host copy, and the slabs to return to the pool
+    once this work has run (their requests ended while it, or work queued before it, could still write them)."""
 
     batch: list[BatchRequest]
     picks: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `copied` has passed
     copied: Any  # torch.cuda.Event on CUDA; None where the copy was synchronous
+    first_from: int  # rows from here on are first tokens (0: an admission's; len(batch): none, a plain step)
+    watch: Stopwatch | None = None  # what timed the first tokens' stages
     free_after: list[Slab] = field(default_factory=list)
-    first: bool = False
-    watch: Stopwatch | None = None
 
     def tokens(self) -> list[int]:
         """The picks on the host, waiting for the step (and the copy) to finish."""
@@ -137,7 +137,8 @@ class Scheduler:
         self.overlap_admissions = overlap_admissions
         self._inflight: deque[_InFlight] = deque()  # launched decode steps not read yet, oldest first
         # Stitch and prefill into slabs; the batched prefill replays its own graphs on CUDA.
-        self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min)
+        mixed_picks = 2 * max_batch if prefill_with_decode else 0
+        self.slabs = SlabPrefill(engine, self.decoder, cuda_graphs, batch_prefill_min, mixed_picks)
         self._max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.running: deque[BatchRequest] = deque()
@@ -147,6 +148,7 @@ class Scheduler:
         self.prefill_with_decode = prefill_with_decode
         self.prefilled_with_decode = 0  # of those, the ones prefilled in a decode step's forward
         self._questions: list[BatchRequest] = []  # stitched this step, prefilled in its decode step's forward
+        self._question_watch: Stopwatch | None = None  # times their stages
         # Wall seconds spent per phase of `step` since start (the engine's utilisation, exported as a metric):
         # admit (fetch, stitch, question prefill), prefill (naive chunks), decode (the batched step and the pick,
         # which waits for the GPU), emit (detokenize and hand the text to the listeners).
@@ -204,6 +206,7 @@ class Scheduler:
         if self.graphs is not None:
             self.graphs.warm(tokens)
         self.slabs.warm()
+        self.slabs.warm_mixed(tokens)
 
     def finish_unstarted(self, request: BatchRequest, error: BaseException) -> None:
         """Report a request that never entered the line (`add` refused it) as failed, through `on_finish`."""
@@ -211,7 +214,8 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> list[BatchRequest]:
         """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
-        failed = [*self.waiting, *self.prefilling, *self.running]
+        failed = [*self.waiting, *self.prefilling, *self.running, *self._questions]
+        self._questions = []
         stale, self._inflight = list(self._inflight), deque()  # unread: the device's state is unknown
         for step in stale:
             for slab in step.free_after:
@@ -221,7 +225,7 @@ class Scheduler:
         return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._inflight)
+        return bool(self.waiting or self.prefilling or self.running or self._inflight or self._questions)
 
     def run_until_idle(self) -> None:
         """Step until nothing waits or runs (offline use and tests)."""
@@ -254,22 +258,26 @@ class Scheduler:
             else:
                 admitted.append(request)
         together = [r for r in admitted if self._joins_batched_prefill(r)]
-        with_decode = self._prefills_with_decode()
+        with_decode = self._prefills_with_decode(together)
         if not self.slabs.batched or (len(together) < self.batch_prefill_min and not with_decode):
             together = []
         for request in admitted:
             if request not in together:
                 self._start_admitted(request, finished)
-        if together and with_decode:  # read at once with the step's other rows: timed synchronously
-            self._questions = self._stitched(together, finished, Stopwatch(self.engine.spec.device))
+        if together and with_decode:
+            self._question_watch = self._watch()
+            self._questions = self._stitched(together, finished, self._question_watch)
         elif together:
             finished += self._prefill_together(together)
         return finished
 
-    def _prefills_with_decode(self) -> bool:
-        """Whether this step's admitted questions go into its decode step's forward: answers are running (so the
-        step runs), and the batched forward is what the device runs (see `SlabPrefill.batched`)."""
-        return self.prefill_with_decode and self.slabs.batched and self.batch_prefill_min > 0 and bool(self.running)
+    def _prefills_with_decode(self, questions: Sequence[BatchRequest]) -> bool:
+        """Whether this step's admitted `questions` go into its decode step's forward: answers are running (so the
+        step runs), the batched forward is what the device runs (see `SlabPrefill.batched`), and a mixed step
+        holds them beside every request that may run in it (the naive prefills may join the running ones)."""
+        if not (questions and self.prefill_with_decode and self.slabs.batched and self.batch_prefill_min > 0):
+            return False
+        return bool(self.running) and self.slabs.mixes(len(self.running) + len(self.prefilling), questions)
 
     def _joins_batched_prefill(self, request: BatchRequest) -> bool:
         # Recompute needs its own eager pass between stitch and question; keep it on the one-request path.
@@ -297,19 +305,24 @@ class Scheduler:
         finished: list[BatchRequest] = []
         watch = self._watch()
         stitched = self._stitched(group, finished, watch)
+        return finished + self._prefill_stitched(stitched, watch)
+
+    def _prefill_stitched(self, stitched: list[BatchRequest], watch: Stopwatch) -> list[BatchRequest]:
+        """Prefill the questions of requests stitched into their slabs in one batched forward; returns those
+        that finished."""
         if not stitched:
-            return finished
+            return []
         try:
             logits = self.slabs.extend(stitched)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
             log.exception("batched question prefill of %d requests failed", len(stitched))
             for request in stitched:
                 self._fail(request, err)
-            return finished + stitched
+            return stitched
         # Each waited for the whole group's prefill: that is its share of the TTFT.
         watch.lap(_set_stage(stitched, "prefill_ms"))
         self.prefilled_together += len(stitched)
-        return finished + self._first_tokens_of(stitched, logits, watch)
+        return self._first_tokens_of(stitched, logits, watch)
 
     def _stitched(
         self, group: list[BatchRequest], finished: list[BatchRequest], watch: Stopwatch
@@ -444,7 +457,7 @@ class Scheduler:
             for request in started:
                 self._fail(request, err)
             return finished + started
-        self._inflight.append(_copy_to_host(started, picks, watch))
+        self._inflight.append(_copy_to_host(started, picks, 0, watch))
         self.running.extend(started)
         return finished
 
@@ -481,42 +494,74 @@ class Scheduler:
         """One batched decode step over the running requests; returns those that ended. Overlapped, the step is
         launched first and the previous one read while it runs; otherwise the previous one (if any) is read, then
         this one runs and is read at once."""
-        if not self._overlaps():
-            read = self.drain()
-            self.last_batch = len(self.running)
-            return read + (self._decode() if self.running else [])
+        questions, watch = self._questions, self._question_watch
+        self._questions, self._question_watch = [], None
+        finished: list[BatchRequest] = []
+        if not self._step_overlaps(questions):
+            finished += self.drain()
+        if questions and not self.running:  # every answer ended before its step: prefill them apart
+            assert watch is not None
+            finished += self._prefill_stitched(questions, watch)
+            questions = []
         self.last_batch = len(self.running)
+        if not self._step_overlaps(questions):
+            return finished + (self._decode(questions, watch) if self.running else [])
         launched = bool(self.running)
         if launched:
-            self._launch(list(self.running))
-        finished: list[BatchRequest] = []
+            self._launch(list(self.running), questions, watch)
         while len(self._inflight) > (1 if launched else 0):  # the step just launched runs on
             finished += self._read(self._inflight.popleft())
         return finished
 
-    def _overlaps(self, requests: Sequence[BatchRequest] | None = None) -> bool:
-        """Whether picks of `requests` (default: the running ones, for this step) may stay unread on the device:
-        overlap is on, no question is prefilled with the step (its rows need their last token on the host), and
-        none asks for log-probabilities (computed from the logits, which the next forward overwrites)."""
-        if not self.overlap or self._questions:
-            return False
-        return all(r.sampling.logprobs is None for r in (self.running if requests is None else requests))
+    def _step_overlaps(self, questions: Sequence[BatchRequest]) -> bool:
+        """Whether this step (over the running requests, with `questions` prefilled in it) is launched before the
+        previous one is read; its questions' first tokens then stay on the device too (`overlap_admissions`)."""
+        return self._overlaps([*self.running, *questions]) and (self.overlap_admissions or not questions)
 
-    def _launch(self, batch: list[BatchRequest]) -> None:
-        """Queue a decode step over `batch` and its picks' copy to the host, without waiting for either. A row
-        whose last token is still unread on the device (a pick of the previous step, or a first token) is fed
-        from there; the others feed their host token."""
+    def _overlaps(self, rows: Sequence[BatchRequest]) -> bool:
+        """Whether picks of `rows` may stay unread on the device: overlap is on and none asks for
+        log-probabilities (computed from the logits, which the next forward overwrites)."""
+        return self.overlap and all(r.sampling.logprobs is None for r in rows)
+
+    def _launch(self, batch: list[BatchRequest], questions: list[BatchRequest], watch: Stopwatch | None) -> None:
+        """Queue a decode step over `batch` (with `questions` prefilled in its forward, their stages timed by
+        `watch`) and its picks' copy to the host, without waiting for either. A row whose last token is still
+        unread on the device (a pick of the previous step, or a first token) is fed from there; the others feed
+        their host token. The questions' first tokens are picked with the step's and read with them."""
         began = time.perf_counter()
         feed = self._feed(batch)
+        rows = [*batch, *questions]
         try:
-            logits = self._decode_logits(batch, feed)
-            picks = pick_rows_on_device(logits, [r.running_sampler for r in batch])
-            self._inflight.append(_copy_to_host(batch, picks))
+            if questions:
+                assert watch is not None
+                logits = self._mixed_logits(batch, questions, feed, watch)
+            else:
+                logits = self._decode_logits(batch, feed)
+            picks = pick_rows_on_device(logits, [r.running_sampler for r in rows])
+            self._inflight.append(_copy_to_host(rows, picks, len(batch), watch))
+            self.running.extend(questions)
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
-            log.exception("batched decode step over %d requests failed", len(batch))
-            for request in batch:
+            log.exception("batched decode step over %d requests failed", len(rows))
+            for request in rows:
                 self._fail(request, err)
         self.busy_s["decode"] += time.perf_counter() - began
+
+    def _mixed_logits(
+        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest], feed: StepFeed | None, watch: Stopwatch
+    ) -> torch.Tensor:
+        """The decode step over `batch` with `questions` prefilled in its forward (`SlabPrefill.mixed`); logits of
+        the decode rows, then each question's. The questions' prefill time is the step's (every member waits for
+        all of it); their samplers start here."""
+        ids, positions, spans = self._rows(batch)
+        logits = self.slabs.mixed((ids, positions, spans, None), feed, questions)
+        for request in batch:
+            request.buffer.commit(1, request.buffer.next_position + 1)
+        watch.lap(_set_stage(questions, "prefill_ms"))
+        for request in questions:
+            self._start_decoding(request)
+        self.prefilled_together += len(questions)
+        self.prefilled_with_decode += len(questions)
+        return logits
 
     def _feed(self, batch: Sequence[BatchRequest]) -> StepFeed | None:
         """Where each row of a step over `batch` finds an unread last token: its index in the unread picks, one
@@ -550,24 +595,24 @@ class Scheduler:
             for slab in step.free_after:
                 self.pool.free(slab)
         read = time.perf_counter()
-        self.busy_s["admit" if step.first else "decode"] += read - began
+        self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
-        rows = [(r, token) for r, token in zip(step.batch, tokens, strict=True) if not r.finished]
-        if step.first:
-            for request, _ in rows:
+        rows = [(row, r, token) for row, (r, token) in enumerate(zip(step.batch, tokens, strict=True))]
+        rows = [(row, r, token) for row, r, token in rows if not r.finished]
+        for row, request, _ in rows:
+            if row >= step.first_from:
                 self._first_token_read(request, step.watch)
-        finished = [r for r, token in rows if not self._accept(r, token)]
+        finished = [r for _, r, token in rows if not self._accept(r, token)]
         self.busy_s["emit"] += time.perf_counter() - read
         return finished
 
-    def _decode(self) -> list[BatchRequest]:
-        """One batched step over every running request (and the questions admitted to prefill with it); returns
-        those it finished."""
-        batch, questions = list(self.running), self._questions
-        self._questions = []
+    def _decode(self, questions: list[BatchRequest], watch: Stopwatch | None) -> list[BatchRequest]:
+        """One batched step over every running request (and the `questions` admitted to prefill with it, their
+        stages timed by `watch`), read at once; returns those it finished."""
+        batch = list(self.running)
         began = time.perf_counter()
         try:
-            tokens, logprobs, question_logits = self._step_tokens(batch, questions)
+            tokens, logprobs, question_logits = self._step_tokens(batch, questions, watch)
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
             log.exception("batched decode step over %d requests failed", len(batch) + len(questions))
             for request in (*batch, *questions):
@@ -578,35 +623,32 @@ class Scheduler:
         # `_accept` finishes (and takes out of `running`) the requests a token ends.
         rows = zip(batch, tokens, logprobs, strict=True)
         finished = [r for r, token, lp in rows if not self._accept(r, token, lp)]
-        finished += self._first_tokens(questions, question_logits, (decoded - began) * 1e3)
+        finished += self._first_tokens(questions, question_logits, watch)
         self.busy_s["emit"] += time.perf_counter() - decoded
         return finished
 
     def _first_tokens(
-        self, questions: Sequence[BatchRequest], logits: torch.Tensor | None, prefill_ms: float
+        self, questions: Sequence[BatchRequest], logits: torch.Tensor | None, watch: Stopwatch | None
     ) -> list[BatchRequest]:
         """The questions prefilled in the decode step: each one's first token; returns those it already ended."""
         finished = []
-        self.prefilled_together += len(questions)
-        self.prefilled_with_decode += len(questions)
         for row, request in enumerate(questions):
             assert logits is not None
-            request.result.timings.prefill_ms = prefill_ms  # the shared step's: every member waits for all of it
-            if self._first_token(request, logits[row]):
+            if self._first_token(request, logits[row], watch):
                 self.running.append(request)
             else:
                 finished.append(request)
         return finished
 
     def _step_tokens(
-        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest] = ()
+        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest], watch: Stopwatch | None
     ) -> tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None]:
         """Feed every request its last token, one batched step; the next token of each (and its
-        log-probabilities where the request asks for them). With `questions`, the step is one batched extend
-        over the running requests' last tokens and the questions; their rows' logits come back too."""
+        log-probabilities where the request asks for them). With `questions`, they are prefilled in the step's
+        forward (`_mixed_logits`); their rows' logits come back too."""
         if questions:
-            new_ids = [[r.last_token] for r in batch] + [list(r.prompt.question) for r in questions]
-            both = self.slabs.extend([*batch, *questions], new_ids)
+            assert watch is not None
+            both = self._mixed_logits(batch, questions, None, watch)
             logits, question_logits = both[: len(batch)], both[len(batch) :]
         else:
             logits, question_logits = self._decode_logits(batch), None
@@ -720,16 +762,18 @@ class Scheduler:
             request.cancelled = True
 
 
-def _copy_to_host(batch: list[BatchRequest], picks: torch.Tensor, first: Stopwatch | None = None) -> _InFlight:
+def _copy_to_host(
+    batch: list[BatchRequest], picks: torch.Tensor, first_from: int, watch: Stopwatch | None = None
+) -> _InFlight:
     """The record of queued picks, their host copy queued behind them (pinned memory and an event on CUDA);
-    `first`: they are the first tokens of `batch`, whose stages that watch timed."""
+    rows from `first_from` on are first tokens, whose stages `watch` timed."""
     if picks.device.type != "cuda":
-        return _InFlight(batch, picks, picks, None, first=first is not None, watch=first)
+        return _InFlight(batch, picks, picks, None, first_from, watch)
     host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
     host.copy_(picks, non_blocking=True)
     copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
     copied.record()
-    return _InFlight(batch, picks, host, copied, first=first is not None, watch=first)
+    return _InFlight(batch, picks, host, copied, first_from, watch)
 
 
 def _set_stage(group: Sequence[BatchRequest], stage: str) -> Callable[[float], None]:

@@ -4,7 +4,7 @@ The scheduler decides *when* (who is admitted, which questions go together, how 
 this module does *how*: a request's chunks stitched into its slab, one request prefilled alone as `generate`
 prefills (through a leased CUDA graph where one fits), and several requests' new tokens — questions after their
 stitched contexts, or naive prompts' chunks — run as one batched forward (`BatchDecoder.extend`, replayed from
-`ExtendGraphs` on CUDA).
+`ExtendGraphs` on CUDA), and questions ride in a decode step's forward (`BatchDecoder.mixed`, `MixedGraphs`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from dataclasses import replace
 import torch
 
 from service.engine.attention import FLASH_VARLEN
-from service.engine.batch_decode import BatchDecoder, ExtendRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, StepFeed
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode, StitchEngine, Stopwatch, TurboPrefill, stage_setter
-from service.engine.extend_graph import ExtendGraphs
+from service.engine.extend_graph import ExtendGraphs, ExtendRequest
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
+from service.engine.mixed_graph import DecodeInputs, MixedGraphs
 
 
 class SlabPrefill:
@@ -28,12 +29,23 @@ class SlabPrefill:
     as one forward (off when `batch_prefill_min` is 0, or where it does not pay); on CUDA with `cuda_graphs` that
     forward replays `extend_graphs`."""
 
-    def __init__(self, engine: StitchEngine, decoder: BatchDecoder, cuda_graphs: bool, batch_prefill_min: int) -> None:
+    def __init__(
+        self,
+        engine: StitchEngine,
+        decoder: BatchDecoder,
+        cuda_graphs: bool,
+        batch_prefill_min: int,
+        mixed_picks: int = 0,
+    ) -> None:
+        """`mixed_picks` > 0: questions may be piggybacked on decode steps (`mixed`), whose graphs may be fed
+        from that many unread picks."""
         self.engine = engine
         self.decoder = decoder
         self.batched = batch_prefill_min > 0 and self._batched_pays()
         capture = cuda_graphs and self.batched and ExtendGraphs.fit(decoder.pool.slots)
         self.extend_graphs = ExtendGraphs(decoder) if capture else None
+        mixed = capture and mixed_picks > 0 and decoder.attention == FLASH_VARLEN
+        self.mixed_graphs = MixedGraphs(decoder, mixed_picks) if mixed else None
 
     def _batched_pays(self) -> bool:
         """On the CPU the loop attention is the reference kernel, so one forward for all questions only saves
@@ -45,6 +57,11 @@ class SlabPrefill:
         """Capture every batched-prefill graph now (server start)."""
         if self.extend_graphs is not None:
             self.extend_graphs.warm()
+
+    def warm_mixed(self, tokens: int) -> None:
+        """Capture every mixed-step graph for decode rows up to `tokens` live slots now (server start)."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.warm(tokens)
 
     def chunk_kv(self, request: BatchRequest) -> Sequence[KVBlock]:
         """The chunks' KV as fetched at admission, or computed here when none was given (offline use, tests)."""
@@ -75,20 +92,36 @@ class SlabPrefill:
     def extend(self, group: Sequence[BatchRequest], new_ids: Sequence[list[int]] | None = None) -> torch.Tensor:
         """Each request's new tokens (default: its question) after its live slots, one batched forward; logits
         [len(group), vocab] of each one's last new token."""
-        device = self.engine.spec.device
         tokens = new_ids if new_ids is not None else [list(r.prompt.question) for r in group]
-        entries = []
-        for request, ids in zip(group, tokens, strict=True):
-            buffer = request.buffer
-            buffer.reserve(len(ids))
-            assert request.slab is not None
-            entries.append((ids, buffer.next_position, request.slab.start, buffer.length))
+        entries = _reserve(group, tokens)
         if self.extend_graphs is not None:
             logits = self.extend_graphs.extend(entries)
         else:
-            logits = self.decoder.extend(ExtendRows.build(entries, device))
-        for request, ids in zip(group, tokens, strict=True):
-            request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
+            logits = self.decoder.extend(ExtendRows.build(entries, self.engine.spec.device))
+        _commit(group, tokens)
+        return logits
+
+    def mixes(self, batch: int, questions: Sequence[BatchRequest]) -> bool:
+        """Whether `questions` can ride in a decode step of `batch` rows (`mixed`): always eagerly; with graphs,
+        where a captured shape holds them (more or longer questions are prefilled apart)."""
+        if self.mixed_graphs is None:
+            return self.extend_graphs is None
+        return self.mixed_graphs.fits(batch, [len(r.prompt.question) for r in questions])
+
+    def mixed(self, decode: DecodeInputs, feed: StepFeed | None, questions: Sequence[BatchRequest]) -> torch.Tensor:
+        """A decode step (its rows' ids, positions and spans; `feed`: rows whose id is an unread pick on the
+        device) with `questions` prefilled in its forward (`BatchDecoder.mixed`); logits [B + Q, vocab]: the
+        decode rows', then each question's last token's. The decode rows' slots are the caller's to reserve."""
+        tokens = [list(r.prompt.question) for r in questions]
+        entries = _reserve(questions, tokens)
+        if self.mixed_graphs is not None:
+            logits = self.mixed_graphs.step(decode, feed, entries)
+        else:
+            device = self.engine.spec.device
+            ids, positions, spans, _ = decode
+            rows = DecodeRows.build(ids, positions, spans, device, feed)
+            logits = self.decoder.mixed(rows, ExtendRows.build(entries, device))
+        _commit(questions, tokens)
         return logits
 
     def chunk_alone(self, request: BatchRequest, ids: Sequence[int], first: int) -> torch.Tensor:
@@ -124,3 +157,20 @@ class SlabPrefill:
         finally:
             engine.release_graph(graph)
         return logits
+
+
+def _reserve(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> list[ExtendRequest]:
+    """Room for each request's new tokens after its live slots: the extend's (ids, first position, slab start,
+    live slots before) per request."""
+    entries: list[ExtendRequest] = []
+    for request, ids in zip(group, tokens, strict=True):
+        buffer = request.buffer
+        buffer.reserve(len(ids))
+        assert request.slab is not None
+        entries.append((ids, buffer.next_position, request.slab.start, buffer.length))
+    return entries
+
+
+def _commit(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> None:
+    for request, ids in zip(group, tokens, strict=True):
+        request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
