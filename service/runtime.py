@@ -179,8 +179,8 @@ class Runtime:
             cuda_graphs=on_cuda,
             prefill_chunk=self.settings.prefill_chunk,
             batch_prefill_min=self.settings.batch_prefill_min,
-            prefill_with_decode=self.settings.prefill_with_decode,
-            overlap=on_cuda if self.settings.overlap_decode is None else self.settings.overlap_decode,
+            prefill_with_decode=_unset_is(self.settings.prefill_with_decode, on_cuda),
+            overlap=_unset_is(self.settings.overlap_decode, on_cuda),
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))
@@ -427,3 +427,8 @@ def _open_components(
         retrieval,
         question_embedder,
     )
+
+
+def _unset_is(setting: bool | None, default: bool) -> bool:
+    """A tri-state setting's value: `default` where it is unset."""
+    return default if setting is None else setting

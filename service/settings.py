@@ -136,11 +136,11 @@ class Settings(BaseSettings):
         le=256,
         description="Turbo questions admitted in one step are prefilled in one forward from this many on; 0 = never.",
     )
-    prefill_with_decode: bool = Field(
-        False,
-        description="Questions admitted while answers run are prefilled in the decode step's own forward (any "
-        "number; needs BATCH_PREFILL_MIN > 0). On: lower TTFT at moderate load, fewer tokens/s (docs/benchmarks.md "
-        "§10.9).",
+    prefill_with_decode: bool | None = Field(
+        None,
+        description="Questions admitted while answers run are prefilled in the running answers' decode step (up to "
+        "4 questions of 512 tokens in all; needs BATCH_PREFILL_MIN > 0): one pass over the weights for both. Unset "
+        "= on where decode steps run through CUDA graphs (docs/benchmarks.md §10.11).",
     )
     overlap_decode: bool | None = Field(
         None,

@@ -11,9 +11,9 @@ reached the host, its rows fed from the previous picks still on the device, and 
 (tokens accepted, text emitted, finished requests ended) while the GPU runs this one, so the host's per-step work
 no longer leaves the GPU idle between steps (SGLang's overlap scheduler). The price: a request that the previous
 step ended has one more row computed and dropped (its slab holds the whole answer budget, so the row fits), and
-a slab is returned to the pool only once the steps that may still write it have run. Steps that need the
-tokens on the host first (questions prefilled in the decode step's forward, log-probabilities) read the
-previous step before they launch.
+a slab is returned to the pool only once the steps that may still write it have run. Questions admitted while
+answers run ride in the step (`prefill_with_decode`) and their first tokens are read with it. Steps that need
+the tokens on the host first (log-probabilities) read the previous step before they launch.
 
 Admission reserves a request's whole sequence (context + question + max_new_tokens) in one slab, so a running
 request never needs more memory and none is ever preempted; a request the pool cannot hold yet waits at the
@@ -112,10 +112,12 @@ class Scheduler:
         as one batched forward too (0: never, and one naive chunk per step).
         `prefill_with_decode`: where the batched forward runs (`batch_prefill_min` > 0 and it pays on the device),
         the turbo questions admitted while answers are running are prefilled in the same forward as the running
-        answers' decode step — each running answer one new token, each question its own — whatever their number:
-        one pass over the weights instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Off
-        by default: through the gateway on an H200 it cut TTFT at 8 clients by ~20 ms but cost 5-14 % of tokens/s
-        and 30 ms of TTFT at 32 clients (docs/benchmarks.md §10.9).
+        answers' decode step (`BatchDecoder.mixed`: each running answer one new token through the decode step's
+        attention, each question its own tokens through the extend's), where a mixed step holds them (on CUDA a
+        captured shape, `MixedGraphs`; more or longer questions are prefilled apart): one pass over the weights
+        instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Overlapped like any step: the
+        questions' first tokens are read with it. Through the gateway on an H100 at 32 clients: tokens/s +9 %
+        (docs/benchmarks.md §10.11).
         `overlap`: launch each decode step before reading the previous one (see the module's docstring); it pays
         where the device runs asynchronously to the host (CUDA) and changes no request's tokens.
         `overlap_admissions` (with `overlap`): admitted requests' first tokens stay on the device too, fed to the
