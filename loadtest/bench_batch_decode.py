@@ -36,6 +36,7 @@ from service.engine.batch_graph import BatchGraphs
 from service.engine.engine import StitchEngine
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool, Slab
+from service.engine.mixed_graph import MIXED_TOKENS, MixedGraphs
 from service.engine.prompt import PromptIds
 from service.engine.sampling import Sampler, SamplingParams, pick_rows
 from service.kvcache import device
@@ -94,13 +95,44 @@ def decode_run(
     return (time.perf_counter() - start) * 1e3, out
 
 
+def mixed_run(
+    graphs: MixedGraphs, slabs: list[Slab], length: int, position: int, first: int, question: list[int], steps: int
+) -> float:
+    """Wall ms of `steps` mixed steps: the batch's greedy step with one question (prefilled after the context of
+    the last slab, the same slots each step) riding in it; the question's slab is the extra last one."""
+    spec = graphs.decoder.forward.spec
+    decode, asking = slabs[:-1], slabs[-1]
+    samplers = [Sampler(SamplingParams(), spec.device)] * len(decode)
+    ids = [first] * len(decode)
+    context, at = length - len(question), position - len(question)
+    device.synchronize(spec.device)
+    start = time.perf_counter()
+    for step in range(steps):
+        spans = [(slab.start, length + step + 1) for slab in decode]
+        logits = graphs.step(
+            (ids, [position + step] * len(decode), spans, None), None, [(question, at, asking.start, context)]
+        )
+        ids = pick_rows(logits[: len(decode)], samplers)
+    return (time.perf_counter() - start) * 1e3
+
+
 def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     prompt = request_prompt(engine, context, args)
     per_request = len(prompt.joined()) + args.tokens
-    # One slot more: the graphs' scratch slot for padding rows.
-    pool = KVPool(engine.spec, (batch * per_request + 1) * engine.spec.kv_bytes_per_token(), poison="zero")
+    asking = 1 if args.mixed else 0  # a slab for the question riding in the mixed steps
+    # One slot more: the graphs' scratch slot for padding rows (and the mixed graphs' scratch).
+    slots = (batch + asking) * per_request + 1 + asking * (max(MIXED_TOKENS) + 1)
+    pool = KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token(), poison="zero")
     decoder = BatchDecoder(engine.forward, pool, args.attention)
-    slabs, length, position, first = fill_slabs(engine, pool, prompt, batch, args)
+    slabs, length, position, first = fill_slabs(engine, pool, prompt, batch + asking, args)
+    mixed = MixedGraphs(decoder) if args.mixed else None
+    if mixed is not None:
+        mixed_ms = [
+            mixed_run(mixed, slabs, length, position, first, list(prompt.question), args.tokens) / args.tokens
+            for _ in range(args.warmup + args.runs)
+        ][args.warmup :]
+        mixed.close()
+        slabs = slabs[:batch]
     graphs = BatchGraphs(decoder) if args.graphs else None
     step_ms: list[float] = []
     tokens: list[list[int]] = []
@@ -121,22 +153,43 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
         "pool_mib": pool.capacity_bytes / 2**20,
         "same_tokens": all(t == tokens[0] for t in tokens),
     }
+    if mixed is not None:
+        row["mixed_ms_per_step"] = statistics.median(mixed_ms)
+        row["question_tokens"] = len(prompt.question)
+    if args.profile:
+        spans = [(slab.start, length + 1) for slab in slabs]
+        rows = DecodeRows.build([first] * batch, [position] * batch, spans, engine.spec.device)
+        row["kernels"] = profile_step(decoder, rows)
     if graphs is not None:
         graphs.close()
     del decoder, pool, graphs
     return row
 
 
+def profile_step(decoder: BatchDecoder, rows: DecodeRows, top: int = 12) -> str:
+    """The eager step's CUDA kernels (the ones its graph replays), the `top` by total time, as a table."""
+    spec_device = decoder.forward.spec.device
+    decoder.step(rows)
+    device.synchronize(spec_device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decoder.step(rows)
+        device.synchronize(spec_device)
+    text: str = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+    return text
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| context | batch | attention | ms/step | ms/token/request | tokens/s | pool MiB | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| context | batch | attention | ms/step | ms/token/request | tokens/s | pool MiB | same tokens | ms/step "
+        "with a question |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        mixed = f"{r['mixed_ms_per_step']:.2f} ({r['question_tokens']} tokens)" if "mixed_ms_per_step" in r else "-"
         lines.append(
             f"| {r['context_tokens']} | {r['batch']} | {r['attention']} | {r['median_ms_per_step']:.2f} "
             f"| {r['ms_per_token_per_request']:.3f} | {r['tokens_per_s']:.0f} | {r['pool_mib']:.0f} "
-            f"| {r['same_tokens']} |"
+            f"| {r['same_tokens']} | {mixed} |"
         )
     return "\n".join(lines)
 
@@ -152,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto", help="auto, loop, flash_varlen or sdpa_gather")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with --model")
     parser.add_argument("--graphs", action="store_true", help="decode through the batch-bucket CUDA graphs")
+    parser.add_argument("--profile", action="store_true", help="print each batch's eager step's top CUDA kernels")
+    parser.add_argument(
+        "--mixed", action="store_true", help="also time the step with one question riding in it (MixedGraphs)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -164,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             row = bench(engine, context, batch, args)
             report["rows"].append(row)
+            kernels = row.pop("kernels", None)
             log.info("%s", json.dumps(row))
+            if kernels is not None:
+                sys.stdout.write(f"batch {batch}, context {context}: the eager step's kernels\n{kernels}\n")
             if engine.spec.device.type == "cuda":
                 torch.cuda.empty_cache()
     sys.stdout.write(table(report["rows"]) + "\n")
