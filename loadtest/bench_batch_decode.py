@@ -19,6 +19,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ from loadtest.bench_prefill import (
     precompute_all,
     question_ids,
 )
-from service.engine.batch_decode import BatchDecoder, DecodeRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
+from service.engine.cuda_graph import bucket_capacity
 from service.engine.engine import StitchEngine
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool, Slab
@@ -132,6 +134,8 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
             for _ in range(args.warmup + args.runs)
         ][args.warmup :]
         mixed.close()
+        if args.profile:
+            kernels = profile_mixed(decoder, slabs, length, position, first, list(prompt.question))
         slabs = slabs[:batch]
     graphs = BatchGraphs(decoder) if args.graphs else None
     step_ms: list[float] = []
@@ -156,6 +160,8 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
     if mixed is not None:
         row["mixed_ms_per_step"] = statistics.median(mixed_ms)
         row["question_tokens"] = len(prompt.question)
+        if args.profile:
+            row["mixed_kernels"] = kernels
     if args.profile:
         spans = [(slab.start, length + 1) for slab in slabs]
         rows = DecodeRows.build([first] * batch, [position] * batch, spans, engine.spec.device)
@@ -168,11 +174,28 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
 
 def profile_step(decoder: BatchDecoder, rows: DecodeRows, top: int = 12) -> str:
     """The eager step's CUDA kernels (the ones its graph replays), the `top` by total time, as a table."""
-    spec_device = decoder.forward.spec.device
-    decoder.step(rows)
+    return _profile(lambda: decoder.step(rows), decoder.forward.spec.device, top)
+
+
+def profile_mixed(
+    decoder: BatchDecoder, slabs: list[Slab], length: int, position: int, first: int, question: list[int]
+) -> str:
+    """The eager mixed step's kernels, the question's attention split into key ranges as its graph splits it."""
+    spec = decoder.forward.spec
+    decode, asking = slabs[:-1], slabs[-1]
+    spans = [(slab.start, length + 1) for slab in decode]
+    rows = DecodeRows.build([first] * len(decode), [position] * len(decode), spans, spec.device)
+    context, at = length - len(question), position - len(question)
+    extend = ExtendRows.build([(question, at, asking.start, context)], spec.device)
+    width = bucket_capacity(length + 1, spec.max_context)
+    return _profile(lambda: decoder.mixed(rows, extend, width, (len(question), spec.max_context)), spec.device, 16)
+
+
+def _profile(run: Callable[[], Any], spec_device: torch.device, top: int) -> str:
+    run()
     device.synchronize(spec_device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decoder.step(rows)
+        run()
         device.synchronize(spec_device)
     text: str = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
     return text
@@ -222,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             row = bench(engine, context, batch, args)
             report["rows"].append(row)
             kernels = row.pop("kernels", None)
+            mixed_kernels = row.pop("mixed_kernels", None)
             log.info("%s", json.dumps(row))
             if kernels is not None:
                 sys.stdout.write(f"batch {batch}, context {context}: the eager step's kernels\n{kernels}\n")
+            if mixed_kernels is not None:
+                sys.stdout.write(f"batch {batch}: the eager mixed step's kernels\n{mixed_kernels}\n")
             if engine.spec.device.type == "cuda":
                 torch.cuda.empty_cache()
     sys.stdout.write(table(report["rows"]) + "\n")
