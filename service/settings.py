@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     prefill_with_decode: bool | None = Field(
         None,
         description="Questions admitted while answers run are prefilled in the running answers' decode step (up to "
-        "4 questions of 512 tokens in all; needs BATCH_PREFILL_MIN > 0): one pass over the weights for both. Unset "
+        "4 questions of 256 tokens in all; needs BATCH_PREFILL_MIN > 0): one pass over the weights for both. Unset "
         "= on where decode steps run through CUDA graphs (docs/benchmarks.md §10.11).",
     )
     overlap_decode: bool | None = Field(

@@ -29,7 +29,7 @@ from service.engine.batch_decode import (
     probe_extend,
     resolve_batch_attention,
 )
-from service.engine.batch_graph import BatchGraphs, batch_bucket
+from service.engine.batch_graph import STEP_BUCKETS, BatchGraphs, batch_bucket
 from service.engine.batch_request import BatchRequest, RequestStatus
 from service.engine.engine import StitchEngine
 from service.engine.extend_graph import ExtendGraphs, extend_layout, split_by_tokens, token_bucket
@@ -575,6 +575,8 @@ def test_gpu_naive_chunks_through_the_prefill_graphs_follow_eager(get_engine: Ca
 def test_batch_buckets_and_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
     assert batch_bucket(33) is None
+    # Decode steps: finer from 8 on, so fewer padding rows reach flash's split heuristic.
+    assert [batch_bucket(n, STEP_BUCKETS) for n in (3, 9, 17, 21, 25, 29, 32)] == [4, 12, 20, 24, 28, 32, 32]
     engine = get_engine("qwen2", "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         BatchGraphs(BatchDecoder(engine.forward, nan_pool(engine, 100)))

@@ -46,15 +46,14 @@ def reference_flash(layout: str) -> Any:
             assert q1 - q0 <= max_q and n_k <= max_k
             if q1 == q0 or n_k == 0:
                 continue
-            group = q.shape[1] // k.shape[1]  # 1 for GQA-packed queries (as many heads as the keys)
-            keys = k[k0 : k0 + n_k].repeat_interleave(group, dim=1)  # [n_k, H, D]
+            keys = k[k0 : k0 + n_k].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [n_k, H, D]
             scores = torch.einsum("thd,khd->htk", q[q0:q1].float(), keys.float()) * scale
             if causal:
                 t = torch.arange(q1 - q0).unsqueeze(1)
                 visible = torch.arange(n_k).unsqueeze(0) <= t + n_k - (q1 - q0)
                 scores = scores.masked_fill(~visible, -math.inf)
             lse = torch.logsumexp(scores, dim=-1)  # [H, T]
-            values = v[k0 : k0 + n_k].repeat_interleave(group, dim=1).float()
+            values = v[k0 : k0 + n_k].repeat_interleave(HEADS // KV_HEADS, dim=1).float()
             out[q0:q1] = torch.einsum("htk,khd->thd", torch.softmax(scores, dim=-1), values).to(q.dtype)
             flat[:, q0:q1] = lse
             padded[b, :, : q1 - q0] = lse

@@ -257,12 +257,7 @@ def extend_split(
     last ones): every row's context as `splits` non-causal key ranges, plus its new tokens over themselves
     (causal), merged by log-sum-exp as `_flash_split` does for one request. `bounds`: upper bounds of any row's
     new tokens and live slots. Ranges and indices are built here, once per forward and on the device (a CUDA
-    graph captures them); `cu_q`'s length and the query count are the only shapes they depend on.
-
-    The context ranges go in GQA-packed (`_pack_gqa`): a KV head's G query heads as G x more queries of one
-    head, so flash reads each range's keys once per KV head. Unpacked, the G heads sharing a KV head are far
-    apart in flash's grid and each reads the range again from memory: for one 122-token question over 8K of
-    context that call took 1.5 of a mixed step's 20 ms on an H100 (docs/benchmarks.md §10.11)."""
+    graph captures them); `cu_q`'s length and the query count are the only shapes they depend on."""
     cu, rows = cu_q.long(), starts.shape[0]
     new = cu[1:] - cu[:-1]
     context = used.long() - new
@@ -292,54 +287,23 @@ def extend_split(
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         total, heads, dim = q.shape
-        group = heads // keys.shape[0]
         repeated_cu, entry, row_of, offset = by_token(total)
         k, v = keys.transpose(0, 1), values.transpose(0, 1)
-        packed = _pack_gqa(q, group)  # [T * G, Hkv, D]
-        repeated = packed.unsqueeze(0).expand(splits, *packed.shape).reshape(splits * total * group, -1, dim)
-        ranges = (repeated_cu * group, cu_ranges, max_q * group, max_k, False, scale, range_used)
+        repeated = q.unsqueeze(0).expand(splits, total, heads, dim).reshape(splits * total, heads, dim)
+        ranges = (repeated_cu, cu_ranges, max_q, max_k, False, scale, range_used)
         context_out, context_lse = _flash(repeated, k, v, *ranges)
         own_out, own_lse = _flash(q, k, v, own_cu, own_starts, max_q, max_q, True, scale, own_used)
         lse = torch.cat(
             (
-                _packed_lse_by_token(context_lse, splits, entry, offset, group),
+                _lse_by_token(context_lse, splits, entry, offset),
                 _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
             )
         )
         # Each query's own part holds at least itself, so every query has a finite maximum.
-        context = _unpack_gqa(context_out.view(splits * total * group, -1, dim), group).view(splits, total, heads, dim)
-        outs = torch.cat((context, own_out.view(1, total, heads, dim)))
+        outs = torch.cat((context_out.view(splits, total, heads, dim), own_out.view(1, total, heads, dim)))
         return _merge(outs, lse)
 
     return attend
-
-
-def _pack_gqa(q: torch.Tensor, group: int) -> torch.Tensor:
-    """q [T, H, D] as [T * G, Hkv, D]: row t * G + g of KV head h is query head h * G + g of token t (the heads of
-    a KV group are consecutive, as `repeat_interleave` expands keys for them)."""
-    tokens, heads, dim = q.shape
-    return q.reshape(tokens, heads // group, group, dim).transpose(1, 2).reshape(tokens * group, heads // group, dim)
-
-
-def _unpack_gqa(out: torch.Tensor, group: int) -> torch.Tensor:
-    """`_pack_gqa`'s inverse for outputs [T * G, Hkv, D] (several parts may be stacked along the first axis)."""
-    rows, kv_heads, dim = out.shape
-    return out.view(rows // group, group, kv_heads, dim).transpose(1, 2).reshape(rows // group, kv_heads * group, dim)
-
-
-def _packed_lse_by_token(
-    lse: torch.Tensor, parts: int, entry: torch.Tensor, offset: torch.Tensor, group: int
-) -> torch.Tensor:
-    """`_lse_by_token` for GQA-packed queries: [parts, T, H] from flash's [Hkv, parts * T * G] (newer) or
-    [sequences, Hkv, max_q * G] (older; packed query t * G + g of sequence entry[p, t] is row offset[t] * G + g)."""
-    total = offset.shape[0]
-    if lse.dim() == 2:
-        rows = lse.view(lse.shape[0], parts, total, group).permute(1, 2, 0, 3)  # [P, T, Hkv, G]
-    else:
-        within = offset.unsqueeze(-1) * group + torch.arange(group, device=offset.device)  # [T, G]
-        rows = lse[entry.unsqueeze(-1), :, within.unsqueeze(0)].permute(0, 1, 3, 2)  # [P, T, G, Hkv] -> [P, T, Hkv, G]
-    rows = rows.reshape(parts, total, -1)
-    return rows.masked_fill(rows == float("inf"), float("-inf"))
 
 
 def _lse_by_token(lse: torch.Tensor, parts: int, entry: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Eager, a decode step costs the same ~1,500 kernel launches at batch 1 or 32 (cuda_graph.py); a graph replays
 them with one call. A graph fixes shapes and pointers, so each is captured for a batch size from
-`BATCH_BUCKETS` (a step of B requests runs in the smallest bucket >= B, the rest padded) and for a capacity (the
+`STEP_BUCKETS` (a step of B requests runs in the smallest bucket >= B, the rest padded) and for a capacity (the
 longest live length a row may have: flash's max_seqlen_k, the gather's width; powers of two as `bucket_capacity`).
 The step reads its ids, positions, slab starts and live lengths from one static device tensor, filled by one
 pinned host-to-device copy per replay, and writes K/V straight into the pool (graphs capture the pool's tensor).
@@ -32,6 +32,11 @@ from service.engine.cuda_graph import _capture, bucket_capacity
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Decode rows per captured step, finer than powers of two from 8 on: flash-attention splits each row's keys over
+# several thread blocks only while rows x KV heads stay under 80 % of the SMs, and it counts padding rows. At 24
+# answers (Qwen2-7B's 4 KV heads, 132 SMs) padded to 32, its 128 blocks each walked a whole 8K context on one SM:
+# 13.8 ms a step, as much as 32 answers (docs/benchmarks.md §10.11).
+STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)
 
 
 def batch_bucket(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | None:
@@ -104,7 +109,7 @@ class BatchGraph:
 class BatchGraphs:
     """Batched-step graphs by (batch bucket, capacity bucket), captured on first use, over one decoder's pool."""
 
-    def __init__(self, decoder: BatchDecoder, max_picks: int = max(BATCH_BUCKETS)) -> None:
+    def __init__(self, decoder: BatchDecoder, max_picks: int = max(STEP_BUCKETS)) -> None:
         """`max_picks`: the most unread picks a step may be fed from (the size of `feed`)."""
         spec = decoder.forward.spec
         if spec.device.type != "cuda":
@@ -116,7 +121,7 @@ class BatchGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], BatchGraph] = {}
         # The previous step's picks, for rows fed from them: one static tensor every graph reads.
-        self._feed = torch.zeros(max(max_picks, *BATCH_BUCKETS), dtype=torch.long, device=spec.device)
+        self._feed = torch.zeros(max(max_picks, *STEP_BUCKETS), dtype=torch.long, device=spec.device)
 
     def step(
         self,
@@ -128,7 +133,7 @@ class BatchGraphs:
         """The batched step through its bucket's graph, or eagerly for a batch larger than every bucket. `feed`:
         rows whose id is the previous step's pick, still on the device."""
         device = self.decoder.forward.spec.device
-        bucket = batch_bucket(len(ids))
+        bucket = batch_bucket(len(ids), STEP_BUCKETS)
         if bucket is None:
             return self.decoder.step(DecodeRows.build(ids, positions, spans, device, feed))
         capacity = bucket_capacity(max(u for _, u in spans), self.decoder.forward.spec.max_context)
@@ -155,7 +160,7 @@ class BatchGraphs:
         """Capture every batch bucket's step for live lengths up to `tokens` now (server start), so the first
         answers of each batch size do not pay for the capture."""
         capacity = bucket_capacity(tokens, self.decoder.forward.spec.max_context)
-        for bucket in BATCH_BUCKETS:
+        for bucket in STEP_BUCKETS:
             self._graph(bucket, capacity)
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ A question admitted while answers run costs a pass over the weights of its own w
 its tokens ride in the running answers' step: one pass over the weights for both, and the step grows by the
 question's attention and a few more matmul rows.
 
-A graph fixes shapes, so each is captured for `batch` decode rows (a `BATCH_BUCKETS` bucket, padded as
+A graph fixes shapes, so each is captured for `batch` decode rows (a `STEP_BUCKETS` bucket, padded as
 `BatchGraph` pads: token 0 at position 0 into a scratch slot), `rows` questions (`MIXED_ROWS`) of `tokens` new
 tokens in all (`MIXED_TOKENS`, padded as `ExtendGraph` pads: empty rows and one padding row in a scratch slab)
 and the decode rows' capacity bucket (flash's max_seqlen_k, as the decode step's graphs). Its static inputs are
@@ -29,7 +29,7 @@ import torch
 
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, StepFeed, fed_ids
-from service.engine.batch_graph import BATCH_BUCKETS, batch_bucket
+from service.engine.batch_graph import STEP_BUCKETS, batch_bucket
 from service.engine.cuda_graph import _capture, bucket_capacity
 from service.engine.extend_graph import SCRATCH_SHARE, ExtendRequest, extend_layout, layout_width, token_bucket
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # Questions one mixed step takes, and their new tokens in all (the gateway's questions are ~50-250 tokens with
 # the prompt's tail). More, or longer, are prefilled apart (the batched prefill's own graphs).
 MIXED_ROWS = (1, 2, 4)
-MIXED_TOKENS = (64, 128, 256, 512)
+MIXED_TOKENS = (64, 128, 256)
 
 # The decode rows' (ids, positions, spans, feed index or -1 per row), as `BatchGraph.replay` takes them.
 DecodeInputs = tuple[Sequence[int], Sequence[int], Sequence[tuple[int, int]], Sequence[int] | None]
@@ -116,7 +116,7 @@ class MixedGraphs:
     """Mixed-step graphs by (batch bucket, question rows, token bucket, capacity), captured on first use or by
     `warm`, over one decoder's pool."""
 
-    def __init__(self, decoder: BatchDecoder, max_picks: int = max(BATCH_BUCKETS)) -> None:
+    def __init__(self, decoder: BatchDecoder, max_picks: int = max(STEP_BUCKETS)) -> None:
         """`max_picks`: the most unread picks a step may be fed from (the size of `feed`)."""
         spec = decoder.forward.spec
         if spec.device.type != "cuda":
@@ -131,15 +131,15 @@ class MixedGraphs:
         self._scratch = decoder.pool.allocate(max(self.tokens) + 1)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int, int], MixedGraph] = {}
-        self._feed = torch.zeros(max(max_picks, *BATCH_BUCKETS), dtype=torch.long, device=spec.device)
-        rows = max(BATCH_BUCKETS) + max(MIXED_ROWS) + 1
+        self._feed = torch.zeros(max(max_picks, *STEP_BUCKETS), dtype=torch.long, device=spec.device)
+        rows = max(STEP_BUCKETS) + max(MIXED_ROWS) + 1
         self._out = torch.zeros((rows, spec.vocab_size), dtype=torch.float32, device=spec.device)
 
     def fits(self, batch: int, question_tokens: Sequence[int]) -> bool:
         """Whether a step of `batch` decode rows and questions of these token counts has a graph shape."""
         rows, total = len(question_tokens), sum(question_tokens)
         return (
-            0 < batch <= max(BATCH_BUCKETS)
+            0 < batch <= max(STEP_BUCKETS)
             and 0 < rows <= max(MIXED_ROWS)
             and all(n > 0 for n in question_tokens)
             and token_bucket(total, self.tokens) is not None
@@ -151,7 +151,7 @@ class MixedGraphs:
         tokens = [len(q[0]) for q in questions]
         if not self.fits(len(ids), tokens):
             raise ValueError(f"no mixed-step graph for {len(ids)} rows and questions of {tokens} tokens")
-        batch, rows = batch_bucket(len(ids)), batch_bucket(len(questions), MIXED_ROWS)
+        batch, rows = batch_bucket(len(ids), STEP_BUCKETS), batch_bucket(len(questions), MIXED_ROWS)
         total = token_bucket(sum(tokens), self.tokens)
         assert batch is not None and rows is not None and total is not None
         capacity = bucket_capacity(max(u for _, u in spans), self.decoder.forward.spec.max_context)
@@ -178,7 +178,7 @@ class MixedGraphs:
     def warm(self, tokens: int) -> None:
         """Capture every shape for decode rows of live lengths up to `tokens` now (server start)."""
         capacity = bucket_capacity(tokens, self.decoder.forward.spec.max_context)
-        for batch in BATCH_BUCKETS:
+        for batch in STEP_BUCKETS:
             for rows in MIXED_ROWS:
                 for total in self.tokens:
                     if total >= rows:
