@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -132,6 +133,44 @@ def test_questions_are_prefilled_apart_when_every_answer_ends_before_their_step(
     drain(scheduler)
     assert question.result.token_ids == run_alone(engine, case).tokens
     assert len(question.result.logprobs) == len(question.result.token_ids)
+    assert scheduler.pool.used_slots == 0
+
+
+def test_a_question_does_not_ride_in_a_step_behind_a_naive_chunk(get_engine: Callable[..., StitchEngine]) -> None:
+    """A naive chunk runs (timed synchronously) before the step: a question admitted then is prefilled apart,
+    so its first token is read before the chunk instead of waiting for it in the step."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(
+        engine,
+        nan_pool(engine, 3000),
+        max_batch=8,
+        prefill_chunk=16,
+        batch_prefill_min=3,
+        prefill_with_decode=True,
+        overlap=True,
+    )
+    answer = Tracked(engine, Case((30, 17), max_new=30, seed=1))
+    naive = Tracked(engine, Case((60, 40, 20), mode="naive", max_new=4, seed=13))
+    question = Tracked(engine, Case((20,), max_new=6, seed=14))
+    scheduler.add(answer.request)
+    steps(scheduler, 2)
+    scheduler.add(naive.request)
+    scheduler.step()
+    assert naive.request in scheduler.prefilling and len(scheduler.running) == 1
+    seen: list[int] = []  # the question's tokens on the host when each naive chunk runs
+    extend = scheduler.slabs.extend
+
+    def logged_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(len(question.request.result.token_ids))
+        return extend(*args, **kwargs)
+
+    scheduler.slabs.extend = logged_extend  # type: ignore[method-assign]
+    scheduler.add(question.request)
+    scheduler.step()
+    assert seen == [1] and scheduler.prefilled_with_decode == 0
+    drain(scheduler)
+    for t in (answer, naive, question):
+        t.assert_matches(run_alone(engine, t.case))
     assert scheduler.pool.used_slots == 0
 
 

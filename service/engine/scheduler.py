@@ -275,11 +275,13 @@ class Scheduler:
 
     def _prefills_with_decode(self, questions: Sequence[BatchRequest]) -> bool:
         """Whether this step's admitted `questions` go into its decode step's forward: answers are running (so the
-        step runs), the batched forward is what the device runs (see `SlabPrefill.batched`), and a mixed step
-        holds them beside every request that may run in it (the naive prefills may join the running ones)."""
+        step runs), the batched forward is what the device runs (see `SlabPrefill.batched`), a mixed step holds
+        them, and no naive chunk runs before the step: it is timed synchronously, so a question riding in the
+        step would wait for the chunk (~35 ms a 1,024-token chunk on an H100; TTFT at 8 clients of both modes
+        57 → 104 ms, docs/benchmarks.md §10.11), where prefilled apart its first token is read before it."""
         if not (questions and self.prefill_with_decode and self.slabs.batched and self.batch_prefill_min > 0):
             return False
-        return bool(self.running) and self.slabs.mixes(len(self.running) + len(self.prefilling), questions)
+        return bool(self.running) and not self.prefilling and self.slabs.mixes(len(self.running), questions)
 
     def _joins_batched_prefill(self, request: BatchRequest) -> bool:
         # Recompute needs its own eager pass between stitch and question; keep it on the one-request path.
