@@ -299,12 +299,12 @@ def test_exhausted_pool_makes_requests_wait_then_complete(
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_an_overlapped_step_is_read_while_the_next_runs_and_frees_a_slab_after_its_last_writer(
+def test_an_overlapped_step_is_read_while_the_next_runs_and_launches_no_row_past_the_budget(
     get_engine: Callable[..., StitchEngine], overlap: bool
 ) -> None:
     """Read at once, a step's token is on the host when `step` returns; overlapped, a step is launched and read
-    during the next `step`. The step that ends a request has launched one more row into its slab, so the slab
-    goes back to the pool (NaN-poisoned) only in the step after."""
+    during the next `step`. A request whose unread token is its last by its budget gets no row in the next step,
+    so the step that reads that token ends it and returns its slab (NaN-poisoned) at once."""
     engine = get_engine("qwen2", "cpu")
     scheduler = Scheduler(engine, nan_pool(engine, 600), overlap=overlap)
     t = Tracked(engine, Case((20, 11), max_new=4, seed=70))
@@ -312,23 +312,57 @@ def test_an_overlapped_step_is_read_while_the_next_runs_and_frees_a_slab_after_i
     counts = []
     for _ in range(6):
         scheduler.step()
-        counts.append((len(t.request.result.token_ids), scheduler.pool.used_slots > 0, scheduler.has_work()))
-    held, done = (True, True), (False, False)  # (slab held, work left)
-    if overlap:  # admitted + first step launched; then one token a step; ended at 4 with the slab held one more
-        assert counts == [(1, *held), (2, *held), (3, *held), (4, *held), (4, *done), (4, *done)]
+        state = (len(t.request.result.token_ids), scheduler.pool.used_slots > 0, scheduler.has_work())
+        counts.append((*state, scheduler.last_batch))
+    if overlap:  # admitted + first step launched; one token a step; the 4th step launches nothing and reads the last
+        assert counts == [(1, True, True, 1), (2, True, True, 1), (3, True, True, 1), (4, False, False, 0)] + [
+            (4, False, False, 0)
+        ] * 2
     else:
-        assert counts == [(2, *held), (3, *held), (4, *done), (4, *done), (4, *done), (4, *done)]
+        assert counts == [(2, True, True, 1), (3, True, True, 1), (4, False, False, 1)] + [(4, False, False, 0)] * 3
     assert t.request.result.finish_reason == "length"
     t.assert_matches(run_alone(engine, t.case))
-    assert bool(scheduler.pool.data.isnan().all())  # the extra row's slot was poisoned with the rest
+    assert bool(scheduler.pool.data.isnan().all())  # every slot the request wrote was poisoned
 
 
-def test_overlapped_a_first_token_that_ends_its_request_wastes_one_row_and_changes_nothing(
+def test_overlapped_a_request_ended_by_eos_had_one_more_row_and_its_slab_waits_for_it(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    """An end by EOS (or a stop string) is known only when its token is read, after the next step was launched
+    with a row for it: the row is dropped, and the slab returns to the pool only in the step after, once that row
+    has run. Tokens are those of the run alone."""
+    engine = get_engine("qwen2", "cpu")
+    case = Case((20, 11), max_new=8, seed=70)
+    free = run_alone(engine, case)
+    at = next(i for i in range(2, len(free.tokens)) if free.tokens[i] not in free.tokens[:i])
+    config = engine.model.hf.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [engine.tokenizer.eos_token_id, free.tokens[at]]  # a token the run picks becomes EOS
+    try:
+        alone = run_alone(engine, case, ignore_eos=False)
+        scheduler = Scheduler(engine, nan_pool(engine, 600), overlap=True)
+        t = Tracked(engine, case, ignore_eos=False)
+        scheduler.add(t.request)
+        held_after_end = []
+        while scheduler.has_work():
+            ended = t.request.finished
+            scheduler.step()
+            if t.request.finished and not ended:  # the step that read the EOS
+                held_after_end.append((scheduler.pool.used_slots > 0, scheduler.last_batch))
+        assert scheduler.pool.used_slots == 0
+    finally:
+        config.eos_token_id = saved
+    assert alone.reason == "stop" and len(alone.tokens) == at + 1
+    t.assert_matches(alone)
+    assert held_after_end == [(True, 1)]  # a row was launched past the EOS; the slab waited for it
+
+
+def test_overlapped_a_first_token_that_ends_its_request_gets_no_row_and_changes_nothing(
     get_engine: Callable[..., StitchEngine],
 ) -> None:
     """Overlapped, a request runs from its admission, its first token fed to the next step from the device
-    before the host has read it. A one-token answer is then ended by that read, after the step has a row for
-    it: the row is dropped, its slab returns once the step has run, and the requests beside it are unchanged."""
+    before the host has read it. A one-token answer's first token is its last: the next step has no row for it,
+    its slab returns once the step launched beside it has run, and the requests beside it are unchanged."""
     engine = get_engine("llama", "cpu")
     scheduler = Scheduler(engine, nan_pool(engine, 800), overlap=True)
     one, longer = Tracked(engine, Case((16, 9), max_new=1, seed=80)), Tracked(engine, Case((30,), max_new=6, seed=81))
@@ -336,7 +370,7 @@ def test_overlapped_a_first_token_that_ends_its_request_wastes_one_row_and_chang
         scheduler.add(t.request)
     scheduler.step()
     assert one.request.finished and one.request.slab is None
-    assert scheduler.last_batch == 2  # the step launched with a row for it
+    assert scheduler.last_batch == 1  # the step launched with a row for the longer answer only
     assert scheduler.pool.used_slots == one.request.tokens_needed + longer.request.tokens_needed  # not yet back
     drain(scheduler)
     assert scheduler.pool.used_slots == 0

@@ -9,9 +9,10 @@ at once). Requests join and leave at any step.
 Overlapped decode (`overlap`, on by default on CUDA): a step is launched before the previous step's tokens have
 reached the host, its rows fed from the previous picks still on the device, and the previous step is read
 (tokens accepted, text emitted, finished requests ended) while the GPU runs this one, so the host's per-step work
-no longer leaves the GPU idle between steps (SGLang's overlap scheduler). The price: a request that the previous
-step ended has one more row computed and dropped (its slab holds the whole answer budget, so the row fits), and
-a slab is returned to the pool only once the steps that may still write it have run. Questions admitted while
+no longer leaves the GPU idle between steps (SGLang's overlap scheduler). A request whose unread token is its last
+by its budget gets no further row; the price is for one that the previous step ended by EOS or a stop string: one
+more row computed and dropped (its slab holds the whole answer budget, so the row fits), and a slab is returned to
+the pool only once the steps that may still write it have run. Questions admitted while
 answers run ride in the step (`prefill_with_decode`) and their first tokens are read with it. Steps that need
 the tokens on the host first (log-probabilities) read the previous step before they launch.
 
@@ -507,15 +508,40 @@ class Scheduler:
             assert watch is not None
             finished += self._prefill_stitched(questions, watch)
             questions = []
-        self.last_batch = len(self.running)
         if not self._step_overlaps(questions):
+            self.last_batch = len(self.running)
             return finished + (self._decode(questions, watch) if self.running else [])
-        launched = bool(self.running)
-        if launched:
-            self._launch(list(self.running), questions, watch)
-        while len(self._inflight) > (1 if launched else 0):  # the step just launched runs on
+        batch = self._continuing()
+        if questions and not batch:  # no step to ride in: every answer's unread token is its last
+            assert watch is not None
+            finished += self._prefill_stitched(questions, watch)
+            questions, batch = [], self._continuing()
+        self.last_batch = len(batch)
+        if batch:
+            self._launch(batch, questions, watch)
+        while len(self._inflight) > (1 if batch else 0):  # the step just launched runs on
             finished += self._read(self._inflight.popleft())
         return finished
+
+    def _continuing(self) -> list[BatchRequest]:
+        """The running requests that need a row in the next step: not those whose unread token is their last by
+        their budget (`max_new_tokens`) — reading it will end them, and a row for them would be computed and
+        dropped. (One ended by EOS or a stop string cannot be known before the read: it gets that row.)"""
+        unread = self._unread()
+        return [
+            r for r in self.running if id(r) not in unread or len(r.result.token_ids) + 1 < r.sampling.max_new_tokens
+        ]
+
+    def _unread(self) -> dict[int, int]:
+        """Per request (by id) with a token still unread on the device, its index in the unread picks, record
+        after record (a request is in one unread record at most: all but the newest step are read before the
+        next launch, and first tokens are of requests admitted since)."""
+        unread: dict[int, int] = {}
+        offset = 0
+        for record in self._inflight:
+            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
+            offset += len(record.batch)
+        return unread
 
     def _step_overlaps(self, questions: Sequence[BatchRequest]) -> bool:
         """Whether this step (over the running requests, with `questions` prefilled in it) is launched before the
@@ -568,14 +594,8 @@ class Scheduler:
         return logits
 
     def _feed(self, batch: Sequence[BatchRequest]) -> StepFeed | None:
-        """Where each row of a step over `batch` finds an unread last token: its index in the unread picks, one
-        after the other (a request is in one unread record at most: all but the newest step are read before the
-        next launch, and first tokens are of requests admitted since)."""
-        unread: dict[int, int] = {}
-        offset = 0
-        for record in self._inflight:
-            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
-            offset += len(record.batch)
+        """Where each row of a step over `batch` finds an unread last token: its index in the unread picks."""
+        unread = self._unread()
         src = tuple(unread.get(id(r), -1) for r in batch)
         if max(src, default=-1) < 0:
             return None
