@@ -315,9 +315,11 @@ def test_an_overlapped_step_is_read_while_the_next_runs_and_launches_no_row_past
         state = (len(t.request.result.token_ids), scheduler.pool.used_slots > 0, scheduler.has_work())
         counts.append((*state, scheduler.last_batch))
     if overlap:  # admitted + first step launched; one token a step; the 4th step launches nothing and reads the last
-        assert counts == [(1, True, True, 1), (2, True, True, 1), (3, True, True, 1), (4, False, False, 0)] + [
-            (4, False, False, 0)
-        ] * 2
+        assert (
+            counts
+            == [(1, True, True, 1), (2, True, True, 1), (3, True, True, 1), (4, False, False, 0)]
+            + [(4, False, False, 0)] * 2
+        )
     else:
         assert counts == [(2, True, True, 1), (3, True, True, 1), (4, False, False, 1)] + [(4, False, False, 0)] * 3
     assert t.request.result.finish_reason == "length"
