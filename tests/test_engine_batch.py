@@ -110,6 +110,20 @@ def nan_pool(engine: StitchEngine, slots: int) -> KVPool:
     return KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token(), poison="nan")
 
 
+def tokens_at_each_extend(scheduler: Scheduler, tracked: Tracked) -> list[int]:
+    """A list that gets `tracked`'s token count on the host each time the scheduler runs a batched extend (a
+    step's naive chunks, or questions prefilled together)."""
+    seen: list[int] = []
+    extend = scheduler.slabs.extend
+
+    def logged_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(len(tracked.request.result.token_ids))
+        return extend(*args, **kwargs)
+
+    scheduler.slabs.extend = logged_extend  # type: ignore[method-assign]
+    return seen
+
+
 def steps(scheduler: Scheduler, count: int) -> None:
     for _ in range(count):
         scheduler.step()
@@ -724,14 +738,7 @@ def test_overlapped_a_question_admitted_beside_a_chunked_prefill_has_its_first_t
     scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, prefill_chunk=16, overlap=True)
     naive = Tracked(engine, Case((60, 40, 20), mode="naive", max_new=4, seed=13))
     question = Tracked(engine, Case((20,), max_new=6, seed=14))
-    seen: list[int] = []  # the question's tokens on the host when each chunk runs
-    extend = scheduler.slabs.extend
-
-    def logged_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(len(question.request.result.token_ids))
-        return extend(*args, **kwargs)
-
-    scheduler.slabs.extend = logged_extend  # type: ignore[method-assign]
+    seen = tokens_at_each_extend(scheduler, question)  # the question's tokens on the host when each chunk runs
     scheduler.add(naive.request)
     steps(scheduler, 2)
     assert naive.request in scheduler.prefilling and seen == [0, 0]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from tests.test_engine_batch import (
     nan_pool,
     run_alone,
     steps,
+    tokens_at_each_extend,
 )
 
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
@@ -157,14 +157,7 @@ def test_a_question_does_not_ride_in_a_step_behind_a_naive_chunk(get_engine: Cal
     scheduler.add(naive.request)
     scheduler.step()
     assert naive.request in scheduler.prefilling and len(scheduler.running) == 1
-    seen: list[int] = []  # the question's tokens on the host when each naive chunk runs
-    extend = scheduler.slabs.extend
-
-    def logged_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(len(question.request.result.token_ids))
-        return extend(*args, **kwargs)
-
-    scheduler.slabs.extend = logged_extend  # type: ignore[method-assign]
+    seen = tokens_at_each_extend(scheduler, question)  # the question's tokens on the host when each chunk runs
     scheduler.add(question.request)
     scheduler.step()
     assert seen == [1] and scheduler.prefilled_with_decode == 0
