@@ -112,12 +112,14 @@ def test_questions_ride_in_the_decode_step_and_equal_alone(
     assert scheduler.pool.used_slots == 0 and not scheduler.has_work()
 
 
+@pytest.mark.parametrize("logprobs", [None, 1], ids=["overlapped", "read-first"])
 def test_questions_are_prefilled_apart_when_every_answer_ends_before_their_step(
-    get_engine: Callable[..., StitchEngine],
+    get_engine: Callable[..., StitchEngine], logprobs: int | None
 ) -> None:
-    """Overlapped, the one running answer's last token is still unread when a question asking for
-    log-probabilities (which cannot overlap) is admitted beside it: reading that step ends the answer, so the
-    question has no step to ride in and is prefilled on its own, not lost."""
+    """Overlapped, the one running answer's last token (by its budget) is still unread when a question is
+    admitted beside it: the next step has no row for the answer, so the question has no step to ride in and is
+    prefilled on its own, not lost. With log-probabilities the question's step cannot overlap: reading what is
+    in flight first ends the answer, with the same outcome."""
     engine = get_engine("qwen2", "cpu")
     scheduler = Scheduler(engine, nan_pool(engine, 3000), batch_prefill_min=3, prefill_with_decode=True, overlap=True)
     answer = Tracked(engine, Case((30, 17), max_new=3, seed=1))
@@ -125,14 +127,14 @@ def test_questions_are_prefilled_apart_when_every_answer_ends_before_their_step(
     steps(scheduler, 2)  # the answer's third (last) token is in flight
     assert len(answer.request.result.token_ids) == 2 and len(scheduler.running) == 1
     case = Case((5,), max_new=6, seed=2)
-    question = BatchRequest(case.prompt(engine), replace(case.params(), logprobs=1), "turbo", "reordered")
+    question = BatchRequest(case.prompt(engine), replace(case.params(), logprobs=logprobs), "turbo", "reordered")
     scheduler.add(question)
     scheduler.step()
     assert answer.request.result.finish_reason == "length"
     assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 1
     drain(scheduler)
     assert question.result.token_ids == run_alone(engine, case).tokens
-    assert len(question.result.logprobs) == len(question.result.token_ids)
+    assert len(question.result.logprobs) == (len(question.result.token_ids) if logprobs else 0)
     assert scheduler.pool.used_slots == 0
 
 

@@ -501,20 +501,12 @@ class Scheduler:
         this one runs and is read at once."""
         questions, watch = self._questions, self._question_watch
         self._questions, self._question_watch = [], None
+        if not self._step_overlaps(questions):
+            return self._read_then_step(questions, watch)
         finished: list[BatchRequest] = []
-        if not self._step_overlaps(questions):
-            finished += self.drain()
-        if questions and not self.running:  # every answer ended before its step: prefill them apart
-            assert watch is not None
-            finished += self._prefill_stitched(questions, watch)
-            questions = []
-        if not self._step_overlaps(questions):
-            self.last_batch = len(self.running)
-            return finished + (self._decode(questions, watch) if self.running else [])
         batch = self._continuing()
         if questions and not batch:  # no step to ride in: every answer's unread token is its last
-            assert watch is not None
-            finished += self._prefill_stitched(questions, watch)
+            finished += self._prefill_apart(questions, watch)
             questions, batch = [], self._continuing()
         self.last_batch = len(batch)
         if batch:
@@ -522,6 +514,20 @@ class Scheduler:
         while len(self._inflight) > (1 if batch else 0):  # the step just launched runs on
             finished += self._read(self._inflight.popleft())
         return finished
+
+    def _read_then_step(self, questions: list[BatchRequest], watch: Stopwatch | None) -> list[BatchRequest]:
+        """Not overlapped: read everything in flight, then one step (with `questions` in it) read at once."""
+        finished = self.drain()
+        if questions and not self.running:  # every answer ended before its step: prefill them apart
+            finished += self._prefill_apart(questions, watch) + self.drain()
+            questions = []
+        self.last_batch = len(self.running)
+        return finished + (self._decode(questions, watch) if self.running else [])
+
+    def _prefill_apart(self, questions: list[BatchRequest], watch: Stopwatch | None) -> list[BatchRequest]:
+        """Questions stitched to ride in a step that has no rows after all, prefilled in their own forward."""
+        assert watch is not None
+        return self._prefill_stitched(questions, watch)
 
     def _continuing(self) -> list[BatchRequest]:
         """The running requests that need a row in the next step: not those whose unread token is their last by
