@@ -169,6 +169,38 @@ def test_a_question_does_not_ride_in_a_step_behind_a_naive_chunk(get_engine: Cal
     assert scheduler.pool.used_slots == 0
 
 
+@OVERLAP
+def test_a_question_that_fails_to_start_ends_alone_and_the_step_goes_on(
+    get_engine: Callable[..., StitchEngine], overlap: bool
+) -> None:
+    """A question whose sampler cannot start (here: made to raise) ends with an error at admission; the step it
+    was to ride in runs for the others, whose tokens are their runs alone."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 3000), batch_prefill_min=3, prefill_with_decode=True, overlap=overlap
+    )
+    answer, bad, good = (Tracked(engine, case) for case in (MIXED[0], MIXED[1], MIXED[4]))
+    scheduler.add(answer.request)
+    steps(scheduler, 2)
+    start = scheduler._start_decoding
+
+    def failing_start(request: BatchRequest) -> None:
+        if request is bad.request:
+            raise RuntimeError("no sampler for this one")
+        start(request)
+
+    scheduler._start_decoding = failing_start  # type: ignore[method-assign]
+    scheduler.add(bad.request)
+    scheduler.add(good.request)
+    scheduler.step()
+    assert bad.request.result.finish_reason == "error" and bad.request.slab is None
+    assert scheduler.prefilled_with_decode == 1  # the good question rode in the step
+    drain(scheduler)
+    for t in (answer, good):
+        t.assert_matches(run_alone(engine, t.case))
+    assert scheduler.pool.used_slots == 0
+
+
 def test_mixed_graphs_need_cuda(get_engine: Callable[..., StitchEngine]) -> None:
     engine = get_engine("qwen2", "cpu")
     with pytest.raises(ValueError, match="CUDA"):

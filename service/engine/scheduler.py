@@ -269,7 +269,8 @@ class Scheduler:
                 self._start_admitted(request, finished)
         if together and with_decode:
             self._question_watch = self._watch()
-            self._questions = self._stitched(together, finished, self._question_watch)
+            stitched = self._stitched(together, finished, self._question_watch)
+            self._questions = self._decoding(stitched, finished)
         elif together:
             finished += self._prefill_together(together)
         return finished
@@ -441,21 +442,13 @@ class Scheduler:
                 else:
                     ended.append(request)
             return ended
-        started: list[BatchRequest] = []
-        rows: list[int] = []  # their rows of `logits`
         finished: list[BatchRequest] = []
-        for row, request in enumerate(group):
-            try:
-                self._start_decoding(request)
-                started.append(request)
-                rows.append(row)
-            except Exception as err:
-                self._fail(request, err)
-                finished.append(request)
+        started = self._decoding(group, finished)
         if not started:
             return finished
         if len(started) < len(group):
-            logits = logits[rows]
+            kept = {id(r) for r in started}
+            logits = logits[[row for row, r in enumerate(group) if id(r) in kept]]
         try:
             picks = pick_rows_on_device(logits, [r.running_sampler for r in started])
         except Exception as err:
@@ -465,6 +458,19 @@ class Scheduler:
         self._inflight.append(_copy_to_host(started, picks, 0, watch))
         self.running.extend(started)
         return finished
+
+    def _decoding(self, group: list[BatchRequest], finished: list[BatchRequest]) -> list[BatchRequest]:
+        """`group` with each request's sampler and detokenizer started; one that fails to start ends alone (in
+        `finished`), not the forward it was to share."""
+        started = []
+        for request in group:
+            try:
+                self._start_decoding(request)
+                started.append(request)
+            except Exception as err:
+                self._fail(request, err)
+                finished.append(request)
+        return started
 
     def _start_decoding(self, request: BatchRequest) -> None:
         request.sampler = Sampler(request.sampling, self.engine.spec.device)
@@ -586,15 +592,13 @@ class Scheduler:
         self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest], feed: StepFeed | None, watch: Stopwatch
     ) -> torch.Tensor:
         """The decode step over `batch` with `questions` prefilled in its forward (`SlabPrefill.mixed`); logits of
-        the decode rows, then each question's. The questions' prefill time is the step's (every member waits for
-        all of it); their samplers start here."""
+        the decode rows, then each question's (their samplers started at admission). The questions' prefill time
+        is the step's (every member waits for all of it)."""
         ids, positions, spans = self._rows(batch)
         logits = self.slabs.mixed((ids, positions, spans, None), feed, questions)
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
         watch.lap(_set_stage(questions, "prefill_ms"))
-        for request in questions:
-            self._start_decoding(request)
         self.prefilled_together += len(questions)
         self.prefilled_with_decode += len(questions)
         return logits
