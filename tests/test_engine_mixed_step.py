@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -197,6 +198,34 @@ def test_a_question_that_fails_to_start_ends_alone_and_the_step_goes_on(
     assert scheduler.prefilled_with_decode == 1  # the good question rode in the step
     drain(scheduler)
     for t in (answer, good):
+        t.assert_matches(run_alone(engine, t.case))
+    assert scheduler.pool.used_slots == 0
+
+
+def test_questions_that_no_longer_fit_a_mixed_step_at_launch_are_prefilled_apart(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    """Admitted to ride (a mixed step held them then), the questions find at launch that none holds them beside
+    the step's rows (requests prefilled alone in the same admission joined them): they are prefilled apart, and
+    every request still equals its run alone."""
+    engine = get_engine("qwen2", "cpu")
+    scheduler = Scheduler(engine, nan_pool(engine, 3000), batch_prefill_min=3, prefill_with_decode=True, overlap=True)
+    answer, question = Tracked(engine, MIXED[0]), Tracked(engine, MIXED[4])
+    scheduler.add(answer.request)
+    steps(scheduler, 2)
+    answers: list[bool] = []
+
+    def mixes_at_admission_only(batch: int, questions: Any) -> bool:
+        answers.append(not answers)
+        return answers[-1]
+
+    scheduler.slabs.mixes = mixes_at_admission_only  # type: ignore[method-assign]
+    scheduler.add(question.request)
+    scheduler.step()
+    assert answers == [True, False]
+    assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 1
+    drain(scheduler)
+    for t in (answer, question):
         t.assert_matches(run_alone(engine, t.case))
     assert scheduler.pool.used_slots == 0
 

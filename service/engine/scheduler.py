@@ -511,7 +511,7 @@ class Scheduler:
             return self._read_then_step(questions, watch)
         finished: list[BatchRequest] = []
         batch = self._continuing()
-        if questions and not batch:  # no step to ride in: every answer's unread token is its last
+        if questions and not self._rides(batch, questions):
             finished += self._prefill_apart(questions, watch)
             questions, batch = [], self._continuing()
         self.last_batch = len(batch)
@@ -524,11 +524,17 @@ class Scheduler:
     def _read_then_step(self, questions: list[BatchRequest], watch: Stopwatch | None) -> list[BatchRequest]:
         """Not overlapped: read everything in flight, then one step (with `questions` in it) read at once."""
         finished = self.drain()
-        if questions and not self.running:  # every answer ended before its step: prefill them apart
+        if questions and not self._rides(list(self.running), questions):
             finished += self._prefill_apart(questions, watch) + self.drain()
             questions = []
         self.last_batch = len(self.running)
         return finished + (self._decode(questions, watch) if self.running else [])
+
+    def _rides(self, batch: list[BatchRequest], questions: list[BatchRequest]) -> bool:
+        """Whether `questions` can still ride in a step over `batch`: it has rows (every answer may have ended, or
+        have its last token unread, since admission) and a mixed step holds them beside those rows (requests
+        prefilled alone in the same admission may have joined the running ones)."""
+        return bool(batch) and self.slabs.mixes(len(batch), questions)
 
     def _prefill_apart(self, questions: list[BatchRequest], watch: Stopwatch | None) -> list[BatchRequest]:
         """Questions stitched to ride in a step that has no rows after all, prefilled in their own forward."""
