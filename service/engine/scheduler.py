@@ -12,9 +12,9 @@ reached the host, its rows fed from the previous picks still on the device, and 
 no longer leaves the GPU idle between steps (SGLang's overlap scheduler). A request whose unread token is its last
 by its budget gets no further row; the price is for one that the previous step ended by EOS or a stop string: one
 more row computed and dropped (its slab holds the whole answer budget, so the row fits), and a slab is returned to
-the pool only once the steps that may still write it have run. Questions admitted while
-answers run ride in the step (`prefill_with_decode`) and their first tokens are read with it. Steps that need
-the tokens on the host first (log-probabilities) read the previous step before they launch.
+the pool only once the steps that may still write it have run. Questions admitted while answers run ride in the
+step (`prefill_with_decode`) and their first tokens are read with it. Steps that need the tokens on the host
+first (log-probabilities) read the previous step before they launch.
 
 Admission reserves a request's whole sequence (context + question + max_new_tokens) in one slab, so a running
 request never needs more memory and none is ever preempted; a request the pool cannot hold yet waits at the
@@ -117,8 +117,8 @@ class Scheduler:
         attention, each question its own tokens through the extend's), where a mixed step holds them (on CUDA a
         captured shape, `MixedGraphs`; more or longer questions are prefilled apart): one pass over the weights
         instead of a prefill and then a decode step (Sarathi-Serve's piggybacking). Overlapped like any step: the
-        questions' first tokens are read with it. Through the gateway on an H100 at 32 clients: tokens/s +9 %
-        (docs/benchmarks.md §10.11).
+        questions' first tokens are read with it. Through the gateway on an H100 at 32 clients: tokens/s +2 to
+        +8 % in paired runs (docs/benchmarks.md §10.11).
         `overlap`: launch each decode step before reading the previous one (see the module's docstring); it pays
         where the device runs asynchronously to the host (CUDA) and changes no request's tokens.
         `overlap_admissions` (with `overlap`): admitted requests' first tokens stay on the device too, fed to the
@@ -473,6 +473,10 @@ class Scheduler:
         return started
 
     def _start_decoding(self, request: BatchRequest) -> None:
+        """The request's sampler and detokenizer, made once (a question riding in a step has them from its
+        admission; nothing has been drawn or decoded before its first token)."""
+        if request.sampler is not None:
+            return
         request.sampler = Sampler(request.sampling, self.engine.spec.device)
         request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
 
@@ -637,8 +641,8 @@ class Scheduler:
         read = time.perf_counter()
         self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
-        rows = [(row, r, token) for row, (r, token) in enumerate(zip(step.batch, tokens, strict=True))]
-        rows = [(row, r, token) for row, r, token in rows if not r.finished]
+        pairs = enumerate(zip(step.batch, tokens, strict=True))
+        rows = [(row, r, token) for row, (r, token) in pairs if not r.finished]
         for row, request, _ in rows:
             if row >= step.first_from:
                 self._first_token_read(request, step.watch)
