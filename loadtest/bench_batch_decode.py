@@ -32,6 +32,7 @@ from loadtest.bench_prefill import (
     precompute_all,
     question_ids,
 )
+from service.engine import lse_merge
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
 from service.engine.cuda_graph import bucket_capacity
@@ -150,6 +151,7 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
         "batch": batch,
         "attention": decoder.attention,
         "graphs": graphs is not None,
+        "fused_merge": lse_merge.ENABLED,
         "ms_per_step": step_ms,
         "median_ms_per_step": median,
         "ms_per_token_per_request": median / batch,
@@ -232,9 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mixed", action="store_true", help="also time the step with one question riding in it (MixedGraphs)"
     )
+    parser.add_argument(
+        "--torch-merge", action="store_true", help="merge split attention in torch, not the Triton kernel"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    lse_merge.ENABLED = not args.torch_merge
     opened = open_benchmark_engine(args.model, args.device)
     if opened is None:
         return 2

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine.lse_merge import fused_merge, fused_merge_applies
 from service.engine.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,24 @@ def _merge(outs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return ((outs.float() * weights).sum(dim=0) / weights.sum(dim=0)).to(outs.dtype)
 
 
+def _merge_split(
+    context: tuple[torch.Tensor, torch.Tensor],
+    own: tuple[torch.Tensor, torch.Tensor],
+    splits: int,
+    lse_parts: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """A split prefill's attention: the context ranges' (output [splits * T, H, D], flash log-sum-exp) and the
+    own causal part's (output [T, H, D], log-sum-exp) merged, by the Triton kernel where it applies
+    (`lse_merge`), else by `_merge` over `lse_parts()` ([splits + 1, T, H] in torch's layout). Each query's own
+    part holds at least itself, so every query has a finite maximum."""
+    if fused_merge_applies(*context, *own, splits):
+        return fused_merge(*context, *own, splits)
+    own_out = own[0]
+    total, heads, dim = own_out.shape
+    outs = torch.cat((context[0].view(splits, total, heads, dim), own_out.view(1, total, heads, dim)))
+    return _merge(outs, lse_parts())
+
+
 def _lse_rows(lse: torch.Tensor, parts: int, tokens: int, heads: int) -> torch.Tensor:
     """flash's log-sum-exp as [parts, tokens, heads], whichever layout this build returns: [heads, total_q]
     (newer flash-attention) or [batch, heads, max_q] (older). An empty key range reports +inf with a zero
@@ -227,10 +246,12 @@ def _flash_split(
         repeated = q.unsqueeze(0).expand(splits, tokens, heads, dim).reshape(splits * tokens, heads, dim)
         context_out, context_lse = _flash(repeated, k, v, cu_parts, cu_context, tokens, capacity, False, scale)
         own_out, own_lse = _flash(q, k, v, cu_q, cu_own, tokens, tokens, True, scale)
-        lse = torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads)))
-        # The question's own part always has a key (itself), so the maximum is finite.
-        outs = torch.cat((context_out.view(splits, tokens, heads, dim), own_out.view(1, tokens, heads, dim)))
-        return _merge(outs, lse)
+        return _merge_split(
+            (context_out, context_lse),
+            (own_out, own_lse),
+            splits,
+            lambda: torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads))),
+        )
 
     return attend
 
@@ -293,15 +314,17 @@ def extend_split(
         ranges = (repeated_cu, cu_ranges, max_q, max_k, False, scale, range_used)
         context_out, context_lse = _flash(repeated, k, v, *ranges)
         own_out, own_lse = _flash(q, k, v, own_cu, own_starts, max_q, max_q, True, scale, own_used)
-        lse = torch.cat(
-            (
-                _lse_by_token(context_lse, splits, entry, offset),
-                _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
-            )
+        return _merge_split(
+            (context_out, context_lse),
+            (own_out, own_lse),
+            splits,
+            lambda: torch.cat(
+                (
+                    _lse_by_token(context_lse, splits, entry, offset),
+                    _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
+                )
+            ),
         )
-        # Each query's own part holds at least itself, so every query has a finite maximum.
-        outs = torch.cat((context_out.view(splits, total, heads, dim), own_out.view(1, total, heads, dim)))
-        return _merge(outs, lse)
 
     return attend
 
