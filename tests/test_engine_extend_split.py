@@ -46,15 +46,14 @@ def reference_flash(layout: str) -> Any:
             assert q1 - q0 <= max_q and n_k <= max_k
             if q1 == q0 or n_k == 0:
                 continue
-            group = q.shape[1] // k.shape[1]  # 1 for GQA-packed queries (as many heads as the keys)
-            keys = k[k0 : k0 + n_k].repeat_interleave(group, dim=1)  # [n_k, H, D]
+            keys = k[k0 : k0 + n_k].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [n_k, H, D]
             scores = torch.einsum("thd,khd->htk", q[q0:q1].float(), keys.float()) * scale
             if causal:
                 t = torch.arange(q1 - q0).unsqueeze(1)
                 visible = torch.arange(n_k).unsqueeze(0) <= t + n_k - (q1 - q0)
                 scores = scores.masked_fill(~visible, -math.inf)
             lse = torch.logsumexp(scores, dim=-1)  # [H, T]
-            values = v[k0 : k0 + n_k].repeat_interleave(group, dim=1).float()
+            values = v[k0 : k0 + n_k].repeat_interleave(HEADS // KV_HEADS, dim=1).float()
             out[q0:q1] = torch.einsum("htk,khd->thd", torch.softmax(scores, dim=-1), values).to(q.dtype)
             flat[:, q0:q1] = lse
             padded[b, :, : q1 - q0] = lse
@@ -69,16 +68,12 @@ def reference_flash(layout: str) -> Any:
 REQUESTS = ((3, 40, 5), (100, 0, 7), (150, 90, 1), (260, 5, 3))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "gqa-packed"])
 @pytest.mark.parametrize("layout", ["flat", "padded"])
 @pytest.mark.parametrize("splits", [2, 8])
 def test_split_context_ranges_merge_to_the_loop_attention(
-    layout: str, splits: int, packed: bool, monkeypatch: pytest.MonkeyPatch
+    layout: str, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Unpacked and GQA-packed context queries (packed runs where the fused merge does, on CUDA; here its torch
-    fallback unpacks them), both log-sum-exp layouts, against the loop."""
     monkeypatch.setattr(attention, "_flash", reference_flash(layout))
-    monkeypatch.setattr(attention, "_packs_gqa", lambda q: packed)
     generator = torch.Generator().manual_seed(0)
     kv = torch.full((2, KV_HEADS, POOL, DIM), math.nan)  # a range reaching outside its slab shows as NaN
     for start, live, new in REQUESTS:

@@ -16,7 +16,6 @@ def merge_split_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     tokens,
     heads,
-    group,
     context_stride_t,
     context_stride_h,
     own_stride_t,
@@ -30,15 +29,12 @@ def merge_split_kernel(  # type: ignore[no-untyped-def]
     dim_p2: tl.constexpr,
     block_h: tl.constexpr,
 ):
-    """One program: query token t, block_h of its heads. Merges the `splits` context partials (laid out part after
-    part) and the own (causal) partial by their log-sum-exp, in fp32.
+    """One program: query token t, block_h of its heads. Merges the `splits` context partials (query s * tokens +
+    t of `context_out`, laid out part after part) and the own (causal) partial by their log-sum-exp, in fp32.
 
-    The context partials may be GQA-packed (`group` > 1: a KV head's `group` query heads as that many queries of
-    one head): query head h of token t in part s is then row (s * tokens + t) * group + h % group of KV head
-    h // group; unpacked (`group` 1), row s * tokens + t of head h. Log-sum-exps are flash-attention's flat layout
-    [heads, queries]; an empty key range reports +inf with a zero output and weighs nothing. The own part always
-    holds the query's own key, so the maximum is finite. Parts are summed in the order torch's merge sums them
-    (context ranges, then own), so both paths round alike.
+    Log-sum-exps are flash-attention's flat layout [heads, queries]; an empty key range reports +inf with a zero
+    output and weighs nothing. The own part always holds the query's own key, so the maximum is finite. Parts are
+    summed in the order torch's merge sums them (context ranges, then own), so both paths round alike.
     """
     t = tl.program_id(0)
     h = tl.program_id(1) * block_h + tl.arange(0, block_h)
@@ -46,23 +42,18 @@ def merge_split_kernel(  # type: ignore[no-untyped-def]
     live_h = h < heads
     mask = live_h[:, None] & (d < head_dim)[None, :]
 
-    context_h = h // group
-    sub = h % group
-
     own_lse = tl.load(own_lse_ptr + h * own_lse_stride_h + t, mask=live_h, other=0.0)
     peak = own_lse
     for s in tl.static_range(splits):
-        row = (s * tokens + t) * group + sub
-        lse = tl.load(context_lse_ptr + context_h * context_lse_stride_h + row, mask=live_h, other=0.0)
+        lse = tl.load(context_lse_ptr + h * context_lse_stride_h + s * tokens + t, mask=live_h, other=0.0)
         peak = tl.maximum(peak, tl.where(lse == float("inf"), float("-inf"), lse))
 
     acc = tl.zeros((block_h, dim_p2), dtype=tl.float32)
     total = tl.zeros((block_h,), dtype=tl.float32)
     for s in tl.static_range(splits):
-        row = (s * tokens + t) * group + sub
-        lse = tl.load(context_lse_ptr + context_h * context_lse_stride_h + row, mask=live_h, other=0.0)
+        lse = tl.load(context_lse_ptr + h * context_lse_stride_h + s * tokens + t, mask=live_h, other=0.0)
         weight = tl.exp(tl.where(lse == float("inf"), float("-inf"), lse) - peak)
-        rows = row * context_stride_t + context_h * context_stride_h
+        rows = (s * tokens + t) * context_stride_t + h * context_stride_h
         part = tl.load(context_out_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += part * weight[:, None]
         total += weight

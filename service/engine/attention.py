@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.engine.lse_merge import fused_merge, fused_merge_applies, fused_merge_ready
+from service.engine.lse_merge import fused_merge, fused_merge_applies
 from service.engine.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,6 @@ PREFILL_KV_SPLITS = 8
 # Above `EXTEND_SPLIT_TOKENS` new tokens the query blocks fill more of the GPU: fewer ranges, then none.
 EXTEND_KV_SPLITS = 8
 EXTEND_SPLIT_TOKENS = 256
-# The batched prefill's context queries GQA-packed where the fused merge runs (`_packs_gqa`).
-PACK_GQA = True
 # Agreement between the two attention backends on the start-up probe: both are bf16 kernels with fp32
 # softmax; measured differences are a few bf16 ulps of outputs of size ~1, a wrong length is off by ~0.1.
 _PROBE_TOLERANCE = 2e-2
@@ -203,18 +201,18 @@ def _merge_split(
     context: tuple[torch.Tensor, torch.Tensor],
     own: tuple[torch.Tensor, torch.Tensor],
     splits: int,
-    torch_parts: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    group: int = 1,
+    lse_parts: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
-    """A split prefill's attention: the context ranges' (output [splits * T, H, D], GQA-packed by `group`, and
-    flash's log-sum-exp) and the own causal part's (output [T, H, D], log-sum-exp) merged, by the Triton kernel
-    where it applies (`lse_merge`), else by `_merge` over `torch_parts()`: the context outputs [splits, T, H, D]
-    and every part's log-sum-exp [splits + 1, T, H]. Each query's own part holds at least itself, so every query
-    has a finite maximum."""
-    if fused_merge_applies(*context, *own, splits, group):
-        return fused_merge(*context, *own, splits, group)
-    context_outs, lse = torch_parts()
-    return _merge(torch.cat((context_outs, own[0].unsqueeze(0))), lse)
+    """A split prefill's attention: the context ranges' (output [splits * T, H, D], flash log-sum-exp) and the
+    own causal part's (output [T, H, D], log-sum-exp) merged, by the Triton kernel where it applies
+    (`lse_merge`), else by `_merge` over `lse_parts()` ([splits + 1, T, H] in torch's layout). Each query's own
+    part holds at least itself, so every query has a finite maximum."""
+    if fused_merge_applies(*context, *own, splits):
+        return fused_merge(*context, *own, splits)
+    own_out = own[0]
+    total, heads, dim = own_out.shape
+    outs = torch.cat((context[0].view(splits, total, heads, dim), own_out.view(1, total, heads, dim)))
+    return _merge(outs, lse_parts())
 
 
 def _lse_rows(lse: torch.Tensor, parts: int, tokens: int, heads: int) -> torch.Tensor:
@@ -252,10 +250,7 @@ def _flash_split(
             (context_out, context_lse),
             (own_out, own_lse),
             splits,
-            lambda: (
-                context_out.view(splits, tokens, heads, dim),
-                torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads))),
-            ),
+            lambda: torch.cat((_lse_rows(context_lse, splits, tokens, heads), _lse_rows(own_lse, 1, tokens, heads))),
         )
 
     return attend
@@ -298,10 +293,9 @@ def extend_split(
     max_q, max_k = bounds
     indices: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def by_token(total: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For `total` queries: cu_q of the repeated (and GQA-packed by `group`) queries, each repeated query's
-        sequence [S, T] and row and index within its sequence [T] (the first layer builds them, the others reuse
-        them)."""
+    def by_token(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For `total` queries: cu_q of the repeated queries, each repeated query's sequence [S, T] and row and
+        index within its sequence [T] (the first layer builds them, the others reuse them)."""
         if total not in indices:
             token = torch.arange(total, device=cu.device)
             row_of = torch.searchsorted(cu[1:], token, right=True)
@@ -309,76 +303,38 @@ def extend_split(
                 ((part[:-1].unsqueeze(1) * total + cu[:-1]).reshape(-1), end.new_full((1,), splits * total))
             )
             entry = part[:-1].unsqueeze(1) * rows + row_of
-            indices[total] = ((repeated_cu * group).to(torch.int32), entry, row_of, token - cu[row_of])
+            indices[total] = (repeated_cu.to(torch.int32), entry, row_of, token - cu[row_of])
         return indices[total]
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         total, heads, dim = q.shape
-        group = heads // keys.shape[0] if _packs_gqa(q) else 1
-        repeated_cu, entry, row_of, offset = by_token(total, group)
+        repeated_cu, entry, row_of, offset = by_token(total)
         k, v = keys.transpose(0, 1), values.transpose(0, 1)
-        packed = _pack_gqa(q, group)  # [T * G, H / G, D]
-        repeated = packed.unsqueeze(0).expand(splits, *packed.shape).reshape(splits * total * group, -1, dim)
-        ranges = (repeated_cu, cu_ranges, max_q * group, max_k, False, scale, range_used)
+        repeated = q.unsqueeze(0).expand(splits, total, heads, dim).reshape(splits * total, heads, dim)
+        ranges = (repeated_cu, cu_ranges, max_q, max_k, False, scale, range_used)
         context_out, context_lse = _flash(repeated, k, v, *ranges)
         own_out, own_lse = _flash(q, k, v, own_cu, own_starts, max_q, max_q, True, scale, own_used)
         return _merge_split(
             (context_out, context_lse),
             (own_out, own_lse),
             splits,
-            lambda: (
-                _unpack_gqa(context_out, group).view(splits, total, heads, dim),
-                torch.cat(
-                    (
-                        _lse_by_token(context_lse, splits, entry, offset, group),
-                        _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
-                    )
-                ),
+            lambda: torch.cat(
+                (
+                    _lse_by_token(context_lse, splits, entry, offset),
+                    _lse_by_token(own_lse, 1, row_of.unsqueeze(0), offset),
+                )
             ),
-            group,
         )
 
     return attend
 
 
-def _packs_gqa(q: torch.Tensor) -> bool:
-    """Whether a split prefill's context queries go in GQA-packed: where the fused merge reads them packed. A
-    short question's queries fill few of flash's 128-query tiles per head; packed, a KV head's G query heads
-    share tiles (51 tokens x 7 heads: 3 tiles for the KV head instead of 7)."""
-    return PACK_GQA and fused_merge_ready(q)
-
-
-def _pack_gqa(q: torch.Tensor, group: int) -> torch.Tensor:
-    """q [T, H, D] as [T * G, H / G, D]: row t * G + g of KV head h is query head h * G + g of token t (the heads of
-    a KV group are consecutive, as `repeat_interleave` expands keys for them); q itself for `group` 1."""
-    if group == 1:
-        return q
-    tokens, heads, dim = q.shape
-    return q.reshape(tokens, heads // group, group, dim).transpose(1, 2).reshape(tokens * group, heads // group, dim)
-
-
-def _unpack_gqa(out: torch.Tensor, group: int) -> torch.Tensor:
-    """`_pack_gqa`'s inverse for outputs [T * G, H / G, D] (parts may be stacked along the first axis)."""
-    if group == 1:
-        return out
-    rows, kv_heads, dim = out.shape
-    return out.view(rows // group, group, kv_heads, dim).transpose(1, 2).reshape(rows // group, kv_heads * group, dim)
-
-
-def _lse_by_token(
-    lse: torch.Tensor, parts: int, entry: torch.Tensor, offset: torch.Tensor, group: int = 1
-) -> torch.Tensor:
-    """flash's log-sum-exp as [parts, T, heads] for queries laid out part after part, GQA-packed by `group`:
-    [heads / G, parts * T * G] (newer flash-attention) or [sequences, heads / G, max_q * G] (older; packed query
-    t * G + g of part p is row offset[t] * G + g of sequence entry[p, t]). An empty key range reports +inf with a
-    zero output; it must weigh nothing, so it becomes -inf."""
+def _lse_by_token(lse: torch.Tensor, parts: int, entry: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """flash's log-sum-exp as [parts, T, heads] for queries laid out part after part: [heads, parts * T] (newer
+    flash-attention) or [sequences, heads, max_q] (older; query t of part p is row offset[t] of sequence
+    entry[p, t]). An empty key range reports +inf with a zero output; it must weigh nothing, so it becomes -inf."""
     total = offset.shape[0]
-    if lse.dim() == 2:
-        rows = lse.view(lse.shape[0], parts, total, group).permute(1, 2, 0, 3)  # [P, T, H / G, G]
-    else:
-        within = offset.unsqueeze(-1) * group + torch.arange(group, device=offset.device)  # [T, G]
-        rows = lse[entry.unsqueeze(-1), :, within.unsqueeze(0)].permute(0, 1, 3, 2)  # [P, T, G, H/G] -> [P, T, H/G, G]
-    rows = rows.reshape(parts, total, -1)
+    rows = lse.view(lse.shape[0], parts, total).permute(1, 2, 0) if lse.dim() == 2 else lse[entry, :, offset]
     return rows.masked_fill(rows == float("inf"), float("-inf"))
 
 

@@ -32,31 +32,18 @@ def _kernel() -> Any:
     return _merge_kernel.merge_split_kernel
 
 
-def fused_merge_ready(like: torch.Tensor) -> bool:
-    """Whether the kernel can run for tensors on `like`'s device (on, CUDA, triton); `fused_merge_applies` also
-    checks the partials' layouts."""
-    return ENABLED and like.is_cuda and triton_available()
-
-
 def fused_merge_applies(
-    context_out: torch.Tensor,
-    context_lse: torch.Tensor,
-    own_out: torch.Tensor,
-    own_lse: torch.Tensor,
-    splits: int,
-    group: int = 1,
+    context_out: torch.Tensor, context_lse: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor, splits: int
 ) -> bool:
     """Whether `fused_merge` takes these partials: CUDA tensors with triton, fp32 log-sum-exps in flash's flat
-    layout (context [heads / group, splits * tokens * group], own [heads, tokens]), outputs [queries, heads, dim]
-    (the context's GQA-packed: [splits * tokens * group, heads / group, dim]) with unit dim stride."""
-    if not fused_merge_ready(own_out):
+    layout (context [heads, splits * tokens], own [heads, tokens]), outputs [queries, heads, dim] with unit dim
+    stride."""
+    if not (ENABLED and own_out.is_cuda and triton_available()):
         return False
     tokens, heads, dim = own_out.shape
-    packed = splits * tokens * group
     return (
-        heads % group == 0
-        and context_out.shape == (packed, heads // group, dim)
-        and context_lse.shape == (heads // group, packed)
+        context_out.shape == (splits * tokens, heads, dim)
+        and context_lse.shape == (heads, splits * tokens)
         and own_lse.shape == (heads, tokens)
         and context_lse.dtype == own_lse.dtype == torch.float32
         and context_lse.stride(1) == own_lse.stride(1) == 1
@@ -65,15 +52,10 @@ def fused_merge_applies(
 
 
 def fused_merge(
-    context_out: torch.Tensor,
-    context_lse: torch.Tensor,
-    own_out: torch.Tensor,
-    own_lse: torch.Tensor,
-    splits: int,
-    group: int = 1,
+    context_out: torch.Tensor, context_lse: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor, splits: int
 ) -> torch.Tensor:
-    """The merged attention [tokens, heads, dim] of `splits` context partials (GQA-packed by `group`) and the own
-    partial (see `fused_merge_applies` for the layouts), in the outputs' dtype."""
+    """The merged attention [tokens, heads, dim] of `splits` context partials and the own partial (see
+    `fused_merge_applies` for the layouts), in the outputs' dtype."""
     tokens, heads, dim = own_out.shape
     out = torch.empty_like(own_out)
     block_h = min(_BLOCK_H, 1 << (heads - 1).bit_length())
@@ -86,7 +68,6 @@ def fused_merge(
         out,
         tokens,
         heads,
-        group,
         context_out.stride(0),
         context_out.stride(1),
         own_out.stride(0),
