@@ -32,7 +32,7 @@ from loadtest.bench_prefill import (
     precompute_all,
     question_ids,
 )
-from service.engine import lse_merge
+from service.engine import attention, lse_merge
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_graph import BatchGraphs
 from service.engine.cuda_graph import bucket_capacity
@@ -129,14 +129,15 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
     decoder = BatchDecoder(engine.forward, pool, args.attention)
     slabs, length, position, first = fill_slabs(engine, pool, prompt, batch + asking, args)
     mixed = MixedGraphs(decoder) if args.mixed else None
+    ride = list(prompt.question)[-args.ride_tokens :] if args.ride_tokens else list(prompt.question)
     if mixed is not None:
         mixed_ms = [
-            mixed_run(mixed, slabs, length, position, first, list(prompt.question), args.tokens) / args.tokens
+            mixed_run(mixed, slabs, length, position, first, ride, args.tokens) / args.tokens
             for _ in range(args.warmup + args.runs)
         ][args.warmup :]
         mixed.close()
         if args.profile:
-            kernels = profile_mixed(decoder, slabs, length, position, first, list(prompt.question))
+            kernels = profile_mixed(decoder, slabs, length, position, first, ride)
         slabs = slabs[:batch]
     graphs = BatchGraphs(decoder) if args.graphs else None
     step_ms: list[float] = []
@@ -152,6 +153,7 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
         "attention": decoder.attention,
         "graphs": graphs is not None,
         "fused_merge": lse_merge.ENABLED,
+        "extend_splits": attention.EXTEND_KV_SPLITS,
         "ms_per_step": step_ms,
         "median_ms_per_step": median,
         "ms_per_token_per_request": median / batch,
@@ -161,7 +163,7 @@ def bench(engine: StitchEngine, context: int, batch: int, args: argparse.Namespa
     }
     if mixed is not None:
         row["mixed_ms_per_step"] = statistics.median(mixed_ms)
-        row["question_tokens"] = len(prompt.question)
+        row["question_tokens"] = len(ride)
         if args.profile:
             row["mixed_kernels"] = kernels
     if args.profile:
@@ -237,10 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-merge", action="store_true", help="merge split attention in torch, not the Triton kernel"
     )
+    parser.add_argument(
+        "--extend-splits", type=int, default=None, help="context key ranges of a short batched prefill (default 8)"
+    )
+    parser.add_argument(
+        "--ride-tokens", type=int, default=None, help="the riding question's tokens (default: the whole suffix)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     lse_merge.ENABLED = not args.torch_merge
+    if args.extend_splits is not None:
+        attention.EXTEND_KV_SPLITS = args.extend_splits
     opened = open_benchmark_engine(args.model, args.device)
     if opened is None:
         return 2
