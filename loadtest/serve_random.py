@@ -185,6 +185,7 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
             results, duration_s = await load.drive(client, config)
             after_page = (await client.get("/metrics")).text
             before, after = engine_seconds(before_page), engine_seconds(after_page)
+            gc_before, gc_after = gc_pauses(before_page), gc_pauses(after_page)
             modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
             contexts = sorted(r.context_tokens for r in results if r.context_tokens)
             questions = sorted(r.question_tokens for r in results if r.context_tokens)
@@ -202,6 +203,11 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
                     "question_tokens_median": questions[len(questions) // 2] if questions else 0,
                     "stage_ms_median": _stage_medians(results),
                     "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
+                    # The gateway's garbage-collector pauses in the phase (every thread waits): seconds, count.
+                    "gc_pauses": {
+                        g: [round(s - gc_before.get(g, (0.0, 0))[0], 3), n - gc_before.get(g, (0.0, 0))[1]]
+                        for g, (s, n) in gc_after.items()
+                    },
                     "retrieval_ms_per_question": retrieval_split(before_page, after_page),
                     "results": [asdict(r) for r in results],
                 }
@@ -213,6 +219,13 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
 def engine_seconds(metrics: str) -> dict[str, float]:
     """`kvstitch_engine_seconds_total` by phase from a /metrics page."""
     return counter_by_label(metrics, "kvstitch_engine_seconds_total", "phase")
+
+
+def gc_pauses(metrics: str) -> dict[str, tuple[float, int]]:
+    """`kvstitch_gc_pause_seconds` by generation from a /metrics page: (total seconds, collections)."""
+    seconds = counter_by_label(metrics, "kvstitch_gc_pause_seconds_sum", "generation")
+    counts = counter_by_label(metrics, "kvstitch_gc_pause_seconds_count", "generation")
+    return {g: (seconds[g], int(counts.get(g, 0))) for g in seconds}
 
 
 def counter_by_label(metrics: str, name: str, label: str) -> dict[str, float]:
@@ -496,7 +509,8 @@ def report(
             f"clients {phase['concurrency']}: context tokens {phase['context_tokens']}; question tokens "
             f"{phase['question_tokens_median']}; stage medians (ms) "
             f"{phase['stage_ms_median']}; engine share {phase['engine_share']}; "
-            f"retrieval ms per question {phase['retrieval_ms_per_question']}"
+            f"retrieval ms per question {phase['retrieval_ms_per_question']}; "
+            f"gc pauses (s, count) by generation {phase.get('gc_pauses')}"
         )
     print(text)
     return sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.bench_retrieval import summary
-from loadtest.serve_random import engine_seconds, passes, retrieval_split
+from loadtest.serve_random import engine_seconds, gc_pauses, passes, retrieval_split
 from service.retrieval.batcher import RetrievalStats
 
 BEFORE = """# HELP kvstitch_retrieval_seconds_total x
@@ -28,6 +28,17 @@ def test_the_retrieval_split_is_the_growth_per_question_between_two_pages() -> N
     assert retrieval_split(BEFORE, AFTER) == {"wait": 50.0, "embed": 25.0, "search": 12.5, "round_size": 8.0}
     assert retrieval_split(AFTER, AFTER) == {}  # no question between the pages
     assert engine_seconds(AFTER) == {"idle": 4.5}
+
+
+def test_gc_pauses_are_read_by_generation_as_seconds_and_collections() -> None:
+    page = """kvstitch_gc_pause_seconds_bucket{generation="0",le="0.001"} 3.0
+kvstitch_gc_pause_seconds_count{generation="0"} 7.0
+kvstitch_gc_pause_seconds_sum{generation="0"} 0.25
+kvstitch_gc_pause_seconds_count{generation="2"} 1.0
+kvstitch_gc_pause_seconds_sum{generation="2"} 0.125
+"""
+    assert gc_pauses(page) == {"0": (0.25, 7), "2": (0.125, 1)}
+    assert gc_pauses(AFTER) == {}
 
 
 def test_the_retrieval_benchmark_divides_each_stage_by_the_questions_of_its_phase() -> None:
