@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing
@@ -49,6 +50,7 @@ from loadtest.bench_prefill import build_engine
 from loadtest.qwen_vocab import installed_qwen_vocab
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
+from service.gc_pauses import set_young_threshold
 from service.server import Server
 from service.settings import Settings
 from workers.worker import in_process_worker
@@ -286,6 +288,17 @@ WITH_DECODE_PASSES: dict[str, tuple[bool | None, ...]] = {
 }
 
 
+def gc_passes(args: argparse.Namespace) -> list[tuple[str | None, bool | None, str | None, int | None]]:
+    """`passes` once per `--gc-gen0` value (None: the server's threshold), the value's folder joined to theirs."""
+    out = []
+    for young in args.gc_gen0 or [None]:
+        for level, piggyback, folder in passes(args.overlap, args.with_decode):
+            if young is not None:
+                folder = "-".join(n for n in (folder, f"gc{young}") if n)
+            out.append((level, piggyback, folder, young))
+    return out
+
+
 def passes(overlap: str, with_decode: str) -> list[tuple[str | None, bool | None, str | None]]:
     """Every (overlap level, with-decode setting) pass and its report's folder (None: `--out` itself)."""
     out = []
@@ -431,6 +444,14 @@ def main(argv: list[str] | None = None) -> int:
         "server's setting, on, off, or both (paired passes in one server; start it with the setting on so its "
         "mixed-step graphs are captured); reports in with-decode/ and apart/ (joined to --overlap's names)",
     )
+    parser.add_argument(
+        "--gc-gen0",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the gateway's youngest-generation GC threshold (KVSTITCH_GC_GEN0_THRESHOLD) per pass, in this order: "
+        "every other pass once per value, in one server (paired); reports in gc<N>/ (joined to the others' names)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -452,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            for number, (name, with_decode, folder) in enumerate(passes(args.overlap, args.with_decode)):
+            for number, (name, with_decode, folder, young) in enumerate(gc_passes(args)):
+                if young is not None:
+                    set_young_threshold(young)
                 scheduler = gateway.runtime.loop.scheduler if gateway.runtime is not None else None
                 # Read by the engine thread at its next step; the server is idle between passes.
                 if name is not None and scheduler is not None:
@@ -462,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = clients.submit(run_driver, args, server.url, number == 0).result()
                 used = name or ("on" if scheduler is not None and scheduler.overlap else "off")
                 piggyback = scheduler is not None and scheduler.prefill_with_decode
-                outcomes.append((folder, f"{used}, questions with the decode step: {piggyback}", outcome))
+                threshold = f", GC gen-0 threshold {gc.get_threshold()[0]}"
+                outcomes.append((folder, f"{used}, questions with the decode step: {piggyback}{threshold}", outcome))
     errors = 0
     for folder, used, outcome in outcomes:
         out = args.out if folder is None else args.out / folder

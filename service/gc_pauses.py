@@ -7,6 +7,12 @@ the H200, where two such stalls in a 20-second 32-client phase were the whole TT
 §10.8). `gc.freeze()` once start-up is over moves what start-up made into the permanent generation that
 collections skip (what CPython provides it for), so later collections walk only what requests made since.
 `GcPauses` times every collection through `gc.callbacks`, so the metrics show whether pauses come back.
+
+What serving allocates is young and short-lived (a request's prompt, events, results: ~0.7 s), yet at 32 clients
+on an H100 Python's default threshold (700 net allocations) ran ~24 youngest-generation collections a second,
+0.8 ms each, and promoted what they found alive to the older generations: 0.9 s of a 25-s phase, every thread
+stopped (docs/benchmarks.md §10.12). A larger threshold (`KVSTITCH_GC_GEN0_THRESHOLD`) collects less often, and
+most of what a request made has died by then.
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def set_young_threshold(objects: int) -> None:
+    """Collect the youngest generation after `objects` net allocations (the older generations' thresholds kept)."""
+    if objects < 1:
+        raise ValueError(f"the youngest generation's threshold must be positive, got {objects}")
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(objects, older, oldest)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from service.errors import (
     UnknownJobError,
 )
 from service.facade import AnswerRequest, DocumentPage, RequestLimits
-from service.gc_pauses import GcPauses, freeze_startup_heap
+from service.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.jobs.documents import Document, IngestJob, JobError, parse_job
 from service.jobs.status import JobStatus
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
@@ -117,6 +117,7 @@ class Server:
             self._start_worker(runtime)
             if self.settings.gc_freeze:
                 log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
+            set_young_threshold(self.settings.gc_gen0_threshold)
             log.info("kvstitch ready in %.1f s (model %s)", time.perf_counter() - began, self.model_name)
         except Exception as err:
             log.exception("start-up failed")

@@ -122,6 +122,12 @@ class Settings(BaseSettings):
         description="Once ready, freeze the start-up heap out of Python's garbage collector (no 250-450 ms full "
         "collections).",
     )
+    gc_gen0_threshold: int = Field(
+        20_000,
+        ge=100,
+        description="Once ready, objects allocated (net) before Python's youngest-generation collection (Python's "
+        "own default: 700); fewer, larger collections, and requests' short-lived objects die before one.",
+    )
     max_batch: int = Field(
         batching_defaults.MAX_BATCH, ge=1, le=256, description="Answers decoded together in one batched step, at most."
     )

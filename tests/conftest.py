@@ -21,6 +21,8 @@ from service.engine.model import load_model
 # The servers tests start must not freeze the test process's heap out of the garbage collector (every earlier
 # test's leftovers would stay): the tests that check the freeze turn it on themselves.
 os.environ.setdefault("KVSTITCH_GC_FREEZE", "false")
+# Python's own youngest-generation threshold: a ready server in one test must not change the whole run's GC.
+os.environ.setdefault("KVSTITCH_GC_GEN0_THRESHOLD", "700")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 
-from service.gc_pauses import PAUSE_BUCKETS, GcPauses, PauseHistogram, freeze_startup_heap
+import pytest
+
+from service.gc_pauses import PAUSE_BUCKETS, GcPauses, PauseHistogram, freeze_startup_heap, set_young_threshold
 
 
 def test_a_pause_counts_in_every_bucket_at_or_above_it() -> None:
@@ -44,3 +46,15 @@ def test_freezing_moves_live_objects_out_of_the_collectors_walk() -> None:
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_the_young_threshold_changes_the_youngest_generation_only_and_must_be_positive() -> None:
+    before = gc.get_threshold()
+    try:
+        set_young_threshold(4_321)
+        assert gc.get_threshold() == (4_321, *before[1:])
+        with pytest.raises(ValueError, match="positive"):
+            set_young_threshold(0)
+        assert gc.get_threshold()[0] == 4_321
+    finally:
+        gc.set_threshold(*before)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 from loadtest.bench_retrieval import summary
-from loadtest.serve_random import engine_seconds, gc_pauses, passes, retrieval_split
+from loadtest.serve_random import engine_seconds, gc_passes, gc_pauses, passes, retrieval_split
 from service.retrieval.batcher import RetrievalStats
 
 BEFORE = """# HELP kvstitch_retrieval_seconds_total x
@@ -55,3 +57,13 @@ def test_serve_random_passes_pair_overlap_levels_with_the_with_decode_setting() 
     assert passes("on", "both") == [("on", True, "on-with-decode"), ("on", False, "on-apart")]
     assert passes("both", "auto") == [("on", None, "on"), ("off", None, "off")]
     assert passes("auto", "off") == [(None, False, "apart")]
+
+
+def test_serve_random_repeats_every_pass_per_gc_threshold_in_order() -> None:
+    args = argparse.Namespace(overlap="on", with_decode="on", gc_gen0=[20_000, 700])
+    assert gc_passes(args) == [
+        ("on", True, "on-with-decode-gc20000", 20_000),
+        ("on", True, "on-with-decode-gc700", 700),
+    ]
+    assert gc_passes(argparse.Namespace(overlap="auto", with_decode="auto", gc_gen0=None)) == [(None, None, None, None)]
+    assert gc_passes(argparse.Namespace(overlap="auto", with_decode="auto", gc_gen0=[5])) == [(None, None, "gc5", 5)]

@@ -96,18 +96,20 @@ def test_a_second_ingest_of_the_same_documents_counts_reused_chunks(client: Test
 
 
 def test_a_ready_server_froze_its_start_up_heap_and_reports_every_collection(make_app: MakeApp) -> None:
-    frozen_before = gc.get_freeze_count()
-    app = make_app(gc_freeze=True)
+    frozen_before, threshold_before = gc.get_freeze_count(), gc.get_threshold()
+    app = make_app(gc_freeze=True, gc_gen0_threshold=12_345)
     try:
         with TestClient(app) as client:
             wait_ready(app)
             # torch, transformers, the tokenizer and the embedder alone are hundreds of thousands of objects
             assert gc.get_freeze_count() > frozen_before + 100_000
+            assert gc.get_threshold() == (12_345, *threshold_before[1:])
             before = scrape(client)
             gc.collect()
             after = scrape(client)
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold_before)
     count = value(after, "kvstitch_gc_pause_seconds_count", generation="2")
     assert count >= value(before, "kvstitch_gc_pause_seconds_count", generation="2") + 1
     assert value(after, "kvstitch_gc_pause_seconds_sum", generation="2") > 0
