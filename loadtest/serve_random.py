@@ -187,7 +187,6 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
             results, duration_s = await load.drive(client, config)
             after_page = (await client.get("/metrics")).text
             before, after = engine_seconds(before_page), engine_seconds(after_page)
-            gc_before, gc_after = gc_pauses(before_page), gc_pauses(after_page)
             modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
             contexts = sorted(r.context_tokens for r in results if r.context_tokens)
             questions = sorted(r.question_tokens for r in results if r.context_tokens)
@@ -205,11 +204,7 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
                     "question_tokens_median": questions[len(questions) // 2] if questions else 0,
                     "stage_ms_median": _stage_medians(results),
                     "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
-                    # The gateway's garbage-collector pauses in the phase (every thread waits): seconds, count.
-                    "gc_pauses": {
-                        g: [round(s - gc_before.get(g, (0.0, 0))[0], 3), n - gc_before.get(g, (0.0, 0))[1]]
-                        for g, (s, n) in gc_after.items()
-                    },
+                    "gc_pauses": gc_pause_growth(before_page, after_page),
                     "retrieval_ms_per_question": retrieval_split(before_page, after_page),
                     "results": [asdict(r) for r in results],
                 }
@@ -228,6 +223,17 @@ def gc_pauses(metrics: str) -> dict[str, tuple[float, int]]:
     seconds = counter_by_label(metrics, "kvstitch_gc_pause_seconds_sum", "generation")
     counts = counter_by_label(metrics, "kvstitch_gc_pause_seconds_count", "generation")
     return {g: (seconds[g], int(counts.get(g, 0))) for g in seconds}
+
+
+def gc_pause_growth(before: str, after: str) -> dict[str, list[float]]:
+    """The gateway's garbage-collector pauses between two /metrics pages (every thread waits through them), by
+    generation: [seconds, collections]."""
+    earlier = gc_pauses(before)
+    grown = {}
+    for generation, (seconds, count) in gc_pauses(after).items():
+        seconds_before, count_before = earlier.get(generation, (0.0, 0))
+        grown[generation] = [round(seconds - seconds_before, 3), count - count_before]
+    return grown
 
 
 def counter_by_label(metrics: str, name: str, label: str) -> dict[str, float]:
@@ -453,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         "every other pass once per value, in one server (paired); reports in gc<N>/ (joined to the others' names)",
     )
     args = parser.parse_args(argv)
+    if args.gc_gen0 is not None and min(args.gc_gen0) < 1:
+        parser.error("--gc-gen0 thresholds must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")

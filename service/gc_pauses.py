@@ -8,11 +8,12 @@ the H200, where two such stalls in a 20-second 32-client phase were the whole TT
 collections skip (what CPython provides it for), so later collections walk only what requests made since.
 `GcPauses` times every collection through `gc.callbacks`, so the metrics show whether pauses come back.
 
-What serving allocates is young and short-lived (a request's prompt, events, results: ~0.7 s), yet at 32 clients
-on an H100 Python's default threshold (700 net allocations) ran ~24 youngest-generation collections a second,
-0.8 ms each, and promoted what they found alive to the older generations: 0.9 s of a 25-s phase, every thread
-stopped (docs/benchmarks.md §10.12). A larger threshold (`KVSTITCH_GC_GEN0_THRESHOLD`) collects less often, and
-most of what a request made has died by then.
+What serving allocates lives about as long as a request (its prompt, events, results: ~0.7 s at 32 clients). With
+Python's default threshold (700 net allocations) an H100 gateway at 32 clients ran ~25 youngest-generation
+collections a second, ~0.9 ms each, and promoted what they found alive, so the older generations were walked
+too: 1.1 s of a 25-s phase, every thread stopped. With 20,000 (`KVSTITCH_GC_GEN0_THRESHOLD`) the young
+collections cost the same in all (15 of ~40 ms) but almost nothing is walked again: 0.67 s (docs/benchmarks.md
+§10.12).
 """
 
 from __future__ import annotations

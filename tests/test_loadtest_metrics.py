@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from loadtest.bench_retrieval import summary
-from loadtest.serve_random import engine_seconds, gc_passes, gc_pauses, passes, retrieval_split
+from loadtest.serve_random import engine_seconds, gc_passes, gc_pause_growth, gc_pauses, passes, retrieval_split
 from service.retrieval.batcher import RetrievalStats
 
 BEFORE = """# HELP kvstitch_retrieval_seconds_total x
@@ -41,6 +41,10 @@ kvstitch_gc_pause_seconds_sum{generation="2"} 0.125
 """
     assert gc_pauses(page) == {"0": (0.25, 7), "2": (0.125, 1)}
     assert gc_pauses(AFTER) == {}
+    later = page.replace("} 7.0", "} 10.0").replace("} 0.25", "} 0.5")
+    # Between the pages: 3 young collections took 0.25 s; a generation first seen in the later page counts whole.
+    assert gc_pause_growth(page, later) == {"0": [0.25, 3], "2": [0.0, 0]}
+    assert gc_pause_growth(AFTER, page) == {"0": [0.25, 7], "2": [0.125, 1]}
 
 
 def test_the_retrieval_benchmark_divides_each_stage_by_the_questions_of_its_phase() -> None:
