@@ -11,7 +11,7 @@ layer-pipelined under the prefill).
 to one `Scheduler` built as the server builds it (`loadtest/true_batch.py`: a KV pool with a slab per request, the
 server's `prefill_chunk` and `batch_prefill_min`, the batched decode step through CUDA graphs on CUDA, captured
 before anything is timed). Each turbo request's chunk KV is fetched at its admission by the server's own
-`on_admit` fetch (`fetch_chunk_kv`) from the tier under test; turbo questions admitted together are prefilled in
+KV source (`StoreChunks`) from the tier under test; turbo questions admitted together are prefilled in
 one forward where the server does that; naive prompts are prefilled by the scheduler, `prefill_chunk` tokens per
 step between the running requests' decode steps. Per batch: the TTFT of the first and of the last request to get
 its first token and the median, all counted from the batch start; the batch's total (to its last token); decode

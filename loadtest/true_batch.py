@@ -5,8 +5,8 @@
 the engine has its own) over a `KVPool` sized for the B requests, and captures those graphs as the server's
 start does (`Scheduler.warm`), before anything is timed. `run_batch` adds the
 B requests at once and steps the scheduler until every one has its last token. Each turbo request's chunk KV is
-fetched at its admission from the tier under test through the server's own `on_admit` fetch
-(`service.kv_for_engine.fetch_chunk_kv`); a naive request fetches nothing and the scheduler prefills its whole
+fetched at its admission from the tier under test through the server's own KV source
+(`service.kv_for_engine.StoreChunks`); a naive request fetches nothing and the scheduler prefills its whole
 prompt, `prefill_chunk` tokens per step between the running requests' decode steps.
 
 Times count from the batch start (just before the B requests are added): a request's TTFT is when its first
@@ -29,7 +29,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
-from service.kv_for_engine import fetch_chunk_kv
+from service.kv_for_engine import StoreChunks
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 
@@ -145,6 +145,7 @@ def run_batch(
     """Every prompt submitted at once (turbo from `store`'s tiers, naive when it is None) and stepped to the end;
     raises the first request's error, or RuntimeError when a fetch found a block outside the `expected` tier."""
     answered = [_answered(p, sampling, store) for p in prompts]
+    scheduler.planner.kv_source = None if store is None else _TimedChunks(StoreChunks(store), answered)
     together_before = scheduler.prefilled_together
     run = BatchRun(time.perf_counter(), answered)
     for a in answered:
@@ -167,8 +168,6 @@ def _answered(prompt: PromptIds, sampling: SamplingParams, store: KVStore | None
     mode = GenerationMode.NAIVE if store is None else GenerationMode.TURBO
     answered = Answered(BatchRequest(prompt, sampling, mode))
     answered.request.on_finish = _finished(answered)
-    if store is not None:
-        answered.request.on_admit = _fetch_at_admission(store, answered)
     return answered
 
 
@@ -179,15 +178,20 @@ def _finished(answered: Answered) -> Callable[[BatchRequest], None]:
     return on_finish
 
 
-def _fetch_at_admission(store: KVStore, answered: Answered) -> Callable[[BatchRequest], None]:
-    """The server's admission fetch (`fetch_chunk_kv`), timed."""
+class _TimedChunks:
+    """The server's KV source, each fetch timed and handed to its request's record (requests are admitted in the
+    order they were added: first come, first served)."""
 
-    def on_admit(request: BatchRequest) -> None:
+    def __init__(self, chunks: StoreChunks, answered: Sequence[Answered]) -> None:
+        self.chunks = chunks
+        self.pending = list(answered)
+
+    def fetch(self, blocks: Sequence[Sequence[int]]) -> FetchResult:
+        answered = self.pending.pop(0)
         began = time.perf_counter()
-        answered.fetch = fetch_chunk_kv(store, request)
+        answered.fetch = self.chunks.fetch(blocks)
         answered.fetch_ms = (time.perf_counter() - began) * 1e3
-
-    return on_admit
+        return answered.fetch
 
 
 def _check(answered: Sequence[Answered], expected: Tier | None) -> None:

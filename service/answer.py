@@ -1,7 +1,7 @@
 """The answer use case: retrieve → plan and load KV → stitch → prefill the question → decode, as events.
 
 `Answerer.retrieve` runs on any thread (embedding and Qdrant, batched across concurrent questions);
-`Answerer.prompt` joins the token ids; `Answerer.fetch` brings the chunks' KV to the device at the request's
+`Answerer.prompt` joins the token ids; the scheduler's KV source brings the chunks' KV to the device at the request's
 admission on the engine loop; the scheduler stitches, prefills and decodes it with the other running answers
 (`service/answer_session.py` drives one answer through it), and `Answerer.done_event` reports the TTFT
 breakdown and where each chunk's KV came from. Events (`TokenEvent`, `DoneEvent`) know nothing about HTTP.
@@ -14,9 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import redis
-
-from service.engine.batch_request import BatchRequest
 from service.engine.conversation import Role as Role  # re-exported: the roles the HTTP layer accepts
 from service.engine.conversation import Turn
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
@@ -25,8 +22,7 @@ from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
 from service.engine.stitch import PositionMode
-from service.errors import InvalidRequestError, UnavailableError
-from service.kv_for_engine import fetch_chunk_kv
+from service.errors import InvalidRequestError
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import RetrievedChunk
@@ -180,14 +176,6 @@ class Answerer:
         conversation and the question (the prefilled suffix)."""
         blocks = tuple(self.engine.template.chunk_block(c.token_ids) for c in retrieval.chunks)
         return PromptIds(self.engine.template.prefix, blocks, self._ids(question))
-
-    def fetch(self, request: BatchRequest) -> FetchResult:
-        """The request's chunk KV on the device, whichever tier holds it (misses computed), handed to the request;
-        on the engine loop, at its admission (`fetch_chunk_kv`). `UnavailableError` when the KV index is away."""
-        try:
-            return fetch_chunk_kv(self.store, request)
-        except (redis.RedisError, ConnectionError, TimeoutError) as err:
-            raise UnavailableError("the KV index", err) from err
 
     def done_event(
         self,

@@ -1,10 +1,11 @@
 """One admitted question on its way through the engine loop: its batched request, events, cancellation, metrics.
 
 `AnswerSession.start` hands the question to the engine loop's scheduler as a `BatchRequest`: at admission the
-chunks' KV is fetched (`Answerer.fetch`), then the request is stitched and prefilled into its slab of the KV pool
-and decoded together with the other running answers. Each text delta reaches the listener as a `TokenEvent`,
-then a `DoneEvent` and None (the end), or the error and None. When the client goes away `cancel` marks the
-request; the scheduler drops it at its next step, frees its slab, and the place in line is released.
+chunks' KV is fetched (the scheduler's KV source, the store), then the request is stitched and prefilled into
+its slab of the KV pool and decoded together with the other running answers. Each text delta reaches the
+listener as a `TokenEvent`, then a `DoneEvent` and None (the end), or the error and None. When the client goes
+away `cancel` marks the request; the scheduler drops it at its next step, frees its slab, and the place in line
+is released.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 from service.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
 from service.engine.batch_request import BatchRequest
-from service.engine.engine import GenerationMode
 from service.engine_loop import Admission, EngineLoop
 from service.facade import AnswerItem
 from service.kvcache.store import FetchResult
@@ -33,7 +33,6 @@ class AnswerSession:
     started: float  # perf_counter at the request's arrival (TTFT counts from here)
     done: DoneEvent | None = None
     request: BatchRequest | None = field(default=None, repr=False)
-    fetch: FetchResult | None = field(default=None, repr=False)
     _listener: Callable[[AnswerItem], None] | None = field(default=None, repr=False)
     _cancelled: bool = False
     _logprobs_sent: int = 0
@@ -61,7 +60,6 @@ class AnswerSession:
             question.positions,
             on_text=self._text,
             on_finish=self._finished,
-            on_admit=self._admitted if question.mode is GenerationMode.TURBO else None,
             recompute=question.recompute,
         )
         try:
@@ -88,9 +86,6 @@ class AnswerSession:
         self._logprobs_sent += len(entries)
         self._listener(TokenEvent(delta, self.answerer.named(entries)))
 
-    def _admitted(self, request: BatchRequest) -> None:
-        self.fetch = self.answerer.fetch(request)
-
     def _finished(self, request: BatchRequest) -> None:
         """The request ended (done, stopped, cancelled or failed): report it and give up the place in line."""
         listener = self._listener
@@ -106,7 +101,9 @@ class AnswerSession:
 
     def _done_event(self, request: BatchRequest) -> DoneEvent:
         ttft_ms = (request.first_token_at - self.started) * 1e3
-        done = self.answerer.done_event(self.question, self.retrieval, self.fetch, request.result, ttft_ms)
+        fetch = request.fetch
+        assert fetch is None or isinstance(fetch, FetchResult), "the server's KV source is the KV store"
+        done = self.answerer.done_event(self.question, self.retrieval, fetch, request.result, ttft_ms)
         admitted_at = request.added_at + request.queue_ms / 1e3
         done.timings_ms["queue"] = max(0.0, (admitted_at - self.started) * 1e3 - self.retrieval.retrieve_ms)
         # The part of it spent with the engine loop: its running step, then the line (the rest is the hand-over).

@@ -1,6 +1,6 @@
 """The KV store for one engine: its model fingerprint, template version and dtype key the blocks, its forward
-computes the misses, its layer groups shape the overlapped copies. And the fetch a request's admission runs
-(`fetch_chunk_kv`, the scheduler's `on_admit` in the server).
+computes the misses, its layer groups shape the overlapped copies. And the scheduler's KV source over it
+(`StoreChunks`): the fetch a request's admission runs.
 
 The store itself never imports the engine (it takes a precompute callable); this is where the two meet. It
 imports only the engine and the KV cache, so the GPU benchmarks and the engine/cache tests use it without the
@@ -9,10 +9,13 @@ retrieval stack.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from service.engine.batch_request import BatchRequest
+import redis
+
 from service.engine.engine import StitchEngine
+from service.errors import UnavailableError
 from service.kvcache.index import KVIndex
 from service.kvcache.keys import model_fingerprint
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute
@@ -50,11 +53,16 @@ def kv_store_for(
     )
 
 
-def fetch_chunk_kv(store: KVStore, request: BatchRequest) -> FetchResult:
-    """A request's chunk KV at its admission (on the scheduler's thread, before its prefill), from whichever tier
-    holds it (misses computed), handed to the request. Copies may still run when this returns: the stitch waits
-    for each block (`chunk_ready`)."""
-    fetch = store.fetch(request.prompt.blocks, overlap=True)
-    request.chunk_kv = fetch.blocks
-    request.chunk_ready = fetch.ready or None
-    return fetch
+class StoreChunks:
+    """The scheduler's KV source over a store: a request's chunk KV at its admission (on the engine thread, before
+    its prefill), from whichever tier holds it (misses computed). Copies may still run when `fetch` returns: the
+    stitch waits for each block. `UnavailableError` when the KV index is away."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+
+    def fetch(self, blocks: Sequence[Sequence[int]]) -> FetchResult:
+        try:
+            return self.store.fetch(blocks, overlap=True)
+        except (redis.RedisError, ConnectionError, TimeoutError) as err:
+            raise UnavailableError("the KV index", err) from err

@@ -36,7 +36,7 @@ from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
 from service.jobs.queue import JobQueue, RedisStreamQueue
 from service.jobs.sqlite import SqliteDocumentOrder, SqliteJobQueue, SqliteJobStatusStore, jobs_path
 from service.jobs.status import JobStatusStore, RedisJobStatusStore
-from service.kv_for_engine import kv_store_for
+from service.kv_for_engine import StoreChunks, kv_store_for
 from service.kvcache.index import KVIndex, open_index, repair
 from service.kvcache.precompute import Precompute
 from service.kvcache.store import KVStore, TierBudgets
@@ -181,6 +181,7 @@ class Runtime:
             batch_prefill_min=self.settings.batch_prefill_min,
             prefill_with_decode=_unset_is(self.settings.prefill_with_decode, on_cuda),
             overlap=_unset_is(self.settings.overlap_decode, on_cuda),
+            kv_source=StoreChunks(self.store),
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))

@@ -183,14 +183,14 @@ def test_a_question_that_fails_to_start_ends_alone_and_the_step_goes_on(
     answer, bad, good = (Tracked(engine, case) for case in (MIXED[0], MIXED[1], MIXED[4]))
     scheduler.add(answer.request)
     steps(scheduler, 2)
-    start = scheduler._start_decoding
+    start = scheduler.runner.start_decoding
 
     def failing_start(request: BatchRequest) -> None:
         if request is bad.request:
             raise RuntimeError("no sampler for this one")
         start(request)
 
-    scheduler._start_decoding = failing_start  # type: ignore[method-assign]
+    scheduler.runner.start_decoding = failing_start  # type: ignore[method-assign]
     scheduler.add(bad.request)
     scheduler.add(good.request)
     scheduler.step()

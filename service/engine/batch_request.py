@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 
+from service.engine.chunk_source import ChunkFetch
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import GenerationMode, GenerationResult
 from service.engine.kv_buffer import KVBuffer
@@ -28,7 +29,8 @@ class BatchRequest:
     """One request through the scheduler: its inputs, its slab and decoding state while running, its result.
 
     `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
-    scheduler's thread; `on_admit(request)` at admission, before the prefill. `result.finish_reason` ends as
+    scheduler's thread. A turbo request without `chunk_kv` gets it at admission from the scheduler's KV source
+    (`fetch` then keeps what the source reported: tiers, bytes, timings). `result.finish_reason` ends as
     "length", "stop", "cancelled" or "error" (`error` then holds the exception).
     """
 
@@ -42,7 +44,6 @@ class BatchRequest:
         chunk_ready: Sequence[BlockReady | None] | None = None,
         on_text: TextSink | None = None,
         on_finish: Callable[[BatchRequest], None] | None = None,
-        on_admit: Callable[[BatchRequest], None] | None = None,
         recompute: RecomputeSpec = NO_RECOMPUTE,
     ) -> None:
         self.prompt = prompt
@@ -54,9 +55,7 @@ class BatchRequest:
         self.recompute = recompute  # turbo only: part of the stitched context recomputed before the question
         self.on_text = on_text
         self.on_finish = on_finish
-        # Called at admission, before the prefill, on the scheduler's thread: where a server fetches the chunk
-        # KV (`chunk_kv`, `chunk_ready`), so blocks occupy device memory only once the request runs.
-        self.on_admit = on_admit
+        self.fetch: ChunkFetch | None = None  # what the KV source handed at admission
         self.status = RequestStatus.WAITING
         self.cancelled = False
         self.error: BaseException | None = None

@@ -1,0 +1,232 @@
+"""The scheduler's policy: who waits, who runs, who is admitted this step and how each one's prompt goes in.
+
+The planner owns the three lines (waiting, prefilling, running) and the KV pool's reservations. It decides and
+never touches the device: `admit` reserves each admitted request's slab (its whole sequence: context + question +
+answer budget, so a running request never needs more memory and none is ever preempted), fetches its chunk KV
+through the KV source, and sorts it into how its prompt goes in (`AdmissionPlan`); `naive_chunks` picks the naive
+prompt tokens this step prefills; `continuing` picks the running requests that need a row in the next step.
+
+First come, first served: a request the pool cannot hold yet waits at the head of the line and nothing behind it
+overtakes it, so a long request cannot starve.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.engine.batch_request import BatchRequest, RequestStatus
+from service.engine.chunk_source import ChunkSource
+from service.engine.engine import GenerationMode, StitchEngine, check_request
+from service.engine.kv_pool import KVPool
+
+
+class QueueFullError(RuntimeError):
+    """The waiting line is at its limit; the caller should refuse the request (HTTP 503/429)."""
+
+
+class PrefillShapes(Protocol):
+    """What the device can run together (`SlabPrefill`): whether several requests' new tokens run as one forward,
+    and whether a decode step of `batch` rows can hold `questions` prefilled in it."""
+
+    batched: bool
+
+    def mixes(self, batch: int, questions: Sequence[BatchRequest]) -> bool: ...
+
+
+@dataclass
+class AdmissionPlan:
+    """The requests admitted in one step, by how their prompt goes in."""
+
+    alone: list[BatchRequest] = field(default_factory=list)  # prefilled one by one
+    together: list[BatchRequest] = field(default_factory=list)  # turbo questions in one batched forward
+    riding: list[BatchRequest] = field(default_factory=list)  # turbo questions in this step's decode forward
+    failed: list[tuple[BatchRequest, BaseException]] = field(default_factory=list)  # their KV could not be had
+
+
+@dataclass(frozen=True)
+class NaiveChunk:
+    """The next tokens of a naive prompt prefilled in chunks, from `begin`."""
+
+    request: BatchRequest
+    ids: list[int]
+    begin: int
+
+    @property
+    def completes(self) -> bool:
+        return self.begin + len(self.ids) == self.request.result.prompt_tokens
+
+
+class Planner:
+    """Waiting, prefilling and running requests over one KV pool."""
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        pool: KVPool,
+        shapes: PrefillShapes,
+        kv_source: ChunkSource | None,
+        max_batch: int,
+        max_waiting: int | None,
+        prefill_chunk: int,
+        batch_prefill_min: int,
+        prefill_with_decode: bool,
+    ) -> None:
+        if prefill_chunk < 0 or batch_prefill_min < 0:
+            raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self.engine = engine
+        self.pool = pool
+        self.shapes = shapes
+        self.kv_source = kv_source
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.batch_prefill_min = batch_prefill_min
+        self.prefill_with_decode = prefill_with_decode
+        self.max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
+        self.waiting: deque[BatchRequest] = deque()
+        self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt goes in by chunks
+        self.running: deque[BatchRequest] = deque()
+
+    def add(self, request: BatchRequest) -> None:
+        """Queue a request; ValueError when it can never run, QueueFullError when the line is full."""
+        request.chunk_ready = check_request(self.engine, request.prompt, request.chunk_kv, request.chunk_ready)
+        need = request.tokens_needed
+        if need > self.engine.spec.max_context:
+            raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
+        if need > self.max_tokens:
+            raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self.max_tokens}")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests already wait")
+        request.added_at = time.perf_counter()
+        self.waiting.append(request)
+
+    def cancelled(self) -> list[BatchRequest]:
+        return [r for r in (*self.waiting, *self.prefilling, *self.running) if r.cancelled]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def remove(self, request: BatchRequest) -> None:
+        """Take an ended request out of whichever line holds it."""
+        for line in (self.waiting, self.running, self.prefilling):
+            if request in line:
+                line.remove(request)
+
+    def start_running(self, request: BatchRequest) -> None:
+        """The request's first token is known (read or still on the device): it decodes from the next step."""
+        if request in self.prefilling:
+            self.prefilling.remove(request)
+        self.running.append(request)
+
+    # ---- admission -------------------------------------------------------------------------------------------
+
+    def admit(self) -> AdmissionPlan:
+        """Admit from the head of the line while the batch and the pool have room. Turbo questions admitted
+        together go into one batched forward when there are at least `batch_prefill_min` of them, or into the
+        decode step's forward where it holds them (`_rides_in_step`)."""
+        plan = AdmissionPlan()
+        admitted: list[BatchRequest] = []
+        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch:
+            request = self.waiting[0]
+            if not self.pool.can_allocate(request.tokens_needed):
+                break
+            self.waiting.popleft()
+            error = self._reserve(request)
+            if error is not None:
+                plan.failed.append((request, error))
+            elif self._chunked(request):
+                self.prefilling.append(request)
+            else:
+                admitted.append(request)
+        together = [r for r in admitted if self._joins_batched_prefill(r)]
+        riding = self._rides_in_step(together)
+        if not self.shapes.batched or (len(together) < self.batch_prefill_min and not riding):
+            together = []
+        plan.alone = [r for r in admitted if r not in together]
+        if riding:
+            plan.riding = together
+        else:
+            plan.together = together
+        return plan
+
+    def _reserve(self, request: BatchRequest) -> BaseException | None:
+        """Give the request its slab and its chunk KV; the error when the KV could not be had (its slab, which no
+        step has written, goes straight back to the pool)."""
+        request.queue_ms = (time.perf_counter() - request.added_at) * 1e3
+        request.status = RequestStatus.RUNNING
+        request.slab = self.pool.allocate(request.tokens_needed)
+        request.kv = self.pool.buffer(request.slab)
+        try:
+            self._fetch(request)
+        except Exception as err:  # one request's failure (its KV index away, say) must not take the batch down
+            self.pool.free(request.slab)
+            request.slab, request.kv = None, None
+            return err
+        return None
+
+    def _fetch(self, request: BatchRequest) -> None:
+        """The chunks' KV from the source's tiers, at admission, so blocks occupy device memory only once the
+        request runs; copies may still land after this returns (the stitch waits for each block)."""
+        if self.kv_source is None or request.mode is not GenerationMode.TURBO or request.chunk_kv is not None:
+            return
+        fetched = self.kv_source.fetch(request.prompt.blocks)
+        request.fetch = fetched
+        request.chunk_kv = fetched.blocks
+        request.chunk_ready = check_request(self.engine, request.prompt, fetched.blocks, fetched.ready or None)
+
+    def _chunked(self, request: BatchRequest) -> bool:
+        return (
+            self.prefill_chunk > 0
+            and request.mode is GenerationMode.NAIVE
+            and request.result.prompt_tokens > self.prefill_chunk
+        )
+
+    @staticmethod
+    def _joins_batched_prefill(request: BatchRequest) -> bool:
+        # Recompute needs its own eager pass between stitch and question; keep it on the one-request path.
+        return request.mode is GenerationMode.TURBO and not request.recompute.active and bool(request.prompt.question)
+
+    def _rides_in_step(self, questions: Sequence[BatchRequest]) -> bool:
+        """Whether this step's admitted `questions` go into its decode step's forward: answers are running (so the
+        step runs), the batched forward is what the device runs, a mixed step holds them, and no naive chunk runs
+        before the step: a chunk is timed synchronously, so a question riding in the step would wait for it,
+        where prefilled apart its first token is read before it."""
+        if not (questions and self.prefill_with_decode and self.shapes.batched and self.batch_prefill_min > 0):
+            return False
+        return bool(self.running) and not self.prefilling and self.shapes.mixes(len(self.running), questions)
+
+    # ---- the step's rows -------------------------------------------------------------------------------------
+
+    def naive_chunks(self) -> list[NaiveChunk]:
+        """Up to `prefill_chunk` tokens of the chunked naive prompts, oldest first. Where the batched forward runs
+        every request's share of the budget goes in this step; elsewhere one chunk of the oldest alone."""
+        chunks: list[NaiveChunk] = []
+        budget = self.prefill_chunk
+        for request in self.prefilling:
+            ids, begin = request.prompt.joined(), request.buffer.length
+            take = min(len(ids) - begin, budget)
+            chunks.append(NaiveChunk(request, list(ids[begin : begin + take]), begin))
+            budget -= take
+            if budget == 0 or not self.shapes.batched:
+                break
+        return chunks
+
+    def continuing(self, unread: dict[int, int]) -> list[BatchRequest]:
+        """The running requests that need a row in the next step: not those whose unread token (`unread`: by
+        request id) is their last by their budget — reading it will end them, and a row for them would be
+        computed and dropped. (One ended by EOS or a stop string cannot be known before the read: it gets one.)"""
+        return [
+            r for r in self.running if id(r) not in unread or len(r.result.token_ids) + 1 < r.sampling.max_new_tokens
+        ]
+
+    def rides(self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest]) -> bool:
+        """Whether `questions` can still ride in a step over `batch`: it has rows (every answer may have ended, or
+        have its last token unread, since admission) and a mixed step holds them beside those rows (requests
+        prefilled alone in the same admission may have joined the running ones)."""
+        return bool(batch) and self.shapes.mixes(len(batch), questions)

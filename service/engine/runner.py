@@ -1,0 +1,402 @@
+"""The scheduler's execution side: what a plan runs on the device, reported as `StepOutput`s.
+
+Each method is a generator of outputs; the scheduler applies each (`OutputProcessor.apply`) before the runner goes
+on, so what the runner decides next (which rows a step has, whether questions still ride in it) sees every
+request that has ended by then.
+
+What it runs: an admitted request prefilled alone (`SlabPrefill.prefill_alone`), turbo questions stitched and
+prefilled in one batched forward, or held to ride in the decode step's forward; the naive prompts' chunks; then
+one batched decode step over the running requests (through its CUDA graphs where captured).
+
+Overlapped (`overlap`, on by default on CUDA): a step is launched before the previous step's picks reach the host,
+its rows fed from the picks still on the device, and the previous step is read while the GPU runs this one, so
+the host's per-step work does not leave the GPU idle (SGLang's overlap scheduler). Admitted requests' first tokens
+stay on the device too (`overlap_admissions`). Steps that need tokens on the host first (log-probabilities) read
+everything before they launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+
+import torch
+
+from service.engine.batch_decode import BatchDecoder, DecodeRows, StepFeed
+from service.engine.batch_graph import BatchGraphs
+from service.engine.batch_request import BatchRequest
+from service.engine.detokenize import IncrementalDetokenizer
+from service.engine.engine import StitchEngine, Stopwatch, stage_setter
+from service.engine.inflight import InFlight, PendingPicks, copy_to_host
+from service.engine.output import Failed, Started, StepOutput, Tokens
+from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
+from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
+from service.engine.slab_prefill import SlabPrefill
+
+log = logging.getLogger(__name__)
+
+STEP_PHASES = ("admit", "prefill", "decode", "emit")
+Outputs = Iterator[StepOutput]
+
+
+class StepRunner:
+    """Runs admissions, naive chunks and decode steps over the planner's requests."""
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        planner: Planner,
+        decoder: BatchDecoder,
+        slabs: SlabPrefill,
+        graphs: BatchGraphs | None,
+        overlap: bool,
+        overlap_admissions: bool,
+    ) -> None:
+        self.engine = engine
+        self.planner = planner
+        self.decoder = decoder
+        self.slabs = slabs
+        self.graphs = graphs
+        self.overlap = overlap
+        self.overlap_admissions = overlap_admissions
+        self.inflight = InFlight(decoder.pool)
+        self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
+        self.prefilled_together = 0  # requests whose question went through a batched prefill
+        self.prefilled_with_decode = 0  # of those, the ones prefilled in a decode step's forward
+        self.questions: list[BatchRequest] = []  # stitched this step, prefilled in its decode step's forward
+        self._question_watch: Stopwatch | None = None  # times their stages
+        # Wall seconds per phase of a step since start (the engine's utilisation, exported as a metric): admit
+        # (fetch, stitch, question prefill), prefill (naive chunks), decode (the step and the pick, which waits
+        # for the GPU), emit (detokenize and hand the text to the listeners).
+        self.busy_s = dict.fromkeys(STEP_PHASES, 0.0)
+
+    def has_work(self) -> bool:
+        return bool(self.inflight) or bool(self.questions)
+
+    # ---- admission -------------------------------------------------------------------------------------------
+
+    def admit(self, plan: AdmissionPlan) -> Outputs:
+        for request in plan.alone:
+            yield from self._prefill_alone(request)
+        if plan.riding:
+            self._question_watch = watch = self._watch()
+            stitched = yield from self._stitched(plan.riding, watch)
+            self.questions = yield from self._decoding(stitched)
+        elif plan.together:
+            watch = self._watch()
+            stitched = yield from self._stitched(plan.together, watch)
+            yield from self._prefill_stitched(stitched, watch)
+
+    def _prefill_alone(self, request: BatchRequest) -> Outputs:
+        watch = self._watch()
+        try:
+            logits = self.slabs.prefill_alone(request, request.buffer, watch)
+        except Exception as err:  # one request's bad input must not take the batch down
+            yield Failed([request], err)
+            return
+        yield from self._first_tokens([request], logits.unsqueeze(0), watch)
+
+    def _watch(self) -> Stopwatch:
+        """Times an admission's stages: deferred where steps overlap on CUDA (settled at the first token), so
+        timing a stitch never stalls the GPU."""
+        return Stopwatch(self.engine.spec.device, deferred=self.overlap and self.overlap_admissions)
+
+    def _stitched(self, group: list[BatchRequest], watch: Stopwatch) -> Generator[StepOutput, None, list[BatchRequest]]:
+        """Each request's chunks stitched into its slab (one that fails ends alone); each one's stitch time is the
+        group's (every member waits for all of it)."""
+        stitched = []
+        for request in group:
+            try:
+                self.slabs.stitch_into_slab(request)
+                stitched.append(request)
+            except Exception as err:  # one request's blocks (a bad file, say) fail that request alone
+                yield Failed([request], err)
+        watch.lap(_set_stage(stitched, "stitch_ms"))
+        return stitched
+
+    def _prefill_stitched(self, stitched: list[BatchRequest], watch: Stopwatch) -> Outputs:
+        """The questions of requests stitched into their slabs, prefilled in one batched forward."""
+        if not stitched:
+            return
+        try:
+            logits = self.slabs.extend(stitched)
+        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
+            log.exception("batched question prefill of %d requests failed", len(stitched))
+            yield Failed(stitched, err)
+            return
+        watch.lap(_set_stage(stitched, "prefill_ms"))
+        self.prefilled_together += len(stitched)
+        yield from self._first_tokens(stitched, logits, watch)
+
+    def _first_tokens(self, group: list[BatchRequest], logits: torch.Tensor, watch: Stopwatch | None) -> Outputs:
+        """The first tokens of requests prefilled together (logits [len(group), vocab]). Overlapped (and none asks
+        for log-probabilities, which need the logits now), they are picked on the device and the requests run at
+        once: the next step feeds the picks from there, and they are read while it runs."""
+        if not (self.overlap_admissions and self._overlaps(group)):
+            yield from self._first_tokens_now(group, logits, watch)
+            return
+        started = yield from self._decoding(group)
+        if not started:
+            return
+        if len(started) < len(group):
+            kept = {id(r) for r in started}
+            logits = logits[[row for row, r in enumerate(group) if id(r) in kept]]
+        try:
+            picks = pick_rows_on_device(logits, [r.running_sampler for r in started])
+        except Exception as err:
+            yield Failed(started, err)
+            return
+        self.inflight.push(copy_to_host(started, picks, 0, watch))
+        yield Started(started)
+
+    def _first_tokens_now(
+        self, group: Sequence[BatchRequest], logits: torch.Tensor, watch: Stopwatch | None
+    ) -> Outputs:
+        """Each request's first token picked and read here; those it does not end start running."""
+        for row, request in enumerate(group):
+            try:
+                self.start_decoding(request)
+                first = request.running_sampler.pick(logits[row])
+                logprobs = _logprobs([request], logits[row].unsqueeze(0), [first])
+            except Exception as err:
+                yield Failed([request], err)
+                continue
+            yield Tokens([request], [first], logprobs, 0, watch, start=True)
+
+    def _decoding(self, group: list[BatchRequest]) -> Generator[StepOutput, None, list[BatchRequest]]:
+        """`group` with each request's sampler and detokenizer started; one that fails to start ends alone, not
+        the forward it was to share."""
+        started = []
+        for request in group:
+            try:
+                self.start_decoding(request)
+                started.append(request)
+            except Exception as err:
+                yield Failed([request], err)
+        return started
+
+    def start_decoding(self, request: BatchRequest) -> None:
+        """The request's sampler and detokenizer, made once (a question riding in a step has them from its
+        admission; nothing has been drawn or decoded before its first token)."""
+        if request.sampler is not None:
+            return
+        request.sampler = Sampler(request.sampling, self.engine.spec.device)
+        request.detok = IncrementalDetokenizer(self.engine.tokenizer, request.sampling.stop)
+
+    # ---- naive chunks ----------------------------------------------------------------------------------------
+
+    def prefill_chunks(self, chunks: list[NaiveChunk]) -> Outputs:
+        """The step's chunks of naive prompts; a prompt whose last chunk went in gets its first token. Where the
+        batched forward pays they run as one forward; elsewhere the planner hands one chunk."""
+        if not chunks:
+            return
+        group = [chunk.request for chunk in chunks]
+        watch = Stopwatch(self.engine.spec.device)
+        try:
+            if self.slabs.batched:
+                logits = self.slabs.extend(group, [chunk.ids for chunk in chunks])
+            else:
+                logits = self.slabs.chunk_alone(group[0], chunks[0].ids, chunks[0].begin).unsqueeze(0)
+        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
+            if self.slabs.batched:
+                log.exception("batched prefill of %d naive chunks failed", len(group))
+            yield Failed(group, err)
+            return
+        spent = watch.lap_ms()
+        for row, chunk in enumerate(chunks):
+            chunk.request.result.timings.prefill_ms += spent
+            if chunk.completes:
+                yield from self._first_tokens_now([chunk.request], logits[row : row + 1], None)
+
+    # ---- the decode step -------------------------------------------------------------------------------------
+
+    def decode_step(self) -> Outputs:
+        """One batched decode step over the running requests. Overlapped, the step is launched first and the
+        previous one read while it runs; otherwise the previous one (if any) is read, then this one runs and is
+        read at once."""
+        questions, watch = self.questions, self._question_watch
+        self.questions, self._question_watch = [], None
+        if not self._step_overlaps(questions):
+            yield from self._read_then_step(questions, watch)
+            return
+        batch = self.planner.continuing(self.inflight.unread())
+        if questions and not self.planner.rides(batch, questions):
+            assert watch is not None
+            yield from self._prefill_stitched(questions, watch)  # no step to ride in after all: prefilled apart
+            questions, batch = [], self.planner.continuing(self.inflight.unread())
+        self.last_batch = len(batch)
+        if batch:
+            yield from self._launch(batch, questions, watch)
+        while len(self.inflight) > (1 if batch else 0):  # the step just launched runs on
+            yield from self._read(self.inflight.oldest())
+
+    def drain(self) -> Outputs:
+        """Read every launched step and unread first token (before work that must not overlap them)."""
+        while self.inflight:
+            yield from self._read(self.inflight.oldest())
+
+    def _read_then_step(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
+        """Not overlapped: read everything in flight, then one step (with `questions` in it) read at once."""
+        yield from self.drain()
+        if questions and not self.planner.rides(list(self.planner.running), questions):
+            assert watch is not None
+            yield from self._prefill_stitched(questions, watch)
+            yield from self.drain()
+            questions = []
+        self.last_batch = len(self.planner.running)
+        if self.planner.running:
+            yield from self._decode(questions, watch)
+
+    def _step_overlaps(self, questions: Sequence[BatchRequest]) -> bool:
+        """Whether this step (over the running requests, with `questions` prefilled in it) is launched before the
+        previous one is read; its questions' first tokens then stay on the device too (`overlap_admissions`)."""
+        return self._overlaps([*self.planner.running, *questions]) and (self.overlap_admissions or not questions)
+
+    def _overlaps(self, rows: Sequence[BatchRequest]) -> bool:
+        """Whether picks of `rows` may stay unread on the device: overlap is on and none asks for
+        log-probabilities (computed from the logits, which the next forward overwrites)."""
+        return self.overlap and all(r.sampling.logprobs is None for r in rows)
+
+    def _launch(self, batch: list[BatchRequest], questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
+        """Queue a decode step over `batch` (with `questions` prefilled in its forward) and its picks' copy to the
+        host, without waiting for either. A row whose last token is still unread on the device is fed from there;
+        the questions' first tokens are picked with the step's and read with them."""
+        began = time.perf_counter()
+        feed = self.inflight.feed(batch)
+        rows = [*batch, *questions]
+        outcome: StepOutput = Started(questions)
+        try:
+            if questions:
+                assert watch is not None
+                logits = self._mixed_logits(batch, questions, feed, watch)
+            else:
+                logits = self._decode_logits(batch, feed)
+            picks = pick_rows_on_device(logits, [r.running_sampler for r in rows])
+            self.inflight.push(copy_to_host(rows, picks, len(batch), watch))
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(rows))
+            outcome = Failed(rows, err)
+        self.busy_s["decode"] += time.perf_counter() - began
+        yield outcome
+
+    def _read(self, step: PendingPicks) -> Outputs:
+        """Wait for queued picks, return the slabs that work was the last to write, report each live row's token
+        (a first token starts its request's stream)."""
+        began = time.perf_counter()
+        try:
+            tokens = step.tokens()
+        except Exception as err:
+            log.exception("batched decode step over %d requests failed", len(step.batch))
+            failed: Failed | None = Failed([r for r in step.batch if not r.finished], err)
+        else:
+            failed = None
+        for slab in step.free_after:
+            self.inflight.pool.free(slab)
+        if failed is not None:
+            yield failed
+            return
+        read = time.perf_counter()
+        self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
+        # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
+        live = [
+            (row, r, token) for row, (r, token) in enumerate(zip(step.batch, tokens, strict=True)) if not r.finished
+        ]
+        first_from = sum(1 for row, _, _ in live if row < step.first_from)
+        yield Tokens([r for _, r, _ in live], [t for _, _, t in live], None, first_from, step.watch)
+        self.busy_s["emit"] += time.perf_counter() - read
+
+    def _decode(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
+        """One batched step over every running request (and the `questions` admitted to prefill with it), read at
+        once."""
+        batch = list(self.planner.running)
+        began = time.perf_counter()
+        try:
+            tokens, logprobs, question_logits = self._step_tokens(batch, questions, watch)
+        except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
+            log.exception("batched decode step over %d requests failed", len(batch) + len(questions))
+            yield Failed([*batch, *questions], err)
+            return
+        decoded = time.perf_counter()
+        self.busy_s["decode"] += decoded - began
+        yield Tokens(batch, tokens, logprobs, len(batch))
+        if questions:
+            assert question_logits is not None
+            yield from self._first_tokens_now(questions, question_logits, watch)
+        self.busy_s["emit"] += time.perf_counter() - decoded
+
+    def _step_tokens(
+        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest], watch: Stopwatch | None
+    ) -> tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None]:
+        """Feed every request its last token, one batched step; the next token of each (and its log-probabilities
+        where the request asks for them). With `questions`, their rows' logits come back too."""
+        if questions:
+            assert watch is not None
+            both = self._mixed_logits(batch, questions, None, watch)
+            logits, question_logits = both[: len(batch)], both[len(batch) :]
+        else:
+            logits, question_logits = self._decode_logits(batch), None
+        tokens = pick_rows(logits, [r.running_sampler for r in batch])
+        return tokens, _logprobs(batch, logits, tokens), question_logits
+
+    def _mixed_logits(
+        self, batch: Sequence[BatchRequest], questions: Sequence[BatchRequest], feed: StepFeed | None, watch: Stopwatch
+    ) -> torch.Tensor:
+        """The decode step over `batch` with `questions` prefilled in its forward; logits of the decode rows, then
+        each question's. The questions' prefill time is the step's (every member waits for all of it)."""
+        ids, positions, spans = _rows(batch)
+        logits = self.slabs.mixed((ids, positions, spans, None), feed, questions)
+        for request in batch:
+            request.buffer.commit(1, request.buffer.next_position + 1)
+        watch.lap(_set_stage(questions, "prefill_ms"))
+        self.prefilled_together += len(questions)
+        self.prefilled_with_decode += len(questions)
+        return logits
+
+    def _decode_logits(self, batch: Sequence[BatchRequest], feed: StepFeed | None = None) -> torch.Tensor:
+        """The decode step proper: each request's last token (or, with `feed`, the previous step's pick still on
+        the device) through the step's graph (or eagerly)."""
+        ids, positions, spans = _rows(batch)
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, positions, spans, feed)
+        else:
+            logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed))
+        for request in batch:
+            request.buffer.commit(1, request.buffer.next_position + 1)
+        return logits
+
+
+def _rows(batch: Sequence[BatchRequest]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Each request's token to feed, its position, and its slab's (start, live slots after this step)."""
+    ids, positions, spans = [], [], []
+    for request in batch:
+        assert request.slab is not None
+        slot = request.buffer.reserve(1)  # the slab always has room: it holds the whole answer budget
+        ids.append(request.last_token)
+        positions.append(request.buffer.next_position)
+        spans.append((request.slab.start, slot + 1))
+    return ids, positions, spans
+
+
+def _logprobs(batch: Sequence[BatchRequest], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprobs | None]:
+    """Per row, the picked token's log-probabilities, for the rows that ask (nothing computed otherwise)."""
+    wanted = [row for row, r in enumerate(batch) if r.sampling.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(batch)
+    if not wanted:
+        return out
+    rows = logits if len(wanted) == len(batch) else logits[wanted]
+    top = [batch[row].sampling.logprobs or 0 for row in wanted]
+    for row, found in zip(wanted, logprobs_rows(rows, [tokens[row] for row in wanted], top), strict=True):
+        out[row] = found
+    return out
+
+
+def _set_stage(group: Sequence[BatchRequest], stage: str) -> Callable[[float], None]:
+    """A `Stopwatch.lap` setter giving every request of `group` the same stage time (they waited for all of it)."""
+    setters = [stage_setter(request.result.timings, stage) for request in group]
+
+    def set_ms(ms: float) -> None:
+        for setter in setters:
+            setter(ms)
+
+    return set_ms
