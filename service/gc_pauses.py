@@ -2,18 +2,17 @@
 
 A full collection walks every object the process holds, with the GIL held, so every thread stops: the engine
 loop, the event loop, retrieval. Once torch, transformers, a tokenizer, the embedder and Qdrant's client are
-loaded that is ~0.5M objects and 250-450 ms per full collection (measured: 2-core VM and, through the gateway,
-the H200, where two such stalls in a 20-second 32-client phase were the whole TTFT tail; docs/benchmarks.md
-§10.8). `gc.freeze()` once start-up is over moves what start-up made into the permanent generation that
-collections skip (what CPython provides it for), so later collections walk only what requests made since.
-`GcPauses` times every collection through `gc.callbacks`, so the metrics show whether pauses come back.
+loaded that is ~0.5M objects and hundreds of milliseconds per full collection, a stall every question in flight
+waits out, so a few of them make the whole TTFT tail. `gc.freeze()` once start-up is over moves what start-up
+made into the permanent generation that collections skip (what CPython provides it for), so later collections
+walk only what requests made since. `GcPauses` times every collection through `gc.callbacks`, so the metrics show
+whether pauses come back.
 
-What serving allocates lives about as long as a request (its prompt, events, results: ~0.7 s at 32 clients). With
-Python's default threshold (700 net allocations) an H100 gateway at 32 clients ran ~25 youngest-generation
-collections a second, ~0.9 ms each, and promoted what they found alive, so the older generations were walked
-too: 1.1 s of a 25-s phase, every thread stopped. With 20,000 (`KVSTITCH_GC_GEN0_THRESHOLD`) the young
-collections cost the same in all (15 of ~40 ms) but almost nothing is walked again: 0.67 s (docs/benchmarks.md
-§10.12).
+What serving allocates lives about as long as a request (its prompt, events, results: under a second). Python's
+default threshold (700 net allocations) collects the youngest generation dozens of times a second under load, and
+each collection promotes what it finds alive, so the older generations fill and are walked too. A higher threshold
+(`KVSTITCH_GC_GEN0_THRESHOLD`) runs fewer, longer young collections that cost about the same in all, but far less
+is promoted and walked again (at 32 clients 20,000 stopped every thread for 0.67 s of a 25-s phase, 700 for 1.1 s).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Failures of a dependency logged once per outage, not once per call.
 
 While Redis is away, every background index update fails; logging each one buried the log in identical
-tracebacks (81 to 126 per outage in issue 15). `OutageLog` logs the first failure of an outage as a warning
+tracebacks, a hundred or so per outage. `OutageLog` logs the first failure of an outage as a warning
 with its error, counts the rest silently, and logs one line when a call succeeds again.
 """
 

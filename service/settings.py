@@ -119,8 +119,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
     gc_freeze: bool = Field(
         True,
-        description="Once ready, freeze the start-up heap out of Python's garbage collector (no 250-450 ms full "
-        "collections).",
+        description="Once ready, freeze the start-up heap out of Python's garbage collector, so full collections "
+        "skip it (250-450 ms each otherwise).",
     )
     gc_gen0_threshold: int = Field(
         20_000,
@@ -146,7 +146,7 @@ class Settings(BaseSettings):
         None,
         description="Questions admitted while answers run are prefilled in the running answers' decode step (up to "
         "4 questions of 256 tokens in all; needs BATCH_PREFILL_MIN > 0): one pass over the weights for both. Unset "
-        "= on where decode steps run through CUDA graphs (docs/benchmarks.md §10.11).",
+        "= on where decode steps run through CUDA graphs.",
     )
     overlap_decode: bool | None = Field(
         None,

@@ -32,12 +32,12 @@ FLASH_VARLEN = "flash_varlen"
 SDPA_MASK = "sdpa_mask"
 ATTENTION_BACKENDS = (FLASH_VARLEN, SDPA_MASK)
 # A prefill's attention over the context is split into this many key ranges run side by side and merged by
-# their log-sum-exp (flash-decoding's split-KV): one range per head is only 28 thread blocks for 128 queries on
-# 132 SMs, and each walks the whole context alone (10 ms of a 16K prefill; see docs/benchmarks.md §8).
+# their log-sum-exp (flash-decoding's split-KV): one causal call runs one thread block per head and query tile,
+# a few dozen for a question on a GPU of 132 SMs, and each walks the whole context alone.
 PREFILL_KV_SPLITS = 8
 # The batched prefill (several requests' new tokens, `extend_split`) splits each request's context the same way
-# while its new tokens are few: flash-attention 2 splits keys only for one query per row, so two questions over
-# 8K contexts ran 56 thread blocks that each walked 8K keys (7.5 of the forward's 15 ms on an H200, §10.9).
+# while its new tokens are few: flash-attention 2 splits keys over thread blocks only for one query per row, so
+# otherwise a few questions over long contexts leave most SMs idle while each block walks a whole context.
 # Above `EXTEND_SPLIT_TOKENS` new tokens the query blocks fill more of the GPU: fewer ranges, then none.
 EXTEND_KV_SPLITS = 8
 EXTEND_SPLIT_TOKENS = 256
@@ -257,9 +257,9 @@ def _flash_split(
 
 
 def extend_splits(tokens: int) -> int:
-    """Context key ranges for a batched prefill of `tokens` new tokens in all (1: one causal flash call). Measured
-    on an H200 at 8K contexts (docs/benchmarks.md §10.9): 8 ranges took one 122-token question from 13.4 to 10.0 ms
-    and two from 19.0 to 14.4; four questions gained 5 % with 4 ranges; eight (1,024 tokens) lost 10 % with 2."""
+    """Context key ranges for a batched prefill of `tokens` new tokens in all (1: one causal flash call). Splitting
+    pays while the query tiles alone leave the GPU idle (8 ranges took one 122-token question over 8K from 13.4 to
+    10.0 ms); as the tokens grow the tiles fill it and the extra ranges and their merge cost more than they save."""
     if tokens <= EXTEND_SPLIT_TOKENS:
         return EXTEND_KV_SPLITS
     return EXTEND_KV_SPLITS // 2 if tokens <= 2 * EXTEND_SPLIT_TOKENS else 1

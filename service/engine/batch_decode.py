@@ -250,8 +250,8 @@ def extend_attention(
     """The attention of each request's new tokens over its slab's live slots, causal and end-aligned (a token
     sees the context and the new tokens up to itself). `bounds`: see `BatchDecoder.extend`; given (a captured
     extend), flash splits each context into key ranges while the new tokens are few (`extend_splits`). Eagerly
-    the split's ~20 small kernels a layer cost more in launches than they save (one 122-token question at 8K:
-    28 against 14 ms on an H200, docs/benchmarks.md §10.9), so an eager extend runs one flash call."""
+    the split's ~20 small kernels a layer cost more in launches than they save (they doubled one question's
+    extend), so an eager extend runs one flash call."""
     if backend == LOOP:
         return _extend_loop(rows.spans)
     if backend == FLASH_VARLEN:

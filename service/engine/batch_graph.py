@@ -13,8 +13,7 @@ Padding rows feed token 0 at position 0 into a one-slot scratch slab the graphs 
 that slot, so no request's slab is touched; their logits are dropped. Only the `flash_varlen` and `sdpa_gather`
 attentions can be captured (the loop slices by host lengths).
 
-`test_engine_batch.py`'s gpu-marked tests compare it with the eager step and, fed or not, with eager decoding
-(run on H200 and H100 machines through the device tool).
+`test_engine_batch.py`'s gpu-marked tests compare it with the eager step and, fed or not, with eager decoding.
 """
 
 from __future__ import annotations
@@ -33,9 +32,9 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Decode rows per captured step, finer than powers of two from 8 on: flash-attention splits each row's keys over
-# several thread blocks only while rows x KV heads stay under 80 % of the SMs, and it counts padding rows. At 24
-# answers (Qwen2-7B's 4 KV heads, 132 SMs) padded to 32, its 128 blocks each walked a whole 8K context on one SM:
-# 13.8 ms a step, as much as 32 answers (docs/benchmarks.md §10.11).
+# several thread blocks only while rows x KV heads stay under 80 % of the SMs, and it counts padding rows. 24
+# answers (Qwen2-7B's 4 KV heads, 132 SMs) padded to 32 would run 128 blocks that each walk a whole context on
+# one SM, so they would cost what 32 answers do.
 STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)
 
 

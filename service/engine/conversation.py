@@ -4,7 +4,7 @@ The prompt keeps its three parts: the template prefix, the chunk blocks (their K
 is all that gets prefilled. With a conversation the suffix holds it: the conversation's first user message is
 asked in the documents' turn, exactly where a lone question goes, and every other message (earlier answers,
 later questions, system instructions) follows as its own chat-template turn, in order, the newest question
-last. So a conversation of one question is today's prompt, id for id.
+last. So a conversation of one question is a lone question's prompt, id for id.
 
 The chat template is rendered once per sequence of roles around slot markers; the constant pieces between the
 slots are encoded, each message's text is encoded alone, and the ids are joined, never the text (LMCache #194).

@@ -1,12 +1,12 @@
 """CUDA graphs for the whole request: the question prefill and every decode step, over one graph-owned buffer.
 
-Eager decode at 8K context on an H200 is bound by the CPU launching ~1,500 small kernels per token (22 ms of
-CPU for 6 ms of GPU work), and the 128-token question prefill the same way (~38 ms of CPU for 18 ms of GPU). A
-CUDA graph records those launches once and replays them with one call. A graph fixes every pointer and shape, so
-the captured code (`LeanForward.forward_static`) reads its token ids, positions and slots from static device
-tensors, writes K/V into a buffer the graph owns, and attends over that buffer's whole capacity with the slots
-past the live length kept out on the device: no `.item()`, no Python branch on tensor values, no allocation
-whose size depends on the length.
+Eager decode is bound by the CPU launching ~1,500 small kernels per token, which takes several times as long as
+the GPU work they start, and a question prefill the same way. A CUDA graph records those launches once and
+replays them with one call. A graph fixes every pointer and shape, so the captured code
+(`LeanForward.forward_static`) reads its token ids, positions and slots from static device tensors, writes K/V
+into a buffer the graph owns, and attends over that buffer's whole capacity with the slots past the live length
+kept out on the device: no `.item()`, no Python branch on tensor values, no allocation whose size depends on the
+length.
 
 One `DecodeGraph` per capacity bucket owns a KV buffer, the captured decode step, and prefill graphs for
 questions of bucketed lengths (`QUESTION_BUCKETS`), all over that one buffer: a request's chunks are stitched

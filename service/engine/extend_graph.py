@@ -1,8 +1,8 @@
 """The batched question prefill (`BatchDecoder.extend`) captured in CUDA graphs, one per (row bucket, token bucket).
 
-Eagerly, the questions admitted together cost the same ~1,500 kernel launches as a decode step, on the engine
-thread that shares the GIL with the event loop and retrieval: 41 ms for a group at 8 clients and 169 ms at 32
-on an H100, where the GPU work is a few ms (docs/benchmarks.md §10.5). A graph replays them with one call.
+Eagerly, the questions admitted together cost the same ~1,500 kernel launches as a decode step, issued from the
+engine thread that shares the GIL with the event loop and retrieval, so under load the launches, not the GPU
+work of a few ms, set the time. A graph replays them with one call.
 
 A graph fixes shapes and pointers, so each is captured for `rows` requests (a bucket of `BATCH_BUCKETS`) and
 `tokens` new tokens in all (a bucket of `TOKEN_BUCKETS`). The real requests come first; the rows up to the

@@ -1,7 +1,7 @@
-"""Fused rotate-and-place: the whole stitch as one Triton launch per group of ready blocks (issue 7).
+"""Fused rotate-and-place: the whole stitch as one Triton launch per group of ready blocks.
 
-The torch stitch issues per block and layer a handful of copies plus fp32 temporaries for the rotation (~400
-launches and 4-5 ms at 8K tokens). Here one kernel reads every block's un-roped keys and values and writes them
+The torch stitch issues per block and layer a handful of copies plus fp32 temporaries for the rotation, some
+400 launches at 8K tokens. Here one kernel reads every block's un-roped keys and values and writes them
 into the buffer at their slots, keys rotated in fp32 by the model's own cos/sin rows of their new positions and
 cast once. The math is the torch path's, in the same order, so the two agree bit for bit.
 
@@ -9,8 +9,8 @@ Readiness: a block with a `BlockReady` may still be copying. Waiting on every co
 the whole stitch behind the last copy; instead blocks are cut into groups at each new wait, the wait is issued
 and the group launched, so earlier blocks are placed while later ones still copy (as the torch path does), at
 one launch per waited block instead of ~25 torch ops per block. Blocks with no wait (GPU tier, prefix) join the
-current group, so a GPU-tier stitch is one launch. Measured on the KVStore host tier (docs/benchmarks.md §8.1) the
-two choices tie (the copies dominate); grouping stays because it can only cost a few launches.
+current group, so a GPU-tier stitch is one launch. On the host tier the copies dominate either way; grouping is
+kept because it can only cost a few launches, while one launch always waits for the last copy.
 
 cos/sin come from `Rotary.cos_sin` (the model's rotary module, scaled RoPE included) for positions 0..N-1 and are
 cached, N growing by powers of two: every supported rope type (model.SUPPORTED_ROPE_TYPES) gives a position the

@@ -16,14 +16,14 @@ from service.engine.reference import prompt_reference_logits
 from service.engine.stitch import PositionMode
 
 FP32_TOLERANCE = 1e-4
-# In fp32 too the round-off grows with the logits: a trained model's reach ~40, where the H200 measured 1.3e-4 for a
-# base model whose stitching was exact (its fine-tuned copy 6.8e-5; docs/quality.md). The bound is 1e-4 or 1e-5 of
-# the largest reference logit, whichever is larger; a position off by one differs by whole logits.
+# In fp32 too the round-off grows with the logits: a trained model's reach ~40, and a base model whose stitching
+# was exact still differed by 1.3e-4 (docs/quality.md). The bound is 1e-4 or 1e-5 of the largest reference logit,
+# whichever is larger; a position off by one differs by whole logits.
 FP32_RELATIVE_TOLERANCE = 1e-5
-# In bf16 the bound is relative to the size of the logits. Measured on the H200 (docs/benchmarks.md) on a
-# Qwen2-7B-shaped random model: stitched-bf16 and HF's own reference-bf16 each sit ~0.35 from an fp32
-# reference (max |logit| ~6.8, so ~5%), and differ from each other by at most 0.38; positions off by one
-# differ by 4.7 or more. 10% of the largest reference logit separates the two with margin on both sides.
+# In bf16 the bound is relative to the size of the logits. On a Qwen2-7B-shaped random model stitched-bf16 and
+# HF's own reference-bf16 each sit ~0.35 from an fp32 reference (max |logit| ~6.8, so ~5%), and differ from each
+# other by at most 0.38; positions off by one differ by 4.7 or more. 10% of the largest reference logit separates
+# the two with margin on both sides.
 BF16_RELATIVE_TOLERANCE = 0.10
 BF16_TOLERANCE = 0.25  # absolute bound for the tiny test models (logits ~3.5; measured diffs ~0.04)
 DEFAULT_CHUNK_LENGTHS = (23, 7, 41, 12)

@@ -3,8 +3,8 @@
 A prefill over a long context splits the context into key ranges (flash-decoding's split-KV, `attention.py`)
 and merges the ranges' outputs and the question's own causal part by their log-sum-exp. In torch that merge is
 ~10 small fp32 kernels a layer (a concatenation of the partials, their cast, max, exp, products, sums, division),
-~2 ms of a mixed step with one 122-token question on an H100 (docs/benchmarks.md §10.11); this kernel reads each
-partial once and writes the merged output, in one launch a layer.
+each reading and writing the partials again; this kernel reads each partial once and writes the merged output,
+in one launch a layer.
 
 It applies where flash returns its flat log-sum-exp layout [heads, queries] on a CUDA device with triton;
 elsewhere `attention.py` keeps torch's merge.

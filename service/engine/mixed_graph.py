@@ -1,9 +1,9 @@
 """The decode step with questions piggybacked on it (`BatchDecoder.mixed`) captured in CUDA graphs.
 
-A question admitted while answers run costs a pass over the weights of its own when it is prefilled apart
-(~9 ms of a 7B model's ~10 ms prefill on an H100), then the next decode step reads them again. Piggybacked,
-its tokens ride in the running answers' step: one pass over the weights for both, and the step grows by the
-question's attention and a few more matmul rows.
+A question admitted while answers run costs a pass over the weights of its own when it is prefilled apart (most
+of a short question's prefill), then the next decode step reads them again. Piggybacked, its tokens ride in the
+running answers' step: one pass over the weights for both, and the step grows by the question's attention and a
+few more matmul rows.
 
 A graph fixes shapes, so each is captured for `batch` decode rows (a `STEP_BUCKETS` bucket, padded as
 `BatchGraph` pads: token 0 at position 0 into a scratch slot), `rows` questions (`MIXED_ROWS`) of `tokens` new

@@ -1,5 +1,4 @@
-"""Recompute part of a stitched context before the question (issue 13, item 2): EPIC's `prefix:N` and
-CacheBlend's `selective:R`.
+"""Recompute part of a stitched context before the question: EPIC's `prefix:N` and CacheBlend's `selective:R`.
 
 A stitched context is exact for the template prefix (computed at positions 0..P-1 with nothing before it), but
 every chunk block's KV was computed with attention to that block alone. Recomputing a token runs it through the

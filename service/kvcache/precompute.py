@@ -16,8 +16,8 @@ from service.engine.kv_layout import KVBlock, TokenIds
 # Padded tokens (blocks x longest block) per batched precompute. Activations grow with it: at 16K tokens a
 # 7B-class model needs a few GiB beyond its weights, and 32 chunks of 512 tokens still go in one call.
 DEFAULT_MAX_PRECOMPUTE_TOKENS = 16_384
-# Threads that write computed blocks while the next batch computes: on an H200 a 7B forward makes KV at ~39K
-# tokens/s, which one writer thread stores at only ~1 GB/s (docs/benchmarks.md §5).
+# Threads that write computed blocks while the next batch computes: a 7B forward on a large GPU makes KV at
+# ~40K tokens/s, several GB/s, and one writer thread (copy, file, fsync, index) stores only ~1 GB/s.
 DEFAULT_WRITERS = 4
 # Computed blocks waiting for a writer hold device memory; this bounds it.
 MAX_PENDING_WRITES = 128

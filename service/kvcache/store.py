@@ -159,12 +159,12 @@ class KVStore:
     overlapped fetch copies host-tier hits by (None: whole blocks). The store does
     not own the index it is given and leaves closing it to the caller. `max_precompute_tokens` caps the padded
     tokens of one batched precompute of misses. `direct_io` reads block payloads with O_DIRECT into the host
-    pool where the filesystem allows it. It is off by default because it measured slower on the H200 machine
-    (8K context, 15 files: cold 211-233 ms against 169 ms buffered; warm 283 ms against 58 ms, as O_DIRECT
-    bypasses the page cache); on the 2-core development box it was faster cold (154 against 211 ms). Turn it
-    on where a cold fetch measures faster with it. `disk_format` "int8" or "fp8" stores block files in an 8-bit
-    form (`quant.py`: half the bytes to read, pin and copy; dequantised on the device after the copy), under
-    keys of their own; "native" (the default) stores the compute dtype's bytes, bit-exact.
+    pool where the filesystem allows it. It is off by default: O_DIRECT bypasses the page cache, so a block the
+    cache holds is read from the disk again (a warm 8K fetch took 283 ms against 58 ms buffered), and whether a
+    cold read gains depends on the drive. Turn it on where a cold fetch measures faster with it. `disk_format`
+    "int8" or "fp8" stores block files in an 8-bit form (`quant.py`: half the bytes to read, pin and copy;
+    dequantised on the device after the copy), under keys of their own; "native" (the default) stores the compute
+    dtype's bytes, bit-exact.
     """
 
     def __init__(
@@ -224,8 +224,8 @@ class KVStore:
     def _plan(self, token_id_blocks: Sequence[Sequence[int]]) -> LoadPlan:
         planned = []
         for ids in token_id_blocks:
-            # A prompt's blocks are tuples of ints already (`PromptTemplate.chunk_block`); converting 16 blocks
-            # of ~640 ids again cost ~0.8 ms of the engine thread per admission (2-core VM).
+            # A prompt's blocks are tuples of ints already (`PromptTemplate.chunk_block`): converting a question's
+            # thousands of ids again would cost the engine thread about a millisecond per admission.
             token_ids = ids if type(ids) is tuple else tuple(map(int, ids))
             key = self._cached_key(token_ids)
             nbytes = len(token_ids) * self._kv_bytes_per_token

@@ -67,7 +67,8 @@ VISIBLE = "visible"
 # Extra hits an embedded search asks for so that unpublished points among the best can be dropped afterwards.
 EMBEDDED_OVERFETCH = 16
 SPARSE_VECTOR = "bm25"
-# Each ranking a hybrid search fuses holds this many times top_k hits (what docs/benchmarks.md §11 measured).
+# Each ranking a hybrid search fuses holds this many times top_k hits, so a chunk that only one of the two ranks
+# near the top still reaches the fusion.
 HYBRID_PREFETCH = 4
 
 

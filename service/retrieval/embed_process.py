@@ -1,9 +1,9 @@
 """Question embeddings in a child process, so the BERT forward never waits for the serving process's GIL.
 
 On CPU a sentence-transformers forward is hundreds of small torch ops, each releasing and re-taking the GIL; in
-the gateway the engine thread and the event loop hold it most of the time, so an 11 ms embedding took 36-114 ms
-at 8-32 clients (GIL convoy). In a process of its own the forward has a GIL to itself; the retrieval thread only
-blocks on a pipe (GIL released) and then runs the Qdrant search.
+the gateway the engine thread and the event loop hold it most of the time, so under load every op waits to take
+it back and an embedding takes several times its own work (a GIL convoy). In a process of its own the forward has
+a GIL to itself; the retrieval thread only blocks on a pipe (GIL released) and then runs the Qdrant search.
 
 The child is started with the *spawn* context: the parent has CUDA and threads, which a fork would copy
 half-initialized. Vectors come back as float32 bytes plus their shape, not as pickled lists of Python floats.

@@ -54,8 +54,7 @@ class Embedder:
         if not device.startswith("cuda"):
             self._model.float()  # half-precision weights (a folder saved in fp16) run several times slower on CPU
         # On a GPU shared with the engine, embeddings run on a stream of their own: on the default stream they
-        # would queue behind the engine's decode steps and prefills (measured: retrieve 12 ms alone, 100+ ms at 8
-        # concurrent clients).
+        # would queue behind the engine's decode steps and prefills, and a question's retrieval with them.
         self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
         self._dimension = self._read_dimension()
 

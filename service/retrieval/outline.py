@@ -71,7 +71,7 @@ class Outline:
 def embedding_text(context: ChunkContext, text: str) -> str:
     """What is embedded for a chunk: the document's title and the innermost heading above it, then its text (a
     heading the chunk starts with is not repeated). Only the innermost: the outer ones are the same for many
-    chunks, and in a 256-piece embedder they dilute what sets the chunk apart (docs/benchmarks.md §11)."""
+    chunks, and in a 256-piece embedder they dilute what sets the chunk apart (the whole path lost recall)."""
     lead = [context.title] if context.title else []
     for heading in context.headings[-1:]:
         if heading not in lead and not text.lstrip("# \t").startswith(heading):
