@@ -75,9 +75,22 @@ def test_the_core_imports_neither_http_nor_workers_nor_the_root(package: str) ->
     assert offenders(package, forbidden) == {}
 
 
-def test_the_kv_store_does_not_know_the_engine() -> None:
+def test_the_kv_store_knows_of_the_engine_only_its_block_layout() -> None:
     """kvcache takes a precompute callable and layer groups; of the engine it needs only the block layout."""
     engine_imports = {
         m for _, modules in sources("service/kvcache/") for m in modules if m.startswith("service.engine")
     }
-    assert engine_imports <= {"service.engine.kv_layout", "service.engine.model"}
+    assert engine_imports == {"service.engine.kv_layout"}
+
+
+def test_the_block_layout_imports_nothing_else_of_the_project() -> None:
+    """So "kvcache imports only the block layout" brings nothing else of the engine with it."""
+    ((_, modules),) = sources("service/engine/kv_layout.py")
+    assert sorted(m for m in modules if m.startswith(("service", "workers"))) == []
+
+
+def test_the_scheduler_gets_its_kv_through_the_port_it_is_handed() -> None:
+    """The engine never reaches back up for chunk KV: nothing under service/engine/ imports the store, the use
+    cases or the serving modules that hold them."""
+    forbidden = ("service.kvcache", "service.answer", "service.answer_session", "service.kv_for_engine")
+    assert offenders("service/engine/", forbidden) == {}

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from service.engine.kv_buffer import KVBuffer
+from service.engine.kv_layout import ModelSpec
 from service.engine.kv_pool import KVPool, PoolExhaustedError, Slab
-from service.engine.model import ModelSpec
 
 # 1 layer x (K, V) x 1 head x 2 dims x 4 bytes: 16 bytes a token.
 SPEC = ModelSpec(

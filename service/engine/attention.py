@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine.kv_layout import ModelSpec
 from service.engine.lse_merge import fused_merge, fused_merge_applies
-from service.engine.model import ModelSpec
 
 log = logging.getLogger(__name__)
 

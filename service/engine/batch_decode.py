@@ -36,8 +36,8 @@ from service.engine.attention import (
 )
 from service.engine.device_copy import to_device
 from service.engine.forward import LeanForward
+from service.engine.kv_layout import ModelSpec
 from service.engine.kv_pool import KVPool
-from service.engine.model import ModelSpec
 
 LOOP = "loop"
 SDPA_GATHER = "sdpa_gather"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.kv_layout import KEYS, VALUES
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KEYS, VALUES, ModelSpec
 
 
 class KVBuffer:

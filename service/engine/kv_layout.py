@@ -1,4 +1,6 @@
-"""The one KV layout the engine produces, stitches and the cache stores.
+"""The one KV layout the engine produces, stitches and the cache stores, and the model shape it follows.
+
+This module imports nothing else of the project: it is all the KV cache knows of the engine.
 
 A block's KV is a single tensor `[layers, 2, kv_heads, tokens, head_dim]`: index 0 of the second axis holds the
 keys *before* RoPE, index 1 the values. Because keys are stored un-rotated, one copy serves the block at any
@@ -11,13 +13,41 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.model import ModelSpec
-
 # A block's token ids, as the template builds them and the cache keys them (one definition for every package).
 TokenIds = tuple[int, ...]
 LAYOUT_NAME = "layers,kv,heads,tokens,dim;keys-unroped"
 LAYOUT_VERSION = 1
 KEYS, VALUES = 0, 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts the engine and the KV cache need, read once from the config."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rope_type: str
+    max_positions: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the lean forward computes exactly (a sliding window is not modelled)."""
+        if self.sliding_window is None:
+            return self.max_positions
+        return min(self.max_positions, self.sliding_window)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token occupies across all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass(frozen=True)

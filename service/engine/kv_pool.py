@@ -27,7 +27,7 @@ from enum import StrEnum
 import torch
 
 from service.engine.kv_buffer import KVBuffer
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import ModelSpec
 
 MIB = 1 << 20
 

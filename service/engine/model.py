@@ -14,6 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from service.engine.kv_layout import ModelSpec
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # RoPE variants whose rotation depends only on the position itself, so a key rotated at stitch time equals the
 # key the model would have rotated in a full forward. `dynamic` and `longrope` change frequencies with the
@@ -23,36 +25,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 class UnsupportedModelError(ValueError):
     """The model folder holds an architecture or setting kvstitch cannot stitch exactly."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts the engine and the KV cache need, read once from the config."""
-
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    rope_type: str
-    max_positions: int
-    sliding_window: int | None
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def max_context(self) -> int:
-        """Longest sequence the lean forward computes exactly (a sliding window is not modelled)."""
-        if self.sliding_window is None:
-            return self.max_positions
-        return min(self.max_positions, self.sliding_window)
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token occupies across all layers."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass

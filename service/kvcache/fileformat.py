@@ -47,8 +47,7 @@ from typing import Any
 import torch
 import xxhash
 
-from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION, KVBlock, block_shape
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION, KVBlock, ModelSpec, block_shape
 from service.kvcache import quant
 from service.kvcache.keys import dtype_name, is_block_key
 from service.kvcache.quant import DiskFormat, QuantizedKV

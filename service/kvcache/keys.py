@@ -13,12 +13,11 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION
-from service.engine.model import LoadedModel
+from service.engine.kv_layout import LAYOUT_NAME, LAYOUT_VERSION, ModelSpec
 
 # Bumped whenever the material hashed below changes, so old fingerprints and keys can never match new ones.
 FINGERPRINT_VERSION = 1
@@ -58,7 +57,15 @@ def is_block_key(text: str) -> bool:
 # ---- model fingerprint -------------------------------------------------------------------------------------
 
 
-def model_fingerprint(model: LoadedModel) -> str:
+class FingerprintedModel(Protocol):
+    """What a fingerprint reads of a loaded model (the engine's `LoadedModel`)."""
+
+    hf: Any
+    spec: ModelSpec
+    source: str
+
+
+def model_fingerprint(model: FingerprintedModel) -> str:
     """Stable hex digest of what the model computes: its config, its weights and the dtype it runs in."""
     digest = hashlib.sha256()
     _add_field(digest, f"kvstitch-model-fingerprint/{FINGERPRINT_VERSION}")

@@ -37,8 +37,7 @@ from typing import Self
 
 import torch
 
-from service.engine.kv_layout import KVBlock, TokenIds, block_shape, check_block
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KVBlock, ModelSpec, TokenIds, block_shape, check_block
 from service.kvcache import device
 from service.kvcache.device import CopyEvent
 from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, QuantBlock

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine.kv_layout import KVBlock
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KVBlock, ModelSpec
 from service.kvcache import device, quant
 from service.kvcache.device import CopyEvent, CopyStream
 from service.kvcache.fileformat import (

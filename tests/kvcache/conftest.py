@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from kv_support import BASE_SPEC, BlockFactory, IndexOpener, SpecFactory, random_kv
 
-from service.engine.kv_layout import KVBlock, block_shape
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KVBlock, ModelSpec, block_shape
 from service.kvcache.index import SQLITE_FILENAME, KVIndex, RedisIndex, SqliteIndex
 
 

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.engine.kv_layout import KVBlock
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KVBlock, ModelSpec
 
 if TYPE_CHECKING:  # a runtime import would pull Redis into the file-format tests' writer processes
     from service.kvcache.index import KVIndex

@@ -13,8 +13,7 @@ import pytest
 import torch
 from kv_support import BlockFactory, SpecFactory, bits
 
-from service.engine.kv_layout import KVBlock
-from service.engine.model import ModelSpec
+from service.engine.kv_layout import KVBlock, ModelSpec
 from service.kvcache.fileformat import (
     ALIGNMENT,
     O_DIRECT,
