@@ -337,7 +337,7 @@ def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore
 
 def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
     # Unset: hybrid where Qdrant ranks sparse vectors through an inverted index (a server). Embedded Qdrant scores
-    # them in Python against every point, ~20x dense retrieval (docs/benchmarks.md §11.1): opt in there.
+    # them in Python against every point, an order of magnitude slower than dense retrieval: opt in there.
     hybrid = settings.hybrid_search if settings.hybrid_search is not None else bool(settings.qdrant_url)
     if settings.qdrant_url:
         return ChunkCollection(

@@ -50,7 +50,7 @@ class SlabPrefill:
     def _batched_pays(self) -> bool:
         """On the CPU the loop attention is the reference kernel, so one forward for all questions only saves
         work. On CUDA only with flash varlen (its start-up probe agreed): the loop there is one eager attention
-        per request, slower than each question's own CUDA-graph prefill (measured, docs/benchmarks.md §10.5)."""
+        per request, slower than each question's own CUDA-graph prefill."""
         return self.engine.spec.device.type == "cpu" or self.decoder.extend_backend == FLASH_VARLEN
 
     def warm(self) -> None:
