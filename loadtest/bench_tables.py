@@ -65,11 +65,11 @@ from service.engine.gate import synthetic_ids
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
-from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
+from service.serving.kv_source import kv_store_for
 
 log = logging.getLogger("bench_tables")
 TIERS = ("naive", "gpu", "host", "disk_cold", "miss")

@@ -42,13 +42,13 @@ import torch
 from loadtest.bench_prefill import build_engine, context_chunks, question_ids, timed
 from service.engine.engine import StitchEngine
 from service.engine.prompt import PromptIds
-from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.fileformat import ALIGNMENT
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.quant import DISK_FORMATS, DiskFormat
 from service.kvcache.store import FetchResult, KVStore, TierBudgets
 from service.kvcache.tiers import Tier
+from service.serving.kv_source import kv_store_for
 
 log = logging.getLogger("bench_tiers")
 GB = 1e9

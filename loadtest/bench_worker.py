@@ -38,12 +38,12 @@ from loadtest.bench_prefill import build_engine
 from service.engine.engine import StitchEngine
 from service.engine.kv_layout import TokenIds
 from service.jobs.documents import Document, IngestJob
-from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.index import SqliteIndex
 from service.kvcache.precompute import precompute_and_store, precompute_batches
 from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.chunker import Chunker, ChunkerConfig
+from service.serving.kv_source import kv_store_for
 
 log = logging.getLogger("bench_worker")
 MAX_DOCUMENT_CHARS = 2_000_000
@@ -81,7 +81,7 @@ def corpus(documents: int, paragraphs: int, sentences: int, seed: int = 0) -> li
 def run_full(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median-able rows of the real ingest path, one per run."""
     from service.retrieval.embedder import Embedder
-    from service.runtime import open_engine, open_runtime
+    from service.serving.runtime import open_engine, open_runtime
     from service.settings import Settings
 
     def settings(data_dir: Path) -> Settings:

@@ -8,11 +8,11 @@
    fine-tuning set, a test set, a probe set scored during base training.
 2. A byte-level BPE tokenizer fitted to the training text and a Qwen2-config causal LM (6 layers, hidden 512,
    8 heads, 4 KV heads, tied embeddings by default; `--tiny` for tests), saved as an HF folder
-   (`service/quality/pretrain.py`).
+   (`workers/training/pretrain.py`).
 3. The base model trained from scratch under full causal attention on the served prompts (loss on the answer
    plus the prompt's next-token loss, the one-chunk set first), for `--pretrain-seconds` (the step count follows
    from the measured step time) or `--pretrain-steps`.
-4. Block fine-tuning of the base with `kvstitch finetune`'s code (`service/quality/finetune.py`), a share of
+4. Block fine-tuning of the base with `kvstitch finetune`'s code (`workers/training/finetune.py`), a share of
    full-attention samples mixed in (`--full-attention-share`).
 5. `kvstitch verify`'s gate and `kvstitch eval`'s code (`service/quality/eval.py`) on both models: naive, turbo
    composite, turbo reordered, reordered with `prefix:N` and with `selective:R` at each ratio.
@@ -48,9 +48,9 @@ from service.engine.recompute_spec import parse_recompute
 from service.engine.stitch import PositionMode
 from service.quality.dataset import QASample, read_samples
 from service.quality.eval import NAIVE, EvalReport, Variant, evaluate, format_table
-from service.quality.finetune import FinetuneConfig, eos_id, finetune
 from service.quality.generator import write_qa_file
-from service.quality.pretrain import (
+from workers.training.finetune import FinetuneConfig, eos_id, finetune
+from workers.training.pretrain import (
     ModelShape,
     PretrainConfig,
     PretrainReport,

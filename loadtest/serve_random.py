@@ -50,8 +50,8 @@ from loadtest.bench_prefill import build_engine
 from loadtest.qwen_vocab import installed_qwen_vocab
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
-from service.gc_pauses import set_young_threshold
-from service.server import Server
+from service.serving.gc_pauses import set_young_threshold
+from service.serving.server import Server
 from service.settings import Settings
 from workers.worker import in_process_worker
 

@@ -6,7 +6,7 @@ the engine has its own) over a `KVPool` sized for the B requests, and captures t
 start does (`Scheduler.warm`), before anything is timed. `run_batch` adds the
 B requests at once and steps the scheduler until every one has its last token. Each turbo request's chunk KV is
 fetched at its admission from the tier under test through the server's own KV source
-(`service.kv_for_engine.StoreChunks`); a naive request fetches nothing and the scheduler prefills its whole
+(`service.serving.kv_source.StoreChunks`); a naive request fetches nothing and the scheduler prefills its whole
 prompt, `prefill_chunk` tokens per step between the running requests' decode steps.
 
 Times count from the batch start (just before the B requests are added): a request's TTFT is when its first
@@ -29,9 +29,9 @@ from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
-from service.kv_for_engine import StoreChunks
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
+from service.serving.kv_source import StoreChunks
 
 # The slots the graphs hold for their padding: one for the decode step's (`BatchGraphs`), a bucket of tokens for
 # the batched prefill's (`ExtendGraphs`).

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from service.data_dir_lock import DataDirInUseError
+from service.serving.data_dir_lock import DataDirInUseError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -251,7 +251,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from service.quality.commands import run_finetune
+    from service.commands.finetune import run_finetune
 
     return run_finetune(args, DTYPES.get(args.dtype or ""), DTYPES.get(args.compute_dtype or ""))
 

@@ -1,7 +1,7 @@
 """What the HTTP layer sees of the service: one narrow protocol and the plain values it exchanges.
 
 As vLLM's API server sees only an `EngineClient`, the routes depend on `Facade` and nothing else: no engine, no
-store, no queue. `service.server.Server` implements it in this process; errors are those of `service.errors`.
+store, no queue. `service.serving.server.Server` implements it in this process; errors are those of `service.errors`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.answer import ChatMessage, DoneEvent, Question, Retrieval, TokenEvent
 from service.jobs.documents import Document
 from service.jobs.status import JobStatus
 from service.retrieval.collection import DocumentSummary
+from service.usecases.answer import ChatMessage, DoneEvent, Question, Retrieval, TokenEvent
 
 # What an answer session hands its listener: events, then None at the end; an exception instead when it failed.
 AnswerItem = TokenEvent | DoneEvent | BaseException | None

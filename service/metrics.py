@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from service.gc_pauses import PAUSE_BUCKETS, GcPauses
 from service.kvcache.store import StoreStats
 from service.retrieval.batcher import RetrievalStats
+from service.serving.gc_pauses import PAUSE_BUCKETS, GcPauses
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ HTTP_ALLOWED = (
     "service.api",
     "service.facade",
     "service.errors",
-    "service.answer",
+    "service.usecases.answer",
     "service.jobs.documents",
     "service.plain_json",
     "service.formats",
@@ -71,7 +71,7 @@ def test_the_http_layer_sees_only_the_facade() -> None:
 
 @pytest.mark.parametrize("package", CORE)
 def test_the_core_imports_neither_http_nor_workers_nor_the_root(package: str) -> None:
-    forbidden = ("workers", "fastapi", "service.api", "service.server", "service.runtime", "service.facade")
+    forbidden = ("workers", "fastapi", "service.api", "service.serving", "service.usecases", "service.facade")
     assert offenders(package, forbidden) == {}
 
 
@@ -92,5 +92,5 @@ def test_the_block_layout_imports_nothing_else_of_the_project() -> None:
 def test_the_scheduler_gets_its_kv_through_the_port_it_is_handed() -> None:
     """The engine never reaches back up for chunk KV: nothing under service/engine/ imports the store, the use
     cases or the serving modules that hold them."""
-    forbidden = ("service.kvcache", "service.answer", "service.answer_session", "service.kv_for_engine")
+    forbidden = ("service.kvcache", "service.usecases", "service.serving")
     assert offenders("service/engine/", forbidden) == {}

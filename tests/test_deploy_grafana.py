@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from service.gc_pauses import GcPauses
 from service.kvcache.store import StoreStats, TierUsage
 from service.kvcache.tiers import Tier
 from service.metrics import INGEST_STATUSES, STAGES, Metrics
 from service.retrieval.batcher import RetrievalStats
+from service.serving.gc_pauses import GcPauses
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "deploy" / "grafana"

@@ -1,4 +1,4 @@
-"""The garbage collector's pause histogram and the start-up freeze (service/gc_pauses.py)."""
+"""The garbage collector's pause histogram and the start-up freeze (service/serving/gc_pauses.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from service.gc_pauses import PAUSE_BUCKETS, GcPauses, PauseHistogram, freeze_startup_heap, set_young_threshold
+from service.serving.gc_pauses import PAUSE_BUCKETS, GcPauses, PauseHistogram, freeze_startup_heap, set_young_threshold
 
 
 def test_a_pause_counts_in_every_bucket_at_or_above_it() -> None:

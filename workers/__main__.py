@@ -12,9 +12,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
-from service.data_dir_lock import DataDirInUseError
 from service.metrics import Metrics
-from service.runtime import Runtime, open_runtime
+from service.serving.data_dir_lock import DataDirInUseError
+from service.serving.runtime import Runtime, open_runtime
 from service.settings import Settings
 from workers.worker import IngestWorker, runtime_worker
 

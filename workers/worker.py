@@ -34,7 +34,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.ingest import (
+from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
+from service.jobs.queue import Delivery, JobQueue
+from service.jobs.status import JobStatusStore
+from service.outage import OutageLog
+from service.serving.runtime import JobFinished, Runtime
+from service.usecases.ingest import (
     DeleteCounts,
     IngestCancelledError,
     IngestCounts,
@@ -43,11 +48,6 @@ from service.ingest import (
     IngestYieldedError,
     JobControl,
 )
-from service.jobs.documents import DeleteJob, DocumentLimits, IngestJob, JobError, job_id_of, parse_job
-from service.jobs.queue import Delivery, JobQueue
-from service.jobs.status import JobStatusStore
-from service.outage import OutageLog
-from service.runtime import JobFinished, Runtime
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The FastAPI app factory: routes, the chat page, request metrics, and the service's start and stop.
 
 The app sees the service only through its facade (`service.facade.Facade`); the entry point builds the service
-(`kvstitch serve`: `service.server.Server` with the in-process worker when the form needs one) and hands it here.
+(`kvstitch serve`: `service.serving.server.Server`, with the in-process worker when the form needs one) and hands it
+here.
 """
 
 from __future__ import annotations

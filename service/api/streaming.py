@@ -18,9 +18,9 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
-from service.answer import DoneEvent, TokenEvent
 from service.api.deps import http_error
 from service.facade import AnswerItem, AnswerRequest, AnswerSession, Facade
+from service.usecases.answer import DoneEvent, TokenEvent
 
 # How often a non-streaming answer checks that its client is still there.
 DISCONNECT_POLL_S = 0.25

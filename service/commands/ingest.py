@@ -190,7 +190,7 @@ def _ingest_remote(documents: Sequence[Document], url: str, api_key: str | None,
 def ingest_embedded(documents: Sequence[Document], settings: Any, batch: int) -> int:
     """Open the data dir in this process (no server may hold it) and run the worker here."""
     from service.jobs.submit import submit_ingest
-    from service.runtime import open_runtime
+    from service.serving.runtime import open_runtime
     from workers.worker import runtime_worker
 
     with open_runtime(settings, answers=False) as runtime:

@@ -11,8 +11,8 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from service.api.app import create_app
-    from service.runtime import hold_data_dir
-    from service.server import Server
+    from service.serving.runtime import hold_data_dir
+    from service.serving.server import Server
     from workers.worker import in_process_worker
 
     if not settings.model:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.answer import fit_context
 from service.engine.engine import StitchEngine
 from service.engine.prompt import encode
 from service.quality.dataset import QADataError, QASample
 from service.quality.eval import Case
 from service.retrieval.collection import RetrievedChunk
+from service.usecases.answer import fit_context
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def open_corpus(settings: Any) -> Iterator[Corpus]:
     """The embedder and collection `open_runtime` would open for these settings; CorpusError when nothing is
     ingested there (an embedded collection is never created by looking)."""
     from service.retrieval.embedder import Embedder
-    from service.runtime import open_collection
+    from service.serving.runtime import open_collection
 
     if not settings.qdrant_url and not settings.qdrant_path.is_dir():
         raise CorpusError(f"{settings.data_dir}: no ingested corpus here (no {settings.qdrant_path.name}/ folder)")

@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from service.server import Server
+from service.serving.server import Server
 
 READY_TIMEOUT_S = 120
 MakeApp = Callable[..., FastAPI]

@@ -17,7 +17,7 @@ from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
 from service.retrieval.embedder import Embedder
-from service.server import Server
+from service.serving.server import Server
 from service.settings import Settings
 from workers.worker import in_process_worker
 

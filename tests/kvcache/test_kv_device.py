@@ -11,12 +11,12 @@ from kv_support import bits
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
-from service.kv_for_engine import kv_store_for
 from service.kvcache import device
 from service.kvcache.host_pool import HostPool
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.store import TierBudgets
 from service.kvcache.tiers import Tier
+from service.serving.kv_source import kv_store_for
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")

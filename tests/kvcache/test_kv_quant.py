@@ -16,7 +16,6 @@ from service.engine.gate import DEFAULT_CHUNK_LENGTHS, synthetic_ids
 from service.engine.kv_layout import KVBlock, block_shape
 from service.engine.model import load_model
 from service.engine.stitch import PositionMode
-from service.kv_for_engine import kv_store_for
 from service.kvcache import quant
 from service.kvcache.fileformat import (
     CorruptBlockError,
@@ -30,6 +29,7 @@ from service.kvcache.keys import block_key
 from service.kvcache.quant import DiskFormat
 from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
+from service.serving.kv_source import kv_store_for
 
 FINGERPRINT = "e" * 64
 MIB = 1 << 20

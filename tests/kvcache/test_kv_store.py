@@ -17,14 +17,14 @@ from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
-from service.kv_for_engine import kv_store_for
 from service.kvcache import device, fileformat, tiers
 from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
 from service.kvcache.index import KVIndex
 from service.kvcache.precompute import precompute_batches
 from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
-from service.runtime import open_store
+from service.serving.kv_source import kv_store_for
+from service.serving.runtime import open_store
 from service.settings import Settings
 
 EngineFactory = Callable[..., StitchEngine]

@@ -20,7 +20,8 @@ from service.engine.model import load_model
 from service.engine.prompt import PromptIds, encode
 from service.engine.reference import independent_mask, reference_positions
 from service.engine.stitch import PositionMode
-from service.quality.finetune import (
+from service.quality.generator import write_qa_file
+from workers.training.finetune import (
     IGNORE,
     REPORT_NAME,
     FinetuneConfig,
@@ -32,7 +33,6 @@ from service.quality.finetune import (
     forward_logits,
     full_attention_sample,
 )
-from service.quality.generator import write_qa_file
 
 CHUNKS = ["Zorvath Keel was born in Ommeria in 1873.", "The Brask Guild was founded by Zorvath Keel.", "Ommeria!"]
 QUESTION = "In which year was the founder of the Brask Guild born?"

@@ -16,9 +16,9 @@ from loadtest.quality_demo import main as demo_main
 from service.engine.model import load_model
 from service.engine.prompt import build_template, encode
 from service.quality.dataset import QASample, read_samples
-from service.quality.finetune import IGNORE, Precision, encode_samples, eos_id, full_attention_sample, sample_loss
 from service.quality.generator import write_qa_file
-from service.quality.pretrain import (
+from workers.training.finetune import IGNORE, Precision, encode_samples, eos_id, full_attention_sample, sample_loss
+from workers.training.pretrain import (
     EOS_TOKEN,
     TIMING_STEPS,
     WARM_STEPS,
@@ -219,7 +219,7 @@ def test_the_step_budget_follows_slower_steps_after_a_fast_phase(monkeypatch: py
     # 10 s of budget: the first 300 steps (the one-chunk curriculum) take 10 ms each, every later one 20 ms, so
     # 3 s + 350 x 20 ms fill it at step 650. An estimate from the average since the start would say ~900.
     clock = {"now": 0.0}
-    monkeypatch.setattr("service.quality.pretrain.time.perf_counter", lambda: clock["now"])
+    monkeypatch.setattr("workers.training.pretrain.time.perf_counter", lambda: clock["now"])
     budget = StepBudget(10.0, torch.device("cpu"))
     total, step = 10**9, 0
     while step < total and not budget.overrun(step):

@@ -18,7 +18,7 @@ import torch
 from service.errors import UnavailableError
 from service.retrieval.embed_process import EmbedProcessError, QueryEmbedProcess
 from service.retrieval.embedder import Embedder, bundled_model_path
-from service.runtime import question_embedder_in_child
+from service.serving.runtime import question_embedder_in_child
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 
 from service.engine.engine import StitchEngine
 from service.retrieval.embedder import Embedder
-from service.runtime import Runtime, open_runtime
+from service.serving.runtime import Runtime, open_runtime
 from service.settings import Settings
 
 # Small chunks, so a few paragraphs make several chunks and batches.

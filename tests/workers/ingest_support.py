@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from service.jobs.documents import Document
 from service.jobs.status import JobStatus
 from service.jobs.submit import submit_ingest
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from workers.worker import runtime_worker
 
 OpenRuntime = Callable[..., Runtime]

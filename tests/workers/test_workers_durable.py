@@ -12,7 +12,7 @@ from qdrant_client import models
 from service.jobs.queue import Delivery
 from service.jobs.submit import submit_delete, submit_ingest
 from service.retrieval.collection import ChunkCollection
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from tests.workers.test_workers_sigkill import corpus
 from workers.worker import IngestWorker, runtime_worker
 

@@ -11,7 +11,7 @@ from ingest_support import CORPUS, OpenRuntime, expected_chunks, run_job
 from service.jobs.documents import DeleteJob, Document
 from service.jobs.submit import submit_ingest
 from service.kvcache.store import Tier
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from workers.worker import runtime_worker
 
 

@@ -11,7 +11,7 @@ from test_workers_durable import visible_counts
 from service.jobs.documents import Document
 from service.jobs.status import JobStatus
 from service.jobs.submit import submit_ingest
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from tests.workers.test_workers_sigkill import corpus
 from workers.worker import IngestWorker, runtime_worker
 

@@ -32,7 +32,7 @@ from service.plain_json import MAX_DEPTH
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from workers.worker import IngestWorker, runtime_worker
 
 MAX_CHARS = 300  # max_document_chars of these tests' runtimes

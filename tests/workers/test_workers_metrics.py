@@ -7,7 +7,7 @@ import httpx
 from ingest_support import CORPUS
 
 from service.jobs.submit import submit_ingest
-from service.runtime import Runtime
+from service.serving.runtime import Runtime
 from tests.ports import free_port
 from workers.__main__ import serve_metrics
 from workers.worker import runtime_worker

@@ -25,7 +25,6 @@ import redis
 from qdrant_client import QdrantClient
 
 from service.engine.engine import StitchEngine
-from service.ingest import EMBED_FORM
 from service.jobs.documents import Document, document_version
 from service.jobs.ordering import RedisDocumentOrder
 from service.jobs.queue import RedisStreamQueue
@@ -37,6 +36,7 @@ from service.kvcache.keys import block_key, model_fingerprint
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import point_id, unpack_token_ids
 from service.settings import Settings
+from service.usecases.ingest import EMBED_FORM
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +222,7 @@ def test_a_job_whose_worker_is_sigkilled_is_finished_by_another_with_no_chunk_lo
 ) -> None:
     data_dir = tmp_path / "data"
     env = worker_env(tiny_model_dirs["qwen2"], data_dir, redis_url, redis_prefix)
-    # The names service.runtime.open_jobs gives the stream, group, dead letters and statuses under the prefix.
+    # The names service.serving.runtime.open_jobs gives the stream, group, dead letters and statuses under the prefix.
     queue = RedisStreamQueue(
         redis_url,
         stream=f"{redis_prefix}:ingest",

@@ -9,13 +9,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from service.answer import ChatMessage, DoneEvent
 from service.api.deps import FacadeDep, require_api_key
 from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest, stop_strings
 from service.api.streaming import collect_text, events, open_answer, sources_and_summary
 from service.errors import UnavailableError
 from service.facade import AnswerRequest, AnswerSession
+from service.usecases.answer import ChatMessage, DoneEvent
 
 router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)], responses=errors(401))
 EVENTS = ("retrieval", "token", "done", "error")

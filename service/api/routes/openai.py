@@ -22,14 +22,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from sse_starlette import EventSourceResponse
 
-from service.answer import ChatMessage as Turn
-from service.answer import DoneEvent, Logprob, Role
 from service.api.deps import FacadeDep, require_api_key
 from service.api.openai_errors import OpenAIError
 from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage, stop_strings
 from service.api.streaming import collect_text, events, open_answer, sources_and_summary
 from service.facade import AnswerRequest, AnswerSession, Facade
+from service.usecases.answer import ChatMessage as Turn
+from service.usecases.answer import DoneEvent, Logprob, Role
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
 FINISH_REASONS = {"stop": "stop", "length": "length"}

@@ -15,13 +15,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from service.answer import Answerer, ChatMessage, Question
-from service.answer_session import AnswerSession
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
-from service.engine_loop import EngineBusyError
 from service.errors import (
     BusyError,
     InvalidRequestError,
@@ -33,15 +30,18 @@ from service.errors import (
     UnknownJobError,
 )
 from service.facade import AnswerRequest, DocumentPage, RequestLimits
-from service.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.jobs.documents import Document, IngestJob, JobError, parse_job
 from service.jobs.status import JobStatus
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
 from service.retrieval.collection import DocumentSummary
 from service.retrieval.embedder import Embedder
-from service.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
+from service.serving.answer_session import AnswerSession
+from service.serving.engine_loop import EngineBusyError
+from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
+from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
 from service.settings import MIB, Settings
+from service.usecases.answer import Answerer, ChatMessage, Question
 
 log = logging.getLogger(__name__)
 

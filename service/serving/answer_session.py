@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
 from service.engine.batch_request import BatchRequest
-from service.engine_loop import Admission, EngineLoop
 from service.facade import AnswerItem
 from service.kvcache.store import FetchResult
 from service.metrics import Metrics
+from service.serving.engine_loop import Admission, EngineLoop
+from service.usecases.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
 
 
 @dataclass

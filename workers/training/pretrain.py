@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedToken
 from service.devtools.tiny_model import CHATML_TEMPLATE, SPECIAL_TOKENS
 from service.engine.prompt import DOC_CLOSE, DOC_OPEN, DOCS_INTRO, DOCS_OUTRO, SYSTEM_TEXT, PromptTemplate
 from service.quality.dataset import QASample
-from service.quality.finetune import IGNORE, Encoded, answer_separator, sequence_and_labels
+from workers.training.finetune import IGNORE, Encoded, answer_separator, sequence_and_labels
 
 log = logging.getLogger(__name__)
 

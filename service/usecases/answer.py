@@ -3,7 +3,7 @@
 `Answerer.retrieve` runs on any thread (embedding and Qdrant, batched across concurrent questions);
 `Answerer.prompt` joins the token ids; the scheduler's KV source brings the chunks' KV to the device at the request's
 admission on the engine loop; the scheduler stitches, prefills and decodes it with the other running answers
-(`service/answer_session.py` drives one answer through it), and `Answerer.done_event` reports the TTFT
+(`service/serving/answer_session.py` drives one answer through it), and `Answerer.done_event` reports the TTFT
 breakdown and where each chunk's KV came from. Events (`TokenEvent`, `DoneEvent`) know nothing about HTTP.
 """
 

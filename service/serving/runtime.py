@@ -23,20 +23,16 @@ from typing import Any, Protocol, Self
 
 import torch
 
-from service.data_dir_lock import DataDirLock, claim_data_dir
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
 from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
 from service.engine.scheduler import Scheduler
-from service.engine_loop import EngineLoop
-from service.ingest import IngestCounts, Ingestor, IngestParts, sweep_unpublished
 from service.jobs.documents import DocumentLimits, job_documents
 from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
 from service.jobs.queue import JobQueue, RedisStreamQueue
 from service.jobs.sqlite import SqliteDocumentOrder, SqliteJobQueue, SqliteJobStatusStore, jobs_path
 from service.jobs.status import JobStatusStore, RedisJobStatusStore
-from service.kv_for_engine import StoreChunks, kv_store_for
 from service.kvcache.index import KVIndex, open_index, repair
 from service.kvcache.precompute import Precompute
 from service.kvcache.store import KVStore, TierBudgets
@@ -45,7 +41,11 @@ from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embed_process import QueryEmbedProcess
 from service.retrieval.embedder import Embedder
+from service.serving.data_dir_lock import DataDirLock, claim_data_dir
+from service.serving.engine_loop import EngineLoop
+from service.serving.kv_source import StoreChunks, kv_store_for
 from service.settings import MIB, Settings
+from service.usecases.ingest import IngestCounts, Ingestor, IngestParts, sweep_unpublished
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Offline training of a served model (block fine-tuning, pre-training from scratch): outside the serving path."""
