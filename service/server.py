@@ -5,6 +5,9 @@ composition root), run the correctness gate on a small sample (unless turned off
 the in-process ingest worker when the settings ask for one, and only then report ready. A failure is kept and
 shown by `readiness`. The worker loop itself is handed in by the entry point (`worker_factory`): the core never
 imports `workers/`.
+
+A question arrives checked against every bound but one (the HTTP boundary's `AnswerRequest`); that one, its
+tokens within the model's context, needs the tokenizer and is checked here (`Answerer.prepare`).
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ class Server:
     # ---- answers --------------------------------------------------------------------------------------------
 
     async def answer(self, request: AnswerRequest) -> EventStream:
+        """`open_answer` on a worker thread (retrieval blocks), then its events as an async iterator."""
         session = await anyio.to_thread.run_sync(self.open_answer, request)
         return EventStream(session)
 
