@@ -2,7 +2,7 @@
 rows hold the batch figures (the H200 run is the lead's).
 
 A true batch goes through the production path: a `Scheduler` as the server builds it, the chunk KV fetched at
-admission by the server's `fetch_chunk_kv` from the tier under test. Its tokens are compared with the same
+admission by the server's KV source (`StoreChunks`) from the tier under test. Its tokens are compared with the same
 request run alone through `StitchEngine.generate` (fp32 on the CPU: exact equality, as `test_engine_batch.py`).
 """
 

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 
-from service.errors import (
+from service.facade import Facade
+from service.facade.errors import (
     BusyError,
     InvalidRequestError,
     JobFinishedError,
@@ -17,7 +18,6 @@ from service.errors import (
     UnknownDocumentError,
     UnknownJobError,
 )
-from service.facade import Facade
 
 
 def get_facade(request: Request) -> Facade:

@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from service.jobs.job_status import JobStatus
 from service.jobs.queue import (
     DEFAULT_MAX_ATTEMPTS,
     DeadLetter,
@@ -38,7 +39,6 @@ from service.jobs.status import (
     ACTIVE_STATES,
     COUNT_FIELDS,
     DEFAULT_JOB_TTL_S,
-    JobStatus,
     _check_counts,
     _check_kind,
     status_changes,

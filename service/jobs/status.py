@@ -16,10 +16,12 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 import redis
+
+from service.jobs.job_status import JobStatus
 
 JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")  # what `cancel` may stop
@@ -37,28 +39,6 @@ COUNT_FIELDS = (
 )
 DEFAULT_JOB_PREFIX = "kvstitch:job"
 DEFAULT_JOB_TTL_S = 7 * 24 * 3600
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """Where a job stands. Timestamps are Unix seconds; `started_at` is the latest start."""
-
-    job_id: str
-    status: str
-    created_at: float
-    updated_at: float
-    documents: int = 0
-    documents_done: int = 0
-    chunks: int = 0
-    chunks_done: int = 0  # chunks whose KV is stored (reused at once, computed as their batches finish)
-    chunks_precomputed: int = 0
-    chunks_reused: int = 0
-    chunks_deleted: int = 0
-    blocks_released: int = 0
-    kind: str = "ingest"
-    error: str | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
 
 
 class JobStatusStore(Protocol):

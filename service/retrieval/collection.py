@@ -49,6 +49,7 @@ from qdrant_client import QdrantClient, models
 from service.engine.kv_layout import TokenIds
 from service.retrieval import sparse
 from service.retrieval.chunker import Chunk
+from service.retrieval.document_summary import DocumentSummary
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +86,6 @@ class StoredPoint:
     version: str
     kv_key: str
     visible: bool
-
-
-@dataclass(frozen=True)
-class DocumentSummary:
-    """One stored document: its current version, chunks and tokens, when it was written, its metadata."""
-
-    id: str
-    version: str
-    chunks: int
-    tokens: int
-    ingested_at: float | None  # None for points written before the time was recorded
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

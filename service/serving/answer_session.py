@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from service.engine.batch_request import BatchRequest
-from service.facade import AnswerItem
+from service.facade.types import DoneEvent, Source, TokenEvent
 from service.kvcache.store import FetchResult
 from service.metrics import Metrics
 from service.serving.engine_loop import Admission, EngineLoop
-from service.usecases.answer import Answerer, DoneEvent, Question, Retrieval, TokenEvent
+from service.usecases.answer import Answerer, Question, Retrieval
+
+# What an answer session hands its listener: events, then None at the end; an exception instead when it failed.
+AnswerItem = TokenEvent | DoneEvent | BaseException | None
 
 
 @dataclass
@@ -37,7 +39,7 @@ class AnswerSession:
     _cancelled: bool = False
     _logprobs_sent: int = 0
 
-    def sources(self) -> list[dict[str, Any]]:
+    def sources(self) -> list[Source]:
         return [
             {
                 "id": c.id,

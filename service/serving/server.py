@@ -5,6 +5,9 @@ composition root), run the correctness gate on a small sample (unless turned off
 the in-process ingest worker when the settings ask for one, and only then report ready. A failure is kept and
 shown by `readiness`. The worker loop itself is handed in by the entry point (`worker_factory`): the core never
 imports `workers/`.
+
+A question arrives checked against every bound but one (the HTTP boundary's `AnswerRequest`); that one, its
+tokens within the model's context, needs the tokenizer and is checked here (`Answerer.prepare`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
@@ -29,19 +34,27 @@ from service.errors import (
     UnknownDocumentError,
     UnknownJobError,
 )
-from service.facade import AnswerRequest, DocumentPage, RequestLimits
-from service.jobs.documents import Document, IngestJob, JobError, parse_job
-from service.jobs.status import JobStatus
+from service.facade.types import (
+    AnswerLimits,
+    AnswerRequest,
+    Document,
+    DocumentPage,
+    DocumentSummary,
+    JobStatus,
+    RequestLimits,
+)
+from service.formats import ExtractError, extract
+from service.jobs.documents import IngestJob, JobError, parse_job
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
-from service.retrieval.collection import DocumentSummary
 from service.retrieval.embedder import Embedder
 from service.serving.answer_session import AnswerSession
+from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
 from service.settings import MIB, Settings
-from service.usecases.answer import Answerer, ChatMessage, Question
+from service.usecases.answer import Answerer, Question
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +81,7 @@ class Server:
         self._given = (engine, embedder)
         self._worker_factory = worker_factory
         self._model_name = _model_name(settings.model)
-        self._limits = RequestLimits(
-            settings.max_request_mb * MIB,
-            settings.api_key,
-            max_upload_files=settings.max_upload_files,
-            max_upload_file_bytes=settings.max_upload_file_mb * MIB,
-        )
+        self._limits = _request_limits(settings)
 
     @property
     def model_name(self) -> str:
@@ -172,17 +180,17 @@ class Server:
 
     # ---- answers --------------------------------------------------------------------------------------------
 
+    async def answer(self, request: AnswerRequest) -> EventStream:
+        """`open_answer` on a worker thread (retrieval blocks), then its events as an async iterator."""
+        session = await anyio.to_thread.run_sync(self.open_answer, request)
+        return EventStream(session)
+
     def open_answer(self, request: AnswerRequest) -> AnswerSession:
+        """Admit and retrieve (blocking); the refusals of `Facade.answer`."""
         started = time.perf_counter()
         runtime = self._ready_runtime()
         assert self.answerer is not None
-        question = self._question(request)
-        try:
-            question = self.answerer.prepare(question)
-        except InvalidRequestError:
-            raise
-        except ValueError as err:
-            raise InvalidRequestError("max_new_tokens", str(err)) from err
+        question = self._prepared(self.answerer, request)
         try:
             admission = runtime.loop.admit()
         except EngineBusyError as err:
@@ -197,32 +205,29 @@ class Server:
             raise
         return AnswerSession(runtime.loop, self.answerer, self.metrics, question, retrieval, admission, started)
 
+    def _prepared(self, answerer: Answerer, request: AnswerRequest) -> Question:
+        """The request as a `Question` with its token ids: the one check left after the HTTP boundary's, that
+        the tokens fit the model's context (`Answerer.prepare`)."""
+        try:
+            return answerer.prepare(self._question(request))
+        except InvalidRequestError:
+            raise
+        except ValueError as err:
+            raise InvalidRequestError("max_new_tokens", str(err)) from err
+
     def _question(self, request: AnswerRequest) -> Question:
-        """The request as a `Question`, within the bounds the settings set."""
-        settings = self.settings
-        if len(request.question) > settings.max_question_chars:
-            raise InvalidRequestError(
-                "question", f"at most {settings.max_question_chars} characters (got {len(request.question)})"
-            )
-        if not request.question.strip():
-            raise InvalidRequestError("question", "must not be blank")
-        if request.top_k > settings.max_top_k:
-            raise InvalidRequestError("top_k", f"at most {settings.max_top_k}")
-        max_new = request.max_new_tokens or settings.default_max_new_tokens
-        if max_new > settings.max_new_tokens_limit:
-            raise InvalidRequestError("max_new_tokens", f"at most {settings.max_new_tokens_limit} (got {max_new})")
+        """The request in the engine's terms, the deployment's defaults applied."""
         try:
             sampling = SamplingParams(
-                max_new_tokens=max_new,
+                max_new_tokens=request.max_new_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 seed=request.seed,
                 stop=request.stop,
                 logprobs=request.logprobs,
             )
-        except ValueError as err:
+        except ValueError as err:  # the engine's own bounds, should the deployment's limits pass them
             raise InvalidRequestError("sampling", str(err)) from err
-        self._check_history(request.history)
         mode = GenerationMode(request.mode)
         return Question(
             text=request.question,
@@ -235,18 +240,6 @@ class Server:
             recompute=self._recompute(request.recompute) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
         )
 
-    def _check_history(self, history: Sequence[ChatMessage]) -> None:
-        settings = self.settings
-        if len(history) > settings.max_history_messages:
-            raise InvalidRequestError(
-                "history", f"at most {settings.max_history_messages} earlier messages (got {len(history)})"
-            )
-        chars = sum(len(m.text) for m in history)
-        if chars > settings.max_history_chars:
-            raise InvalidRequestError(
-                "history", f"at most {settings.max_history_chars} characters in all (got {chars})"
-            )
-
     def _search_text(self, request: AnswerRequest) -> str:
         """What retrieval embeds: the question, after the last `retrieval_history_turns` earlier user turns (a
         follow-up such as "and who holds its copyright?" names its subject only in the turn before)."""
@@ -254,13 +247,19 @@ class Server:
         earlier = [m.text for m in request.history if m.role == "user"][-turns:] if turns else []
         return "\n".join([*earlier, request.question])
 
-    def _recompute(self, spec: str | None) -> RecomputeSpec:
-        """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`); naive answers
-        compute every token anyway, so they carry none."""
+    def _recompute(self, spec: RecomputeSpec | None) -> RecomputeSpec:
+        """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`, checked at start-up);
+        naive answers compute every token anyway, so they carry none."""
+        return parse_recompute(self.settings.recompute) if spec is None else spec
+
+    # ---- files ----------------------------------------------------------------------------------------------
+
+    def read_file(self, name: str, data: bytes) -> Document:
         try:
-            return parse_recompute(self.settings.recompute if spec is None else spec)
-        except ValueError as err:
-            raise InvalidRequestError("recompute", str(err)) from err
+            extracted = extract(name, data)
+        except ExtractError as err:
+            raise InvalidRequestError("files", str(err)) from err
+        return Document(name, extracted.text, extracted.metadata(source="upload", filename=name), extracted.format)
 
     # ---- jobs -----------------------------------------------------------------------------------------------
 
@@ -346,6 +345,24 @@ class Server:
             return runtime.collection.documents(doc_id)
         except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
             raise UnavailableError("Qdrant", err) from err
+
+
+def _request_limits(settings: Settings) -> RequestLimits:
+    answer = AnswerLimits(
+        max_question_chars=settings.max_question_chars,
+        max_top_k=settings.max_top_k,
+        max_new_tokens=settings.max_new_tokens_limit,
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_history_messages=settings.max_history_messages,
+        max_history_chars=settings.max_history_chars,
+    )
+    return RequestLimits(
+        settings.max_request_mb * MIB,
+        settings.api_key,
+        answer,
+        max_upload_files=settings.max_upload_files,
+        max_upload_file_bytes=settings.max_upload_file_mb * MIB,
+    )
 
 
 def _gate_state(gate: GateOutcome | None) -> str:

@@ -4,7 +4,8 @@
 `Answerer.prompt` joins the token ids; the scheduler's KV source brings the chunks' KV to the device at the request's
 admission on the engine loop; the scheduler stitches, prefills and decodes it with the other running answers
 (`service/serving/answer_session.py` drives one answer through it), and `Answerer.done_event` reports the TTFT
-breakdown and where each chunk's KV came from. Events (`TokenEvent`, `DoneEvent`) know nothing about HTTP.
+breakdown and where each chunk's KV came from. The events (`TokenEvent`, `DoneEvent`) are the facade's plain
+values (`service.facade.types`): they know nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.engine.conversation import Role as Role  # re-exported: the roles the HTTP layer accepts
 from service.engine.conversation import Turn
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
 from service.engine.kv_layout import TokenIds
@@ -23,22 +23,16 @@ from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
 from service.engine.stitch import PositionMode
 from service.errors import InvalidRequestError
+from service.facade.types import ChatMessage, DoneEvent, Logprob
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import RetrievedChunk
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    """One earlier message of a conversation, as the client sent it."""
-
-    role: Role
-    text: str
-
-
-@dataclass(frozen=True)
 class Question:
-    """One validated question (the HTTP layer checks the bounds; the engine checks them again)."""
+    """One question, its bounds checked at the HTTP boundary; `prepare` adds its token ids and checks that they
+    and the answer fit the model's context."""
 
     text: str
     top_k: int = 5
@@ -56,56 +50,6 @@ class Retrieval:
     chunks: list[RetrievedChunk]
     dropped: int  # retrieved but left out: they would not fit the model's context with the answer
     retrieve_ms: float
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One answer token's log-probability and its likeliest rivals, by their text (when a request asks)."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    text: str
-    logprobs: tuple[Logprob, ...] = ()  # of the tokens generated since the last event (when a request asks)
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    mode: str
-    positions: str
-    ttft_ms: float
-    output_tokens: int
-    finish_reason: str
-    timings_ms: dict[str, float]
-    kv: dict[str, int]
-    answer: str
-    prompt_tokens: int
-    context_tokens: int
-    # Bytes of chunk KV served per tier (metrics only: the `done` event's tier counts say enough to a client).
-    kv_bytes: dict[str, int] = field(default_factory=dict)
-    recompute: str = "none"
-    recomputed_tokens: int = 0
-    logprobs: tuple[Logprob, ...] = ()  # every answer token's, when the request asked
-
-    def summary(self) -> dict[str, Any]:
-        """The `done` event's data (the answer text itself went out as tokens)."""
-        return {
-            "mode": self.mode,
-            "positions": self.positions,
-            "ttft_ms": round(self.ttft_ms, 3),
-            "output_tokens": self.output_tokens,
-            "finish_reason": self.finish_reason,
-            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
-            "kv": self.kv,
-            "prompt_tokens": self.prompt_tokens,
-            "context_tokens": self.context_tokens,
-            "recompute": self.recompute,
-            "recomputed_tokens": self.recomputed_tokens,
-        }
 
 
 def fit_context(

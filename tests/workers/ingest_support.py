@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from service.jobs.documents import Document
-from service.jobs.status import JobStatus
+from service.jobs.job_status import JobStatus
 from service.jobs.submit import submit_ingest
 from service.serving.runtime import Runtime
 from workers.worker import runtime_worker

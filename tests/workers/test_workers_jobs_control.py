@@ -9,7 +9,7 @@ from ingest_support import expected_chunks
 from test_workers_durable import visible_counts
 
 from service.jobs.documents import Document
-from service.jobs.status import JobStatus
+from service.jobs.job_status import JobStatus
 from service.jobs.submit import submit_ingest
 from service.serving.runtime import Runtime
 from tests.workers.test_workers_sigkill import corpus

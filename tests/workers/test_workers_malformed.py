@@ -24,8 +24,8 @@ from service.cli import main as kvstitch
 from service.commands.ingest import InputError, collect_documents
 from service.engine.engine import StitchEngine
 from service.jobs.documents import MAX_DOC_ID_CHARS, MAX_METADATA_BYTES, Document
+from service.jobs.job_status import JobStatus
 from service.jobs.queue import RedisStreamQueue
-from service.jobs.status import JobStatus
 from service.jobs.submit import submit_ingest
 from service.kvcache.index import open_index
 from service.plain_json import MAX_DEPTH

@@ -26,9 +26,10 @@ from qdrant_client import QdrantClient
 
 from service.engine.engine import StitchEngine
 from service.jobs.documents import Document, document_version
+from service.jobs.job_status import JobStatus
 from service.jobs.ordering import RedisDocumentOrder
 from service.jobs.queue import RedisStreamQueue
-from service.jobs.status import JobStatus, RedisJobStatusStore
+from service.jobs.status import RedisJobStatusStore
 from service.jobs.submit import submit_ingest
 from service.kvcache.fileformat import BLOCK_SUFFIX, block_relpath, is_temp_file, read_block
 from service.kvcache.index import RedisIndex

@@ -9,13 +9,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
+from service.api.answers import collect_text, open_answer, sources_and_summary
 from service.api.deps import FacadeDep, require_api_key
 from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest, stop_strings
-from service.api.streaming import collect_text, events, open_answer, sources_and_summary
-from service.errors import UnavailableError
-from service.facade import AnswerRequest, AnswerSession
-from service.usecases.answer import ChatMessage, DoneEvent
+from service.api.validation import Sampling, answer_request
+from service.facade import AnswerStream
+from service.facade.errors import UnavailableError
+from service.facade.types import AnswerLimits, AnswerRequest, ChatMessage, DoneEvent
 
 router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)], responses=errors(401))
 EVENTS = ("retrieval", "token", "done", "error")
@@ -24,25 +25,34 @@ EVENTS = ("retrieval", "token", "done", "error")
 @router.post("/ask", response_model=None, responses={**streamed("The answer", EVENTS), **errors(400, 413, 422, 503)})
 async def ask(body: AskRequest, facade: FacadeDep, request: Request) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
-    session = await open_answer(facade, _request(body))
+    stream = await open_answer(facade, lambda limits: _request(body, limits))
     if body.stream:
-        return EventSourceResponse(_sse(session), ping=15)
-    text = await collect_text(session, request)
-    assert session.done is not None
-    summary = sources_and_summary(session, session.done)
+        return EventSourceResponse(_sse(stream), ping=15)
+    text = await collect_text(stream, request)
+    assert stream.done is not None
+    summary = sources_and_summary(stream, stream.done)
     return {"answer": text, "chunks": summary.pop("sources"), **summary}
 
 
-def _request(body: AskRequest) -> AnswerRequest:
-    fields = body.model_dump(exclude={"stream", "history", "stop"})
+def _request(body: AskRequest, limits: AnswerLimits) -> AnswerRequest:
     history = tuple(ChatMessage(m.role, m.content) for m in body.history)
-    return AnswerRequest(**fields, history=history, stop=stop_strings(body.stop))
+    sampling = Sampling(body.max_new_tokens, body.temperature, body.top_p, body.seed, stop_strings(body.stop))
+    return answer_request(
+        limits,
+        body.question,
+        history,
+        sampling,
+        top_k=body.top_k,
+        mode=body.mode,
+        positions=body.positions,
+        recompute=body.recompute,
+    )
 
 
-async def _sse(session: AnswerSession) -> AsyncIterator[dict[str, str]]:
+async def _sse(stream: AnswerStream) -> AsyncIterator[dict[str, str]]:
     try:
-        yield _event("retrieval", {"chunks": session.sources(), "dropped": session.retrieval.dropped})
-        async for event in events(session):
+        yield _event("retrieval", {"chunks": stream.sources, "dropped": stream.dropped})
+        async for event in stream:
             if isinstance(event, DoneEvent):
                 yield _event("done", event.summary())
             else:
@@ -51,6 +61,8 @@ async def _sse(session: AnswerSession) -> AsyncIterator[dict[str, str]]:
         yield _event("error", {"message": str(err)})
     except Exception as err:  # the stream has started: the status is sent, only an event can say what happened
         yield _event("error", {"message": f"generation failed: {type(err).__name__}: {err}"})
+    finally:
+        stream.cancel()  # a no-op once the answer ended; it frees the place of one never started (a client gone)
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from service.api.deps import FacadeDep, http_error, require_api_key
 from service.api.openapi import errors
 from service.api.schemas import IngestAccepted, IngestRequest, JobStatusOut
-from service.jobs.documents import Document
+from service.facade.types import Document
 
 router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
 

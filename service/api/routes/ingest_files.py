@@ -1,6 +1,6 @@
 """POST /ingest/files: upload files (text, Markdown, HTML, PDF) as one ingest job, the same job as POST /ingest.
 
-Each file becomes one document whose id is its file name; its kind is told by its bytes (`service.formats`), its
+Each file becomes one document whose id is its file name; its kind is told by its bytes (`Facade.read_file`), its
 title and page count go into the document's metadata. Bounds: at most KVSTITCH_MAX_UPLOAD_FILES files (422
 naming `files`), each at most KVSTITCH_MAX_UPLOAD_FILE_MB (413 naming the file), the whole body at most
 KVSTITCH_MAX_REQUEST_MB (413); a file that cannot be read is a 422 naming it. Nothing is queued unless every file
@@ -18,9 +18,8 @@ from fastapi.concurrency import run_in_threadpool
 from service.api.deps import FacadeDep, field_error, http_error, require_api_key
 from service.api.openapi import errors
 from service.api.schemas import IngestAccepted
-from service.errors import InvalidRequestError
-from service.formats import ExtractError, extract
-from service.jobs.documents import MAX_DOC_ID_CHARS, Document
+from service.facade.errors import InvalidRequestError
+from service.facade.types import MAX_DOC_ID_CHARS
 
 router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
 
@@ -46,12 +45,9 @@ async def ingest_files(
     for upload, name in zip(files, names, strict=True):
         data = await _read(upload, name, limits.max_upload_file_bytes)
         try:
-            extracted = await run_in_threadpool(extract, name, data)
-        except ExtractError as err:
-            raise field_error("files", str(err)) from err
-        documents.append(
-            Document(name, extracted.text, extracted.metadata(source="upload", filename=name), extracted.format)
-        )
+            documents.append(await run_in_threadpool(facade.read_file, name, data))
+        except InvalidRequestError as err:  # a file that cannot be read: 422 naming `files`
+            raise http_error(err) from err
     try:
         job_id = await run_in_threadpool(facade.submit_ingest, documents)
     except InvalidRequestError as err:  # name the file, not the document index the job contract uses

@@ -16,20 +16,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from sse_starlette import EventSourceResponse
 
+from service.api.answers import collect_text, open_answer, sources_and_summary
 from service.api.deps import FacadeDep, require_api_key
 from service.api.openai_errors import OpenAIError
 from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage, stop_strings
-from service.api.streaming import collect_text, events, open_answer, sources_and_summary
-from service.facade import AnswerRequest, AnswerSession, Facade
-from service.usecases.answer import ChatMessage as Turn
-from service.usecases.answer import DoneEvent, Logprob, Role
+from service.api.validation import Sampling, answer_request
+from service.facade import AnswerStream, Facade
+from service.facade.types import AnswerLimits, AnswerRequest, DoneEvent, Logprob, Role
+from service.facade.types import ChatMessage as Turn
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -56,26 +57,33 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http:
     _refuse_unserved(body)
     model = _check_model(body.model, facade)
     history, question = _conversation(body.messages)
-    request = AnswerRequest(
-        question=question,
-        history=history,
-        top_k=body.top_k,
-        mode=body.mode,
-        positions=body.positions,
-        max_new_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        recompute=body.recompute,
-        stop=stop_strings(body.stop),
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-    )
-    session = await _open(facade, request, body)
+
+    def request(limits: AnswerLimits) -> AnswerRequest:
+        sampling = Sampling(
+            max_new_tokens=body.max_completion_tokens or body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=stop_strings(body.stop),
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        )
+        return answer_request(
+            limits,
+            question,
+            history,
+            sampling,
+            top_k=body.top_k,
+            mode=body.mode,
+            positions=body.positions,
+            recompute=body.recompute,
+        )
+
+    stream = await _open(facade, request, body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_chunks(session, completion_id, model, body.logprobs, usage), ping=15)
-    return await _completion(session, completion_id, model, body.logprobs, http)
+        return EventSourceResponse(_chunks(stream, completion_id, model, body.logprobs, usage), ping=15)
+    return await _completion(stream, completion_id, model, body.logprobs, http)
 
 
 def document_models(app: FastAPI, names: Sequence[str]) -> None:
@@ -158,8 +166,10 @@ def _text_of(content: str | list[dict[str, Any]] | None, index: int) -> str:
     return "\n".join(str(p.get("text", "")) for p in content)
 
 
-async def _open(facade: Facade, request: AnswerRequest, body: ChatCompletionRequest) -> AnswerSession:
-    """Admit and retrieve; a bound from the settings names the field the client sent."""
+async def _open(
+    facade: Facade, request: Callable[[AnswerLimits], AnswerRequest], body: ChatCompletionRequest
+) -> AnswerStream:
+    """Check, admit and retrieve; a bound from the settings names the field the client sent."""
     try:
         return await open_answer(facade, request)
     except HTTPException as err:
@@ -174,10 +184,10 @@ async def _open(facade: Facade, request: AnswerRequest, body: ChatCompletionRequ
 
 
 async def _completion(
-    session: AnswerSession, completion_id: str, model: str, logprobs: bool, request: Request
+    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, request: Request
 ) -> dict[str, Any]:
-    text = await collect_text(session, request)
-    done = session.done
+    text = await collect_text(stream, request)
+    done = stream.done
     assert done is not None
     choice = {
         "index": 0,
@@ -192,12 +202,12 @@ async def _completion(
         "model": model,
         "choices": [choice],
         "usage": _usage(done),
-        "kvstitch": sources_and_summary(session, done),
+        "kvstitch": sources_and_summary(stream, done),
     }
 
 
 async def _chunks(
-    session: AnswerSession, completion_id: str, model: str, logprobs: bool, include_usage: bool
+    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, include_usage: bool
 ) -> AsyncIterator[dict[str, str]]:
     created = int(time.time())
     usage: dict[str, Any] = {"usage": None} if include_usage else {}
@@ -218,10 +228,10 @@ async def _chunks(
     sent = 0  # log-probability entries sent so far (the rest go with the last chunk)
     try:
         yield {"data": chunk({"role": "assistant", "content": ""})}
-        async for event in events(session):
+        async for event in stream:
             if isinstance(event, DoneEvent):
                 finish = FINISH_REASONS.get(event.finish_reason, "stop")
-                summary = sources_and_summary(session, event)
+                summary = sources_and_summary(stream, event)
                 yield {"data": chunk({}, finish, event.logprobs[sent:], kvstitch=summary)}
                 if include_usage:  # OpenAI's form: one more chunk, no choices, the usage
                     final = {"id": completion_id, "object": "chat.completion.chunk", "created": created}
@@ -233,6 +243,8 @@ async def _chunks(
     except Exception as err:  # mid-stream: OpenAI clients read an `error` object from a data line
         error = {"message": f"{type(err).__name__}: {err}", "type": "server_error", "param": None, "code": None}
         yield {"data": json.dumps({"error": error})}
+    finally:
+        stream.cancel()  # a no-op once the answer ended; it frees the place of one never started (a client gone)
 
 
 def _logprobs(entries: Sequence[Logprob]) -> dict[str, Any]:
