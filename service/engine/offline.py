@@ -46,11 +46,11 @@ class OfflineScheduler:
         """Every request added at once and stepped until each ended; their results, in order. Raises the first
         request's error (after every request ended), ValueError when one can never run."""
         scheduler = self.scheduler_for(sum(r.tokens_needed for r in requests))
-        for request in requests:
-            scheduler.add(request)
         try:
+            for request in requests:
+                scheduler.add(request)
             scheduler.run_until_idle()
-        except BaseException as err:  # a step itself failed: end what is left, so the scheduler serves the next run
+        except BaseException as err:  # a refused request or a failed step: end what is left, for the next run
             scheduler.fail_all(err if isinstance(err, Exception) else RuntimeError("interrupted"))
             raise
         for request in requests:
