@@ -6,7 +6,7 @@
 Without --model it builds a Qwen2-7B-shaped model with random bf16 weights on the GPU (see bench_prefill); the
 second line is a CPU smoke run on a tiny model (`kvstitch tiny-model DIR`). For each context and each spec
 (`selective:R` for every --shares R, `prefix:N` for every --prefix N) TTFT is wall clock from "chunk KV on the device"
-to "first token id on the host", synchronised, median of --runs after --warmup, as `generate` serves a turbo
+to "first token id on the host", synchronised, median of --runs after --warmup, as the scheduler serves a turbo
 request with recompute (`prefill_turbo`): lease the bucket's CUDA graph (where graphs are on), stitch into its
 buffer, recompute eagerly, prefill the question (through the graph where it holds it), argmax. (The scheduler's
 batched answers add one device copy of the context into their slab, ~0.1 ms at 8K.) Beside it:
@@ -51,7 +51,8 @@ DEFAULT_SHARES = [0.0, 0.05, 0.1, 0.2, 0.5, 1.0]
 def turbo_logits(
     engine: StitchEngine, prompt: PromptIds, chunk_kv: list[KVBlock], spec: RecomputeSpec, extra: int
 ) -> Callable[[], torch.Tensor]:
-    """One served turbo prefill with recompute (`prefill_turbo`, as `generate` runs it): first-token logits."""
+    """One served turbo prefill with recompute (`prefill_turbo`, as the scheduler's slab prefill runs it): the
+    first token's logits."""
     question = prompt.question
     request = TurboPrefill(chunk_kv, question, PositionMode.REORDERED, extra, None, spec)
 

@@ -18,11 +18,11 @@ its first token and the median, all counted from the batch start; the batch's to
 ms per batched step (at the largest batch a step decoded); the speedup of each tier vs naive on the last-request
 TTFT and on the total. One scheduler (pool and graphs) per batch size serves every tier, freed before the next.
 
-**--sequential:** the batch of B is the B requests run back to back through `KVStore.fetch(overlap=True)` +
-`StitchEngine.generate`, one at a time; the last request's TTFT counts from the start of the batch (it includes
-waiting for the B - 1 requests before it). By default each run is one back-to-back sequence of max(--batches)
-requests and batch B is its first B requests (nothing is shared between requests but the tiers, prepared before
-the sequence); --separate-batches runs each batch size as its own sequence instead.
+**--sequential:** the batch of B is the B requests run back to back through `KVStore.fetch(overlap=True)` + the server's
+scheduler (`service.engine.offline`), one at a time; the last request's TTFT counts from the start of the batch (it
+includes waiting for the B - 1 requests before it). By default each run is one back-to-back sequence of max(--batches)
+requests and batch B is its first B requests (nothing is shared between requests but the tiers, prepared before the
+sequence); --separate-batches runs each batch size as its own sequence instead.
 
 Tiers (each request's chunks entirely in that tier): `gpu` (KVStore GPU tier), `host` (pinned host pool),
 `disk_cold` (a fresh store, page cache dropped with posix_fadvise before each batch, as bench_tiers), `miss`
@@ -58,13 +58,15 @@ import torch
 
 from loadtest.bench_prefill import build_engine, question_ids
 from loadtest.bench_tiers import drop_page_cache, filesystem_of, fill_disk
-from loadtest.true_batch import BatchRun, batch_scheduler, release, run_batch
+from loadtest.true_batch import BatchRun, batch_scheduler, run_batch
 from service.engine.batching_defaults import BATCH_PREFILL_MIN, PREFILL_CHUNK
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.gate import synthetic_ids
+from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import release
 from service.kvcache import device
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.store import KVStore, TierBudgets
@@ -229,24 +231,25 @@ class Context:
 
 
 def one_request(
-    engine: StitchEngine, prompt: PromptIds, sampling: SamplingParams, store: KVStore | None, tier: str
+    runner: OfflineScheduler, prompt: PromptIds, sampling: SamplingParams, store: KVStore | None, tier: str
 ) -> dict[str, float]:
-    """One request to its last token; TTFT = fetch wall time + the engine's TTFT (first token id on the host)."""
+    """One request to its last token through the server's scheduler, alone; TTFT = fetch wall time + the
+    scheduler's TTFT (from its admission to its first token id on the host)."""
     start = time.perf_counter()
     fetch = None
     if store is None:
-        stream = engine.generate(prompt, sampling, mode=GenerationMode.NAIVE)
+        result = generate(runner.engine, prompt, sampling, mode=GenerationMode.NAIVE, runner=runner)
         fetched = start
     else:
         fetch = store.fetch(prompt.blocks, overlap=True)
         if fetch.counts[EXPECTED[tier]] != len(prompt.blocks):
             raise RuntimeError(f"expected every block from the {tier} tier, got {fetch.counts}")
         fetched = time.perf_counter()
-        stream = engine.generate(prompt, sampling, chunk_kv=fetch.blocks, chunk_ready=list(fetch.ready))
-    for _ in stream:
-        pass
+        result = generate(
+            runner.engine, prompt, sampling, chunk_kv=fetch.blocks, chunk_ready=list(fetch.ready), runner=runner
+        )
     end = time.perf_counter()
-    timings, tokens = stream.result.timings, len(stream.result.token_ids)
+    timings, tokens = result.timings, len(result.token_ids)
     return {
         "fetch_ms": (fetched - start) * 1e3,
         "load_ms": fetch.timings.load_ms if fetch else 0.0,
@@ -261,7 +264,9 @@ def one_request(
     }
 
 
-def sequence(ctx: Context, tier: str, count: int, sampling: SamplingParams) -> list[dict[str, float]]:
+def sequence(
+    ctx: Context, runner: OfflineScheduler, tier: str, count: int, sampling: SamplingParams
+) -> list[dict[str, float]]:
     """`count` requests back to back (the store prepared untimed first); each with its offset in the sequence."""
     store = ctx.prepare(tier, count)()
     device.synchronize(ctx.engine.spec.device)
@@ -269,7 +274,7 @@ def sequence(ctx: Context, tier: str, count: int, sampling: SamplingParams) -> l
     out = []
     for prompt in ctx.prompts[:count]:
         offset = (time.perf_counter() - start) * 1e3
-        row = one_request(ctx.engine, prompt, sampling, store, tier)
+        row = one_request(runner, prompt, sampling, store, tier)
         row["offset_ms"] = offset
         out.append(row)
     return out
@@ -292,13 +297,15 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def measure_tier(ctx: Context, tier: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def measure_tier(
+    ctx: Context, runner: OfflineScheduler, tier: str, batches: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
     sampling = SamplingParams(max_new_tokens=args.decode_tokens, ignore_eos=True)
     lengths = sorted(set(batches)) if args.separate_batches else [max(batches)]
     runs: dict[int, list[list[dict[str, float]]]] = {n: [] for n in lengths}
     for i in range(args.warmup + args.runs):
         for n in lengths:
-            done = sequence(ctx, tier, n, sampling)
+            done = sequence(ctx, runner, tier, n, sampling)
             if i >= args.warmup:
                 runs[n].append(done)
     out: dict[str, Any] = {"batches": {}}
@@ -383,15 +390,21 @@ def true_batch_cell(
 
 
 def measure_sequential(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    """Every tier, each as back-to-back sequences (a tier that fails is reported whole)."""
+    """Every tier, each as back-to-back sequences (a tier that fails is reported whole), through one kept
+    scheduler (its graphs captured in the warm-up runs)."""
     tiers: dict[str, Any] = {}
-    for tier in args.tiers:
-        started = time.perf_counter()
-        try:
-            tiers[tier] = measure_tier(ctx, tier, args.batches, args)
-        except CELL_ERRORS as err:
-            tiers[tier] = failure(f"context {ctx.context} tier {tier}", err, ctx.engine)
-        tiers[tier]["seconds"] = time.perf_counter() - started
+    runner = OfflineScheduler(ctx.engine)
+    try:
+        for tier in args.tiers:
+            started = time.perf_counter()
+            try:
+                tiers[tier] = measure_tier(ctx, runner, tier, args.batches, args)
+            except CELL_ERRORS as err:
+                runner.close()  # its state after a failed step is unknown: the next tier builds a new one
+                tiers[tier] = failure(f"context {ctx.context} tier {tier}", err, ctx.engine)
+            tiers[tier]["seconds"] = time.perf_counter() - started
+    finally:
+        runner.close()
     return tiers
 
 

@@ -9,9 +9,9 @@ of --runs after --warmup, all in one process on the same ids:
 - naive: one causal prefill over prefix + chunks + question;
 - stitched eager: chunk KV on the GPU, rotate + place into a fresh buffer, eager question prefill;
 - stitched graph: lease the capacity bucket's graph, stitch into its buffer, replay the question's prefill graph
-  (what `generate` does with `cuda_graphs` on); from the GPU tier, from pinned host blocks (a plain copy inside
-  the stitch), and, with the KV cache importable, from `KVStore`'s pinned host tier with overlapped copies
-  (`fetch(overlap=True)` + `chunk_ready`, as the gateway does).
+  (what the scheduler's prefill of one request does with `cuda_graphs` on); from the GPU tier, from pinned host
+  blocks (a plain copy inside the stitch), and, with the KV cache importable, from `KVStore`'s pinned host tier
+  with overlapped copies (`fetch(overlap=True)` + `chunk_ready`, as the gateway does).
 
 On the KVStore host tier the engine pipelines by default (§8.2): the fetch copies the host blocks layer group by
 layer group and the question prefill runs as one graph segment per group, each after its group's stitch, so the

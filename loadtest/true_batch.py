@@ -1,10 +1,10 @@
 """A true batch for `bench_tables`: B requests submitted together to one `Scheduler`, built as the server builds it.
 
-`batch_scheduler` builds the scheduler as `Runtime.serve_answers` does (the server's `prefill_chunk` and
-`batch_prefill_min` defaults, CUDA graphs for the batched decode step and the batched question prefill wherever
-the engine has its own) over a `KVPool` sized for the B requests, and captures those graphs as the server's
-start does (`Scheduler.warm`), before anything is timed. `run_batch` adds the
-B requests at once and steps the scheduler until every one has its last token. Each turbo request's chunk KV is
+`batch_scheduler` builds the scheduler with the server's own `build_scheduler` (the server's batching defaults:
+`prefill_chunk`, `batch_prefill_min`, CUDA graphs for the batched steps, questions riding in decode steps and
+overlapped steps wherever the engine has its own graphs) over a `KVPool` sized for the B requests, and captures
+those graphs as the server's start does (`Scheduler.warm`), before anything is timed. `run_batch` adds the B
+requests at once and steps the scheduler until every one has its last token. Each turbo request's chunk KV is
 fetched at its admission from the tier under test through the server's own KV source
 (`service.serving.kv_source.StoreChunks`); a naive request fetches nothing and the scheduler prefills its whole
 prompt, `prefill_chunk` tokens per step between the running requests' decode steps.
@@ -21,21 +21,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.engine import batching_defaults
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.extend_graph import TOKEN_BUCKETS
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import BatchingOptions, build_scheduler, graphs_on, scratch_slots
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.serving.kv_source import StoreChunks
-
-# The slots the graphs hold for their padding: one for the decode step's (`BatchGraphs`), a bucket of tokens for
-# the batched prefill's (`ExtendGraphs`).
-GRAPH_SCRATCH_SLOTS = 1 + max(TOKEN_BUCKETS)
 
 
 def slots_needed(prompt: PromptIds, sampling: SamplingParams) -> int:
@@ -46,30 +41,15 @@ def slots_needed(prompt: PromptIds, sampling: SamplingParams) -> int:
 def batch_scheduler(engine: StitchEngine, prompts: Sequence[PromptIds], sampling: SamplingParams) -> Scheduler:
     """A scheduler for these requests at once, as the server's: a pool with one slab each, every one admitted in
     the first step (`max_batch` = their count), its graphs on CUDA captured now for every length they reach."""
-    on_cuda = engine.decode_graphs is not None
-    slots = sum(slots_needed(p, sampling) for p in prompts) + (GRAPH_SCRATCH_SLOTS if on_cuda else 0)
+    on_cuda = graphs_on(engine)
+    slots = sum(slots_needed(p, sampling) for p in prompts) + scratch_slots(engine)
     pool = KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token())
-    scheduler = Scheduler(
-        engine,
-        pool,
-        max_batch=len(prompts),
-        cuda_graphs=on_cuda,
-        prefill_chunk=batching_defaults.PREFILL_CHUNK,
-        batch_prefill_min=batching_defaults.BATCH_PREFILL_MIN,
-    )
+    scheduler = build_scheduler(engine, pool, BatchingOptions(max_batch=len(prompts)))
     if on_cuda:
         # Live lengths run from the first decode step's to the full slab: capture each bucket in between now.
         for length in {n for p in prompts for n in (len(p.joined()) + 1, slots_needed(p, sampling))}:
             scheduler.warm(length)
     return scheduler
-
-
-def release(scheduler: Scheduler) -> None:
-    """Give the scheduler's graphs and pool memory back (before the next batch size's pool is allocated)."""
-    for graphs in (scheduler.graphs, scheduler.slabs.extend_graphs):
-        if graphs is not None:
-            graphs.close()
-    scheduler.pool.release()
 
 
 @dataclass

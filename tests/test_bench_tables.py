@@ -3,7 +3,8 @@ rows hold the batch figures (the H200 run is the lead's).
 
 A true batch goes through the production path: a `Scheduler` as the server builds it, the chunk KV fetched at
 admission by the server's KV source (`StoreChunks`) from the tier under test. Its tokens are compared with the same
-request run alone through `StitchEngine.generate` (fp32 on the CPU: exact equality, as `test_engine_batch.py`).
+request run alone through the scheduler, `offline.generate` (fp32 on the CPU: exact equality, as
+`test_engine_batch.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import Any
 import pytest
 
 import loadtest.bench_tables as bench
-from loadtest.true_batch import batch_scheduler, release, run_batch
+from loadtest.true_batch import batch_scheduler, run_batch
 from service.engine.batching_defaults import PREFILL_CHUNK
 from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
+from service.engine.scheduler_config import release
 from service.kvcache.tiers import Tier
 
 DECODE_TOKENS = 5
@@ -41,12 +44,10 @@ def three_prompts(get_engine: Callable[..., StitchEngine], tmp_path: Path) -> It
 
 
 def alone(engine: StitchEngine, prompt: PromptIds, sampling: SamplingParams, tier: str) -> list[int]:
-    """The request by itself, its chunk KV computed by the engine (turbo) or its whole prompt prefilled (naive)."""
+    """The request by itself through the scheduler, its chunk KV computed by the engine (turbo) or its whole prompt
+    prefilled (naive)."""
     mode = GenerationMode.NAIVE if tier == "naive" else GenerationMode.TURBO
-    stream = engine.generate(prompt, sampling, mode=mode)
-    for _ in stream:
-        pass
-    return stream.result.token_ids
+    return generate(engine, prompt, sampling, mode=mode).token_ids
 
 
 @pytest.mark.parametrize("tier", bench.TIERS)

@@ -1,7 +1,8 @@
 """Continuous batching: every request's tokens in a batch are its tokens alone, whatever runs beside it.
 
-CPU tests run the tiny models in fp32 and compare against `StitchEngine.generate` run alone, token for token and
-text for text. The batched step's logits differ from the single-sequence step's by float rounding only (~1e-6:
+CPU tests run the tiny models in fp32 and compare against the same request run alone (through a scheduler of its
+own, its greedy tokens checked against the reference forward of `reference.py`), token for token and text for
+text. The batched step's logits differ from the single-sequence step's by float rounding only (~1e-6:
 fused q/k/v and RMSNorm kernels, measured in `test_batched_step_logits_match_extend`), far below the top-2 gaps
 these sequences show, so exact equality holds and is asserted. The pool is NaN-poisoned throughout: a request
 reading one slot it did not write itself would turn NaN and break the equality.
@@ -12,6 +13,7 @@ request's own history, with the bf16 near-tie rule of `test_engine_cuda_graph.py
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,7 @@ from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
+from service.engine.reference import reference_greedy, reference_logits
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import QueueFullError, Scheduler
 
@@ -101,9 +104,34 @@ class Tracked:
 
 
 def run_alone(engine: StitchEngine, case: Case, ignore_eos: bool = True) -> Alone:
-    stream = engine.generate(case.prompt(engine), case.params(ignore_eos), case.mode, case.positions)
-    text = "".join(stream)
-    return Alone(stream.result.token_ids, text, stream.result.finish_reason)
+    """The request by itself, through a scheduler of its own over a pool just its size. A greedy request's tokens
+    are checked against the reference forward (the gate's: the HF model itself, no cache), so "alone" is not the
+    batched path checked against itself."""
+    alone = Tracked(engine, case, ignore_eos)
+    scheduler = Scheduler(engine, nan_pool(engine, alone.request.tokens_needed), max_batch=1)
+    scheduler.add(alone.request)
+    drain(scheduler)
+    result = alone.request.result
+    assert "".join(alone.deltas) == result.text
+    if case.temperature == 0:
+        assert result.token_ids == list(reference_tokens(engine, case)[: len(result.token_ids)]), case
+    return Alone(result.token_ids, result.text, result.finish_reason)
+
+
+@functools.cache
+def reference_tokens(engine: StitchEngine, case: Case) -> tuple[int, ...]:
+    """The case's `max_new` greedy tokens of the reference forward re-run for every token (EOS not stopping it):
+    under the block mask at the case's positions (turbo), or causal over the joined prompt (naive). Kept: many
+    tests run the same cases alone."""
+    prompt = case.prompt(engine)
+    if case.mode != "naive":
+        return tuple(reference_greedy(engine.model, prompt, case.positions, case.max_new))
+    tokens: list[int] = []
+    for _ in range(case.max_new):
+        ids = [*prompt.joined(), *tokens]
+        causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+        tokens.append(int(reference_logits(engine.model, ids, torch.arange(len(ids)), causal)[-1].argmax()))
+    return tuple(tokens)
 
 
 def nan_pool(engine: StitchEngine, slots: int) -> KVPool:

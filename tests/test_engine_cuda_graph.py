@@ -17,6 +17,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
+from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 
@@ -43,10 +44,8 @@ def test_cpu_engine_decodes_eagerly_even_when_asked_for_graphs(get_engine: Calla
         DecodeGraph(eager.forward, 1024)
     prompt = eager.template.prompt(synthetic_ids(eager, (12, 20), seed=3), [5, 6, 7])
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    runs = [engine.generate(prompt, params) for engine in (eager, asked)]
-    for run in runs:
-        list(run)
-    assert runs[0].result.token_ids == runs[1].result.token_ids
+    runs = [generate(engine, prompt, params) for engine in (eager, asked)]
+    assert runs[0].token_ids == runs[1].token_ids
 
 
 def _stitched(engine: StitchEngine, positions: str) -> tuple[KVBuffer, torch.Tensor]:
@@ -128,12 +127,13 @@ def _assert_greedy_under_eager(engine: StitchEngine, prompt: PromptIds, position
 @NEEDS_CUDA
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_generate_with_graphs_gives_the_eager_tokens(
+def test_answers_with_graphs_give_the_eager_tokens(
     get_engine: Callable[..., StitchEngine], arch: str, positions: str
 ) -> None:
-    """Graph and eager differ only by bf16 rounding (the question's K/V comes from another attention kernel),
-    so on random tiny models a near-tie may flip a token and the sequences part there; every token the graph
-    path picks must still be eager's greedy pick given the same history."""
+    """Through the scheduler (graphs: the question through a prefill graph, the decode steps through the batched step's
+    graphs; eager: neither). Graph and eager differ only by bf16 rounding (the question's K/V comes from another
+    attention kernel), so on random tiny models a near-tie may flip a token and the sequences part there; every token
+    the graph path picks must still be eager's greedy pick given the same history."""
     base = get_engine(arch, "cuda")
     graphed = StitchEngine(base.model, cuda_graphs=True)
     eager = StitchEngine(base.model, cuda_graphs=False)
@@ -143,9 +143,9 @@ def test_generate_with_graphs_gives_the_eager_tokens(
     # graph's buffer and then decodes in the graph.
     for question in (base.encode_question("What is it?"), synthetic_ids(base, (600,), seed=12)[0]):
         prompt = base.template.prompt(chunks, question)
-        streams = [engine.generate(prompt, params, positions=positions) for engine in (eager, graphed)]
-        texts = ["".join(stream) for stream in streams]
-        tokens = [stream.result.token_ids for stream in streams]
+        results = [generate(engine, prompt, params, positions=positions) for engine in (eager, graphed)]
+        texts = [result.text for result in results]
+        tokens = [result.token_ids for result in results]
         _assert_greedy_under_eager(eager, prompt, positions, tokens[1])
         assert tokens[0][0] == tokens[1][0]
         if tokens[0] == tokens[1]:
@@ -154,10 +154,8 @@ def test_generate_with_graphs_gives_the_eager_tokens(
     assert graphed.decode_graphs.prefill_capture_ms, "the question did not go through a prefill graph"
     # Seeded sampling runs eagerly on the graph's static logits; a second request reuses the captured graph.
     sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
-    runs = [engine.generate(prompt, sampled, positions=positions) for engine in (eager, graphed)]
-    for run in runs:
-        list(run)
-    assert len(runs[1].result.token_ids) == 8
+    runs = [generate(engine, prompt, sampled, positions=positions) for engine in (eager, graphed)]
+    assert len(runs[1].token_ids) == 8
     assert len(graphed.decode_graphs.capture_ms) == 1
 
 

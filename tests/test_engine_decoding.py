@@ -11,6 +11,7 @@ from service.devtools.tiny_model import build_tokenizer
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
+from service.engine.offline import generate
 from service.engine.sampling import Sampler, SamplingParams
 
 MULTIBYTE = "Der Bär isst Käse 東京は日本 🙂🚀 done"
@@ -71,9 +72,10 @@ def test_sampling_params_are_bounded(field: str, value: object) -> None:
 def _generate(engine: StitchEngine, params: SamplingParams, mode: str = "turbo") -> tuple[list[int], str, str]:
     chunks = synthetic_ids(engine, (12, 20), seed=51)
     prompt = engine.template.prompt(chunks, engine.encode_question("What is it?"))
-    stream = engine.generate(prompt, params, mode=mode)
-    text = "".join(stream)
-    return stream.result.token_ids, text, stream.result.finish_reason
+    deltas: list[str] = []
+    result = generate(engine, prompt, params, mode=mode, on_text=deltas.append)
+    assert "".join(deltas) == result.text  # the streamed text is the answer's
+    return result.token_ids, result.text, result.finish_reason
 
 
 def test_seeded_sampling_is_reproducible(get_engine: Callable[..., StitchEngine]) -> None:
@@ -106,8 +108,7 @@ def test_naive_and_turbo_report_timings(get_engine: Callable[..., StitchEngine])
     engine = get_engine("mistral", "cpu")
     for mode in ("naive", "turbo"):
         chunks = synthetic_ids(engine, (12, 20), seed=51)
-        stream = engine.generate(engine.template.prompt(chunks, [5, 6]), SamplingParams(max_new_tokens=3), mode=mode)
-        list(stream)
-        timings = stream.result.timings
+        result = generate(engine, engine.template.prompt(chunks, [5, 6]), SamplingParams(max_new_tokens=3), mode=mode)
+        timings = result.timings
         assert timings.prefill_ms > 0 and timings.ttft_ms >= timings.prefill_ms
         assert (timings.stitch_ms > 0) == (mode == "turbo")

@@ -14,6 +14,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
+from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
@@ -140,14 +141,12 @@ def test_a_buffer_holding_more_than_the_context_is_refused(get_engine: GetEngine
 
 
 def _generate(engine: StitchEngine, prompt: PromptIds, mode: str, recompute: str) -> tuple[list[int], int, float]:
-    stream = engine.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), mode, recompute=recompute)
-    for _ in stream:
-        pass
-    result = stream.result
+    """One request alone through the scheduler: its tokens, recomputed count and recompute time."""
+    result = generate(engine, prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), mode, recompute=recompute)
     return result.token_ids, result.recomputed_tokens, result.timings.recompute_ms
 
 
-def test_generate_with_everything_recomputed_answers_as_naive(get_engine: GetEngine) -> None:
+def test_an_answer_with_everything_recomputed_answers_as_naive(get_engine: GetEngine) -> None:
     engine = get_engine("llama", "cpu")
     prompt = _prompt(engine, seed=3)
     naive, naive_count, _ = _generate(engine, prompt, "naive", "selective:1")
@@ -161,23 +160,21 @@ def test_generate_with_everything_recomputed_answers_as_naive(get_engine: GetEng
 
 
 @pytest.mark.parametrize("spec", ["selective:0.3", "prefix:5"])
-def test_generate_serves_the_recomputed_context(engine: StitchEngine, spec: str) -> None:
-    """Through `generate` (on CUDA: stitched into a leased graph's buffer, question prefilled by its graph) the first
-    token is the one the eager stitch + recompute + question prefill gives, and the count is reported."""
+def test_an_answer_serves_the_recomputed_context(engine: StitchEngine, spec: str) -> None:
+    """Through the scheduler alone (on CUDA: stitched into a leased graph's buffer, question prefilled by its graph)
+    the first token is the one the eager stitch + recompute + question prefill gives, and the count is reported."""
     prompt = _prompt(engine, seed=11)
     _, _, count, logits = _stitched(engine, prompt, spec)
-    stream = engine.generate(
-        prompt, SamplingParams(max_new_tokens=3), chunk_kv=engine.precompute(prompt.blocks), recompute=spec
+    result = generate(
+        engine, prompt, SamplingParams(max_new_tokens=3), chunk_kv=engine.precompute(prompt.blocks), recompute=spec
     )
-    for _ in stream:
-        pass
-    assert stream.result.recomputed_tokens == count > 0
-    assert stream.result.token_ids[0] == int(logits[-1].argmax())
+    assert result.recomputed_tokens == count > 0
+    assert result.token_ids[0] == int(logits[-1].argmax())
 
 
-def test_the_scheduler_recomputes_as_generate_does(get_engine: GetEngine) -> None:
-    """Batched answers (the server's path) recompute in their prefill: everything recomputed answers as naive,
-    a partial spec as `generate` alone, and each request reports its own count beside a plain turbo one."""
+def test_batched_answers_recompute_as_one_alone_does(get_engine: GetEngine) -> None:
+    """Batched answers recompute in their prefill: everything recomputed answers as naive, a partial spec as the
+    same request alone, and each request reports its own count beside a plain turbo one."""
     engine = get_engine("qwen2", "cpu")
     pool = KVPool(engine.spec, 2000 * engine.spec.kv_bytes_per_token(), poison="nan")
     scheduler = Scheduler(engine, pool, max_batch=4)

@@ -7,6 +7,7 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, stitched_vs_reference, synthetic_ids
+from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.reference import (
     independent_mask,
@@ -74,10 +75,7 @@ def test_naive_equals_hf_forward(engine: StitchEngine) -> None:
 def test_greedy_decode_after_stitch_equals_reference(engine: StitchEngine, positions: PositionMode) -> None:
     chunks = synthetic_ids(engine, (16, 9, 25), seed=21)
     prompt = engine.template.prompt(chunks, synthetic_ids(engine, [7], seed=22)[0])
-    stream = engine.generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), positions=positions)
-    for _ in stream:
-        pass
-    tokens = stream.result.token_ids
+    tokens = generate(engine, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), positions=positions).token_ids
     assert len(tokens) == 20
     if engine.spec.dtype == torch.float32:
         assert tokens == reference_greedy(engine.model, prompt, positions, steps=20)

@@ -73,7 +73,7 @@ class BatchRequest:
 
     @property
     def tokens_needed(self) -> int:
-        """Slots the request's slab holds: the joined prompt and the answer budget (as `generate` reserves)."""
+        """Slots the request's slab holds: the joined prompt and the answer budget."""
         return self.result.prompt_tokens + self.sampling.max_new_tokens
 
     @property

@@ -1,9 +1,9 @@
 """Filling an admitted request's slab: the mechanics under the scheduler's admission policy.
 
-The scheduler decides *when* (who is admitted, which questions go together, how many naive tokens a step takes);
-this module does *how*: a request's chunks stitched into its slab, one request prefilled alone as `generate`
-prefills (through a leased CUDA graph where one fits), and several requests' new tokens — questions after their
-stitched contexts, or naive prompts' chunks — run as one batched forward (`BatchDecoder.extend`, replayed from
+The scheduler decides *when* (who is admitted, which questions go together, how many naive tokens a step takes); this
+module does *how*: a request's chunks stitched into its slab, one request prefilled alone by the engine's
+single-sequence steps (through a leased CUDA graph where one fits), and several requests' new tokens — questions after
+their stitched contexts, or naive prompts' chunks — run as one batched forward (`BatchDecoder.extend`, replayed from
 `ExtendGraphs` on CUDA), and questions ride in a decode step's forward (`BatchDecoder.mixed`, `MixedGraphs`).
 """
 
@@ -130,8 +130,8 @@ class SlabPrefill:
         return self.engine.forward.extend(request.buffer, list(ids), torch.arange(first, first + len(ids)))
 
     def prefill_alone(self, request: BatchRequest, buffer: KVBuffer, watch: Stopwatch) -> torch.Tensor:
-        """Fill the slab as `generate` fills its buffer (same stitch and prefill code); logits of the last token.
-        Its stages are timed by `watch` (deferred in the overlapped scheduler: settled at its first token).
+        """Fill the slab with the engine's own stitch and prefill (`prefill_naive`, `prefill_turbo`); logits of the
+        last token. Its stages are timed by `watch` (deferred in the overlapped scheduler: settled at its first token).
 
         With CUDA graphs a turbo request is stitched and prefilled in a leased graph's buffer (the question
         through its prefill graph, pipelined with the copies still landing) and its live KV then copied into

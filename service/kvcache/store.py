@@ -14,10 +14,10 @@ the same as without the cache.
 Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders the
 caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does not: the
 caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
-`prefill_stitched` and `generate`), which waits for each block just before placing it, so the first blocks are
-rotated while later ones are still copying. When the store was given `layer_groups` (the engine pipelines: CUDA
-graphs on, `engine.pipeline_layers`) an overlapped fetch copies the host-tier hits layer group by layer group
-across all of them instead, and their `ready` entries are `LayeredArrival`s: the engine stitches group g and
+`prefill_stitched` and the scheduler's slab prefill), which waits for each block just before placing it, so the
+first blocks are rotated while later ones are still copying. When the store was given `layer_groups` (the engine
+pipelines: CUDA graphs on, `engine.pipeline_layers`) an overlapped fetch copies the host-tier hits layer group by
+layer group across all of them instead, and their `ready` entries are `LayeredArrival`s: the engine stitches group g and
 replays prefill segment g while group g + 1 is still copying (`StitchEngine.prefill_pipelined`).
 """
 

@@ -1,5 +1,6 @@
 """The quality eval: each variant (naive, turbo reordered, turbo composite, each turbo one with a recompute spec)
-answers every sample greedily; rows compare it with the answers and with a naive reference run.
+answers every sample greedily through the server's scheduler (`service.engine.offline`: the path `/ask` runs);
+rows compare it with the answers and with a naive reference run.
 
 Every sample is built from token ids as the service builds it: each chunk encoded on its own without special
 tokens (the chunker's convention), wrapped by `template.chunk_block`, the question by `engine.encode_question`.
@@ -23,6 +24,7 @@ import torch
 
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
+from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import PromptIds, encode
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
@@ -102,20 +104,19 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
     positions = variant.positions or PositionMode.REORDERED
     question = case.prompt.question
     buffer, plan = engine.stitch(case.chunk_kv, positions, len(question))
-    engine.recompute(buffer, plan, case.chunk_kv, variant.recompute)  # as `generate` does, before the question
+    engine.recompute(buffer, plan, case.chunk_kv, variant.recompute)  # as the scheduler does, before the question
     return engine.prefill_question(buffer, question).float().cpu()
 
 
-def run_variant(engine: StitchEngine, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
-    """Generate greedily through the served path (`generate`), then read the first-token distribution."""
+def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
+    """Generate greedily through the server's scheduler (`runner`, the served path), then read the first-token
+    distribution."""
+    engine = runner.engine
     positions = variant.positions or PositionMode.REORDERED
     chunk_kv = case.chunk_kv if variant.mode is GenerationMode.TURBO else None
-    stream = engine.generate(
-        case.prompt, sampling, variant.mode, positions, chunk_kv=chunk_kv, recompute=variant.recompute
+    result = generate(
+        engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
     )
-    for _ in stream:
-        pass
-    result = stream.result
     logits = first_token_logits(engine, case, variant)
     return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
 
@@ -215,16 +216,20 @@ def evaluate_cases(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = [Scores(v) for v in variants]
     done = 0
-    for case in cases:
-        if done == 0:
-            for variant in variants:
-                run_variant(engine, case, variant, sampling)
-        reference = run_variant(engine, case, NAIVE, sampling)
-        for score in scores:
-            score.add(case.sample, run_variant(engine, case, score.variant, sampling), reference)
-        done += 1
-        if done % PROGRESS_EVERY == 0:
-            log.info("%d/%d samples", done, count)
+    runner = OfflineScheduler(engine)
+    try:
+        for case in cases:
+            if done == 0:
+                for variant in variants:
+                    run_variant(runner, case, variant, sampling)
+            reference = run_variant(runner, case, NAIVE, sampling)
+            for score in scores:
+                score.add(case.sample, run_variant(runner, case, score.variant, sampling), reference)
+            done += 1
+            if done % PROGRESS_EVERY == 0:
+                log.info("%d/%d samples", done, count)
+    finally:
+        runner.close()
     return EvalReport(done, max_new_tokens, [s.row() for s in scores])
 
 

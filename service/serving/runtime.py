@@ -28,6 +28,7 @@ from service.engine.gate import run_gate
 from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import BatchingOptions, build_scheduler
 from service.jobs.documents import DocumentLimits, job_documents
 from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
 from service.jobs.queue import JobQueue, RedisStreamQueue
@@ -170,18 +171,8 @@ class Runtime:
         device = self.engine.spec.device
         mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
         pool = KVPool.from_mib(self.engine.spec, mib)
-        # The batched decode step runs through CUDA graphs wherever the engine's own graphs are on (CUDA).
-        on_cuda = self.engine.decode_graphs is not None
-        scheduler = Scheduler(
-            self.engine,
-            pool,
-            self.settings.max_batch,
-            cuda_graphs=on_cuda,
-            prefill_chunk=self.settings.prefill_chunk,
-            batch_prefill_min=self.settings.batch_prefill_min,
-            prefill_with_decode=_unset_is(self.settings.prefill_with_decode, on_cuda),
-            overlap=_unset_is(self.settings.overlap_decode, on_cuda),
-            kv_source=StoreChunks(self.store),
+        scheduler = build_scheduler(
+            self.engine, pool, batching_options(self.settings), kv_source=StoreChunks(self.store)
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))
@@ -430,6 +421,12 @@ def _open_components(
     )
 
 
-def _unset_is(setting: bool | None, default: bool) -> bool:
-    """A tri-state setting's value: `default` where it is unset."""
-    return default if setting is None else setting
+def batching_options(settings: Settings) -> BatchingOptions:
+    """The scheduler's batching settings (`build_scheduler` picks what they leave to the device)."""
+    return BatchingOptions(
+        settings.max_batch,
+        settings.prefill_chunk,
+        settings.batch_prefill_min,
+        settings.prefill_with_decode,
+        settings.overlap_decode,
+    )

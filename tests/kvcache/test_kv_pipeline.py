@@ -10,6 +10,7 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
+from service.engine.offline import generate
 from service.engine.sampling import SamplingParams
 from service.kvcache import device
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
@@ -47,8 +48,7 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
     finally:
         engine.release_graph(graph)
     sampling = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    baseline = engine.generate(prompt, sampling, positions=positions, chunk_kv=fresh)
-    list(baseline)
+    baseline = generate(engine, prompt, sampling, positions=positions, chunk_kv=fresh)
     index = SqliteIndex(tmp_path / SQLITE_FILENAME)
     try:
         with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(0, 1 << 24, 1 << 26)) as store:
@@ -86,10 +86,9 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
                 engine.release_graph(graph)
             stall(store.host.stream)
             again = store.fetch(prompt.blocks, overlap=True)
-            stream = engine.generate(
-                prompt, sampling, positions=positions, chunk_kv=again.blocks, chunk_ready=again.ready
+            answer = generate(
+                engine, prompt, sampling, positions=positions, chunk_kv=again.blocks, chunk_ready=again.ready
             )
-            list(stream)
             assert 0 < result.timings.h2d_ms < 60
             # Without overlap the fetch orders the caller's stream after every copy: blocks arrive whole.
             plain = store.fetch(prompt.blocks)
@@ -98,5 +97,5 @@ def test_host_tier_by_layers_gives_the_logits_and_tokens_of_fresh_blocks(
         index.close()
     assert torch.isfinite(got).all()
     assert torch.equal(got, expected)
-    assert stream.result.token_ids == baseline.result.token_ids
+    assert answer.token_ids == baseline.token_ids
     assert returned_early  # the host went on while the copies were still queued: the waits were on the device

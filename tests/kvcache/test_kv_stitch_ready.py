@@ -12,6 +12,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
+from service.engine.offline import generate
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode, plan_positions, stitch_into
 
@@ -68,14 +69,12 @@ def test_engine_paths_pass_chunk_ready_through(engine: StitchEngine) -> None:
 
     _, plain, _ = engine.prefill_stitched(blocks, prompt.question, all_logits=True)
     _, waited, _ = engine.prefill_stitched(blocks, prompt.question, all_logits=True, chunk_ready=ready)
-    stream = engine.generate(prompt, sampling, chunk_kv=blocks, chunk_ready=[None, ready[1], None])
-    baseline = engine.generate(prompt, sampling, chunk_kv=blocks)
-    list(stream)
-    list(baseline)
+    answer = generate(engine, prompt, sampling, chunk_kv=blocks, chunk_ready=[None, ready[1], None])
+    baseline = generate(engine, prompt, sampling, chunk_kv=blocks)
 
     assert calls == [0, 1, 2, 1]
     assert torch.equal(waited, plain)
-    assert stream.result.token_ids == baseline.result.token_ids
+    assert answer.token_ids == baseline.token_ids
 
 
 def test_chunk_ready_must_match_the_blocks(engine: StitchEngine) -> None:
@@ -84,7 +83,7 @@ def test_chunk_ready_must_match_the_blocks(engine: StitchEngine) -> None:
     with pytest.raises(ValueError, match="2 ready entries for 3 chunk blocks"):
         engine.stitch(blocks, PositionMode.REORDERED, 4, chunk_ready=[None, None])
     with pytest.raises(ValueError, match="needs the `chunk_kv`"):
-        engine.generate(prompt, SamplingParams(max_new_tokens=1), chunk_ready=[None] * 3)
+        generate(engine, prompt, SamplingParams(max_new_tokens=1), chunk_ready=[None] * 3)
     plan = plan_positions(PositionMode.REORDERED, [b.num_tokens for b in blocks])
     with pytest.raises(ValueError, match="1 ready entries for 3 blocks"):
         stitch_into(KVBuffer(engine.spec, plan.context_tokens), engine.forward.rotary, blocks, plan, [None])

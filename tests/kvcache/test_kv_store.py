@@ -15,6 +15,7 @@ from kv_support import FakeEvent, IndexOpener, bits
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock
+from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.kvcache import device, fileformat, tiers
@@ -136,17 +137,15 @@ def test_miss_then_memory_hit_then_disk_after_restart(
         assert torch.equal(logits(engine, result.blocks, prompt), expected)  # bit for bit
 
 
-def test_generate_accepts_fetched_blocks(
+def test_the_scheduler_accepts_fetched_blocks(
     engine: StitchEngine, prompt: PromptIds, stores: Stores, index: KVIndex
 ) -> None:
     store = stores.open(index)
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    baseline = engine.generate(prompt, sampling)
-    list(baseline)
+    baseline = generate(engine, prompt, sampling)
     fetched = store.fetch(prompt.blocks)
-    cached = engine.generate(prompt, sampling, chunk_kv=fetched.blocks)
-    list(cached)
-    assert cached.result.token_ids == baseline.result.token_ids
+    cached = generate(engine, prompt, sampling, chunk_kv=fetched.blocks)
+    assert cached.token_ids == baseline.token_ids
 
 
 def test_misses_are_computed_in_one_batch_and_repeats_loaded_once(
@@ -477,13 +476,9 @@ def test_on_cpu_nothing_waits_and_overlap_gives_the_same_blocks(
         for got, want in zip(result.blocks, fresh, strict=True):
             assert torch.equal(bits(got.kv), bits(want.kv))
     sampling = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    baseline, cached = (
-        engine.generate(prompt, sampling),
-        engine.generate(prompt, sampling, chunk_kv=copied.blocks, chunk_ready=copied.ready),
-    )
-    list(baseline)
-    list(cached)
-    assert cached.result.token_ids == baseline.result.token_ids
+    baseline = generate(engine, prompt, sampling)
+    cached = generate(engine, prompt, sampling, chunk_kv=copied.blocks, chunk_ready=copied.ready)
+    assert cached.token_ids == baseline.token_ids
 
 
 # ---- batched precompute of misses under a token cap --------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from service.cli import main
 from service.engine.engine import StitchEngine
+from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import encode
 from service.engine.sampling import SamplingParams
 from service.quality.dataset import QASample, read_samples
@@ -97,10 +98,7 @@ def test_naive_against_a_separate_naive_run_agrees_fully(get_engine: Any, arch: 
 def _naive_answer(engine: StitchEngine, sample: QASample, tokens: int) -> str:
     chunks = [encode(engine.tokenizer, c) for c in sample.chunks]
     prompt = engine.template.prompt(chunks, engine.encode_question(sample.question))
-    stream = engine.generate(prompt, SamplingParams(max_new_tokens=tokens), "naive")
-    for _ in stream:
-        pass
-    return stream.result.text
+    return generate(engine, prompt, SamplingParams(max_new_tokens=tokens), "naive").text
 
 
 def test_answers_equal_to_the_naive_output_score_one(get_engine: Any, tmp_path: Path) -> None:
@@ -210,6 +208,8 @@ def test_the_first_token_distribution_is_the_one_decoding_started_from(get_engin
     sample = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=1, chunks=4, seed=9))[0]
     case = prepare(engine, sample, max_new_tokens=3)
     sampling = SamplingParams(max_new_tokens=3)
+    runner = OfflineScheduler(engine)
     for variant in table_variants():
-        outcome = run_variant(engine, case, variant, sampling)
+        outcome = run_variant(runner, case, variant, sampling)
         assert int(outcome.first_logits.argmax()) == outcome.token_ids[0], variant.label
+    runner.close()

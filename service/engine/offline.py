@@ -1,0 +1,105 @@
+"""Generating in-process through the server's scheduler: one path from request to tokens for everything that
+generates outside the server (`kvstitch eval`, the quality demo, the benchmark tables, the tests).
+
+`OfflineScheduler.run(requests)` adds every request to one `Scheduler` built as the server builds it
+(`scheduler_config.build_scheduler`) over a `KVPool` with room for all of them at once, steps it until each has
+ended, and returns their results in order. The scheduler (its pool and its captured graphs) is kept for the next
+run while that run's requests fit its pool, so a loop of single requests (an eval) captures its graphs once.
+`generate` is the one-request form: a prompt in, a `GenerationResult` out, text deltas through `on_text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from service.engine.batch_request import BatchRequest, TextSink
+from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
+from service.engine.kv_layout import KVBlock
+from service.engine.kv_pool import KVPool, Poison
+from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
+from service.engine.sampling import SamplingParams
+from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import BatchingOptions, build_scheduler, release, scratch_slots
+from service.engine.stitch import BlockReady, PositionMode
+
+
+class OfflineScheduler:
+    """The server's scheduler, run to the end of each batch of requests on the caller's thread (which then owns
+    the engine, as the engine loop does in a server).
+
+    `poison`: what freed slabs are filled with (NaN in the tests, so a read of a slot a request did not write
+    shows); `options`: the batching settings (the server's defaults unless given)."""
+
+    def __init__(
+        self,
+        engine: StitchEngine,
+        options: BatchingOptions | None = None,
+        poison: Poison | str = Poison.ZERO,
+    ) -> None:
+        self.engine = engine
+        self.options = options or BatchingOptions()
+        self.poison = Poison(poison)
+        self.scheduler: Scheduler | None = None
+
+    def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """Every request added at once and stepped until each ended; their results, in order. Raises the first
+        request's error (after every request ended), ValueError when one can never run."""
+        scheduler = self.scheduler_for(sum(r.tokens_needed for r in requests))
+        try:
+            for request in requests:
+                scheduler.add(request)
+            scheduler.run_until_idle()
+        except BaseException as err:  # a refused request or a failed step: end what is left, for the next run
+            scheduler.fail_all(err if isinstance(err, Exception) else RuntimeError("interrupted"))
+            raise
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [r.result for r in requests]
+
+    def scheduler_for(self, tokens: int) -> Scheduler:
+        """The kept scheduler when its pool has `tokens` free slots in one range, else a new one whose pool holds
+        them (a power of two, so a few growing runs do not each build one)."""
+        if self.scheduler is not None and self.scheduler.pool.largest_free >= tokens:
+            return self.scheduler
+        self.close()
+        slots = (1 << max(tokens - 1, 1).bit_length()) + scratch_slots(self.engine)
+        pool = KVPool(self.engine.spec, slots * self.engine.spec.kv_bytes_per_token(), self.poison)
+        self.scheduler = build_scheduler(self.engine, pool, self.options)
+        return self.scheduler
+
+    def close(self) -> None:
+        """Give the scheduler's graphs and pool memory back (a later run builds a new one)."""
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is None:
+            return
+        release(scheduler)
+
+
+def generate(
+    engine: StitchEngine,
+    prompt: PromptIds,
+    sampling: SamplingParams,
+    mode: GenerationMode | str = GenerationMode.TURBO,
+    positions: PositionMode | str = PositionMode.REORDERED,
+    chunk_kv: Sequence[KVBlock] | None = None,
+    chunk_ready: Sequence[BlockReady | None] | None = None,
+    recompute: RecomputeSpec | str = NO_RECOMPUTE,
+    on_text: TextSink | None = None,
+    runner: OfflineScheduler | None = None,
+) -> GenerationResult:
+    """One request through the server's scheduler, alone; its result (text deltas through `on_text` as they come).
+
+    Turbo without `chunk_kv` precomputes the chunks at admission; `chunk_ready` goes with `chunk_kv` (blocks
+    still landing on the device). `runner`: a kept `OfflineScheduler` (its graphs reused), else a new one, closed
+    after."""
+    spec = parse_recompute(recompute) if isinstance(recompute, str) else recompute
+    request = BatchRequest(prompt, sampling, mode, positions, chunk_kv, chunk_ready, on_text=on_text, recompute=spec)
+    if runner is not None:
+        return runner.run([request])[0]
+    alone = OfflineScheduler(engine)
+    try:
+        return alone.run([request])[0]
+    finally:
+        alone.close()

@@ -1,0 +1,81 @@
+"""The scheduler as the server configures it, in one place: `kvstitch serve` (`Runtime.serve_answers`) and the
+offline path (`offline.py`: `kvstitch eval`, the benchmark tables, the tests) build theirs here, so what is
+measured offline is what is served.
+
+Free of pydantic (the GPU benchmark image has torch only): `Settings` fills `BatchingOptions` in the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.engine import batching_defaults
+from service.engine.chunk_source import ChunkSource
+from service.engine.engine import StitchEngine
+from service.engine.extend_graph import TOKEN_BUCKETS
+from service.engine.kv_pool import KVPool
+from service.engine.mixed_graph import MIXED_TOKENS
+from service.engine.scheduler import Scheduler
+
+# Pool slots the scheduler's graphs hold for their padding: one for the decode step's (`BatchGraphs`), a bucket of
+# tokens for the batched prefill's (`ExtendGraphs`), the largest mixed step's and one (`MixedGraphs`).
+GRAPH_SCRATCH_SLOTS = 1 + max(TOKEN_BUCKETS) + max(MIXED_TOKENS) + 1
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    """The server's batching settings (`KVSTITCH_MAX_BATCH` and the rest); None: the device decides (on where
+    the engine runs CUDA graphs)."""
+
+    max_batch: int = batching_defaults.MAX_BATCH
+    prefill_chunk: int = batching_defaults.PREFILL_CHUNK
+    batch_prefill_min: int = batching_defaults.BATCH_PREFILL_MIN
+    prefill_with_decode: bool | None = None
+    overlap: bool | None = None
+
+
+def graphs_on(engine: StitchEngine) -> bool:
+    """Whether the batched steps run through CUDA graphs: wherever the engine's own graphs are on (CUDA)."""
+    return engine.decode_graphs is not None
+
+
+def build_scheduler(
+    engine: StitchEngine,
+    pool: KVPool,
+    options: BatchingOptions,
+    max_waiting: int | None = None,
+    kv_source: ChunkSource | None = None,
+) -> Scheduler:
+    """The scheduler over `pool` with `options`, its CUDA graphs, mixed steps and overlap chosen as served;
+    `kv_source`: where admitted turbo requests get their chunk KV (None: the engine computes it)."""
+    on_cuda = graphs_on(engine)
+    return Scheduler(
+        engine,
+        pool,
+        options.max_batch,
+        max_waiting=max_waiting,
+        cuda_graphs=on_cuda,
+        prefill_chunk=options.prefill_chunk,
+        batch_prefill_min=options.batch_prefill_min,
+        prefill_with_decode=_unset_is(options.prefill_with_decode, on_cuda),
+        overlap=_unset_is(options.overlap, on_cuda),
+        kv_source=kv_source,
+    )
+
+
+def scratch_slots(engine: StitchEngine) -> int:
+    """Pool slots to add for the graphs' padding beside the requests' slabs (none without graphs)."""
+    return GRAPH_SCRATCH_SLOTS if graphs_on(engine) else 0
+
+
+def release(scheduler: Scheduler) -> None:
+    """Give the scheduler's graphs and its pool's memory back (an offline run or a benchmark's batch is over)."""
+    for graphs in (scheduler.graphs, scheduler.slabs.extend_graphs, scheduler.slabs.mixed_graphs):
+        if graphs is not None:
+            graphs.close()
+    scheduler.pool.release()
+
+
+def _unset_is(setting: bool | None, default: bool) -> bool:
+    """A tri-state setting's value: `default` where it is unset."""
+    return default if setting is None else setting
