@@ -184,6 +184,14 @@ class Scheduler:
         return self.planner.max_waiting
 
     @property
+    def prefill_chunk(self) -> int:
+        return self.planner.prefill_chunk
+
+    @property
+    def batch_prefill_min(self) -> int:
+        return self.planner.batch_prefill_min
+
+    @property
     def prefill_with_decode(self) -> bool:
         return self.planner.prefill_with_decode
 
