@@ -195,6 +195,11 @@ class Scheduler:
     def prefill_with_decode(self) -> bool:
         return self.planner.prefill_with_decode
 
+    @prefill_with_decode.setter
+    def prefill_with_decode(self, on: bool) -> None:
+        """Benchmarks pair passes with and without it in one server."""
+        self.planner.prefill_with_decode = on
+
     @property
     def decoder(self) -> BatchDecoder:
         return self.runner.decoder
@@ -211,9 +216,18 @@ class Scheduler:
     def overlap(self) -> bool:
         return self.runner.overlap
 
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Benchmarks pair passes with and without it in one server."""
+        self.runner.overlap = on
+
     @property
     def overlap_admissions(self) -> bool:
         return self.runner.overlap_admissions
+
+    @overlap_admissions.setter
+    def overlap_admissions(self, on: bool) -> None:
+        self.runner.overlap_admissions = on
 
     @property
     def busy_s(self) -> dict[str, float]:
