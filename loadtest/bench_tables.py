@@ -343,7 +343,7 @@ def free_device_memory(engine: StitchEngine) -> None:
 
 
 def measure_true_batches(ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    """Every tier at every batch size; batch sizes outside, so one scheduler (its pool and decode graphs) serves
+    """Every tier at every batch size; batch sizes outside, so one scheduler (its pool and graphs) serves
     every tier of a size and is freed before the next size's is allocated."""
     sampling = SamplingParams(max_new_tokens=args.decode_tokens, ignore_eos=True)
     tiers: dict[str, Any] = {t: {"batches": {}, "seconds": 0.0} for t in args.tiers}
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "model": args.model or "random Qwen2-7B shape, bf16",
         "max_context": engine.spec.max_context,
-        "cuda_graphs": engine.decode_graphs is not None,
+        "cuda_graphs": engine.stitch_graphs is not None,
         "fused_stitch": engine.fused_stitch is not None,
         "pipeline_layers": engine.pipeline_layers,
         "batching": (SEQUENTIAL if args.sequential else TRUE_BATCHES)[0],

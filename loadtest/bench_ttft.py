@@ -22,8 +22,8 @@ The stitch runs through the fused Triton rotate-and-place where triton imports (
 the torch stitch is timed beside it (stitch alone, graph TTFT from the GPU and the KVStore host tier), and the
 fused stitch's one-launch variant (every copy waited for first) on the KVStore host tier.
 
-Also per context: stitch-only and prefill-only times of both paths, the capture time of the decode graph and of
-the prefill graph (a fresh capture each: the once-per-bucket start-up cost), and the largest |graph - eager|
+Also per context: stitch-only and prefill-only times of both paths, the capture time of the prefill graph
+(a fresh capture: the once-per-bucket start-up cost), and the largest |graph - eager|
 first-token logit difference.
 """
 
@@ -146,7 +146,7 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
     runs, warmup = args.runs, args.warmup
 
     # Fresh captures for this context's bucket, timed: what a server pays once per bucket.
-    graphs = engine.decode_graphs
+    graphs = engine.stitch_graphs
     assert graphs is not None
     graph = engine.lease_graph(prompt.context_tokens, len(question), extra)
     assert graph is not None
@@ -199,7 +199,6 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace, 
         "question_tokens": len(question),
         "question_bucket": bucket,
         "graph_capacity": graph.capacity,
-        "decode_capture_ms": graph.capture_ms,
         "prefill_capture_ms": prefill_graph.capture_ms,
         "max_logit_diff_graph_vs_eager": float((graph_logits - eager_logits).abs().max()),
         "fused_stitch": fused is not None,
@@ -311,7 +310,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| context | naive ms | stitched eager, GPU ms | stitched graph, GPU ms | vs naive | graph, pinned host "
         "(plain copy) ms | graph, KVStore host tier ms | stitch only eager / graph buffer ms | question prefill "
-        "eager / graph (one flash call) ms | capture decode / prefill ms | max logit diff |",
+        "eager / graph (one flash call) ms | capture prefill ms | max logit diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -324,7 +323,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['median_stitch_eager_only_ms']:.2f} / {r['median_stitch_graph_only_ms']:.2f} "
             f"| {r['median_prefill_eager_only_ms']:.2f} / {r['median_prefill_graph_only_ms']:.2f} "
             f"({r['median_prefill_graph_one_flash_call_ms']:.2f}) "
-            f"| {r['decode_capture_ms']:.0f} / {r['prefill_capture_ms']:.0f} "
+            f"| {r['prefill_capture_ms']:.0f} "
             f"| {r['max_logit_diff_graph_vs_eager']:.3f} |"
         )
     return "\n".join(lines)

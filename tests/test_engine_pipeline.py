@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from service.engine.cuda_graph import DecodeGraph, LayerGroups, layer_groups
+from service.engine.cuda_graph import LayerGroups, StitchGraph, layer_groups
 from service.engine.engine import StitchEngine
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_buffer import KVBuffer
@@ -117,7 +117,7 @@ def _graph_logits(
     blocks: Sequence[KVBlock],
     positions: str,
     ready: Sequence[BlockReady | None] | None,
-) -> tuple[torch.Tensor, DecodeGraph]:
+) -> tuple[torch.Tensor, StitchGraph]:
     graph = engine.lease_graph(prompt.context_tokens, len(prompt.question), EXTRA)
     assert graph is not None
     try:
@@ -189,8 +189,8 @@ def test_segmented_graph_is_warmed_and_falls_back_for_long_questions(
     get_engine: Callable[..., StitchEngine],
 ) -> None:
     engine = get_engine("llama", "cuda")
-    assert engine.decode_graphs is not None and engine.pipeline_layers is not None
-    graph = engine.decode_graphs.warm(1024, questions=(32,))
+    assert engine.stitch_graphs is not None and engine.pipeline_layers is not None
+    graph = engine.stitch_graphs.warm(1024, questions=(32,))
     assert 32 in graph.segmented_capture_ms
     # A question no bucket holds is not pipelined: stitched whole, prefilled eagerly in the graph's buffer.
     chunks = synthetic_ids(engine, (30, 17), seed=5)

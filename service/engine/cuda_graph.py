@@ -1,20 +1,17 @@
-"""CUDA graphs for the whole request: the question prefill and every decode step, over one graph-owned buffer.
+"""CUDA graphs for a request's question prefill, over one graph-owned buffer where its chunks are stitched.
 
-Eager decode is bound by the CPU launching ~1,500 small kernels per token, which takes several times as long as
-the GPU work they start, and a question prefill the same way. A CUDA graph records those launches once and
-replays them with one call. A graph fixes every pointer and shape, so the captured code
-(`LeanForward.forward_static`) reads its token ids, positions and slots from static device tensors, writes K/V
-into a buffer the graph owns, and attends over that buffer's whole capacity with the slots past the live length
-kept out on the device: no `.item()`, no Python branch on tensor values, no allocation whose size depends on the
-length.
+An eager prefill is bound by the CPU launching ~1,500 small kernels, which takes several times as long as the GPU
+work they start. A CUDA graph records those launches once and replays them with one call. A graph fixes every
+pointer and shape, so the captured code (`LeanForward.forward_static`) reads its token ids, positions and slots
+from static device tensors, writes K/V into a buffer the graph owns, and attends over that buffer's whole
+capacity with the slots past the live length kept out on the device: no `.item()`, no Python branch on tensor
+values, no allocation whose size depends on the length.
 
-One `DecodeGraph` per capacity bucket owns a KV buffer, the captured decode step, and prefill graphs for
-questions of bucketed lengths (`QUESTION_BUCKETS`), all over that one buffer: a request's chunks are stitched
-straight into it, its question prefilled there and its answer decoded there, so its KV is placed once. A
-question is padded at the end to its bucket; causal attention keeps real tokens blind to the padding, the
-padded slots' K/V past the live length are never attended (flash's `seqused_k` / the mask follow the live
-length) and the first decode steps overwrite them. A request whose stitched buffer was built elsewhere (the
-naive mode) is copied in once by `load`.
+One `StitchGraph` per capacity bucket owns a KV buffer and prefill graphs for questions of bucketed lengths
+(`QUESTION_BUCKETS`) over it: a request's chunks are stitched straight into it and its question prefilled
+there; the scheduler then copies the live KV into the request's slab of the pool, where the batched decode
+steps (`batch_graph.py`) run. A question is padded at the end to its bucket; causal attention keeps real tokens
+blind to the padding, and only the live slots are copied out.
 """
 
 from __future__ import annotations
@@ -226,13 +223,11 @@ class PrefillGraph:
         return self._logits
 
 
-class DecodeGraph:
-    """A KV buffer of fixed `capacity` owned by the graphs captured over it: one decode step, and a prefill
-    graph per question bucket (captured on first use or by `DecodeGraphs.warm`).
-
-    Use: stitch a request into `buffer` and `prefill(question)`, or `load(request_buffer)`; then `step(token)`
-    per output token (fp32 logits [vocab], static: read before the next step) and `greedy_token()` for the argmax
-    computed inside the graph.
+class StitchGraph:
+    """A KV buffer of fixed `capacity` and the prefill graphs captured over it, one per question bucket (captured on
+    first use or by `StitchGraphs.warm`): a request's chunks are stitched into `buffer` (the fused stitch kernel
+    needs a contiguous buffer, which a pool slab is not) and its question prefilled there through a graph; the
+    live KV is then copied into the request's slab, where the batched steps decode it.
     """
 
     def __init__(
@@ -254,36 +249,9 @@ class DecodeGraph:
         # Masked SDPA multiplies dead slots' values by a zero weight: they must be finite (0 * NaN is NaN), and
         # fresh memory may hold NaN bit patterns. Later tenants only ever leave finite model outputs there.
         self.buffer.data.zero_()
-        device = spec.device
-        # Static inputs: replay reads them where capture found them, so they are filled in place, never rebound.
-        self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self._position = torch.zeros(1, dtype=torch.long, device=device)
-        self._slot = torch.zeros(1, dtype=torch.long, device=device)
-        self._lengths = LengthInputs(spec, capacity)
-        self._graph = torch.cuda.CUDAGraph()
         self._prefills: dict[tuple[int, LayerGroups | None], PrefillGraph] = {}
         self.prefill_capture_ms: dict[int, float] = {}
         self.segmented_capture_ms: dict[int, float] = {}
-        start = time.perf_counter()
-        # Writes land at slot 0 of the graph's own buffer before any request owns it.
-        outputs: tuple[torch.Tensor, torch.Tensor] = _capture(self._graph, self._run, device, self._pool)
-        self._logits, self._next = outputs
-        self.capture_ms = (time.perf_counter() - start) * 1e3
-
-    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        attend = self._lengths.attend_for(self.attention, self._slot)
-        logits = self._forward.decode_static(self.buffer.data, self._ids, self._position, self._slot, attend)
-        return logits, torch.argmax(logits)
-
-    def load(self, source: KVBuffer) -> None:
-        """Take over a request's buffer: copy its live tokens and length into the graph's buffer."""
-        if source.capacity > self.capacity:
-            raise ValueError(f"a buffer of capacity {source.capacity} does not fit a graph of {self.capacity}")
-        n = source.length
-        with torch.inference_mode():
-            self.buffer.data[:, :, :, :n].copy_(source.data[:, :, :, :n])
-        self.buffer.truncate(0, 0)
-        self.buffer.commit(n, source.next_position)
 
     def prefill_graph(self, tokens: int, groups: LayerGroups | None = None) -> PrefillGraph:
         """The prefill graph for questions of up to `tokens` tokens (a bucket), captured now if missing; with
@@ -328,24 +296,8 @@ class DecodeGraph:
         self.buffer.commit(len(question), position + len(question))
         return logits
 
-    def step(self, token: int) -> torch.Tensor:
-        """Decode `token` at the buffer's next slot and position; returns the static fp32 logits [vocab]."""
-        slot = self.buffer.reserve(1)
-        position = self.buffer.next_position
-        with torch.inference_mode():
-            self._ids.fill_(token)
-            self._position.fill_(position)
-            self._slot.fill_(slot)
-        self._graph.replay()
-        self.buffer.commit(1, position + 1)
-        return self._logits
 
-    def greedy_token(self) -> int:
-        """The argmax of the last step's logits, computed inside the graph."""
-        return int(self._next)
-
-
-class DecodeGraphs:
+class StitchGraphs:
     """Graphs cached by capacity bucket, leased to one stream at a time; at most `max_graphs` are kept.
 
     Each graph holds a KV buffer of its capacity (940 MB at 16K for a 7B model), hence the cap. A bucket whose
@@ -365,11 +317,10 @@ class DecodeGraphs:
         self._requested = attention
         self._attention: str | None = None
         self.max_graphs = max_graphs
-        self._graphs: OrderedDict[int, DecodeGraph] = OrderedDict()
+        self._graphs: OrderedDict[int, StitchGraph] = OrderedDict()
         self._leased: set[int] = set()
         self._lock = threading.Lock()
         self._pool: Any = None
-        self.capture_ms: dict[int, float] = {}
 
     def capacity_for(self, tokens: int) -> int:
         return bucket_capacity(tokens, self._forward.spec.max_context)
@@ -381,7 +332,7 @@ class DecodeGraphs:
             graphs = list(self._graphs.items())
         return {(c, t): ms for c, g in graphs for t, ms in g.prefill_capture_ms.items()}
 
-    def lease(self, tokens: int) -> DecodeGraph | None:
+    def lease(self, tokens: int) -> StitchGraph | None:
         """A free graph whose capacity holds `tokens` slots, captured now if its bucket has none."""
         capacity = self.capacity_for(tokens)
         with self._lock:
@@ -392,13 +343,13 @@ class DecodeGraphs:
             self._leased.add(capacity)
             return graph
 
-    def release(self, graph: DecodeGraph) -> None:
+    def release(self, graph: StitchGraph) -> None:
         with self._lock:
             self._leased.discard(graph.capacity)
 
-    def warm(self, tokens: int, questions: Sequence[int] = QUESTION_BUCKETS) -> DecodeGraph:
-        """Capture (or find) the graphs for `tokens` slots ahead of traffic, e.g. at server start-up: the decode
-        step and the prefill of every question bucket in `questions` that fits the capacity."""
+    def warm(self, tokens: int, questions: Sequence[int] = QUESTION_BUCKETS) -> StitchGraph:
+        """Capture (or find) the graphs for `tokens` slots ahead of traffic, e.g. at server start-up: the prefill
+        of every question bucket in `questions` that fits the capacity."""
         graph = self.lease(tokens)
         if graph is None:
             raise RuntimeError("that bucket's graph is in use")
@@ -412,7 +363,7 @@ class DecodeGraphs:
             self.release(graph)
         return graph
 
-    def _capture(self, capacity: int) -> DecodeGraph:
+    def _capture(self, capacity: int) -> StitchGraph:
         if self._attention is None:
             self._attention = resolve_attention(self._forward.spec, self._requested)
         if self._pool is None:
@@ -422,10 +373,9 @@ class DecodeGraphs:
             if idle is None:
                 break
             del self._graphs[idle]
-        graph = DecodeGraph(self._forward, capacity, self._attention, self._pool)
+        graph = StitchGraph(self._forward, capacity, self._attention, self._pool)
         self._graphs[capacity] = graph
-        self.capture_ms[capacity] = graph.capture_ms
-        log.info("captured the decode graph for %d slots (%s) in %.0f ms", capacity, graph.attention, graph.capture_ms)
+        log.info("a stitch buffer of %d slots (%s attention)", capacity, graph.attention)
         return graph
 
 
@@ -438,10 +388,10 @@ def graphs_enabled(option: bool | None, device: torch.device) -> bool:
 
 __all__ = [
     "QUESTION_BUCKETS",
-    "DecodeGraph",
-    "DecodeGraphs",
     "LayerGroups",
     "PrefillGraph",
+    "StitchGraph",
+    "StitchGraphs",
     "bucket_capacity",
     "graph_tokens",
     "graphs_enabled",

@@ -18,9 +18,9 @@ import torch
 
 from service.engine.conversation import ConversationTemplate
 from service.engine.cuda_graph import (
-    DecodeGraph,
-    DecodeGraphs,
     LayerGroups,
+    StitchGraph,
+    StitchGraphs,
     graph_tokens,
     graphs_enabled,
     layer_groups,
@@ -190,13 +190,13 @@ class StitchEngine:
         self.fused_stitch: FusedStitch | None = None
         if fused_stitch_enabled(fused_stitch, self.spec.device):
             self.fused_stitch = FusedStitch(self.forward.rotary, self.spec.head_dim)
-        self.decode_graphs: DecodeGraphs | None = None
+        self.stitch_graphs: StitchGraphs | None = None
         # Layer ranges the KV cache copies host blocks by (and the prefill segments run by); None: no pipelining.
         self.pipeline_layers: LayerGroups | None = None
         if graphs_enabled(cuda_graphs, self.spec.device):
             if pipeline is not False and pipeline_groups > 1 and self.spec.num_layers > 1:
                 self.pipeline_layers = layer_groups(self.spec.num_layers, pipeline_groups)
-            self.decode_graphs = DecodeGraphs(self.forward, graph_attention, pipeline_groups=self.pipeline_layers)
+            self.stitch_graphs = StitchGraphs(self.forward, graph_attention, pipeline_groups=self.pipeline_layers)
 
     @property
     def prefix_block(self) -> KVBlock:
@@ -260,7 +260,7 @@ class StitchEngine:
         buffer: KVBuffer,
         question: Sequence[int],
         all_logits: bool = False,
-        graph: DecodeGraph | None = None,
+        graph: StitchGraph | None = None,
     ) -> torch.Tensor:
         """Run only the question against a stitched buffer, at its true index.
 
@@ -277,20 +277,20 @@ class StitchEngine:
         start = buffer.next_position
         return self.forward.extend(buffer, question, torch.arange(start, start + len(question)), all_logits)
 
-    def lease_graph(self, context_tokens: int, question_tokens: int, extra_tokens: int) -> DecodeGraph | None:
+    def lease_graph(self, context_tokens: int, question_tokens: int, extra_tokens: int) -> StitchGraph | None:
         """A CUDA graph (and its buffer) for a turbo request, or None: graphs off, the bucket's graph busy
         with another stream, or a sequence longer than the model's context (the eager path reports that).
         Hand it back with `release_graph` when the request is done."""
-        if self.decode_graphs is None:
+        if self.stitch_graphs is None:
             return None
         tokens = graph_tokens(context_tokens, question_tokens, extra_tokens, self.spec.max_context)
         if tokens > self.spec.max_context:
             return None
-        return self.decode_graphs.lease(tokens)
+        return self.stitch_graphs.lease(tokens)
 
-    def release_graph(self, graph: DecodeGraph) -> None:
-        if self.decode_graphs is not None:
-            self.decode_graphs.release(graph)
+    def release_graph(self, graph: StitchGraph) -> None:
+        if self.stitch_graphs is not None:
+            self.stitch_graphs.release(graph)
 
     def prefill_stitched(
         self,
@@ -300,7 +300,7 @@ class StitchEngine:
         extra_tokens: int = 0,
         all_logits: bool = False,
         chunk_ready: Sequence[BlockReady | None] | None = None,
-        graph: DecodeGraph | None = None,
+        graph: StitchGraph | None = None,
     ) -> tuple[KVBuffer, torch.Tensor, StitchPlan]:
         """Stitch prefix + chunk blocks, then run only the question; returns buffer, logits and plan.
 
@@ -320,7 +320,7 @@ class StitchEngine:
         context_tokens: int,
         question_tokens: int,
         chunk_ready: Sequence[BlockReady | None] | None,
-        graph: DecodeGraph | None,
+        graph: StitchGraph | None,
     ) -> bool:
         """True when `prefill_pipelined` applies: pipelining on, a leased graph whose bucket holds the question,
         and at least one block arriving by layer groups (with every block resident there is nothing to hide)."""
@@ -339,7 +339,7 @@ class StitchEngine:
         positions: PositionMode | str,
         extra_tokens: int,
         chunk_ready: Sequence[BlockReady | None] | None,
-        graph: DecodeGraph,
+        graph: StitchGraph,
     ) -> tuple[KVBuffer, torch.Tensor, StitchPlan] | None:
         """Stitch and prefill layer group by layer group into the leased graph's buffer, or None (nothing done)
         where `pipelines` says no.
@@ -396,7 +396,7 @@ class StitchEngine:
         request: TurboPrefill,
         watch: Stopwatch,
         result: GenerationResult,
-        graph: DecodeGraph | None = None,
+        graph: StitchGraph | None = None,
         into: KVBuffer | None = None,
     ) -> tuple[KVBuffer, torch.Tensor]:
         """Stitch, recompute where the request asks, and prefill the question (timed into `result.timings`, the

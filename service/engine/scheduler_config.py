@@ -36,7 +36,7 @@ class BatchingOptions:
 
 def graphs_on(engine: StitchEngine) -> bool:
     """Whether the batched steps run through CUDA graphs: wherever the engine's own graphs are on (CUDA)."""
-    return engine.decode_graphs is not None
+    return engine.stitch_graphs is not None
 
 
 def build_scheduler(

@@ -153,18 +153,19 @@ class Runtime:
         return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance)
 
     def warm_up(self) -> None:
-        """Capture the CUDA-graph decode step for a typical request now, so the first user does not pay for it
-        (30-100 ms on an H200); other sizes are captured on first use."""
-        graphs = self.engine.decode_graphs
+        """Capture the question-prefill graphs of a typical request's stitch buffer now, so the first user does not
+        pay for them; other sizes are captured on first use (the batched decode steps are warmed by
+        `serve_answers`)."""
+        graphs = self.engine.stitch_graphs
         if graphs is None:
             return
         start = time.perf_counter()
         try:
             self.loop.call(lambda: graphs.warm(self._typical_tokens()))
         except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
-            log.exception("decode graph warm-up failed")
+            log.exception("prefill graph warm-up failed")
             return
-        log.info("decode graph captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+        log.info("prefill graphs captured in %.0f ms", (time.perf_counter() - start) * 1e3)
 
     def serve_answers(self) -> Scheduler:
         """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
