@@ -30,7 +30,7 @@ from service.engine.fused_stitch import FusedStitch, fused_stitch_enabled
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock, check_block
 from service.engine.model import LoadedModel
-from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
+from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode_text
 from service.engine.recompute import recompute_context
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import TokenLogprobs
@@ -218,7 +218,8 @@ class StitchEngine:
         return ids
 
     def encode_question(self, question: str) -> tuple[int, ...]:
-        return encode(self.tokenizer, question)
+        """A question's (or a conversation message's) ids, its text encoded as text (`encode_text`)."""
+        return encode_text(self.tokenizer, question)
 
     def precompute(self, blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
         """Position-independent KV of several blocks, batched in one forward."""

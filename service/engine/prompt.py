@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from service.engine.kv_layout import TokenIds
@@ -86,8 +88,68 @@ class PromptTemplate:
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
-    """Token ids of a text piece, without any special tokens added around it."""
+    """Token ids of a piece of the template, without any special tokens added around it: a special token's string
+    in it becomes its control id. Only for the template's own text; a client's or a document's goes through
+    `encode_text`."""
     return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass(frozen=True)
+class _TextCodec:
+    backend: Tokenizer | None  # None for a tokenizer without a Rust backend
+    special: frozenset[int]
+
+
+# Keyed weakly: an engine's tokenizer lives as long as the engine, and tests build many.
+_TEXT_CODECS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _TextCodec] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every special/control id: the named specials and each added token flagged special (`<|im_start|>`,
+    `<|eot_id|>`, `[INST]`, ...), which `all_special_ids` alone does not list."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(int(i) for i in tokenizer.all_special_ids) | {int(i) for i, t in added.items() if t.special}
+
+
+def _text_codec(tokenizer: PreTrainedTokenizerBase) -> _TextCodec:
+    codec = _TEXT_CODECS.get(tokenizer)
+    if codec is None:
+        backend = None
+        if getattr(tokenizer, "is_fast", False):
+            # A copy of the Rust tokenizer with `encode_special_tokens` on for good. The flag is state of the
+            # tokenizer object, not an argument of one call: setting it on the shared one per call
+            # (`split_special_tokens=True`) would race the ingest worker, the request threads and the template
+            # pieces, and a text could be encoded between another thread's set and its own.
+            backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+            backend.no_truncation()  # the saved state carries whatever padding/truncation the last call set
+            backend.no_padding()
+            backend.encode_special_tokens = True
+        codec = _TEXT_CODECS[tokenizer] = _TextCodec(backend, special_ids(tokenizer))
+    return codec
+
+
+def text_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """The Rust tokenizer `encode_text` uses (for offsets and counts of the same ids); fast tokenizers only."""
+    backend = _text_codec(tokenizer).backend
+    if backend is None:
+        raise ValueError("a fast (Rust-backed) tokenizer is needed here")
+    return backend
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
+    """Token ids of a client's or a document's text (question, history, message content, chunk): a special
+    token's string written in it (`<|im_start|>`, `<|eot_id|>`, `</s>`) is encoded as the characters it is, never
+    as its control id, so a text cannot forge a chat turn; only the template inserts control tokens. Text without
+    such strings gets `encode`'s ids, id for id (the chunks' KV cache keys are their ids)."""
+    codec = _text_codec(tokenizer)
+    if codec.backend is not None:
+        ids: Sequence[int] = codec.backend.encode(text, add_special_tokens=False).ids
+    else:  # the Python tokenizers split per call, with no shared state
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if not codec.special.isdisjoint(ids):
+        # Not reached with the tokenizers above; kept because a forged turn must fail loudly, not reach the model.
+        raise ValueError("the text encoded to a special token id")
+    return tuple(int(t) for t in ids)
 
 
 def render_chat(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from service.engine.engine import StitchEngine
-from service.engine.prompt import encode
+from service.engine.prompt import encode_text
 from service.quality.dataset import QADataError, QASample
 from service.quality.eval import Case
 from service.retrieval.collection import RetrievedChunk
@@ -115,7 +115,7 @@ def corpus_cases(
 
 def check_tokenizer(engine: StitchEngine, chunk: RetrievedChunk) -> None:
     """The chunker stores the ids of the chunk's text encoded alone; another tokenizer gives other ids."""
-    if encode(engine.tokenizer, chunk.text) != tuple(chunk.token_ids):
+    if encode_text(engine.tokenizer, chunk.text) != tuple(chunk.token_ids):
         raise CorpusError(
             f"the chunks were ingested with another tokenizer than {engine.model.source}'s (chunk {chunk.id} of "
             f"{chunk.doc_id}); evaluate with the model that ingested them, or ingest again with this one"

@@ -25,7 +25,7 @@ import torch
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.offline import OfflineScheduler, generate
-from service.engine.prompt import PromptIds, encode
+from service.engine.prompt import PromptIds, encode_text
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
@@ -86,7 +86,7 @@ class Outcome:
 def prepare(engine: StitchEngine, sample: QASample, max_new_tokens: int, source: str = "data") -> Case:
     """Token ids of a sample (chunks like the chunker encodes them) and its chunks' KV; QADataError when the
     prompt and the answer budget do not fit the model's context."""
-    chunk_ids = [encode(engine.tokenizer, chunk) for chunk in sample.chunks]
+    chunk_ids = [encode_text(engine.tokenizer, chunk) for chunk in sample.chunks]
     prompt = engine.template.prompt(chunk_ids, engine.encode_question(sample.question))
     needed = len(prompt.joined()) + max_new_tokens
     if needed > engine.spec.max_context:

@@ -21,6 +21,7 @@ small. No text is ever in more than two chunks.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from service.engine.kv_layout import TokenIds
-from service.engine.prompt import encode
+from service.engine.prompt import encode_text, text_tokenizer
 from service.retrieval.boundaries import CutPoint, Rank, Span, find_cut_points
 from service.retrieval.headings import is_heading_only
 
@@ -88,7 +89,8 @@ class Chunker:
         self._check_size(doc_id, text)
         if not text.strip():
             return []
-        packer = _Packer(text, lambda s: encode(self.tokenizer, s), self._token_offsets(text), self.config, markdown)
+        encode = functools.partial(encode_text, self.tokenizer)
+        packer = _Packer(text, encode, self._token_offsets(text), self.config, markdown)
         return [
             Chunk(doc_id, i, p.start, p.end, text[p.start : p.end], p.token_ids) for i, p in enumerate(packer.pieces())
         ]
@@ -99,8 +101,8 @@ class Chunker:
         total = 0
         for start in range(0, len(texts), COUNT_BATCH):
             batch = list(texts[start : start + COUNT_BATCH])
-            encoded = self.tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
-            total += sum(len(ids) for ids in encoded)
+            encoded = text_tokenizer(self.tokenizer).encode_batch(batch, add_special_tokens=False)
+            total += sum(len(e.ids) for e in encoded)
             if total > stop_above:
                 break
         return total
@@ -113,9 +115,9 @@ class Chunker:
             )
 
     def _token_offsets(self, text: str) -> _TokenOffsets:
-        # verbose=False: a whole document is longer than the model's window, which is expected here.
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        return _TokenOffsets([(int(s), int(e)) for s, e in encoded["offset_mapping"]], len(text))
+        # The ids `encode_text` gives the chunks: a special token's string counts as the several tokens it becomes.
+        encoded = text_tokenizer(self.tokenizer).encode(text, add_special_tokens=False)
+        return _TokenOffsets([(int(s), int(e)) for s, e in encoded.offsets], len(text))
 
 
 class _TokenOffsets:
