@@ -106,9 +106,11 @@ _TEXT_CODECS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _TextCodec] = w
 
 def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Every special/control id: the named specials and each added token flagged special (`<|im_start|>`,
-    `<|eot_id|>`, `[INST]`, ...), which `all_special_ids` alone does not list."""
+    `<|eot_id|>`, `[INST]`, ...), which `all_special_ids` alone does not list. Not the unknown token: a tokenizer
+    without byte fallback gives it for text it has no token for (WordPiece), and it controls nothing."""
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(int(i) for i in tokenizer.all_special_ids) | {int(i) for i, t in added.items() if t.special}
+    ids = {int(i) for i in tokenizer.all_special_ids} | {int(i) for i, t in added.items() if t.special}
+    return frozenset(ids - {tokenizer.unk_token_id})
 
 
 def _text_codec(tokenizer: PreTrainedTokenizerBase) -> _TextCodec:
