@@ -62,9 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_options(worker)
     worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
 
-    ingest = commands.add_parser("ingest", help="ingest .txt/.md files and folders, via a server or embedded")
+    ingest = commands.add_parser(
+        "ingest", help="ingest text, Markdown, HTML and PDF files and folders, via a server or embedded"
+    )
     ingest.add_argument(
-        "paths", nargs="+", metavar="PATH", help="files and folders (.txt, .md, .markdown; folders walked recursively)"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        # service.formats.EXTENSIONS, spelled out so `--help` imports no extractor (a test keeps the two equal)
+        help="files (any name: told by their content) and folders, walked recursively for .txt, .text, .md, "
+        ".markdown, .html, .htm, .xhtml and .pdf files; each file a walk skips is listed with its reason",
     )
     ingest.add_argument(
         "--url", default=None, help="server to send to (default: KVSTITCH_URL or http://127.0.0.1:8000)"
@@ -321,6 +328,11 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker(_settings(args), name=args.name)
 
 
+def _print_skipped(skipped: object) -> None:
+    """A file a folder walk left out, on stderr (stdout keeps the jobs' report)."""
+    print(skipped, file=sys.stderr)
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from service.commands.ingest import InputError, collect_documents, ingest_embedded, ingest_remote
 
@@ -329,7 +341,7 @@ def _ingest(args: argparse.Namespace) -> int:
         return 2
     settings = _settings(args)
     try:
-        documents = collect_documents(args.paths, settings.max_document_chars)
+        documents = collect_documents(args.paths, settings.max_document_chars, on_skip=_print_skipped)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
