@@ -2,12 +2,13 @@
 
 Folders are walked for text, Markdown, HTML and PDF files by extension (`service.formats.EXTENSIONS`); every file
 the walk leaves out is reported with its reason (no extension, another extension, hidden, not a regular file; a
-hidden folder once, not walked), so a `LICENSE` in a folder is not lost silently. A file named explicitly is read whatever its name (`LICENSE`, `NOTICE`…): PDF and HTML are told by their
-bytes, anything else is text if it decodes as UTF-8, and a binary file is refused naming it. A file's document id
-is its path relative to the folder given, prefixed with that folder's name, or its name when given directly.
-Every file is read and extracted before anything is sent, so a bad file stops the command without a half-done
-ingest. Documents go in jobs of at most `--batch` documents; progress (documents, and chunks whose KV is stored
-as their batches finish) is drawn on stderr.
+hidden folder or a link to one once, not walked), so a `LICENSE` in a folder is not lost silently. A file named
+explicitly is read whatever its name (`LICENSE`, `NOTICE`…): PDF and HTML are told by their bytes, anything else
+is text if it decodes as UTF-8, and a binary file is refused naming it. A file's document id is its path relative
+to the folder given, prefixed with that folder's name, or its name when given directly. Every file is read and
+extracted before anything is sent, so a bad file stops the command without a half-done ingest. Documents go in
+jobs of at most `--batch` documents; progress (documents, and chunks whose KV is stored as their batches finish)
+is drawn on stderr.
 """
 
 from __future__ import annotations
