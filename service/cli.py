@@ -4,9 +4,11 @@ make-qa."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +16,8 @@ import torch
 from service.serving.data_dir_lock import DataDirInUseError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Commands that print what a server says, often into `| head` or `| less`: a reader gone is a normal end for them.
+CLIENT_COMMANDS = ("ask", "documents", "ingest", "cancel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,9 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_options(worker)
     worker.add_argument("--name", default=None, help="consumer name (default: host-pid)")
 
-    ingest = commands.add_parser("ingest", help="ingest .txt/.md files and folders, via a server or embedded")
+    ingest = commands.add_parser(
+        "ingest", help="ingest text, Markdown, HTML and PDF files and folders, via a server or embedded"
+    )
     ingest.add_argument(
-        "paths", nargs="+", metavar="PATH", help="files and folders (.txt, .md, .markdown; folders walked recursively)"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        # service.formats.EXTENSIONS, spelled out so `--help` imports no extractor (a test keeps the two equal)
+        help="files (any name: told by their content) and folders, walked recursively for .txt, .text, .md, "
+        ".markdown, .html, .htm, .xhtml and .pdf files; each file a walk skips is listed with its reason",
     )
     ingest.add_argument(
         "--url", default=None, help="server to send to (default: KVSTITCH_URL or http://127.0.0.1:8000)"
@@ -208,8 +219,6 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def _server_url(args: argparse.Namespace) -> str:
-    import os
-
     return str(args.url or os.environ.get("KVSTITCH_URL", "http://127.0.0.1:8000"))
 
 
@@ -269,8 +278,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    import os
-
     from service.commands.ask import ask
 
     body = {"question": args.question, "mode": args.mode, "positions": args.positions, "top_k": args.top_k}
@@ -282,8 +289,6 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _documents(args: argparse.Namespace) -> int:
-    import os
-
     from service.commands.documents import (
         MAX_LIMIT,
         MAX_OFFSET,
@@ -321,6 +326,11 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker(_settings(args), name=args.name)
 
 
+def _print_skipped(skipped: object) -> None:
+    """A file a folder walk left out, on stderr (stdout keeps the jobs' report)."""
+    print(skipped, file=sys.stderr)
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from service.commands.ingest import InputError, collect_documents, ingest_embedded, ingest_remote
 
@@ -329,7 +339,7 @@ def _ingest(args: argparse.Namespace) -> int:
         return 2
     settings = _settings(args)
     try:
-        documents = collect_documents(args.paths, settings.max_document_chars)
+        documents = collect_documents(args.paths, settings.max_document_chars, on_skip=_print_skipped)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -343,14 +353,28 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    import os
-
     from service.commands.ingest import cancel_remote
 
     try:
         return cancel_remote(args.job_id, _server_url(args), args.api_key or os.environ.get("KVSTITCH_API_KEY"))
     except RuntimeError as err:  # unknown job, already finished, server away
         print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def _into_a_pipe(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command whose output may go to a reader that stops early (`kvstitch documents show X | head`): when
+    the reader is gone, stop quietly (status 1), without a BrokenPipeError traceback. The flush is inside the guard
+    (the last lines are written there), and stdout then points at devnull, so the interpreter's own flush at exit
+    does not raise again (the recipe of Python's `signal` documentation)."""
+    try:
+        code = handler(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (captured) has none to swap
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
         return 1
 
 
@@ -372,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "make-qa": _make_qa,
     }
     try:
+        if args.command in CLIENT_COMMANDS:
+            return _into_a_pipe(handlers[args.command], args)
         return handlers[args.command](args)
     except DataDirInUseError as err:  # one line, not a traceback: the user runs the other process somewhere
         print(f"kvstitch: {err}", file=sys.stderr)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
+from typing import get_args
 
 from service.cli import build_parser
+from service.formats.extract import EXTENSIONS, Kind
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
@@ -40,3 +43,16 @@ def test_every_subcommand_has_a_summary() -> None:
 
     assert set(summaries) == set(subparsers.choices)
     assert [name for name, text in summaries.items() if not (text or "").strip()] == []
+
+
+def test_the_ingest_help_names_every_kind_a_folder_walk_reads() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    ingest = subparsers.choices["ingest"]
+    (paths,) = [a for a in ingest._actions if a.dest == "paths"]
+    named = re.findall(r"\.[a-z]+\b", paths.help or "")
+
+    assert named == list(EXTENSIONS)
+    summary = next(c.help for c in subparsers._choices_actions if c.dest == "ingest")
+    assert summary == "ingest text, Markdown, HTML and PDF files and folders, via a server or embedded"
+    assert set(get_args(Kind)) == {"text", "markdown", "html", "pdf"}  # the four kinds the summary names

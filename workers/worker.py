@@ -139,11 +139,7 @@ class IngestWorker:
             log.exception("job %s failed on attempt %d", job.job_id, delivery.attempt)
             self._retry(delivery, job.job_id, f"{type(err).__name__}: {err}")
         else:
-            self._status(job.job_id, documents, status="done", kind=job.kind, **counts.status_fields())
-            self.queue.ack(delivery)
-            self.jobs_done += 1
-            self._finished("done", counts if isinstance(counts, IngestCounts) else None)
-            log.info("job %s done: %s", job.job_id, counts)
+            self._done(delivery, job, documents, counts)
 
     def _run(self, job: IngestJob | DeleteJob, delivery: Delivery) -> IngestCounts | DeleteCounts:
         if isinstance(job, DeleteJob):
@@ -171,6 +167,18 @@ class IngestWorker:
 
     # ---- outcomes -------------------------------------------------------------------------------------------
 
+    def _done(
+        self, delivery: Delivery, job: IngestJob | DeleteJob, documents: int, counts: IngestCounts | DeleteCounts
+    ) -> None:
+        """Count the job, say it is done, ack it. The counters move first: a client that sees `done` (and then
+        scrapes /metrics) must find the job counted. Acked last, so a worker killed before the status is written
+        leaves the job to be delivered again (counted twice then: a counter may overcount, a status may not lie)."""
+        self.jobs_done += 1
+        self._finished("done", counts if isinstance(counts, IngestCounts) else None)
+        self._status(job.job_id, documents, status="done", kind=job.kind, **counts.status_fields())
+        self.queue.ack(delivery)
+        log.info("job %s done: %s", job.job_id, counts)
+
     def _progress(self, delivery: Delivery, job_id: str, counts: IngestCounts) -> None:
         self.queue.keep_alive(delivery)
         self.jobs.update(job_id, **counts.status_fields())
@@ -190,8 +198,8 @@ class IngestWorker:
         else:
             self.queue.release(delivery)
         note = f"interrupted after {counts.documents_done} of {documents} documents (the worker stopped); queued again"
-        self._status(job.job_id, documents, status="queued", error=note)
         self._finished("retry", None)
+        self._status(job.job_id, documents, status="queued", error=note)
         log.info("job %s handed back: %s", job.job_id, note)
 
     def _take_turns(self, delivery: Delivery, job: IngestJob | DeleteJob, paused: IngestYieldedError) -> None:
@@ -250,13 +258,13 @@ class IngestWorker:
         except ValueError:
             return
         job_id = job_id_of(payload) if isinstance(payload, dict) else None
+        self.jobs_failed += 1
+        self._finished("failed", None)  # before the status says failed, like every outcome (see `_done`)
         if job_id is not None:
             documents = payload.get("documents")
             count = len(documents) if isinstance(documents, list) else 0
             self._status(job_id, count, status="failed", error=_clip(error))
             self._abandon_payload(payload)
-        self.jobs_failed += 1
-        self._finished("failed", None)
 
     def _abandon_payload(self, payload: dict[str, object]) -> None:
         try:

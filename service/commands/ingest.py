@@ -1,12 +1,14 @@
 """`kvstitch ingest PATH...`: send files and folders to a running server, or ingest them in this process.
 
-Folders are walked for text, Markdown, HTML and PDF files by extension (`service.formats.EXTENSIONS`; hidden ones
-skipped); a file named explicitly is read whatever its name (`LICENSE`, `NOTICE`…): PDF and HTML are told by their
-bytes, anything else is text if it decodes as UTF-8, and a binary file is refused naming it. A file's document id
-is its path relative to the folder given, prefixed with that folder's name, or its name when given directly.
-Every file is read and extracted before anything is sent, so a bad file stops the command without a half-done
-ingest. Documents go in jobs of at most `--batch` documents; progress (documents, and chunks whose KV is stored
-as their batches finish) is drawn on stderr.
+Folders are walked for text, Markdown, HTML and PDF files by extension (`service.formats.EXTENSIONS`); every file
+the walk leaves out is reported with its reason (no extension, another extension, hidden, not a regular file; a
+hidden folder or a link to one once, not walked), so a `LICENSE` in a folder is not lost silently. A file named
+explicitly is read whatever its name (`LICENSE`, `NOTICE`…): PDF and HTML are told by their bytes, anything else
+is text if it decodes as UTF-8, and a binary file is refused naming it. A file's document id is its path relative
+to the folder given, prefixed with that folder's name, or its name when given directly. Every file is read and
+extracted before anything is sent, so a bad file stops the command without a half-done ingest. Documents go in
+jobs of at most `--batch` documents; progress (documents, and chunks whose KV is stored as their batches finish)
+is drawn on stderr.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,6 +24,7 @@ from service.formats import EXTENSIONS, ExtractError, extract
 from service.jobs.documents import Document
 
 DEFAULT_BATCH = 100
+_KINDS = ", ".join(EXTENSIONS)
 POLL_S = 0.5
 FINISHED = ("done", "failed", "cancelled")
 
@@ -32,35 +35,78 @@ class InputError(ValueError):
     """A path that cannot be ingested (missing, not text, not UTF-8)."""
 
 
-def collect_documents(paths: Sequence[str | Path], max_chars: int) -> list[Document]:
-    """Every document under the paths, read and checked; `InputError` naming the first bad one."""
+@dataclass(frozen=True)
+class Skipped:
+    """A path a folder walk left out, and why (one line of `kvstitch ingest`'s report)."""
+
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped {self.path}: {self.reason}"
+
+
+def collect_documents(
+    paths: Sequence[str | Path], max_chars: int, on_skip: Callable[[Skipped], None] | None = None
+) -> list[Document]:
+    """Every document under the paths, read and checked; `InputError` naming the first bad one. `on_skip` hears
+    of each path a folder walk leaves out, before any file is read."""
+    files, skipped = walk(paths)
+    for entry in skipped:
+        if on_skip is not None:
+            on_skip(entry)
     documents: list[Document] = []
     seen: dict[str, Path] = {}
-    for path, doc_id in _files(paths):
+    for path, doc_id in files:
         if doc_id in seen:
             raise InputError(f"{path} and {seen[doc_id]} would both get the document id {doc_id!r}")
         seen[doc_id] = path
         documents.append(_read(path, doc_id, max_chars))
     if not documents:
-        raise InputError(f"no {', '.join(EXTENSIONS)} files found in the paths given")
+        raise InputError(f"no {_KINDS} files found in the paths given")
     return documents
 
 
-def _files(paths: Sequence[str | Path]) -> Iterator[tuple[Path, str]]:
+def walk(paths: Sequence[str | Path]) -> tuple[list[tuple[Path, str]], list[Skipped]]:
+    """The files to read with their document ids, and what the folder walks left out (each sorted by path)."""
+    files: list[tuple[Path, str]] = []
+    skipped: list[Skipped] = []
     for given in map(Path, paths):
         if given.is_dir():
-            for path in sorted(given.rglob("*")):
-                relative = path.relative_to(given)
-                if path.is_file() and path.suffix.lower() in EXTENSIONS and not _hidden(relative):
-                    yield path, f"{given.resolve().name}/{relative.as_posix()}"
+            found: list[Path] = []
+            _walk_folder(given, found, skipped)
+            files += [(path, f"{given.resolve().name}/{path.relative_to(given).as_posix()}") for path in sorted(found)]
         elif given.is_file():  # named explicitly: any name; `extract` decides by the content
-            yield given, given.name
+            files.append((given, given.name))
         else:
             raise InputError(f"{given}: no such file or folder")
+    return files, sorted(skipped, key=lambda s: s.path)
 
 
-def _hidden(relative: Path) -> bool:
-    return any(part.startswith(".") for part in relative.parts)
+def _walk_folder(folder: Path, found: list[Path], skipped: list[Skipped]) -> None:
+    for path in folder.iterdir():
+        reason = _skip_reason(path)
+        if reason is not None:
+            skipped.append(Skipped(path, reason))
+        elif path.is_dir():
+            _walk_folder(path, found, skipped)
+        else:
+            found.append(path)
+
+
+def _skip_reason(path: Path) -> str | None:
+    """Why a folder walk leaves `path` out, or None to take it (a folder: walk it)."""
+    if path.name.startswith("."):
+        return "a hidden folder (not walked)" if path.is_dir() else "a hidden file"
+    if path.is_dir():
+        return "a link to a folder (not walked)" if path.is_symlink() else None  # a link may loop
+    if not path.is_file():
+        return "not a regular file"
+    if not path.suffix:
+        return f"no extension (a folder walk reads {_KINDS}; name the file to ingest it)"
+    if path.suffix.lower() not in EXTENSIONS:
+        return f"a {path.suffix} file (a folder walk reads {_KINDS})"
+    return None
 
 
 def _read(path: Path, doc_id: str, max_chars: int) -> Document:

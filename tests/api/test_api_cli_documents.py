@@ -4,7 +4,10 @@ the API key, and refusals that name what is wrong."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -127,3 +130,26 @@ def test_the_cli_bounds_are_the_servers(served: LiveServer) -> None:
 
     assert (params["offset"]["minimum"], params["offset"]["maximum"]) == (0, MAX_OFFSET)
     assert (params["limit"]["minimum"], params["limit"]["maximum"]) == (1, MAX_LIMIT)
+
+
+@pytest.mark.parametrize("args", [("show", "otters"), ("--json",)], ids=["show", "list-json"])
+def test_documents_into_a_closed_pipe_end_quietly(served: LiveServer, args: tuple[str, ...]) -> None:
+    """`kvstitch documents show X | head`: the reader is gone before the command writes (its read end is closed
+    first, so every write fails at once); the command stops with status 1 and nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "KVSTITCH_URL": served.url, "KVSTITCH_API_KEY": API_KEY}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "documents", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+    assert (done.returncode, done.stderr) == (1, "")

@@ -44,3 +44,22 @@ def test_the_worker_serves_its_ingest_metrics_on_its_port(runtime: Runtime) -> N
 
 def test_no_port_no_metrics_server(runtime: Runtime) -> None:
     assert serve_metrics(runtime.settings, runtime, runtime_worker(runtime, name="quiet")) is None
+
+
+def test_a_job_is_counted_before_its_status_says_done(runtime: Runtime) -> None:
+    """A client that reads `done` and then scrapes must find the job counted (the flaky API metrics test of
+    issue 29): the hook runs while the status still says `running`, and the status says `done` after it."""
+    job_id = submit_ingest(runtime.queue, runtime.jobs, runtime.order, CORPUS)
+    worker = runtime_worker(runtime, name="order-test", poll_ms=50)
+    seen: list[tuple[str, str | None]] = []
+
+    def record(outcome: str, counts: object) -> None:
+        status = runtime.jobs.get(job_id)
+        seen.append((outcome, status.status if status is not None else None))
+
+    worker.on_job_finished = record
+    assert worker.run_once() == 1
+
+    status = runtime.jobs.get(job_id)
+    assert status is not None and status.status == "done"
+    assert seen == [("done", "running")]
