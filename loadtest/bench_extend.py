@@ -58,8 +58,8 @@ def bench(engine: StitchEngine, context: int, args: argparse.Namespace) -> list[
     prompt = request_prompt(engine, context, args)
     largest = max(args.groups)
     per_request = len(prompt.joined()) + args.tokens
-    # + the graphs' padding slots, as `true_batch.GRAPH_SCRATCH_SLOTS` (not imported: it pulls in the KV store,
-    # and with it redis, which this benchmark does not need on a bare GPU machine)
+    # + padding room as a scheduler's pool reserves it (one slot, and the batched prefill's largest bucket, which
+    # `ExtendGraphs` pads into); `scheduler_config.GRAPH_SCRATCH_SLOTS` also holds the mixed step's, not used here
     slots = largest * per_request + 1 + max(TOKEN_BUCKETS)
     pool = KVPool(engine.spec, slots * engine.spec.kv_bytes_per_token(), poison="zero")
     decoder = BatchDecoder(engine.forward, pool, "auto")
