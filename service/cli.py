@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=None, help="default: 1e-4 in fp32; in bf16 10%% of the largest logit"
     )
     verify.add_argument("--seed", type=int, default=0, help="seed of the synthetic chunks and question (default 0)")
+    verify.add_argument(
+        "--chunk-context",
+        choices=("alone", "prefix"),
+        default="alone",
+        help="what chunks are precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
+    )
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
     tiny.add_argument("out_dir", help="folder to write the model and tokenizer to (created)")
@@ -232,7 +238,8 @@ def _verify(args: argparse.Namespace) -> int:
     except (UnsupportedModelError, OSError, ValueError) as exc:
         print(f"error: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
-    result = run_gate(StitchEngine(model), tolerance=args.tolerance, seed=args.seed)
+    engine = StitchEngine(model, chunk_context=args.chunk_context)
+    result = run_gate(engine, tolerance=args.tolerance, seed=args.seed)
     for case in result.cases:
         order = ",".join(str(i) for i in case.order)
         print(f"order={order} positions={case.positions.value} max_abs_logit_diff={case.max_abs_logit_diff:.3e}")
