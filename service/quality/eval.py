@@ -303,7 +303,7 @@ def format_table(report: EvalReport) -> str:
     """A fixed-width table of the rows, for the terminal. `vs_naive`, `ci95` and `p`: the accuracy difference
     from the naive reference, its bootstrap 95 % interval and McNemar's exact p."""
     lines = [f"{report.samples} samples, greedy, up to {report.max_new_tokens} new tokens"]
-    lines.append(" ".join(name.ljust(width) for name, width in _COLUMNS))
+    lines.append(" ".join(name.ljust(width) for name, width in _COLUMNS).rstrip())
     for row in report.rows:
         ci = "-" if row.ci95_low is None or row.ci95_high is None else f"[{row.ci95_low:+.3f},{row.ci95_high:+.3f}]"
         cells = (
