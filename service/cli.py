@@ -153,7 +153,23 @@ def _add_eval(commands: Any, default_device: str) -> None:
         "--recompute", action="append", metavar="SPEC", help="none | prefix:N | selective:R, repeatable (default none)"
     )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
-    evaluate.add_argument("--limit", type=int, default=None, help="use only the first N samples")
+    evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
+    evaluate.add_argument(
+        "--offset", type=int, default=0, help="skip the first N samples (with --limit: one shard of a file)"
+    )
+    evaluate.add_argument(
+        "--answers",
+        default=None,
+        metavar="OUT",
+        help="write every answer as JSONL to OUT: one line per sample per row (answer, correct, f1, agreement)",
+    )
+    evaluate.add_argument(
+        "--instruction",
+        default=None,
+        metavar="TEXT",
+        help="added to the system message; default for --data: a short-answer instruction, for --data-dir: none "
+        "(as /ask); '' for none",
+    )
     evaluate.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     evaluate.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")

@@ -23,7 +23,7 @@ from typing import Any
 
 from service.engine.engine import StitchEngine
 from service.engine.prompt import encode_text
-from service.quality.dataset import QADataError, QASample
+from service.quality.dataset import QADataError, QASample, window
 from service.quality.eval import Case
 from service.retrieval.collection import RetrievedChunk
 from service.usecases.answer import fit_context
@@ -35,8 +35,9 @@ class Question:
     line: int
 
 
-def read_questions(path: str | Path, max_chars: int, limit: int | None = None) -> list[Question]:
-    """The non-blank lines of a UTF-8 text file, each at most `max_chars`; QADataError naming file and line."""
+def read_questions(path: str | Path, max_chars: int, limit: int | None = None, offset: int = 0) -> list[Question]:
+    """The non-blank lines of a UTF-8 text file, each at most `max_chars` (the `limit` after the first `offset`
+    when given); QADataError naming file and line."""
     source = Path(path)
     questions = []
     with source.open("rb") as lines:
@@ -53,7 +54,7 @@ def read_questions(path: str | Path, max_chars: int, limit: int | None = None) -
                 questions.append(Question(text, number))
     if not questions:
         raise QADataError(f"{source.name}: no questions (one per line)")
-    return questions if limit is None else questions[:limit]
+    return window(questions, offset, limit, source.name, "questions")
 
 
 class CorpusError(ValueError):
