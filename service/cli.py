@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default 5)")
     ask.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit (default: the server's)")
-    ask.add_argument("--recompute", default=None, metavar="SPEC", help="none | prefix:N | selective:R (server default)")
+    ask.add_argument(
+        "--recompute",
+        default=None,
+        metavar="SPEC",
+        help="none | prefix:N | selective:R | query:R | auto (server default)",
+    )
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
     _add_runtime_options(worker)
@@ -150,7 +155,16 @@ def _add_eval(commands: Any, default_device: str) -> None:
         "--top-k", type=int, default=5, help="with --data-dir: chunks retrieved per question, as /ask (default 5)"
     )
     evaluate.add_argument(
-        "--recompute", action="append", metavar="SPEC", help="none | prefix:N | selective:R, repeatable (default none)"
+        "--recompute",
+        action="append",
+        metavar="SPEC",
+        help="none | prefix:N | selective:R | query:R | auto[:T], repeatable (default none)",
+    )
+    evaluate.add_argument(
+        "--chunk-context",
+        action="append",
+        choices=("alone", "prefix"),
+        help="what turbo's chunks are precomputed after, repeatable: rows for each (default alone)",
     )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
     evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")

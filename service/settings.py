@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     )
     recompute: str = Field(
         "none",
-        description="Recompute for turbo answers that name none: none, prefix:N or selective:R (README, Quality).",
+        description="Recompute for turbo answers that name none: none, prefix:N, selective:R, query:R, auto[:T].",
     )
 
     # ---- retrieval and ingestion ---------------------------------------------------------------------------

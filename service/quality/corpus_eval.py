@@ -111,7 +111,7 @@ def corpus_cases(
         check_tokenizer(engine, chunks[0])
         prompt = engine.template.prompt([c.token_ids for c in chunks], ids)
         sample = QASample(question.text, tuple(c.text for c in chunks), (), question.line)
-        yield Case(sample, prompt, engine.precompute(prompt.blocks))
+        yield Case(sample, prompt, engine.precompute(prompt.blocks), engine.chunk_context)
 
 
 def check_tokenizer(engine: StitchEngine, chunk: RetrievedChunk) -> None:

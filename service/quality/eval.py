@@ -17,14 +17,15 @@ accuracy is the short-answer rule of `metrics.py`.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.kv_layout import KVBlock
+from service.engine.kv_layout import ChunkContext, KVBlock
 from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import PromptIds, encode_text
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
@@ -45,25 +46,48 @@ class Variant:
     mode: GenerationMode
     positions: PositionMode | None = None
     recompute: RecomputeSpec = NO_RECOMPUTE
+    context: ChunkContext = ChunkContext.ALONE  # what the chunks' KV was precomputed after (turbo)
+
+    @property
+    def mode_label(self) -> str:
+        """`turbo`, or `turbo@prefix` for chunks precomputed after the prefix (naive has no chunk KV)."""
+        if self.mode is GenerationMode.NAIVE or self.context is ChunkContext.ALONE:
+            return self.mode.value
+        return f"{self.mode.value}@{self.context.value}"
 
     @property
     def label(self) -> str:
-        return f"{self.mode.value}/{self.positions.value if self.positions else '-'}/{self.recompute}"
+        return f"{self.mode_label}/{self.positions.value if self.positions else '-'}/{self.recompute}"
 
 
 NAIVE = Variant(GenerationMode.NAIVE)
 
 
-def table_variants(recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,)) -> list[Variant]:
-    """Naive, then turbo reordered and composite for each recompute setting (TurboRAG's Table 1 rows); composite
-    only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
+def table_variants(
+    recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,), contexts: Sequence[ChunkContext] = (ChunkContext.ALONE,)
+) -> list[Variant]:
+    """Naive, then turbo reordered and composite for each chunk context and recompute setting (TurboRAG's Table 1
+    rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
     turbo = [
-        Variant(GenerationMode.TURBO, positions, recompute)
+        Variant(GenerationMode.TURBO, positions, recompute, context)
+        for context in contexts
         for recompute in recomputes
         for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
         if positions is PositionMode.REORDERED or not recompute.active
     ]
     return [NAIVE, *turbo]
+
+
+@contextmanager
+def chunk_context(engine: StitchEngine, context: ChunkContext) -> Iterator[None]:
+    """The engine precomputing and stitching chunks of `context` for the time of one variant: the eval owns its
+    engine and runs one request at a time, so switching it does not reach anything else."""
+    before = engine.chunk_context
+    engine.chunk_context = context
+    try:
+        yield
+    finally:
+        engine.chunk_context = before
 
 
 @dataclass(frozen=True)
@@ -72,7 +96,17 @@ class Case:
 
     sample: QASample
     prompt: PromptIds
-    chunk_kv: list[KVBlock]
+    chunk_kv: list[KVBlock]  # precomputed in `context`
+    context: ChunkContext = ChunkContext.ALONE
+    other_kv: dict[ChunkContext, list[KVBlock]] = field(default_factory=dict)  # other contexts, computed lazily
+
+    def kv_for(self, engine: StitchEngine, context: ChunkContext) -> list[KVBlock]:
+        """The chunks' KV precomputed after `context` (the engine already set to it: `chunk_context`)."""
+        if context is self.context:
+            return self.chunk_kv
+        if context not in self.other_kv:
+            self.other_kv[context] = engine.precompute(self.prompt.blocks)
+        return self.other_kv[context]
 
 
 @dataclass(frozen=True)
@@ -96,7 +130,7 @@ def prepare(engine: StitchEngine, sample: QASample, max_new_tokens: int, source:
             f"{source} line {sample.line}: the prompt ({len(prompt.joined())} tokens) and {max_new_tokens} new "
             f"tokens exceed the model's context of {engine.spec.max_context}"
         )
-    return Case(sample, prompt, engine.precompute(prompt.blocks))
+    return Case(sample, prompt, engine.precompute(prompt.blocks), engine.chunk_context)
 
 
 def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> torch.Tensor:
@@ -105,10 +139,9 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
         return engine.prefill_naive(case.prompt)[1].float().cpu()
     positions = variant.positions or PositionMode.REORDERED
     question = case.prompt.question
-    buffer, plan = engine.stitch(case.chunk_kv, positions, len(question))
-    engine.recompute(
-        buffer, plan, case.chunk_kv, variant.recompute, question
-    )  # as the scheduler does, before the question
+    chunk_kv = case.kv_for(engine, variant.context)
+    buffer, plan = engine.stitch(chunk_kv, positions, len(question))
+    engine.recompute(buffer, plan, chunk_kv, variant.recompute, question)  # as the scheduler does, before the question
     return engine.prefill_question(buffer, question).float().cpu()
 
 
@@ -117,11 +150,12 @@ def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling
     distribution."""
     engine = runner.engine
     positions = variant.positions or PositionMode.REORDERED
-    chunk_kv = case.chunk_kv if variant.mode is GenerationMode.TURBO else None
-    result = generate(
-        engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
-    )
-    logits = first_token_logits(engine, case, variant)
+    with chunk_context(engine, variant.context):
+        chunk_kv = case.kv_for(engine, variant.context) if variant.mode is GenerationMode.TURBO else None
+        result = generate(
+            engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
+        )
+        logits = first_token_logits(engine, case, variant)
     return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
 
 
@@ -176,7 +210,7 @@ class Scores:
     def row(self) -> Row:
         vs_naive = paired(self.correct, self.reference_correct) if self.correct else None
         return Row(
-            mode=self.variant.mode.value,
+            mode=self.variant.mode_label,
             positions=self.variant.positions.value if self.variant.positions else None,
             recompute=str(self.variant.recompute),
             accuracy=_mean(self.correct) if self.correct else None,
@@ -287,7 +321,7 @@ def evaluate_cases(
 
 
 _COLUMNS = (
-    ("mode", 8),
+    ("mode", 13),
     ("positions", 10),
     ("recompute", 14),
     ("accuracy", 9),

@@ -165,7 +165,7 @@ def test_a_prompt_longer_than_the_context_names_its_line(
     [
         ("prefix:-3", "prefix:N needs N, a whole number of tokens"),
         ("selective:2", "selective:R needs R, a share of tokens within 0..1"),
-        ("everything", "the kind must be none, prefix:N or selective:R"),
+        ("everything", "the kind must be none, prefix:N, selective:R, query:R or auto"),
     ],
 )
 def test_a_malformed_recompute_spec_exits_2(
@@ -180,27 +180,44 @@ def test_recompute_specs_give_rows_and_recomputing_everything_agrees_with_naive(
     tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
 ) -> None:
     """selective:1 and prefix:N over the longest block recompute every chunk token, which with reordered positions
-    is the naive prefill: full agreement, KL at float noise. prefix:2 and composite rows are real rows too."""
+    is the naive prefill: full agreement, KL at float noise. prefix:2 is a real row too; composite positions get
+    no recompute rows (they refuse a recompute)."""
     extra = ["--recompute", "selective:1", "--recompute", "prefix:2", "--recompute", "prefix:4096"]
     record = _eval_json(tiny_model_dirs["qwen2"], qa_file, tmp_path / "r.json", *extra, "--max-new-tokens", "6")
     rows = {(r["positions"], r["recompute"]): r for r in record["rows"]}
     assert list(rows) == [
         (None, "none"),
         ("reordered", "selective:1"),
-        ("composite", "selective:1"),
         ("reordered", "prefix:2"),
-        ("composite", "prefix:2"),
         ("reordered", "prefix:4096"),
-        ("composite", "prefix:4096"),
     ]
     for spec in ("selective:1", "prefix:4096"):
         full = rows["reordered", spec]
         assert full["answer_agreement"] == 1.0 and full["first_token_agreement"] == 1.0
         assert full["kl_first_token"] < 1e-6
         assert full["accuracy"] == rows[None, "none"]["accuracy"] and full["f1"] == rows[None, "none"]["f1"]
-    # Composite positions are not naive's: recomputing every token does not make them so.
-    assert rows["composite", "selective:1"]["kl_first_token"] > 1e-3
     assert rows["reordered", "prefix:2"]["kl_first_token"] > rows["reordered", "selective:1"]["kl_first_token"]
+
+
+def test_each_chunk_context_gets_its_rows(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
+    """Rows for chunks precomputed alone and after the prefix: the prefix ones are labelled, and differ (their KV
+    is another), while `query:1` in either context is the naive prefill again."""
+    extra = ["--chunk-context", "alone", "--chunk-context", "prefix", "--recompute", "none", "--recompute", "query:1"]
+    record = _eval_json(tiny_model_dirs["llama"], qa_file, tmp_path / "r.json", *extra, "--limit", "2")
+    rows = {(r["mode"], r["positions"], r["recompute"]): r for r in record["rows"]}
+    assert list(rows) == [
+        ("naive", None, "none"),
+        ("turbo", "reordered", "none"),
+        ("turbo", "composite", "none"),
+        ("turbo", "reordered", "query:1"),
+        ("turbo@prefix", "reordered", "none"),
+        ("turbo@prefix", "composite", "none"),
+        ("turbo@prefix", "reordered", "query:1"),
+    ]
+    alone, prefix = rows["turbo", "reordered", "none"], rows["turbo@prefix", "reordered", "none"]
+    assert alone["kl_first_token"] != prefix["kl_first_token"]
+    for mode in ("turbo", "turbo@prefix"):
+        assert rows[mode, "reordered", "query:1"]["kl_first_token"] < 1e-6
 
 
 def test_recompute_none_runs_once(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
