@@ -15,12 +15,13 @@ import torch
 
 from service.engine.batch_request import BatchRequest, RequestStatus
 from service.engine.engine import StitchEngine
-from service.engine.gate import synthetic_ids
+from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.reference import prompt_reference_logits, reference_logits
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import BatchingOptions, build_scheduler, release, scratch_slots
 
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
 MAX_STEPS = 400
@@ -222,4 +223,36 @@ def test_kept_first_logits_are_the_first_tokens_logits(
             else naive_first_logits(engine, r.prompt)
         )
         torch.testing.assert_close(kept, expected, atol=1e-4, rtol=1e-4)
-        assert int(kept.argmax()) == r.result.token_ids[0]
+        assert kept[r.result.token_ids[0]] == kept.max()  # the logits the token was picked from (ties aside)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_kept_first_logits_on_cuda_land_on_the_host_as_served(get_engine: Callable[..., StitchEngine]) -> None:
+    """As served on CUDA (graphs, overlapped steps, batched and mixed prefills): the copy queued without waiting
+    has landed by the request's end, in pinned host memory, and holds the logits its token was picked from."""
+    engine = get_engine("qwen2", "cuda")
+    served_pool = KVPool(engine.spec, (4000 + scratch_slots(engine)) * engine.spec.kv_bytes_per_token())
+    scheduler = build_scheduler(engine, served_pool, BatchingOptions())
+    other = request(engine, 70, max_new=16)
+    alone, batched = [request(engine, 71, keep=True)], [request(engine, 72 + i, keep=True) for i in range(3)]
+    riding = [request(engine, 75 + i, keep=True) for i in range(2)]
+    naive = request(engine, 77, mode="naive", keep=True)
+    for group in ([other, *alone], batched, riding, [naive]):
+        for r in group:
+            scheduler.add(r)
+        scheduler.step()
+
+    scheduler.run_until_idle()
+
+    for r in [*alone, *batched, *riding, naive]:
+        kept = r.first_logits
+        assert kept is not None and kept.device.type == "cpu" and kept.is_pinned() and kept.dtype == torch.float32
+        expected = (
+            naive_first_logits(engine, r.prompt).cpu()
+            if r.mode.value == "naive"
+            else prompt_reference_logits(engine.model, r.prompt, "reordered")[-1].cpu()
+        )
+        assert float((kept - expected).abs().max()) <= BF16_TOLERANCE
+        assert kept[r.result.token_ids[0]] == kept.max()
+    release(scheduler)

@@ -123,7 +123,10 @@ def test_a_share_outside_0_to_1_is_refused(share: float) -> None:
 def test_the_queue_holds_at_least_one() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ShadowPolicy(0.5, 0)
-    assert Settings().shadow_share == 0.01 and Settings().shadow_queue == 16
+    fields = Settings.model_fields  # the defaults (tests/conftest.py sets the share to 0 for every server)
+    assert (fields["shadow_share"].default, fields["shadow_queue"].default) == (0.01, 16)
+    with pytest.raises(ValidationError, match="shadow_queue"):
+        Settings(shadow_queue=0)
 
 
 def test_the_draw_picks_the_share_of_turbo_answers_and_never_naive_ones(engine: StitchEngine) -> None:
