@@ -99,6 +99,24 @@ class Metrics:
         self.preemptions = Counter(
             "kvstitch_preemptions", "Running answers preempted to free KV pool memory", registry=r
         )
+        self.recompute_requests = Counter(
+            "kvstitch_recompute_requests", "Turbo answers by recompute policy (none, prefix, selective, query, auto)",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        self.recompute_triggered = Counter(
+            "kvstitch_recompute_triggered", "Turbo answers that recomputed any context token, by policy",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        # The share of answers whose recompute ran (since start): `auto`'s trigger rate, the figure its threshold
+        # trades against TTFT. The two counters give it over any window.
+        self.recompute_trigger_rate = Gauge(
+            "kvstitch_recompute_trigger_rate", "Share of turbo answers that recomputed, by policy (since start)",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        self.recomputed_tokens = Counter(
+            "kvstitch_recomputed_tokens", "Context tokens recomputed after the stitch", registry=r
+        )
+        self._recomputes: dict[str, tuple[int, int]] = {}  # policy -> (answers, answers that recomputed)
         self.ready = Gauge("kvstitch_ready", "1 when /readyz answers 200", registry=r)
         self.gate_diff = Gauge(
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
@@ -144,8 +162,12 @@ class Metrics:
         kv: dict[str, int],
         kv_bytes: dict[str, int],
         output_tokens: int,
+        recompute: str = "none",
+        recomputed_tokens: int = 0,
     ) -> None:
         self.ttft.labels(mode, positions).observe(ttft_ms / 1e3)
+        if mode == "turbo":
+            self._observe_recompute(recompute.partition(":")[0], recomputed_tokens)
         for stage, ms in timings_ms.items():
             if stage in STAGES:
                 self.stage.labels(stage).observe(ms / 1e3)
@@ -159,6 +181,16 @@ class Metrics:
         # Decode time covers the tokens after the first (the first one is TTFT); one token has no decode rate.
         if output_tokens > 1:
             self.time_per_output_token.labels(mode).observe(timings_ms.get("decode", 0.0) / 1e3 / (output_tokens - 1))
+
+    def _observe_recompute(self, policy: str, tokens: int) -> None:
+        self.recompute_requests.labels(policy).inc()
+        if tokens:
+            self.recompute_triggered.labels(policy).inc()
+            self.recomputed_tokens.inc(tokens)
+        runs, triggered = self._recomputes.get(policy, (0, 0))
+        runs, triggered = runs + 1, triggered + (tokens > 0)
+        self._recomputes[policy] = (runs, triggered)
+        self.recompute_trigger_rate.labels(policy).set(triggered / runs)
 
     # ---- shadow answers -------------------------------------------------------------------------------------
 

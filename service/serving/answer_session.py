@@ -119,6 +119,14 @@ class AnswerSession:
         done.timings_ms["engine_wait"] = max(0.0, (admitted_at - request.handed_at) * 1e3)
         self.done = done
         self.metrics.observe_answer(
-            done.mode, done.positions, done.ttft_ms, done.timings_ms, done.kv, done.kv_bytes, done.output_tokens
+            done.mode,
+            done.positions,
+            done.ttft_ms,
+            done.timings_ms,
+            done.kv,
+            done.kv_bytes,
+            done.output_tokens,
+            done.recompute,
+            done.recomputed_tokens,
         )
         return done
