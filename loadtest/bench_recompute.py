@@ -5,7 +5,8 @@
 
 Without --model it builds a Qwen2-7B-shaped model with random bf16 weights on the GPU (see bench_prefill); the
 second line is a CPU smoke run on a tiny model (`kvstitch tiny-model DIR`). For each context and each spec
-(`selective:R` for every --shares R, `prefix:N` for every --prefix N, any spec of --specs) TTFT is wall clock from "chunk KV on the device"
+(`selective:R` for every --shares R, `prefix:N` for every --prefix N, any spec of --specs) TTFT is wall clock from
+"chunk KV on the device"
 to "first token id on the host", synchronised, median of --runs after --warmup, as the scheduler serves a turbo
 request with recompute (`prefill_turbo`): lease the bucket's CUDA graph (where graphs are on), stitch into its
 buffer, recompute eagerly, prefill the question (through the graph where it holds it), argmax. (The scheduler's
