@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )
+    recompute_full_below: int = Field(
+        1024,
+        ge=0,
+        le=1 << 20,
+        description="Contexts under this many tokens serve a turbo recompute by a full prefill (exact, faster there).",
+    )
     chunk_context: Literal["alone", "prefix"] = Field(
         "alone",
         description="What a chunk's KV is precomputed after: alone, or the template prefix (APE; docs/quality.md).",

@@ -26,6 +26,9 @@ os.environ.setdefault("KVSTITCH_GC_GEN0_THRESHOLD", "700")
 # Shadow answers are drawn at random (1 % of turbo answers by default): a server under test runs none unless the test
 # asks (tests/api/test_api_shadow.py), so no test's engine steps or metrics change by chance.
 os.environ.setdefault("KVSTITCH_SHADOW_SHARE", "0")
+# Test prompts are a few hundred tokens: the servers tests start recompute them as asked, not by a full prefill
+# (tests/test_engine_recompute.py checks that rule itself).
+os.environ.setdefault("KVSTITCH_RECOMPUTE_FULL_BELOW", "0")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [

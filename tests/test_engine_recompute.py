@@ -16,6 +16,7 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
 from service.engine.offline import generate
 from service.engine.prompt import PromptIds
+from service.engine.recompute import full_prefill_is_cheaper
 from service.engine.recompute_spec import AUTO_THRESHOLD, RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
@@ -247,3 +248,41 @@ def test_recompute_specs_parse_and_print_back(spec: str, parsed: RecomputeSpec) 
 def test_bad_recompute_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="recompute"):
         parse_recompute(spec)
+
+
+# ---- served by a full prefill where that is cheaper --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "lengths", "context", "short", "expected"),
+    [
+        ("selective:0.6", [50, 50], 120, 0, True),  # the share at which a recompute costs more than a prefill
+        ("selective:0.5", [50, 50], 120, 0, False),
+        ("query:0.7", [50, 50], 120, 0, True),
+        ("prefix:40", [50, 50], 120, 0, True),  # 80 of 100
+        ("prefix:20", [50, 50], 120, 0, False),
+        ("auto", [50, 50], 120, 0, False),  # auto decides per request, at most 30 %
+        ("auto", [50, 50], 120, 1024, True),  # a short context: any recompute is a full prefill
+        ("none", [50, 50], 120, 1024, False),  # nothing asked, nothing recomputed
+    ],
+)
+def test_when_a_full_prefill_serves_a_recompute(
+    spec: str, lengths: list[int], context: int, short: int, expected: bool
+) -> None:
+    assert full_prefill_is_cheaper(parse_recompute(spec), lengths, context, short) is expected
+
+
+def test_a_short_context_is_recomputed_by_a_full_prefill(get_engine: GetEngine) -> None:
+    engine = get_engine("llama", "cpu")
+    prompt = _prompt(engine, seed=21)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    naive = generate(engine, prompt, sampling, "naive")
+    engine.recompute_full_below = prompt.context_tokens + 1
+    try:
+        full = generate(engine, prompt, sampling, chunk_kv=engine.precompute(prompt.blocks), recompute="selective:0.2")
+    finally:
+        engine.recompute_full_below = 0
+    partial = generate(engine, prompt, sampling, chunk_kv=engine.precompute(prompt.blocks), recompute="selective:0.2")
+    assert full.token_ids == naive.token_ids and full.recomputed_tokens == _chunk_tokens(prompt)
+    assert full.timings.recompute_ms > 0 and full.timings.stitch_ms == 0
+    assert partial.recomputed_tokens == int(0.2 * _chunk_tokens(prompt) + 0.5) and partial.timings.stitch_ms > 0

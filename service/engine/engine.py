@@ -31,7 +31,7 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import ChunkContext, KVBlock, check_block
 from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode_text
-from service.engine.recompute import recompute_context
+from service.engine.recompute import full_prefill_is_cheaper, recompute_context
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import TokenLogprobs
 from service.engine.stitch import (
@@ -167,6 +167,8 @@ class StitchEngine:
     `chunk_context`: what each chunk block attends to when its KV is precomputed (`ChunkContext`): itself alone
     (TurboRAG), or the template prefix and itself (APE's shared prefix). The stitch places `composite` chunks at
     the positions they were precomputed at, and the KV cache keys blocks by it (`kv_version`).
+    `recompute_full_below`: a turbo request asking for a recompute over a context shorter than this is prefilled
+    in full instead (`recomputes_in_full`); 0 leaves only the share rule.
     `pipeline`: with graphs on, overlap blocks still arriving by layer groups (the KV cache's host tier copies
     `pipeline_layers` group by group when it asks) with the question prefill, run as one graph segment per layer
     group: group g is stitched, then its segment replays, while group g + 1 is still copying. None (default) and
@@ -183,9 +185,12 @@ class StitchEngine:
         pipeline: bool | None = None,
         pipeline_groups: int = DEFAULT_PIPELINE_GROUPS,
         chunk_context: ChunkContext | str = ChunkContext.ALONE,
+        recompute_full_below: int = 0,
     ) -> None:
         self.model = model
         self.chunk_context = ChunkContext(chunk_context)
+        # Contexts shorter than this serve a recompute by a full prefill (`recomputes_in_full`).
+        self.recompute_full_below = recompute_full_below
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.forward = LeanForward(model)
@@ -411,6 +416,12 @@ class StitchEngine:
         question, whose ids `query` and `auto` read); returns how many were recomputed (`recompute.py`)."""
         ids = [t for block in (self.prefix_block, *chunk_kv) for t in block.token_ids]
         return recompute_context(self.forward, buffer, plan, ids, spec, question)
+
+    def recomputes_in_full(self, prompt: PromptIds, spec: RecomputeSpec) -> bool:
+        """Whether a turbo request recomputing `spec` is better served by a full prefill: exact, and faster where
+        the context is short or the recompute would cover most of it (`recompute.full_prefill_is_cheaper`)."""
+        lengths = [len(b) for b in prompt.blocks]
+        return full_prefill_is_cheaper(spec, lengths, prompt.context_tokens, self.recompute_full_below)
 
     def prefill_naive(
         self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False, into: KVBuffer | None = None

@@ -132,6 +132,35 @@ def candidate_slots(plan: StitchPlan, spec: RecomputeSpec) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
+# At or above this share of chunk tokens a recompute costs more than the full prefill it approximates (it runs
+# eagerly, token slots scattered: ~1.3x a prefill's time per token at 8K on a 7B shape, docs/benchmarks.md).
+FULL_PREFILL_SHARE = 0.6
+
+
+def planned_count(spec: RecomputeSpec, block_lengths: Sequence[int]) -> int | None:
+    """How many chunk tokens `spec` will recompute over chunk blocks of these lengths; None where only the request
+    decides (`auto`, which recomputes at most `AUTO_MAX_SHARE`)."""
+    if not spec.active:
+        return 0
+    if spec.kind is RecomputeKind.PREFIX:
+        return sum(min(int(spec.amount), n) for n in block_lengths)
+    if spec.kind is RecomputeKind.AUTO:
+        return None
+    return chosen_count(spec, sum(block_lengths))
+
+
+def full_prefill_is_cheaper(spec: RecomputeSpec, block_lengths: Sequence[int], context: int, short: int) -> bool:
+    """Whether to serve `spec` by a full prefill instead (exact, and faster): a context under `short` tokens (where
+    the eager recompute's fixed cost outweighs a whole prefill), or a plan recomputing `FULL_PREFILL_SHARE` of the
+    chunk tokens or more."""
+    if not spec.active:
+        return False
+    if context < short:
+        return True
+    planned = planned_count(spec, block_lengths)
+    return planned is not None and planned >= FULL_PREFILL_SHARE * sum(block_lengths)
+
+
 def chosen_count(spec: RecomputeSpec, candidates: int) -> int:
     """How many of the candidates are recomputed: all for `prefix`, the share R (rounded half up) for `selective`
     and `query` (`auto` decides per request)."""

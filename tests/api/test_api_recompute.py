@@ -126,3 +126,22 @@ def test_done_and_metrics_report_the_share_recomputed_and_the_trigger_rate(
     assert _metric(metrics, 'kvstitch_recompute_trigger_rate{policy="query"}') == 1.0
     recomputed = query["recomputed_tokens"] + always["recomputed_tokens"]
     assert _metric(metrics, "kvstitch_recomputed_tokens_total") == recomputed
+
+
+def test_a_context_under_the_setting_is_recomputed_by_a_full_prefill(
+    make_app: MakeApp, get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The test apps share one engine (loading is the slow part): the setting's value is set on it as
+    # `open_engine` sets it from KVSTITCH_RECOMPUTE_FULL_BELOW (tests/test_engine_chunk_context.py checks that).
+    monkeypatch.setattr(get_engine("qwen2", "cpu"), "recompute_full_below", 1 << 20)
+    app = make_app()
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+        naive = _ask(client, mode="naive", max_new_tokens=8)
+        full = _ask(client, max_new_tokens=8, recompute="selective:0.2")
+        plain = _ask(client, max_new_tokens=8)
+
+    assert full["answer"] == naive["answer"] and full["recomputed_share"] == 1.0
+    assert full["timings_ms"]["recompute"] > 0 and full["timings_ms"]["stitch"] == 0
+    assert (plain["recompute"], plain["recomputed_tokens"]) == ("none", 0)  # no recompute asked: plain turbo
