@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.api import openai_errors
+from service.api.allow_header import AllowHeader
 from service.api.body_limit import BodyLimit
 from service.api.request_metrics import RequestCounter
 from service.api.routes import ask, documents, health, ingest, ingest_files, openai
@@ -48,6 +49,7 @@ def create_app(facade: Facade) -> FastAPI:
     openai_errors.install(app)
     openai.document_models(app, [facade.model_name, *facade.model_aliases])
 
+    app.add_middleware(AllowHeader)
     # Added before the counter below, so it runs inside it: refused bodies are counted under their route as 413s.
     limit_bytes = facade.limits.max_request_bytes
     detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
