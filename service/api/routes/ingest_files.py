@@ -12,16 +12,16 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, HTTPException, UploadFile, status
+from fastapi import APIRouter, File, HTTPException, UploadFile, status
 from fastapi.concurrency import run_in_threadpool
 
-from service.api.deps import FacadeDep, field_error, http_error, require_api_key
+from service.api.deps import FacadeDep, field_error, http_error
 from service.api.openapi import errors
 from service.api.schemas import IngestAccepted
 from service.facade.errors import InvalidRequestError
 from service.facade.types import MAX_DOC_ID_CHARS
 
-router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
+router = APIRouter(tags=["ingest"], responses=errors(401))
 
 _DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\](?:\.text)?")
 
