@@ -173,6 +173,15 @@ class Settings(BaseSettings):
         "", description="Comma-separated names /v1 also answers to, besides the served model's (e.g. gpt-4o-mini)."
     )
 
+    # ---- robustness: locks, connections, extraction, clean-up (one block, kept together) --------------------
+    doc_lock_ttl_ms: int | None = Field(
+        None,
+        ge=100,
+        description="Redis form: expiry of a document's lock, which frees it when its worker died (a live holder "
+        "renews it); at most JOB_CLAIM_IDLE_MS, so a job claimed from a dead worker finds it free; unset = half of "
+        "JOB_CLAIM_IDLE_MS.",
+    )
+
     @field_validator("recompute")
     @classmethod
     def _check_recompute(cls, value: str) -> str:
@@ -185,7 +194,17 @@ class Settings(BaseSettings):
             raise ValueError(f"chunk_overlap must be at most chunk_size // 2 = {self.chunk_size // 2}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+        if self.doc_lock_ttl_ms is not None and self.doc_lock_ttl_ms > self.job_claim_idle_ms:
+            raise ValueError(
+                f"doc_lock_ttl_ms ({self.doc_lock_ttl_ms}) must be at most job_claim_idle_ms "
+                f"({self.job_claim_idle_ms}): a job claimed from a dead worker would wait for its document lock"
+            )
         return self
+
+    @property
+    def doc_lock_ttl(self) -> int:
+        """The document lock's expiry in ms (`doc_lock_ttl_ms`, or half the claim idle time)."""
+        return self.doc_lock_ttl_ms if self.doc_lock_ttl_ms is not None else max(100, self.job_claim_idle_ms // 2)
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:

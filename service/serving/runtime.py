@@ -308,7 +308,8 @@ def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrd
             max_attempts=settings.job_max_attempts,
         )
         jobs = RedisJobStatusStore(settings.redis_url, prefix=f"{prefix}:job")
-        return queue, jobs, RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc")
+        order = RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc", lock_ttl_ms=settings.doc_lock_ttl)
+        return queue, jobs, order
     path = jobs_path(settings.data_dir)
     durable = SqliteJobQueue(path, max_attempts=settings.job_max_attempts)
     return durable, SqliteJobStatusStore(path), SqliteDocumentOrder(path)
