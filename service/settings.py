@@ -181,6 +181,22 @@ class Settings(BaseSettings):
         "renews it); at most JOB_CLAIM_IDLE_MS, so a job claimed from a dead worker finds it free; unset = half of "
         "JOB_CLAIM_IDLE_MS.",
     )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="Client connections open at once; one more is answered 503 + Retry-After and closed (the "
+        "open-file limit is raised to fit it and 512 more where the hard limit allows).",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Time for a request's head to arrive, from the connection's start or the previous response; "
+        "then 408 and the connection closes.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Longest pause between two pieces of a request body before the connection closes."
+    )
+    keep_alive_s: float = Field(5.0, ge=1, description="An idle kept-alive connection is closed after this long.")
 
     @field_validator("recompute")
     @classmethod
