@@ -197,6 +197,15 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Longest pause between two pieces of a request body before the connection closes."
     )
     keep_alive_s: float = Field(5.0, ge=1, description="An idle kept-alive connection is closed after this long.")
+    extract_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Time to read one uploaded file (HTML, PDF) to text; the reading process is then killed and "
+        "the upload refused with a 422 naming the file.",
+    )
+    extract_processes: int = Field(
+        2, ge=1, le=32, description="Uploaded files read at once, each in a child process of its own."
+    )
 
     @field_validator("recompute")
     @classmethod
