@@ -97,6 +97,9 @@ class Metrics:
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
         )
         self.ingest_jobs = Counter("kvstitch_ingest_jobs", "Ingest jobs by outcome", ["status"], registry=r)
+        self.kv_blocks_swept = Counter(
+            "kvstitch_kv_blocks_swept", "KV blocks the start-up sweep released: no point named them", registry=r
+        )
         self.ingest_chunks = Counter(
             "kvstitch_ingest_chunks", "Chunks ingested, by whether their KV was computed or reused", ["kv"], registry=r
         )

@@ -206,6 +206,12 @@ class Settings(BaseSettings):
     extract_processes: int = Field(
         2, ge=1, le=32, description="Uploaded files read at once, each in a child process of its own."
     )
+    kv_sweep_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="At start, KV blocks that no point names are released if stored longer ago than this (newer "
+        "ones may belong to a job under way in another process).",
+    )
 
     @field_validator("recompute")
     @classmethod

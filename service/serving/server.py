@@ -108,6 +108,7 @@ class Server:
             began = time.perf_counter()
             self._gc_pauses.install()
             runtime = self.runtime = open_runtime(self.settings, *self._given)
+            self.metrics.kv_blocks_swept.inc(runtime.blocks_swept)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
