@@ -137,6 +137,9 @@ class Metrics:
         )  # fmt: skip
         self.shadow_pending = Gauge("kvstitch_shadow_pending", "Shadow answers queued or running", registry=r)
         self.ingest_jobs = Counter("kvstitch_ingest_jobs", "Ingest jobs by outcome", ["status"], registry=r)
+        self.kv_blocks_swept = Counter(
+            "kvstitch_kv_blocks_swept", "KV blocks the start-up sweep released: no point named them", registry=r
+        )
         self.ingest_chunks = Counter(
             "kvstitch_ingest_chunks", "Chunks ingested, by whether their KV was computed or reused", ["kv"], registry=r
         )

@@ -193,6 +193,46 @@ class Settings(BaseSettings):
         "", description="Comma-separated names /v1 also answers to, besides the served model's (e.g. gpt-4o-mini)."
     )
 
+    # ---- robustness: locks, connections, extraction, clean-up (one block, kept together) --------------------
+    doc_lock_ttl_ms: int | None = Field(
+        None,
+        ge=100,
+        description="Redis form: expiry of a document's lock, which frees it when its worker died (a live holder "
+        "renews it); at most JOB_CLAIM_IDLE_MS, so a job claimed from a dead worker finds it free; unset = half of "
+        "JOB_CLAIM_IDLE_MS.",
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="Client connections open at once; one more is answered 503 + Retry-After and closed (the "
+        "open-file limit is raised to fit it and 512 more where the hard limit allows).",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Time for a request's head to arrive, from the connection's start or the previous response; "
+        "then 408 and the connection closes.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Longest pause between two pieces of a request body before the connection closes."
+    )
+    keep_alive_s: float = Field(5.0, ge=1, description="An idle kept-alive connection is closed after this long.")
+    extract_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Time to read one uploaded file (HTML, PDF) to text; the reading process is then killed and "
+        "the upload refused with a 422 naming the file.",
+    )
+    extract_processes: int = Field(
+        2, ge=1, le=32, description="Uploaded files read at once, each in a child process of its own."
+    )
+    kv_sweep_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="At start, KV blocks that no point names are released if stored longer ago than this (newer "
+        "ones may belong to a job under way in another process).",
+    )
+
     @field_validator("recompute")
     @classmethod
     def _check_recompute(cls, value: str) -> str:
@@ -205,7 +245,17 @@ class Settings(BaseSettings):
             raise ValueError(f"chunk_overlap must be at most chunk_size // 2 = {self.chunk_size // 2}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+        if self.doc_lock_ttl_ms is not None and self.doc_lock_ttl_ms > self.job_claim_idle_ms:
+            raise ValueError(
+                f"doc_lock_ttl_ms ({self.doc_lock_ttl_ms}) must be at most job_claim_idle_ms "
+                f"({self.job_claim_idle_ms}): a job claimed from a dead worker would wait for its document lock"
+            )
         return self
+
+    @property
+    def doc_lock_ttl(self) -> int:
+        """The document lock's expiry in ms (`doc_lock_ttl_ms`, or half the claim idle time)."""
+        return self.doc_lock_ttl_ms if self.doc_lock_ttl_ms is not None else max(100, self.job_claim_idle_ms // 2)
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:

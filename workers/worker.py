@@ -8,7 +8,9 @@ renews its lease between document groups, so a long job is not claimed away from
 Failures: a malformed job (`JobError`) fails at once and goes to the dead letters with its error; any other
 error re-queues the job, and after `max_attempts` deliveries it is dead-lettered. The status says which. A job
 given up on is cleaned (`Ingestor.abandon`): its unpublished points go and the KV blocks no point names are
-released. Nothing a job contains can stop the loop.
+released. A full data disk (ENOSPC, SQLite's "database or disk is full") fails the job at once, after releasing
+what it wrote, so that the failure can be recorded on that disk and the disk does not stay full. Nothing a job
+contains can stop the loop.
 
 Stopping (SIGTERM): `stop()` makes the running ingest return between two document groups; the rest of the job is
 handed back to the queue (`release`: not acked, the attempt not counted) with the status `queued` and a note, and
@@ -26,10 +28,12 @@ running one stops before its next document is published; either way its unfinish
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import socket
+import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CLAIM_IDLE_MS = 60_000
 MAX_ERROR_CHARS = 2000
+MAX_CAUSES = 8  # how far down an error's causes `is_no_space` looks
+NO_SPACE_TEXTS = ("No space left on device", "database or disk is full", "Disk quota exceeded")
 
 
 def default_consumer_name() -> str:
@@ -136,6 +142,9 @@ class IngestWorker:
             self._reject(delivery, job.job_id, str(err))
             self._abandon(job)
         except Exception as err:
+            if is_no_space(err):
+                self._out_of_space(delivery, job, err)
+                return
             log.exception("job %s failed on attempt %d", job.job_id, delivery.attempt)
             self._retry(delivery, job.job_id, f"{type(err).__name__}: {err}")
         else:
@@ -227,6 +236,18 @@ class IngestWorker:
         self._finished("cancelled", None)
         log.info("job %s cancelled after %d documents", job_id, counts.documents_done)
 
+    def _out_of_space(self, delivery: Delivery, job: IngestJob | DeleteJob, err: Exception) -> None:
+        """The data disk is full: what the job wrote is released first (so the failure itself can be written, on
+        the same disk), then it fails for good. A retry would only fill the disk again; sent again once space is
+        back, it resumes from what it published (each document is all or nothing)."""
+        log.error("job %s: no space left on the data disk (%s); releasing what it wrote", job.job_id, err)
+        self._abandon(job)
+        message = (
+            f"no space left on the data disk ({type(err).__name__}: {err}); the job's unpublished chunks and KV "
+            "blocks were released, documents it had finished stay: free space and send it again"
+        )
+        self._reject(delivery, job.job_id, message)
+
     def _abandon(self, job: IngestJob | DeleteJob) -> None:
         """Clean what a job given up on left (unpublished points, blocks no point names); never raises."""
         if not isinstance(job, IngestJob):
@@ -286,6 +307,23 @@ class IngestWorker:
             with contextlib.suppress(ValueError):  # created meanwhile by the producer
                 self.jobs.create(job_id, documents, kind=kind)
         self.jobs.update(job_id, **fields)
+
+
+def is_no_space(err: BaseException) -> bool:
+    """Whether an error, or one it was raised from, says the disk is full (ENOSPC, EDQUOT, SQLite's
+    SQLITE_FULL), wherever it came from: a KV file, the SQLite stores, embedded Qdrant."""
+    seen: BaseException | None = err
+    for _ in range(MAX_CAUSES):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        if any(text in str(seen) for text in NO_SPACE_TEXTS):  # wrapped by a library into its own error type
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _document_count(delivery: Delivery) -> int:

@@ -16,9 +16,12 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.api import openai_errors
+from service.api.allow_header import AllowHeader
+from service.api.auth import ApiKeyGuard
 from service.api.body_limit import BodyLimit
 from service.api.request_metrics import RequestCounter
 from service.api.routes import ask, documents, health, ingest, ingest_files, openai
+from service.api.security_headers import SecurityHeaders
 from service.facade import Facade
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -35,7 +38,9 @@ def create_app(facade: Facade) -> FastAPI:
         finally:
             facade.close()
 
-    app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which an offline deployment cannot reach
+    # and the pages' security policy refuses; /openapi.json (behind the key) feeds any OpenAPI viewer instead.
+    app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.facade = facade
     for module in (health, ingest, ingest_files, documents, ask, openai):
         app.include_router(module.router)
@@ -48,10 +53,15 @@ def create_app(facade: Facade) -> FastAPI:
     openai_errors.install(app)
     openai.document_models(app, [facade.model_name, *facade.model_aliases])
 
-    # Added before the counter below, so it runs inside it: refused bodies are counted under their route as 413s.
+    # The last added runs first. Each one added before the counter runs inside it: refused requests (401, 413) are
+    # counted under their route. The key is checked before the body limit so that nothing of an unauthenticated
+    # body is read.
+    app.add_middleware(AllowHeader)
     limit_bytes = facade.limits.max_request_bytes
     detail = f"request body larger than {limit_bytes >> 20} MiB (KVSTITCH_MAX_REQUEST_MB)"
     app.add_middleware(BodyLimit, max_bytes=limit_bytes, detail=detail)
+    app.add_middleware(ApiKeyGuard, api_key=facade.limits.api_key)
+    app.add_middleware(SecurityHeaders)
 
     app.add_middleware(RequestCounter, count=facade.count_request)
 

@@ -1,8 +1,8 @@
-"""Dependencies shared by the routes: the facade, the API key, and the service's errors as HTTP statuses."""
+"""Dependencies shared by the routes: the facade, and the service's errors as HTTP statuses (the API key is
+checked before routing, `service/api/auth.py`)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
@@ -26,21 +26,6 @@ def get_facade(request: Request) -> Facade:
 
 
 FacadeDep = Annotated[Facade, Depends(get_facade)]
-
-
-def require_api_key(request: Request, facade: FacadeDep) -> None:
-    """Bearer token check when KVSTITCH_API_KEY is set (constant-time compare)."""
-    expected = facade.limits.api_key
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            detail="missing or wrong API key: send Authorization: Bearer <KVSTITCH_API_KEY>",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
 
 
 def http_error(err: Exception) -> HTTPException:

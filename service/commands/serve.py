@@ -11,6 +11,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.connections import ConnectionLimits, limit_log_floods, raise_fd_limit, server_options
     from service.serving.runtime import hold_data_dir
     from service.serving.server import Server
     from workers.worker import in_process_worker
@@ -28,12 +29,18 @@ def serve(settings: Settings) -> int:
     app = create_app(Server(settings, worker_factory=in_process_worker))
     # SIGTERM: open requests get the shutdown timeout, then the runtime gives the worker as long to hand back its
     # job (`Runtime.close`), so the process is gone within about twice the setting whatever is running.
+    limits = ConnectionLimits(
+        settings.max_connections, settings.header_timeout_s, settings.body_timeout_s, settings.keep_alive_s
+    )
+    raise_fd_limit(limits)
+    limit_log_floods()
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         log_level="info",
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+        **server_options(limits),
     )
     if data_dir_lock is not None:
         data_dir_lock.release()

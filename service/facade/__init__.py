@@ -7,7 +7,7 @@ in this process.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from service.facade.types import (
@@ -78,9 +78,10 @@ class Facade(Protocol):
         `UnavailableError`; so the caller can still answer with an HTTP status."""
         ...
 
-    def read_file(self, name: str, data: bytes) -> Document:
+    def read_file(self, name: str, data: bytes, stop: Callable[[], bool] | None = None) -> Document:
         """An uploaded file as a document whose id is `name`, its kind told by its bytes (text, Markdown, HTML,
-        PDF); `InvalidRequestError` naming `files` when it cannot be read."""
+        PDF), read in a child process within KVSTITCH_EXTRACT_TIMEOUT_S; `InvalidRequestError` naming `files` when
+        it cannot be read, takes too long, or `stop()` turned true meanwhile (the reading is then killed at once)."""
         ...
 
     def submit_ingest(self, documents: Sequence[Document]) -> str:

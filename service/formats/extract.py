@@ -70,7 +70,10 @@ def extract(name: str, data: bytes) -> Extracted:
         return _checked(name, Extracted(text, "text", "pdf", title, pages))
     decoded = _decode(name, data)
     if kind == "html":
-        markdown, title = html_to_markdown(decoded)
+        try:
+            markdown, title = html_to_markdown(decoded)
+        except ExtractError as err:
+            raise ExtractError(f"{name}: {err}") from err
         return _checked(name, Extracted(markdown, "markdown", "html", title))
     if kind == "markdown":
         return _checked(name, Extracted(decoded, "markdown", "markdown", markdown_title(decoded)))

@@ -20,12 +20,17 @@ from typing import Any, Protocol
 import redis
 
 DEFAULT_ORDER_PREFIX = "kvstitch:doc"
-# A lock is held only while one document's points are written or deleted (seconds); its expiry frees the
-# document if the holder died.
-DEFAULT_LOCK_TTL_MS = 120_000
+# The lock's expiry frees a document whose holder died; a live holder renews it (every third of the TTL) however
+# long it holds it. So the TTL bounds only how long a dead worker's document stays locked: the settings tie it to
+# the claim idle time (KVSTITCH_DOC_LOCK_TTL_MS), so that a job claimed from a dead worker finds the lock gone.
+DEFAULT_LOCK_TTL_MS = 30_000
 LOCK_WAIT_S = 300.0
 _RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_RENEW_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 
@@ -122,6 +127,7 @@ class RedisDocumentOrder:
         self.lock_ttl_ms = lock_ttl_ms
         self._redis: Any = redis.Redis.from_url(url, decode_responses=True)
         self._release = self._redis.register_script(_RELEASE_SCRIPT)
+        self._renew = self._redis.register_script(_RENEW_SCRIPT)
 
     def claim(self, doc_ids: Sequence[str]) -> dict[str, int]:
         with self._redis.pipeline(transaction=True) as pipe:
@@ -149,10 +155,22 @@ class RedisDocumentOrder:
             if time.monotonic() > deadline:  # the job fails and is retried later; nothing was changed
                 raise TimeoutError(f"document {doc_id!r} stayed locked for {LOCK_WAIT_S:.0f} s")
             time.sleep(0.05)
+        released = threading.Event()
+        renewer = threading.Thread(target=self._keep, args=(key, token, released), name="doc-lock", daemon=True)
+        renewer.start()
         try:
             yield
         finally:
+            released.set()
+            renewer.join()
             self._release(keys=[key], args=[token])
+
+    def _keep(self, key: str, token: str, released: threading.Event) -> None:
+        """Renew the held lock until it is released; a renewal that fails (Redis away) is tried again next time,
+        and the lock may expire meanwhile, as it would for a dead holder."""
+        while not released.wait(self.lock_ttl_ms / 3000):
+            with contextlib.suppress(redis.RedisError):
+                self._renew(keys=[key], args=[token, self.lock_ttl_ms])
 
     def close(self) -> None:
         self._redis.close()

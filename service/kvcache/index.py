@@ -61,6 +61,10 @@ class KVIndex(Protocol):
 
     def keys(self) -> list[str]: ...
 
+    def created_before(self, when: float) -> list[str]:
+        """Keys of the blocks stored before `when` (a Unix time)."""
+        ...
+
     def lru(self, limit: int) -> list[IndexEntry]: ...
 
     def total_bytes(self) -> int: ...
@@ -138,6 +142,13 @@ class RedisIndex:
     def keys(self) -> list[str]:
         return [str(k) for k in self._redis.zrange(self._lru_key, 0, -1)]
 
+    def created_before(self, when: float) -> list[str]:
+        keys = self.keys()
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(self._entry_key(key), "created")
+        return [key for key, created in zip(keys, pipe.execute(), strict=True) if _float(created) < when]
+
     def lru(self, limit: int) -> list[IndexEntry]:
         if limit <= 0:
             return []
@@ -153,6 +164,14 @@ class RedisIndex:
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _float(value: str | None) -> float:
+    """A stored time; a missing or malformed one reads as the epoch (old enough for any sweep)."""
+    try:
+        return float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _entry_from_fields(key: str, fields: dict[str, str]) -> IndexEntry | None:
@@ -245,6 +264,9 @@ class SqliteIndex:
 
     def keys(self) -> list[str]:
         return [str(row[0]) for row in self._query("SELECT key FROM blocks ORDER BY last_used, key")]
+
+    def created_before(self, when: float) -> list[str]:
+        return [str(row[0]) for row in self._query("SELECT key FROM blocks WHERE created < ? ORDER BY key", (when,))]
 
     def lru(self, limit: int) -> list[IndexEntry]:
         rows = self._query(f"SELECT {_COLUMNS} FROM blocks ORDER BY last_used, key LIMIT ?", (max(limit, 0),))

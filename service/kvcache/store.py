@@ -266,6 +266,10 @@ class KVStore:
         """Whether the block with this key is stored (on disk and in the index)."""
         return self.disk.contains(key)
 
+    def stored_before(self, when: float) -> list[str]:
+        """Keys of the blocks on disk stored before `when` (a Unix time), for sweeps of blocks nothing names."""
+        return self.disk.index.created_before(when)
+
     def remove(self, key: str) -> None:
         """Drop a block from every tier (no point names it any more)."""
         with self._lock:

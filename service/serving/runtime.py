@@ -46,7 +46,7 @@ from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineLoop
 from service.serving.kv_source import StoreChunks, kv_store_for
 from service.settings import MIB, Settings
-from service.usecases.ingest import IngestCounts, Ingestor, IngestParts, sweep_unpublished
+from service.usecases.ingest import IngestCounts, Ingestor, IngestParts, sweep_unnamed_blocks, sweep_unpublished
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Runtime:
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
     question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
+    blocks_swept: int = 0  # KV blocks the start-up sweep released (`sweep_dead_jobs`)
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -308,23 +309,31 @@ def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrd
             max_attempts=settings.job_max_attempts,
         )
         jobs = RedisJobStatusStore(settings.redis_url, prefix=f"{prefix}:job")
-        return queue, jobs, RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc")
+        order = RedisDocumentOrder(settings.redis_url, prefix=f"{prefix}:doc", lock_ttl_ms=settings.doc_lock_ttl)
+        return queue, jobs, order
     path = jobs_path(settings.data_dir)
     durable = SqliteJobQueue(path, max_attempts=settings.job_max_attempts)
     return durable, SqliteJobStatusStore(path), SqliteDocumentOrder(path)
 
 
-def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore) -> None:
-    """Embedded form, at start: this process is the only one on the data dir, so unpublished points were left by
-    a process that died; those no queued job will redo are deleted and their blocks released."""
-    if not isinstance(queue, SqliteJobQueue):
-        return  # with Redis, other workers' jobs may be under way: a failed job cleans after itself instead
-    if queue.resumed:
-        log.info("%d jobs interrupted by the last stop are resumed", queue.resumed)
-    keep = {doc_id for payload in queue.pending_payloads() for doc_id in job_documents(payload)}
-    report = sweep_unpublished(collection, store, keep)
-    if report.points_deleted or report.blocks_released:
-        log.info("start-up sweep: %s", report)
+def sweep_dead_jobs(queue: JobQueue, collection: ChunkCollection, store: KVStore, grace_s: float) -> int:
+    """At start: what dead processes left. Embedded form (this process is the only one on the data dir):
+    unpublished points no queued job will redo are deleted and their blocks released. Both forms: stored blocks
+    that no point names, older than `grace_s` (a job in another process may be about to name newer ones), are
+    released. How many blocks went."""
+    released = 0
+    if isinstance(queue, SqliteJobQueue):  # with Redis, other workers' jobs may be under way: none is dead here
+        if queue.resumed:
+            log.info("%d jobs interrupted by the last stop are resumed", queue.resumed)
+        keep = {doc_id for payload in queue.pending_payloads() for doc_id in job_documents(payload)}
+        report = sweep_unpublished(collection, store, keep)
+        if report.points_deleted or report.blocks_released:
+            log.info("start-up sweep: %s", report)
+        released += report.blocks_released
+    unnamed = sweep_unnamed_blocks(collection, store, time.time() - grace_s)
+    if unnamed:
+        log.info("start-up sweep: %d KV blocks no point names released (stored over %g s ago)", unnamed, grace_s)
+    return released + unnamed
 
 
 def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
@@ -400,7 +409,7 @@ def _open_components(
     collection = open_collection(settings, embedder.dimension)
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
-    sweep_dead_jobs(queue, collection, store)
+    blocks_swept = sweep_dead_jobs(queue, collection, store, settings.kv_sweep_grace_s)
     question_embedder = open_question_embedder(settings, engine, embedder) if answers else None
     embed_questions = question_embedder.embed_queries if question_embedder is not None else embedder.embed_queries
     retrieval = RetrievalBatcher(embed_questions, collection.search_many)
@@ -419,6 +428,7 @@ def _open_components(
         precompute,
         retrieval,
         question_embedder,
+        blocks_swept=blocks_swept,
     )
 
 

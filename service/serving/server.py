@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -43,7 +43,8 @@ from service.facade.types import (
     JobStatus,
     RequestLimits,
 )
-from service.formats import ExtractError, extract
+from service.formats import ExtractError
+from service.formats.isolated import ExtractCancelledError, ExtractTimeoutError, IsolatedExtractor
 from service.jobs.documents import IngestJob, JobError, parse_job
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
@@ -84,6 +85,7 @@ class Server:
         self._worker_factory = worker_factory
         self._model_name = _model_name(settings.model)
         self._limits = _request_limits(settings)
+        self._extractor = IsolatedExtractor(settings.extract_timeout_s, settings.extract_processes)
 
     @property
     def model_name(self) -> str:
@@ -108,6 +110,7 @@ class Server:
             began = time.perf_counter()
             self._gc_pauses.install()
             runtime = self.runtime = open_runtime(self.settings, *self._given)
+            self.metrics.kv_blocks_swept.inc(runtime.blocks_swept)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
@@ -146,6 +149,7 @@ class Server:
 
     def close(self) -> None:
         self._gc_pauses.uninstall()
+        self._extractor.close()
         if self.runtime is not None:
             self.runtime.close()
 
@@ -268,9 +272,13 @@ class Server:
 
     # ---- files ----------------------------------------------------------------------------------------------
 
-    def read_file(self, name: str, data: bytes) -> Document:
+    def read_file(self, name: str, data: bytes, stop: Callable[[], bool] | None = None) -> Document:
         try:
-            extracted = extract(name, data)
+            extracted = self._extractor.extract(name, data, stop or _never)
+        except ExtractTimeoutError as err:
+            raise InvalidRequestError("files", f"{err} (KVSTITCH_EXTRACT_TIMEOUT_S)") from err
+        except ExtractCancelledError as err:
+            raise InvalidRequestError("files", f"{name}: reading it was stopped (the client left)") from err
         except ExtractError as err:
             raise InvalidRequestError("files", str(err)) from err
         return Document(name, extracted.text, extracted.metadata(source="upload", filename=name), extracted.format)
@@ -398,3 +406,7 @@ def _probe(check: Any) -> str:
 def _model_name(model: str) -> str:
     """What /v1/models lists: a hub id as given, a folder by its name."""
     return model.rstrip("/").rsplit("/", 1)[-1] if model.startswith(("/", ".")) else model
+
+
+def _never() -> bool:
+    return False

@@ -52,6 +52,7 @@ from service.retrieval.outline import ChunkContext, Outline, document_title, emb
 log = logging.getLogger(__name__)
 
 GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
+SWEEP_PAGE = 1024  # block keys looked up in Qdrant at once by the sweep
 EMBED_FORM = "title+heading:1"  # the document title and the innermost heading go before each chunk's text
 
 
@@ -239,9 +240,12 @@ class Ingestor:
 
     def withdraw(self, job: Job, stored: Collection[str] = ()) -> int:
         """A cancelled job's documents (those of `job`, the rest not finished) are left as they were before it:
-        their unpublished points go and the blocks it `stored` or those points named are released unless some
-        point names them; how many blocks. Each document is then counted as applied (it is no longer pending).
-        A document a later job was submitted for is left to that job."""
+        their unpublished points go and the blocks it `stored`, those points named, or its documents' chunks have
+        are released unless some point names them; how many blocks. Each document is then counted as applied (it
+        is no longer pending). A document a later job was submitted for is left to that job.
+
+        The documents' own blocks count because a run killed between storing a group's KV and writing its points
+        (SIGKILL, a crash) left blocks that no point and no `stored` names: only the chunk keys find them."""
         if isinstance(job, DeleteJob):
             with applying(self.order, job.doc_id, job.sequence):
                 return 0
@@ -253,9 +257,12 @@ class Ingestor:
         keys = set(stored)
         for doc in job.documents:
             with applying(self.order, doc.id, job.sequence) as current:
-                if current and doc.id in unpublished:
+                if not current:
+                    continue
+                if doc.id in unpublished:
                     self.collection.delete_invisible(doc.id)
                     keys |= unpublished[doc.id]
+                keys |= self._keys_of(doc)
         keys.discard("")
         return self._release(keys)
 
@@ -403,3 +410,18 @@ def sweep_unpublished(collection: ChunkCollection, store: KVStore, keep: Collect
     for key in unused:
         store.remove(key)
     return SweepReport(deleted, len(unused), tuple(documents))
+
+
+def sweep_unnamed_blocks(collection: ChunkCollection, store: KVStore, stored_before: float) -> int:
+    """Release the stored blocks that no point names, among those stored before `stored_before` (a Unix time);
+    how many. A job killed between storing a group's KV and writing its points leaves such blocks, and when that
+    job never runs again (cancelled, failed, its queue lost) nothing else would find them. Blocks stored later may
+    belong to a job under way in another process, about to write the points that name them: they are left."""
+    keys = store.stored_before(stored_before)
+    released = 0
+    for start in range(0, len(keys), SWEEP_PAGE):
+        page = keys[start : start + SWEEP_PAGE]
+        for key in set(page) - collection.referenced_kv_keys(page):
+            store.remove(key)
+            released += 1
+    return released

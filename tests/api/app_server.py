@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from service.api.connections import ConnectionLimits, server_options
 from service.serving.server import Server
 
 READY_TIMEOUT_S = 120
@@ -36,14 +37,16 @@ class LiveServer:
     """The app under a real uvicorn server in a thread, on a socket bound here and handed over (no window for
     another process to take the port); entering waits for /readyz and fails fast when start-up failed."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, limits: ConnectionLimits | None = None) -> None:
+        """`limits`: serve through `kvstitch serve`'s guarded protocol with these connection limits."""
         self.app = app
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", 0))
         host, self.port = self.listener.getsockname()
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        options = server_options(limits) if limits is not None else {}
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning", **options))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.listener]}, name="live-server", daemon=True
         )

@@ -418,8 +418,10 @@ def test_chat_page_asks_for_the_api_key_then_works_with_it(
     page.type_into("api-key", API_KEY)
     ingest_corpus(page, tmp_path)
     assert_answered(page.ask(QUESTION), "turbo")
+    stored = "return [window.sessionStorage.getItem('kvstitch.apiKey'), window.localStorage.getItem('kvstitch.apiKey')]"
+    assert chat_browser.execute_script(stored) == [API_KEY, None]  # this tab's session only, not kept for good
 
-    # the key is kept in this browser: after a reload the page still answers
+    # the key is kept for this tab (sessionStorage): after a reload the page still answers
     page = ChatPage(chat_browser, page.url)
     assert page.attribute("api-key", "value") == API_KEY
     assert_answered(page.ask(QUESTION), "turbo")

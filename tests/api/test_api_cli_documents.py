@@ -125,7 +125,7 @@ def test_documents_refusals_name_what_is_wrong(run: Run, monkeypatch: pytest.Mon
 
 
 def test_the_cli_bounds_are_the_servers(served: LiveServer) -> None:
-    schema = httpx.get(f"{served.url}/openapi.json").json()
+    schema = httpx.get(f"{served.url}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     params = {p["name"]: p["schema"] for p in schema["paths"]["/documents"]["get"]["parameters"]}
 
     assert (params["offset"]["minimum"], params["offset"]["maximum"]) == (0, MAX_OFFSET)

@@ -65,6 +65,14 @@ def test_total_bytes_follows_puts_replacements_and_removes(index: KVIndex) -> No
     assert index.keys() == [entry(1).key]
 
 
+def test_created_before_lists_the_blocks_stored_before_a_time(index: KVIndex) -> None:
+    for n in (1, 2, 3):
+        index.put(entry(n))  # created 1001, 1002, 1003
+    assert sorted(index.created_before(1002.5)) == sorted([entry(1).key, entry(2).key])
+    assert index.created_before(1001.0) == []
+    assert sorted(index.created_before(10_000.0)) == sorted(entry(n).key for n in (1, 2, 3))
+
+
 def test_lru_lists_least_recently_used_first(index: KVIndex) -> None:
     for n, used in [(1, 30.0), (2, 10.0), (3, 20.0)]:
         index.put(entry(n, last_used=used))

@@ -6,11 +6,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from service.api.answers import collect_text, open_answer, sources_and_summary
-from service.api.deps import FacadeDep, require_api_key
+from service.api.deps import FacadeDep
 from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest, stop_strings
 from service.api.validation import Sampling, answer_request
@@ -18,7 +18,7 @@ from service.facade import AnswerStream
 from service.facade.errors import UnavailableError
 from service.facade.types import AnswerLimits, AnswerRequest, ChatMessage, DoneEvent
 
-router = APIRouter(tags=["ask"], dependencies=[Depends(require_api_key)], responses=errors(401))
+router = APIRouter(tags=["ask"], responses=errors(401))
 EVENTS = ("retrieval", "token", "done", "error")
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, status
+from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
 
-from service.api.deps import FacadeDep, http_error, require_api_key
+from service.api.deps import FacadeDep, http_error
 from service.api.openapi import errors
 from service.api.schemas import IngestAccepted, IngestRequest, JobStatusOut
 from service.facade.types import Document
 
-router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
+router = APIRouter(tags=["ingest"], responses=errors(401))
 
 
 @router.post(

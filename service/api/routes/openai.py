@@ -19,11 +19,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from sse_starlette import EventSourceResponse
 
 from service.api.answers import collect_text, open_answer, sources_and_summary
-from service.api.deps import FacadeDep, require_api_key
+from service.api.deps import FacadeDep
 from service.api.openai_errors import OpenAIError
 from service.api.openapi import openai_errors, streamed
 from service.api.schemas import ChatCompletionRequest, ChatMessage, stop_strings
@@ -32,7 +32,7 @@ from service.facade import AnswerStream, Facade
 from service.facade.types import AnswerLimits, AnswerRequest, DoneEvent, Logprob, Role
 from service.facade.types import ChatMessage as Turn
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)], responses=openai_errors(401))
+router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_errors(401))
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 ROLES: dict[str, Role] = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 

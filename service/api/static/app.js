@@ -169,20 +169,25 @@
       ingestStatus: $("ingest-status"), ingestProgress: $("ingest-progress"),
     };
 
-    // -------- storage (localStorage can be unavailable: private windows, file://)
+    // -------- storage (web storage can be unavailable: private windows, file://)
+    // The history is kept across visits (localStorage); the API key only for this tab's session (sessionStorage),
+    // so it does not outlive the tab on a shared machine.
 
-    function load(key, fallback) {
-      try { const v = window.localStorage.getItem(key); return v === null ? fallback : v; } catch (_) { return fallback; }
+    function area(name) { try { return window[name]; } catch (_) { return null; } }
+    function load(key, fallback, name) {
+      try { const v = area(name || "localStorage").getItem(key); return v === null ? fallback : v; } catch (_) { return fallback; }
     }
-    function save(key, value) {
+    function save(key, value, name) {
       try {
-        if (value === "" || value === null) window.localStorage.removeItem(key);
-        else window.localStorage.setItem(key, value);
+        const storage = area(name || "localStorage");
+        if (value === "" || value === null) storage.removeItem(key);
+        else storage.setItem(key, value);
       } catch (_) { /* not persisted; still used for this page */ }
     }
 
-    el.apiKey.value = load(KEY_STORAGE, "");
-    el.apiKey.addEventListener("input", function () { save(KEY_STORAGE, el.apiKey.value.trim()); });
+    save(KEY_STORAGE, "", "localStorage"); // a key an earlier version of the page kept for good
+    el.apiKey.value = load(KEY_STORAGE, "", "sessionStorage");
+    el.apiKey.addEventListener("input", function () { save(KEY_STORAGE, el.apiKey.value.trim(), "sessionStorage"); });
 
     function headers(extra) {
       const h = Object.assign({}, extra);
