@@ -1,5 +1,5 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | eval | finetune |
-make-qa."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | import-gguf | eval |
+finetune | make-qa."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", choices=("llama", "qwen2", "mistral"), default="qwen2", help="architecture (default qwen2)"
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    _add_import_gguf(commands)
 
     serve = commands.add_parser("serve", help="run the gateway (embedded Qdrant, index and worker by default)")
     _add_runtime_options(serve)
@@ -92,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
     _add_quality_commands(commands)
     return parser
+
+
+def _add_import_gguf(commands: Any) -> None:
+    gguf = commands.add_parser(
+        "import-gguf", help="convert a GGUF checkpoint into an HF folder kvstitch serves (needs kvstitch[gguf])"
+    )
+    gguf.add_argument("file", help="the .gguf file (llama.cpp's format; llama, qwen2 or mistral)")
+    gguf.add_argument("--out", required=True, help="new folder for the safetensors weights, config and tokenizer")
+    gguf.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the saved weights (default fp32: the GGUF's tensors dequantised)",
+    )
 
 
 def _add_documents(commands: Any) -> None:
@@ -253,6 +268,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    from service.commands.import_gguf import run_import_gguf
+
+    return run_import_gguf(args.file, args.out, args.dtype)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from service.quality.commands import run_eval
 
@@ -391,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cancel": _cancel,
         "verify": _verify,
         "tiny-model": _tiny_model,
+        "import-gguf": _import_gguf,
         "eval": _eval,
         "finetune": _finetune,
         "make-qa": _make_qa,
