@@ -169,12 +169,43 @@ def _add_eval(commands: Any, default_device: str) -> None:
 
 
 def _add_finetune(commands: Any, default_device: str) -> None:
-    tune = commands.add_parser("finetune", help="block fine-tune a model on a QA JSONL file (served mask, positions)")
+    tune = commands.add_parser(
+        "finetune", help="block fine-tune a model: self-distillation over an ingested corpus and/or labelled QA"
+    )
     tune.add_argument("--model", required=True, help="HF model folder or hub id to start from")
-    tune.add_argument("--data", required=True, help="QA JSONL file (the eval's format); the first answer is learnt")
+    tune.add_argument(
+        "--data", default=None, help="labelled QA JSONL file (the eval's format); the first answer is learnt"
+    )
+    tune.add_argument(
+        "--data-dir",
+        default=None,
+        help="an ingested corpus's data folder: self-distillation on questions made from its chunks (stop its server)",
+    )
     tune.add_argument("--out", required=True, help="folder for the fine-tuned HF model and tokenizer")
+    tune.add_argument(
+        "--prompts", type=int, default=512, help="with --data-dir: training prompts made from the corpus (default 512)"
+    )
+    tune.add_argument("--top-k", type=int, default=5, help="with --data-dir: chunks retrieved per prompt (default 5)")
+    tune.add_argument(
+        "--answer-tokens", type=int, default=48, help="with --data-dir: the teacher's answer length limit (default 48)"
+    )
+    tune.add_argument(
+        "--label-share",
+        type=float,
+        default=None,
+        help="with both --data and --data-dir: share of each step's samples that are labelled (default 0.5)",
+    )
     tune.add_argument("--steps", type=int, default=100, help="optimiser steps (default 100)")
-    tune.add_argument("--batch-size", type=int, default=8, help="samples per step, gradients accumulated (default 8)")
+    tune.add_argument("--batch-size", type=int, default=8, help="samples per optimiser step (default 8)")
+    tune.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="samples per forward, gradients accumulated over a step (default: the whole step at once)",
+    )
+    tune.add_argument(
+        "--generate-batch-size", type=int, default=32, help="prompts per batch of teacher answers (default 32)"
+    )
     tune.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default 2e-5, Block-Attention)")
     tune.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps (default 20)")
     tune.add_argument(
@@ -200,7 +231,7 @@ def _add_finetune(commands: Any, default_device: str) -> None:
         default=None,
         help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
     )
-    tune.add_argument("--seed", type=int, default=0, help="seed of sample order and mask choice (default 0)")
+    tune.add_argument("--seed", type=int, default=0, help="seed of prompts, sample order and mask choice (default 0)")
 
 
 def _add_make_qa(commands: Any) -> None:
