@@ -5,6 +5,7 @@ one-at-a-time answers, a few distillation steps lower the KL on their batch, and
 from __future__ import annotations
 
 import copy
+import importlib.util
 import random
 from collections import Counter
 from typing import Any
@@ -193,3 +194,30 @@ def test_length_buckets_draw_every_sample_once_per_epoch_and_pad_little() -> Non
     assert padded < 1.15 * sum(lengths)  # random batches of these lengths pad by about half
     orders = [tuple(b) for b in epoch]
     assert orders != sorted(orders, key=lambda b: lengths[b[0]])  # the buckets come in a shuffled order
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (optional) is not installed")
+def test_with_lora_the_teacher_is_the_base_with_its_adapters_off(get_engine: Any) -> None:
+    from workers.training.finetune import with_lora
+
+    engine: StitchEngine = get_engine("qwen2")
+    inner = copy.deepcopy(engine.model.hf)
+    teacher = FrozenTeacher(inner, torch.float32)
+    examples = [Example(e.prompt, e.target, distill=True) for e in _labelled(engine)]
+    batch = collate([attention_sample(e.prompt, e.target, PositionMode.REORDERED, True) for e in examples], 0)
+    wrapped = with_lora(inner)
+    teacher.off = wrapped.disable_adapter
+    config = FinetuneConfig("m", None, "o", data_dir="d", steps=3, batch_size=4, lr=1e-3, warmup_steps=0, lora=True)
+    config = FinetuneConfig(**{**config.__dict__, "full_attention_share": 0.0})
+    with torch.no_grad():
+        before = sample_losses(inner, batch, CPU, torch.float32, teacher)
+    train(inner.train(), Pools([], examples), config, FP32, FinetuneReport("o"), teacher)
+    with torch.no_grad():
+        after = sample_losses(inner, batch, CPU, torch.float32, teacher)
+        # the teacher still scores with the base weights: its answers' log-probabilities are the untouched model's
+        reference = FrozenTeacher.frozen_copy(engine.model.hf, torch.float32)
+        places = torch.arange(4)
+        assert torch.allclose(
+            teacher.log_probs(batch.input_ids[:1], places), reference.log_probs(batch.input_ids[:1], places)
+        )
+    assert float(after.mean()) < 0.5 * float(before.mean())

@@ -110,6 +110,8 @@ def test_finetune_over_an_ingested_corpus_distils_served_prompts_and_saves_a_gat
     assert record["distill_samples"] == 8 and record["labelled_samples"] == 0 and record["distill_prompts"] == 6
     assert record["config"]["data_dir"] == str(data_dir) and record["samples_per_s"] > 0
     assert all(loss >= 0 for loss in record["losses"])
+    preview = record["distill_preview"]
+    assert len(preview) == 5 and all(p["question"] and isinstance(p["answer"], str) for p in preview)
     tuned = load_model(out)
     changed = [
         name for name, weight in model.hf.named_parameters() if not torch.equal(weight, tuned.hf.get_parameter(name))
@@ -138,6 +140,8 @@ def test_finetune_without_data_or_corpus_exits_2_naming_the_options(
     )
     assert main([*argv, "--data-dir", str(tmp_path / "nowhere")]) == 2
     assert f"{tmp_path / 'nowhere'}: no ingested corpus here (no qdrant/ folder)" in capsys.readouterr().err
+    assert main([*argv, "--data-dir", str(tmp_path), "--top-k", "51"]) == 2
+    assert "--top-k must be within 1..50 (KVSTITCH_MAX_TOP_K)" in capsys.readouterr().err
     assert main([*argv, "--data-dir", str(tmp_path), "--label-share", "2"]) == 2
     assert "--label-share must be within 0..1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "nowhere").exists()

@@ -69,6 +69,7 @@ LOSS_READ_EVERY = 20  # steps between reading the losses back (each read waits f
 LORA_RANK = 16
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 REPORT_NAME = "kvstitch_finetune.json"
+PREVIEW = 5  # corpus questions and teacher answers kept in the report
 
 
 class FinetuneError(ValueError):
@@ -152,6 +153,8 @@ class FinetuneReport:
     distill_samples: int = 0
     distill_prompts: int = 0
     teacher_seconds: float = 0.0  # generating the teacher's answers
+    # the first few corpus questions with the teacher's answers, so the run's record shows what was learnt
+    distill_preview: list[dict[str, str]] = field(default_factory=list)
     train_seconds: float = 0.0
 
     @property
@@ -351,18 +354,39 @@ def labelled_examples(model: LoadedModel, template: PromptTemplate, path: str) -
     return [Example(e.prompt, (*e.answer, eos), distill=False) for e in encoded]
 
 
-def distill_examples(
-    model: LoadedModel, template: PromptTemplate, teacher: FrozenTeacher, config: FinetuneConfig
-) -> list[Example]:
-    """The corpus prompts with the teacher's greedy answers (generated here, once)."""
+def corpus_settings(config: FinetuneConfig) -> Any:
+    """The settings that open the corpus in `config.data_dir` (the environment's, that folder), `--top-k` checked
+    against their bound before any model is loaded."""
     from service.settings import Settings
+
+    try:
+        settings = Settings(model=config.model, data_dir=config.data_dir)
+    except ValueError as err:  # a KVSTITCH_* variable out of its bounds
+        raise FinetuneError(str(err)) from None
+    if config.top_k > settings.max_top_k:
+        raise FinetuneError(f"--top-k must be within 1..{settings.max_top_k} (KVSTITCH_MAX_TOP_K)")
+    return settings
+
+
+def distill_examples(
+    model: LoadedModel,
+    template: PromptTemplate,
+    teacher: FrozenTeacher,
+    config: FinetuneConfig,
+    settings: Any,
+    report: FinetuneReport,
+) -> list[Example]:
+    """The corpus prompts with the teacher's greedy answers (generated here, once); the first few go into the
+    report's preview."""
     from workers.training.corpus_prompts import corpus_prompts
 
-    settings = Settings(model=config.model, data_dir=config.data_dir)
     made = corpus_prompts(model, template, settings, config.prompts, config.top_k, config.answer_tokens, config.seed)
     prompts = [p.prompt for p in made]
     stops = stop_ids(model.tokenizer, model.hf)
     answers = teacher.answers(prompts, stops, config.answer_tokens, config.generate_batch_size, pad_id(model))
+    for item, answer in list(zip(made, answers, strict=True))[:PREVIEW]:
+        text = model.tokenizer.decode(list(answer), skip_special_tokens=True)
+        report.distill_preview.append({"question": item.question, "answer": text})
     return [Example(p, a, distill=True) for p, a in zip(prompts, answers, strict=True) if a]
 
 
@@ -371,20 +395,21 @@ def finetune(config: FinetuneConfig) -> FinetuneReport:
     config.check()
     if config.lora:
         import_peft()  # before minutes of loading, not after
+    settings = corpus_settings(config) if config.data_dir is not None else None
     precision = choose_precision(config)
     model = load_model(config.model, device=config.device, dtype=precision.weights)
     template = build_template(model.tokenizer)
     labelled = labelled_examples(model, template, config.data) if config.data else []
     report = FinetuneReport(config.out)
     teacher, distilled = None, []
-    if config.data_dir is not None:
+    if settings is not None:
         began = time.perf_counter()
         teacher = (
             FrozenTeacher(model.hf, precision.compute)
             if config.lora
             else FrozenTeacher.frozen_copy(model.hf, precision.compute)
         )
-        distilled = distill_examples(model, template, teacher, config)
+        distilled = distill_examples(model, template, teacher, config, settings, report)
         report.teacher_seconds = time.perf_counter() - began
         report.distill_prompts = len(distilled)
     if not labelled and not distilled:
