@@ -25,8 +25,8 @@ from service.engine.reference import prompt_reference_logits
 from service.engine.stitch import StitchPlan, plan_positions
 
 
-def off_by_one(mode: str, lengths: list[int]) -> StitchPlan:
-    plan = plan_positions(mode, lengths)
+def off_by_one(mode: str, lengths: list[int], chunk_start: int = 0) -> StitchPlan:
+    plan = plan_positions(mode, lengths, chunk_start)
     return StitchPlan(plan.mode, plan.lengths, plan.slots, tuple(s + 1 for s in plan.starts))
 
 

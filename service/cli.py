@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=None, help="default: 1e-4 in fp32; in bf16 10%% of the largest logit"
     )
     verify.add_argument("--seed", type=int, default=0, help="seed of the synthetic chunks and question (default 0)")
+    verify.add_argument(
+        "--chunk-context",
+        choices=("alone", "prefix"),
+        default="alone",
+        help="what chunks are precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
+    )
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
     tiny.add_argument("out_dir", help="folder to write the model and tokenizer to (created)")
@@ -61,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default 5)")
     ask.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit (default: the server's)")
-    ask.add_argument("--recompute", default=None, metavar="SPEC", help="none | prefix:N | selective:R (server default)")
+    ask.add_argument(
+        "--recompute",
+        default=None,
+        metavar="SPEC",
+        help="none | prefix:N | selective:R | query:R | auto (server default)",
+    )
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
     _add_runtime_options(worker)
@@ -159,10 +170,35 @@ def _add_eval(commands: Any, default_device: str) -> None:
         "--top-k", type=int, default=5, help="with --data-dir: chunks retrieved per question, as /ask (default 5)"
     )
     evaluate.add_argument(
-        "--recompute", action="append", metavar="SPEC", help="none | prefix:N | selective:R, repeatable (default none)"
+        "--recompute",
+        action="append",
+        metavar="SPEC",
+        help="none | prefix:N | selective:R | query:R | auto[:T], repeatable (default none)",
+    )
+    evaluate.add_argument(
+        "--chunk-context",
+        action="append",
+        choices=("alone", "prefix"),
+        help="what turbo's chunks are precomputed after, repeatable: rows for each (default alone)",
     )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
-    evaluate.add_argument("--limit", type=int, default=None, help="use only the first N samples")
+    evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
+    evaluate.add_argument(
+        "--offset", type=int, default=0, help="skip the first N samples (with --limit: one shard of a file)"
+    )
+    evaluate.add_argument(
+        "--answers",
+        default=None,
+        metavar="OUT",
+        help="write every answer as JSONL to OUT: one line per sample per row (answer, correct, f1, agreement)",
+    )
+    evaluate.add_argument(
+        "--instruction",
+        default=None,
+        metavar="TEXT",
+        help="added to the system message; default for --data: a short-answer instruction, for --data-dir: none "
+        "(as /ask); '' for none",
+    )
     evaluate.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     evaluate.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")
@@ -278,7 +314,8 @@ def _verify(args: argparse.Namespace) -> int:
     except (UnsupportedModelError, OSError, ValueError) as exc:
         print(f"error: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
-    result = run_gate(StitchEngine(model), tolerance=args.tolerance, seed=args.seed)
+    engine = StitchEngine(model, chunk_context=args.chunk_context)
+    result = run_gate(engine, tolerance=args.tolerance, seed=args.seed)
     for case in result.cases:
         order = ",".join(str(i) for i in case.order)
         print(f"order={order} positions={case.positions.value} max_abs_logit_diff={case.max_abs_logit_diff:.3e}")

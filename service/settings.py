@@ -67,9 +67,13 @@ class Settings(BaseSettings):
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )
+    chunk_context: Literal["alone", "prefix"] = Field(
+        "alone",
+        description="What a chunk's KV is precomputed after: alone, or the template prefix (APE; docs/quality.md).",
+    )
     recompute: str = Field(
         "none",
-        description="Recompute for turbo answers that name none: none, prefix:N or selective:R (README, Quality).",
+        description="Recompute for turbo answers that name none: none, prefix:N, selective:R, query:R, auto[:T].",
     )
 
     # ---- retrieval and ingestion ---------------------------------------------------------------------------

@@ -34,8 +34,8 @@ def test_verify_passes_on_each_tiny_model(
     assert _final_diff(out) < 1e-4
 
 
-def _off_by_one(mode: str, lengths: list[int]) -> StitchPlan:
-    plan = plan_positions(mode, lengths)
+def _off_by_one(mode: str, lengths: list[int], chunk_start: int = 0) -> StitchPlan:
+    plan = plan_positions(mode, lengths, chunk_start)
     return StitchPlan(plan.mode, plan.lengths, plan.slots, tuple(s + 1 for s in plan.starts))
 
 

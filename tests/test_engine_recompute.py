@@ -16,7 +16,7 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_pool import KVPool
 from service.engine.offline import generate
 from service.engine.prompt import PromptIds
-from service.engine.recompute_spec import RecomputeKind, RecomputeSpec, parse_recompute
+from service.engine.recompute_spec import AUTO_THRESHOLD, RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
 from service.engine.stitch import PositionMode, StitchPlan
@@ -36,7 +36,7 @@ def _stitched(
     """Stitch, recompute `spec`, prefill the question: buffer, plan, recomputed count, question logits [T, vocab]."""
     chunk_kv = engine.precompute(prompt.blocks)
     buffer, plan = engine.stitch(chunk_kv, positions, len(prompt.question))
-    count = engine.recompute(buffer, plan, chunk_kv, parse_recompute(spec))
+    count = engine.recompute(buffer, plan, chunk_kv, parse_recompute(spec), prompt.question)
     logits = engine.prefill_question(buffer, prompt.question, all_logits=True)
     return buffer, plan, count, logits
 
@@ -83,8 +83,8 @@ def _changed_slots(engine: StitchEngine, prompt: PromptIds, after: KVBuffer, pos
     return differs.nonzero().flatten().tolist()
 
 
-@pytest.mark.parametrize("positions", list(PositionMode))
-def test_prefix_recomputes_the_first_n_tokens_of_every_chunk(engine: StitchEngine, positions: PositionMode) -> None:
+def test_prefix_recomputes_the_first_n_tokens_of_every_chunk(engine: StitchEngine) -> None:
+    positions = PositionMode.REORDERED
     prompt = _prompt(engine)
     n = 12
     buffer, plan, count, _ = _stitched(engine, prompt, f"prefix:{n}", positions)
@@ -93,12 +93,18 @@ def test_prefix_recomputes_the_first_n_tokens_of_every_chunk(engine: StitchEngin
     ]
     assert count == len(expected) == sum(min(n, len(b)) for b in prompt.blocks)
     assert _changed_slots(engine, prompt, buffer, positions) == expected
-    if positions is PositionMode.REORDERED:
-        # The first chunk follows the exact prefix: its first n tokens see exact KV only, so they are naive's.
-        naive_buffer, _ = engine.prefill_naive(prompt)
-        first = slice(plan.slots[1], plan.slots[1] + n)
-        got, want = buffer.data[..., first, :], naive_buffer.data[..., first, :]
-        assert _diff(got, want) <= default_tolerance(engine.spec.dtype)
+    # The first chunk follows the exact prefix: its first n tokens see exact KV only, so they are naive's.
+    naive_buffer, _ = engine.prefill_naive(prompt)
+    first = slice(plan.slots[1], plan.slots[1] + n)
+    got, want = buffer.data[..., first, :], naive_buffer.data[..., first, :]
+    assert _diff(got, want) <= default_tolerance(engine.spec.dtype)
+
+
+@pytest.mark.parametrize("spec", ["prefix:4", "selective:0.5", "query:0.2", "auto"])
+def test_composite_positions_refuse_a_recompute(get_engine: GetEngine, spec: str) -> None:
+    engine = get_engine("llama", "cpu")
+    with pytest.raises(ValueError, match="composite positions cannot be recomputed"):
+        _stitched(engine, _prompt(engine), spec, PositionMode.COMPOSITE)
 
 
 def _deviation_at_layer_one(cached: torch.Tensor, full: torch.Tensor, slots: slice) -> torch.Tensor:
@@ -221,17 +227,22 @@ def test_attention_at_scattered_slots_is_causal_per_slot() -> None:
         ("selective:0", RecomputeSpec(RecomputeKind.SELECTIVE, 0.0)),
         ("selective:0.25", RecomputeSpec(RecomputeKind.SELECTIVE, 0.25)),
         ("selective:1", RecomputeSpec(RecomputeKind.SELECTIVE, 1.0)),
+        ("query:0.2", RecomputeSpec(RecomputeKind.QUERY, 0.2)),
+        ("auto", RecomputeSpec(RecomputeKind.AUTO, AUTO_THRESHOLD)),
+        ("auto:0.1", RecomputeSpec(RecomputeKind.AUTO, 0.1)),
     ],
 )
 def test_recompute_specs_parse_and_print_back(spec: str, parsed: RecomputeSpec) -> None:
     assert parse_recompute(spec) == parsed
     assert parse_recompute(str(parsed)) == parsed
-    assert parsed.active == (spec in ("prefix:16", "selective:0.25", "selective:1"))
+    assert str(parsed) == spec
+    assert parsed.active == (spec not in ("none", "prefix:0", "selective:0"))
 
 
 @pytest.mark.parametrize(
     "spec", ["", "all", "none:1", "prefix", "prefix:", "prefix:-1", "prefix:1.5", "prefix:²", "selective:",
-             "selective:1.01", "selective:-0.1", "selective:nan", "selective:x"],
+             "selective:1.01", "selective:-0.1", "selective:nan", "selective:x", "query", "query:2", "auto:0",
+             "auto:1.5", "auto:x", "auto:nan"],
 )  # fmt: skip
 def test_bad_recompute_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="recompute"):

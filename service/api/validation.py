@@ -23,6 +23,7 @@ from pydantic import AfterValidator
 
 from service.facade.errors import InvalidRequestError
 from service.facade.types import (
+    COMPOSITE_RECOMPUTE,
     MAX_DEPTH,
     MAX_METADATA_BYTES,
     AnswerLimits,
@@ -114,7 +115,7 @@ def answer_request(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=sampling.seed,
-        recompute=_recompute(recompute),
+        recompute=_recompute(recompute, positions),
         history=history,
         stop=sampling.stop,
         logprobs=sampling.logprobs,
@@ -138,11 +139,14 @@ def _check_history(limits: AnswerLimits, history: Sequence[ChatMessage]) -> None
         raise InvalidRequestError("history", f"at most {limits.max_history_chars} characters in all (got {chars})")
 
 
-def _recompute(spec: str | None) -> RecomputeSpec | None:
+def _recompute(spec: str | None, positions: Positions) -> RecomputeSpec | None:
     """The request's recompute spec; None leaves the deployment's default (KVSTITCH_RECOMPUTE)."""
     if spec is None:
         return None
     try:
-        return parse_recompute(spec)
+        parsed = parse_recompute(spec)
     except ValueError as err:
         raise InvalidRequestError("recompute", str(err)) from err
+    if parsed.active and positions == "composite":
+        raise InvalidRequestError("recompute", COMPOSITE_RECOMPUTE)
+    return parsed

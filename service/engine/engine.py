@@ -28,7 +28,7 @@ from service.engine.cuda_graph import (
 from service.engine.forward import LeanForward
 from service.engine.fused_stitch import FusedStitch, fused_stitch_enabled
 from service.engine.kv_buffer import KVBuffer
-from service.engine.kv_layout import KVBlock, check_block
+from service.engine.kv_layout import ChunkContext, KVBlock, check_block
 from service.engine.model import LoadedModel
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode_text
 from service.engine.recompute import recompute_context
@@ -164,6 +164,9 @@ class StitchEngine:
     `graph_attention` picks the graph's attention ("auto", "flash_varlen" or "sdpa_mask").
     `fused_stitch`: stitch with the fused Triton rotate-and-place (`fused_stitch.py`). None (default) turns it on
     wherever the model is on CUDA and triton imports; False keeps the torch stitch.
+    `chunk_context`: what each chunk block attends to when its KV is precomputed (`ChunkContext`): itself alone
+    (TurboRAG), or the template prefix and itself (APE's shared prefix). The stitch places `composite` chunks at
+    the positions they were precomputed at, and the KV cache keys blocks by it (`kv_version`).
     `pipeline`: with graphs on, overlap blocks still arriving by layer groups (the KV cache's host tier copies
     `pipeline_layers` group by group when it asks) with the question prefill, run as one graph segment per layer
     group: group g is stitched, then its segment replays, while group g + 1 is still copying. None (default) and
@@ -179,8 +182,10 @@ class StitchEngine:
         fused_stitch: bool | None = None,
         pipeline: bool | None = None,
         pipeline_groups: int = DEFAULT_PIPELINE_GROUPS,
+        chunk_context: ChunkContext | str = ChunkContext.ALONE,
     ) -> None:
         self.model = model
+        self.chunk_context = ChunkContext(chunk_context)
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.forward = LeanForward(model)
@@ -205,6 +210,24 @@ class StitchEngine:
             self._prefix_block = self.forward.precompute([self.template.prefix])[0]
         return self._prefix_block
 
+    @property
+    def kv_version(self) -> str:
+        """What, besides the model and the ids, a chunk block's KV depends on: the template, and the prefix when
+        chunks are precomputed after it. Blocks of `alone` keep the template's version, so their keys are what
+        they were before chunk contexts existed."""
+        if self.chunk_context is ChunkContext.ALONE:
+            return self.template.version
+        return f"{self.template.version};chunk-context={self.chunk_context.value}"
+
+    @property
+    def chunk_start(self) -> int:
+        """Position of a chunk block's first token when its KV was precomputed (where `composite` puts it)."""
+        return len(self.template.prefix) if self.chunk_context is ChunkContext.PREFIX else 0
+
+    def plan(self, positions: PositionMode | str, blocks: Sequence[KVBlock]) -> StitchPlan:
+        """Where prefix + chunk `blocks` go in a stitch."""
+        return plan_positions(positions, [b.num_tokens for b in blocks], self.chunk_start)
+
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (
@@ -222,8 +245,10 @@ class StitchEngine:
         return encode_text(self.tokenizer, question)
 
     def precompute(self, blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
-        """Position-independent KV of several blocks, batched in one forward."""
-        return self.forward.precompute(blocks)
+        """Position-independent KV of several chunk blocks, batched in one forward (after the template prefix's KV
+        where the chunk context says so)."""
+        prefix = self.prefix_block if self.chunk_context is ChunkContext.PREFIX else None
+        return self.forward.precompute(blocks, prefix)
 
     # ---- prefill -------------------------------------------------------------------------------------------
 
@@ -245,7 +270,7 @@ class StitchEngine:
         for block in blocks:
             check_block(self.spec, block)
         ready = None if chunk_ready is None else [None, *_ready_for(chunk_kv, chunk_ready)]
-        plan = plan_positions(positions, [b.num_tokens for b in blocks])
+        plan = self.plan(positions, blocks)
         if into is None:
             buffer = KVBuffer(self.spec, plan.context_tokens + room)
         elif into.capacity < plan.context_tokens + room:
@@ -353,7 +378,7 @@ class StitchEngine:
         blocks = [self.prefix_block, *chunk_kv]
         for block in blocks:
             check_block(self.spec, block)
-        plan = plan_positions(positions, [b.num_tokens for b in blocks])
+        plan = self.plan(positions, blocks)
         if not self.pipelines(plan.context_tokens, len(question), chunk_ready, graph):
             return None
         assert chunk_ready is not None and self.pipeline_layers is not None
@@ -374,11 +399,18 @@ class StitchEngine:
         assert logits is not None  # `pipelines` checked that the bucket's graph holds the question
         return buffer, logits.clone(), plan
 
-    def recompute(self, buffer: KVBuffer, plan: StitchPlan, chunk_kv: Sequence[KVBlock], spec: RecomputeSpec) -> int:
+    def recompute(
+        self,
+        buffer: KVBuffer,
+        plan: StitchPlan,
+        chunk_kv: Sequence[KVBlock],
+        spec: RecomputeSpec,
+        question: Sequence[int] = (),
+    ) -> int:
         """Recompute the context tokens `spec` chooses in `buffer`, just stitched from `chunk_kv` (before the
-        question); returns how many were recomputed (`recompute.py`)."""
+        question, whose ids `query` and `auto` read); returns how many were recomputed (`recompute.py`)."""
         ids = [t for block in (self.prefix_block, *chunk_kv) for t in block.token_ids]
-        return recompute_context(self.forward, buffer, plan, ids, spec)
+        return recompute_context(self.forward, buffer, plan, ids, spec, question)
 
     def prefill_naive(
         self, prompt: PromptIds, extra_tokens: int = 0, all_logits: bool = False, into: KVBuffer | None = None
@@ -419,7 +451,7 @@ class StitchEngine:
         buffer, plan = self.stitch(r.chunk_kv, r.positions, room, r.chunk_ready, into)
         watch.lap(stage_setter(timings, "stitch_ms"))
         if r.recompute.active:
-            result.recomputed_tokens = self.recompute(buffer, plan, r.chunk_kv, r.recompute)
+            result.recomputed_tokens = self.recompute(buffer, plan, r.chunk_kv, r.recompute, r.question)
             watch.lap(stage_setter(timings, "recompute_ms"))
         logits = self.prefill_question(buffer, r.question, graph=graph)
         watch.lap(stage_setter(timings, "prefill_ms"))

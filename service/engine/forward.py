@@ -58,20 +58,22 @@ class LeanForward:
     # ---- precompute --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def precompute(self, blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
-        """KV of several blocks in one pass; each block attends only to itself at local positions 0..len-1."""
+    def precompute(self, blocks: Sequence[Sequence[int]], prefix: KVBlock | None = None) -> list[KVBlock]:
+        """KV of several blocks in one pass. Without `prefix` each block attends only to itself at local positions
+        0..len-1; with it, each attends to the prefix's KV (at 0..P-1) and then to itself at P..P+len-1."""
         if not blocks or any(len(b) == 0 for b in blocks):
             raise ValueError("precompute needs one or more non-empty blocks")
         lengths = [len(b) for b in blocks]
         longest = max(lengths)
-        if longest > self.spec.max_context:
+        start = 0 if prefix is None else prefix.num_tokens
+        if start + longest > self.spec.max_context:
             raise ValueError(f"block of {longest} tokens exceeds the model's context of {self.spec.max_context}")
         # Right padding keeps every real token's causal view free of padding, so one causal kernel is exact.
         ids = torch.zeros((len(blocks), longest), dtype=torch.long, device=self.spec.device)
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
         outputs = [self._empty_block(n) for n in lengths]
-        cos, sin = self.rotary.cos_sin(torch.arange(longest))
+        cos, sin = self.rotary.cos_sin(torch.arange(start, start + longest))
         hidden = self.decoder.embed_tokens(ids)
         for index, layer in enumerate(self.layers):
             residual = hidden
@@ -80,9 +82,23 @@ class LeanForward:
                 outputs[row][index, KEYS].copy_(k[row, :, :n])
                 outputs[row][index, VALUES].copy_(v[row, :, :n])
             q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+            if prefix is not None:
+                k, v = self._after_prefix(prefix, index, k, v)
             out = attend_causal_end(q, k, v, layer.self_attn.scaling)
             hidden = self._finish_layer(layer, residual, out)
         return [KVBlock(tuple(int(t) for t in b), kv) for b, kv in zip(blocks, outputs, strict=True)]
+
+    def _after_prefix(
+        self, prefix: KVBlock, index: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s prefix keys (rotated to 0..P-1) and values before every row's own: the causal kernel,
+        aligned at the end, then lets each block token see the whole prefix and its own block up to itself."""
+        rows, length = keys.shape[0], prefix.num_tokens
+        kv = prefix.kv[index].to(keys.device)
+        prefix_keys = self.rotary.rotate(kv[KEYS].unsqueeze(0), torch.arange(length, device=keys.device))
+        prefix_keys = prefix_keys.to(keys.dtype).expand(rows, -1, -1, -1)
+        prefix_values = kv[VALUES].unsqueeze(0).to(values.dtype).expand(rows, -1, -1, -1)
+        return torch.cat([prefix_keys, keys], dim=2), torch.cat([prefix_values, values], dim=2)
 
     def _empty_block(self, num_tokens: int) -> torch.Tensor:
         s = self.spec

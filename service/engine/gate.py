@@ -86,7 +86,8 @@ def compare_with_reference(
     prompt = engine.template.prompt(chunk_ids, question_ids)
     chunk_kv = engine.precompute(prompt.blocks)
     _, stitched, _ = engine.prefill_stitched(chunk_kv, prompt.question, positions, all_logits=True)
-    ref = prompt_reference_logits(engine.model, prompt, positions)[-len(prompt.question) :]
+    ref = prompt_reference_logits(engine.model, prompt, positions, context=engine.chunk_context)
+    ref = ref[-len(prompt.question) :]
     return float((stitched - ref).abs().max()), float(ref.abs().max())
 
 

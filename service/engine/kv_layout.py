@@ -10,6 +10,7 @@ position; the stitcher rotates them once, to wherever the plan puts the block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -18,6 +19,19 @@ TokenIds = tuple[int, ...]
 LAYOUT_NAME = "layers,kv,heads,tokens,dim;keys-unroped"
 LAYOUT_VERSION = 1
 KEYS, VALUES = 0, 1
+
+
+class ChunkContext(StrEnum):
+    """What a chunk block attends to when its KV is precomputed (the same in the gate's reference mask).
+
+    `alone`: only itself, from position 0 (TurboRAG): every chunk's first token becomes an attention sink of its
+    own, which a full prefill never has. `prefix`: the template prefix (BOS, system turn) and then itself, from
+    the position after the prefix (APE's shared prefix): each chunk is read the way the prompt's start is read in
+    a full prefill, and the chunks share one sink, the prefix's.
+    """
+
+    ALONE = "alone"
+    PREFIX = "prefix"
 
 
 @dataclass(frozen=True)

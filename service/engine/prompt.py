@@ -154,18 +154,27 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
     return tuple(int(t) for t in ids)
 
 
+def system_text(extra: str = "") -> str:
+    """The system message: SYSTEM_TEXT, then `extra` (an eval's answer-style instruction) when given."""
+    return f"{SYSTEM_TEXT} {extra.strip()}" if extra.strip() else SYSTEM_TEXT
+
+
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase, later: Sequence[dict[str, str]] = (), slots: Sequence[str] = ()
+    tokenizer: PreTrainedTokenizerBase,
+    later: Sequence[dict[str, str]] = (),
+    slots: Sequence[str] = (),
+    system_extra: str = "",
 ) -> str | None:
     """The chat template rendered around the documents' and the question's slots (and `later` turns after the
     documents' turn, whose `slots` must all appear), or None when the tokenizer has no template that does so."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     user = DOCS_INTRO + DOCS_SLOT + DOCS_OUTRO + QUESTION_SLOT
+    system = system_text(system_extra)
     attempts: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": user}, *later],
+        [{"role": "system", "content": system}, {"role": "user", "content": user}, *later],
         # templates that refuse a system turn
-        [{"role": "user", "content": SYSTEM_TEXT + "\n\n" + user}, *later],
+        [{"role": "user", "content": system + "\n\n" + user}, *later],
     ]
     for messages in attempts:
         try:
@@ -182,16 +191,17 @@ def _bos(tokenizer: PreTrainedTokenizerBase) -> TokenIds:
     return () if bos is None else (int(bos),)
 
 
-def build_template(tokenizer: PreTrainedTokenizerBase) -> PromptTemplate:
-    """Split the model's chat template (or a plain fallback) into constant id pieces."""
-    rendered = render_chat(tokenizer)
+def build_template(tokenizer: PreTrainedTokenizerBase, system_extra: str = "") -> PromptTemplate:
+    """Split the model's chat template (or a plain fallback) into constant id pieces. `system_extra` is appended
+    to the system message (the eval's short-answer instruction); the server's template has none."""
+    rendered = render_chat(tokenizer, system_extra=system_extra)
     if rendered is not None:
         head, rest = rendered.split(DOCS_SLOT, 1)
         middle, tail = rest.split(QUESTION_SLOT, 1)
         prefix = encode(tokenizer, head)
         question_head, question_tail = encode(tokenizer, middle), encode(tokenizer, tail)
     else:
-        prefix = _bos(tokenizer) + encode(tokenizer, SYSTEM_TEXT + "\n\n" + DOCS_INTRO)
+        prefix = _bos(tokenizer) + encode(tokenizer, system_text(system_extra) + "\n\n" + DOCS_INTRO)
         question_head, question_tail = encode(tokenizer, DOCS_OUTRO), encode(tokenizer, PLAIN_ANSWER_CUE)
     doc_open, doc_close = encode(tokenizer, DOC_OPEN), encode(tokenizer, DOC_CLOSE)
     pieces = [TEMPLATE_VERSION, prefix, doc_open, doc_close, question_head, question_tail]

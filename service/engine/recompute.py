@@ -1,4 +1,5 @@
-"""Recompute part of a stitched context before the question: EPIC's `prefix:N` and CacheBlend's `selective:R`.
+"""Recompute part of a stitched context before the question: EPIC's `prefix:N`, CacheBlend's `selective:R`, the
+question-aware `query:R` and the adaptive `auto` (the last two choose in `recompute_select.py`).
 
 A stitched context is exact for the template prefix (computed at positions 0..P-1 with nothing before it), but
 every chunk block's KV was computed with attention to that block alone. Recomputing a token runs it through the
@@ -16,8 +17,9 @@ runs attention for the chosen tokens over the cached layer-0 K/V, and overwritin
   chooses the round(R * chunk tokens) whose cached layer-1 K/V deviate most (squared L2 over heads, keys and
   values): CacheBlend's selection, on the first layer where cached and full KV can differ.
 
-Rotary positions are the plan's (with `composite`, recomputed tokens keep their chunk-local positions). It runs
-eagerly, never in a CUDA graph: the chosen tokens change with every request.
+Rotary positions are the plan's, `reordered` only: `composite` chunks share positions, so a recomputed token
+would attend to earlier chunks at positions at or after its own (answers collapsed when it was allowed); it is
+refused. It runs eagerly, never in a CUDA graph: the chosen tokens change with every request.
 """
 
 from __future__ import annotations
@@ -30,37 +32,87 @@ from service.engine.attention import attend_at_slots, attend_causal_end
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES
-from service.engine.recompute_spec import RecomputeKind, RecomputeSpec
+from service.engine.recompute_select import auto_choice, layer1_deviation, question_attention, top_share
+from service.engine.recompute_spec import COMPOSITE_RECOMPUTE, RecomputeKind, RecomputeSpec
 from service.engine.rotary import Rotary
-from service.engine.stitch import StitchPlan
+from service.engine.stitch import PositionMode, StitchPlan
 
 
 @torch.inference_mode()
 def recompute_context(
-    forward: LeanForward, buffer: KVBuffer, plan: StitchPlan, context_ids: Sequence[int], spec: RecomputeSpec
+    forward: LeanForward,
+    buffer: KVBuffer,
+    plan: StitchPlan,
+    context_ids: Sequence[int],
+    spec: RecomputeSpec,
+    question_ids: Sequence[int] = (),
 ) -> int:
     """Recompute the tokens `spec` chooses in a buffer holding exactly the stitched context of `plan`
-    (`context_ids`: prefix and chunk block ids, as stitched); returns how many tokens were recomputed."""
+    (`context_ids`: prefix and chunk block ids, as stitched; `question_ids`: the question suffix, which `query`
+    and `auto` read); returns how many tokens were recomputed."""
     _check(buffer, plan, context_ids)
+    if spec.active and plan.mode is PositionMode.COMPOSITE:
+        raise ValueError(COMPOSITE_RECOMPUTE)
+    if spec.kind in QUESTION_KINDS and not question_ids:
+        raise ValueError(f"recompute {spec} reads the question: it needs the question's ids")
     candidates = candidate_slots(plan, spec)
-    count = chosen_count(spec, candidates.numel())
-    if count == 0:
+    if candidates.numel() == 0:
+        return 0
+    device = buffer.data.device
+    host_candidates, candidates = candidates, candidates.to(device)
+    ids = torch.tensor(list(context_ids), dtype=torch.long, device=device)
+    cos, sin = forward.rotary.cos_sin(plan.positions().to(device))
+    chosen = _choose(forward, buffer, plan, spec, question_ids, candidates, ids, (cos, sin))
+    if chosen is None or chosen.numel() == 0:
         return 0
     # Every chunk token chosen: the queries are the context's tail, which the eager causal kernel (flash where it
     # runs) covers without a mask; known here, on the host, before the slots move to the device.
-    tail = count == candidates.numel() and _is_tail(candidates, plan.context_tokens)
-    device = buffer.data.device
-    candidates = candidates.to(device)
-    ids = torch.tensor(list(context_ids), dtype=torch.long, device=device)[candidates]
-    cos, sin = forward.rotary.cos_sin(plan.positions().to(device)[candidates])
-    hidden = forward.decoder.embed_tokens(ids.unsqueeze(0))
-    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=tail)
-    if count < candidates.numel():
-        keep = most_deviating(forward, buffer, hidden, candidates, (cos, sin), count)
-        candidates, hidden, cos, sin = candidates[keep], hidden[:, keep], cos[keep], sin[keep]
-    for index in range(1, forward.spec.num_layers):
-        hidden = _layer(forward, index, buffer, hidden, candidates, (cos, sin), write=True, tail=tail)
-    return count
+    tail = chosen.numel() == host_candidates.numel() and _is_tail(host_candidates, plan.context_tokens)
+    slots = candidates[chosen]
+    cos_sin = (cos[slots], sin[slots])
+    hidden = forward.decoder.embed_tokens(ids[slots].unsqueeze(0))
+    for index in range(forward.spec.num_layers):
+        # Layer 0's cached K/V already are full attention's (they depend on the token and its position alone).
+        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write=index > 0, tail=tail)
+    return int(chosen.numel())
+
+
+QUESTION_KINDS = frozenset({RecomputeKind.QUERY, RecomputeKind.AUTO})
+
+
+def _choose(
+    forward: LeanForward,
+    buffer: KVBuffer,
+    plan: StitchPlan,
+    spec: RecomputeSpec,
+    question_ids: Sequence[int],
+    candidates: torch.Tensor,
+    ids: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """Indices (ascending, on the device) into `candidates` of the tokens to recompute; None for none."""
+    total = candidates.numel()
+    if spec.kind is RecomputeKind.PREFIX:
+        return torch.arange(total, device=candidates.device)
+    if spec.kind is RecomputeKind.QUERY:
+        count = chosen_count(spec, total)
+        if count == 0:
+            return None
+        attention = question_attention(forward, buffer, plan, question_ids)[candidates]
+        return top_share(attention, count)
+    cos, sin = cos_sin[0][candidates], cos_sin[1][candidates]
+    hidden = forward.decoder.embed_tokens(ids[candidates].unsqueeze(0))
+    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=False)
+    if spec.kind is RecomputeKind.AUTO:
+        attention = question_attention(forward, buffer, plan, question_ids)[candidates]
+        deviation = layer1_deviation(forward, buffer, hidden, candidates, (cos, sin))
+        return auto_choice(attention, deviation, spec.amount).chosen
+    count = chosen_count(spec, total)
+    if count == 0:
+        return None
+    if count == total:
+        return torch.arange(total, device=candidates.device)
+    return most_deviating(forward, buffer, hidden, candidates, (cos, sin), count)
 
 
 def _is_tail(slots: torch.Tensor, end: int) -> bool:
@@ -71,7 +123,8 @@ def _is_tail(slots: torch.Tensor, end: int) -> bool:
 
 def candidate_slots(plan: StitchPlan, spec: RecomputeSpec) -> torch.Tensor:
     """Buffer slots [T] (ascending) `spec` may recompute: the first N of every chunk block for `prefix:N`, every
-    chunk token for `selective`, none for `none`. Block 0 (the template prefix) is exact and never a candidate."""
+    chunk token for `selective`, `query` and `auto`, none for `none`. Block 0 (the template prefix) is exact and
+    never a candidate."""
     if not spec.active:
         return torch.empty(0, dtype=torch.long)
     limit = int(spec.amount) if spec.kind is RecomputeKind.PREFIX else max(plan.lengths, default=0)
@@ -80,8 +133,9 @@ def candidate_slots(plan: StitchPlan, spec: RecomputeSpec) -> torch.Tensor:
 
 
 def chosen_count(spec: RecomputeSpec, candidates: int) -> int:
-    """How many of the candidates are recomputed: all for `prefix`, the share R (rounded half up) for `selective`."""
-    if spec.kind is RecomputeKind.SELECTIVE:
+    """How many of the candidates are recomputed: all for `prefix`, the share R (rounded half up) for `selective`
+    and `query` (`auto` decides per request)."""
+    if spec.kind in (RecomputeKind.SELECTIVE, RecomputeKind.QUERY):
         return min(candidates, int(spec.amount * candidates + 0.5))
     return candidates
 

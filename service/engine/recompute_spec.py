@@ -1,4 +1,4 @@
-"""How much of a stitched context to recompute: `none`, `prefix:N` or `selective:R` (issue 13, item 2).
+"""How much of a stitched context to recompute: `none`, `prefix:N`, `selective:R`, `query:R` or `auto[:T]`.
 
 Plain values only, so settings, the HTTP service and the eval parse a spec without importing torch; the
 recompute itself is `recompute.py`. One parser for every entry (setting, request field, `kvstitch eval`).
@@ -14,11 +14,26 @@ class RecomputeKind(StrEnum):
     NONE = "none"
     PREFIX = "prefix"  # EPIC: the first N tokens of every chunk block, against everything before them
     SELECTIVE = "selective"  # CacheBlend: the share R of chunk tokens whose cached KV deviates most
+    QUERY = "query"  # ProphetKV: the share R of chunk tokens the question attends to most
+    AUTO = "auto"  # per request: only where the estimated deviation exceeds the threshold T (`recompute_select`)
+
+
+# `auto`'s default threshold on the attention-weighted relative deviation of the cached KV (recompute_select.py):
+# set on the real-model eval in docs/quality.md.
+AUTO_THRESHOLD = 0.05
+
+# Why `composite` positions refuse a recompute: every chunk starts at the same position, so a recomputed token
+# would attend to earlier chunks' tokens sitting at positions at or after its own, which no prefill ever does.
+COMPOSITE_RECOMPUTE = (
+    "composite positions cannot be recomputed: chunks share positions, so a recomputed token would attend to "
+    "earlier chunks at positions at or after its own; use positions reordered"
+)
 
 
 @dataclass(frozen=True)
 class RecomputeSpec:
-    """What to recompute after the stitch: `amount` is tokens per chunk for `prefix`, a share for `selective`."""
+    """What to recompute after the stitch: `amount` is tokens per chunk for `prefix`, a share for `selective` and
+    `query`, the threshold for `auto`."""
 
     kind: RecomputeKind = RecomputeKind.NONE
     amount: float = 0.0
@@ -33,19 +48,24 @@ class RecomputeSpec:
             return "none"
         if self.kind is RecomputeKind.PREFIX:
             return f"prefix:{int(self.amount)}"
-        return f"selective:{self.amount:g}"
+        if self.kind is RecomputeKind.AUTO:
+            return "auto" if self.amount == AUTO_THRESHOLD else f"auto:{self.amount:g}"
+        return f"{self.kind.value}:{self.amount:g}"
 
 
 NO_RECOMPUTE = RecomputeSpec()
 
 
 def parse_recompute(spec: str) -> RecomputeSpec:
-    """`none`, `prefix:N` (N ≥ 0 tokens) or `selective:R` (0 ≤ R ≤ 1); ValueError naming what is wrong."""
+    """`none`, `prefix:N` (N ≥ 0 tokens), `selective:R` or `query:R` (0 ≤ R ≤ 1), `auto` or `auto:T` (0 < T ≤ 1);
+    ValueError naming what is wrong."""
     kind_text, _, value = spec.strip().partition(":")
     try:
         kind = RecomputeKind(kind_text)
     except ValueError:
-        raise ValueError(f"recompute {spec!r}: the kind must be none, prefix:N or selective:R") from None
+        raise ValueError(
+            f"recompute {spec!r}: the kind must be none, prefix:N, selective:R, query:R or auto[:T]"
+        ) from None
     if kind is RecomputeKind.NONE:
         if value:
             raise ValueError(f"recompute {spec!r}: none takes no value")
@@ -54,10 +74,19 @@ def parse_recompute(spec: str) -> RecomputeSpec:
         if not (value.isascii() and value.isdigit()):
             raise ValueError(f"recompute {spec!r}: prefix:N needs N, a whole number of tokens ≥ 0")
         return RecomputeSpec(kind, float(int(value)))
-    try:
-        share = float(value)
-    except ValueError:
-        share = float("nan")
+    if kind is RecomputeKind.AUTO:
+        threshold = _number(value) if value else AUTO_THRESHOLD
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"recompute {spec!r}: auto:T needs T, a deviation threshold within (0, 1]")
+        return RecomputeSpec(kind, threshold)
+    share = _number(value)
     if not 0.0 <= share <= 1.0:  # nan fails this too
-        raise ValueError(f"recompute {spec!r}: selective:R needs R, a share of tokens within 0..1")
+        raise ValueError(f"recompute {spec!r}: {kind.value}:R needs R, a share of tokens within 0..1")
     return RecomputeSpec(kind, share)
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")

@@ -2,8 +2,8 @@
 
 Positions follow TurboRAG section 3.2:
 - `reordered` (default): prefix, chunk 1, ..., chunk k take contiguous positions, as in one causal prompt.
-- `composite`: every chunk keeps its local positions 0..len-1 (as it was precomputed); the prefix sits at
-  0..P-1 and the question at its true index P + sum(len).
+- `composite`: every chunk keeps the positions it was precomputed at (0..len-1 alone, P..P+len-1 after the
+  prefix); the prefix sits at 0..P-1 and the question at its true index P + sum(len).
 The question and every decoded token continue at the true index in both modes.
 
 Blocks may still be arriving on the device when stitching starts (the KV cache copies them on its own stream).
@@ -82,8 +82,9 @@ class StitchPlan:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def plan_positions(mode: PositionMode | str, lengths: Sequence[int]) -> StitchPlan:
-    """Plan a prefix (lengths[0]) followed by chunk blocks (lengths[1:]) in retrieval order."""
+def plan_positions(mode: PositionMode | str, lengths: Sequence[int], chunk_start: int = 0) -> StitchPlan:
+    """Plan a prefix (lengths[0]) followed by chunk blocks (lengths[1:]) in retrieval order; `chunk_start` is the
+    position a chunk's first token had when it was precomputed (`composite` keeps it)."""
     mode = PositionMode(mode)
     if not lengths or any(n <= 0 for n in lengths):
         raise ValueError("every block in a stitch plan needs at least one token")
@@ -91,7 +92,7 @@ def plan_positions(mode: PositionMode | str, lengths: Sequence[int]) -> StitchPl
     for n in lengths:
         slots.append(offset)
         offset += n
-    starts = slots if mode is PositionMode.REORDERED else [0] * len(lengths)
+    starts = slots if mode is PositionMode.REORDERED else [0, *[chunk_start] * (len(lengths) - 1)]
     return StitchPlan(mode, tuple(lengths), tuple(slots), tuple(starts))
 
 

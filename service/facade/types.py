@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from service.engine.recompute_spec import RecomputeSpec, parse_recompute
+from service.engine.recompute_spec import COMPOSITE_RECOMPUTE, RecomputeSpec, parse_recompute
 from service.jobs.documents import MAX_DOC_ID_CHARS, MAX_METADATA_BYTES, Document, DocumentFormat
 from service.jobs.job_status import JobStatus
 from service.plain_json import MAX_DEPTH, json_problem, json_safe, text_problem
 from service.retrieval.document_summary import DocumentSummary
 
 __all__ = [
+    "COMPOSITE_RECOMPUTE",
     "MAX_DEPTH",
     "MAX_DOC_ID_CHARS",
     "MAX_METADATA_BYTES",

@@ -6,10 +6,11 @@ which is what argparse itself uses for bad usage.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import sys
 from argparse import Namespace
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,12 @@ import torch
 
 if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
     from service.engine.engine import StitchEngine
-    from service.quality.eval import EvalReport, Variant
+    from service.quality.eval import AnswerSink, EvalReport, Variant
+
+# The eval's default system-message addition for QA files: the rows score short answers, and a model that explains
+# its answer would be scored on its first sentence. The corpus form defaults to none (it measures what /ask serves).
+DEFAULT_INSTRUCTION = "Answer with a short phrase copied from the documents, without explanation."
+MAX_INSTRUCTION_CHARS = 2000
 
 
 def _error(message: str) -> int:
@@ -27,6 +33,7 @@ def _error(message: str) -> int:
 
 def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     """`kvstitch eval`: a QA file (`--data`), or a user's questions over an ingested corpus (`--data-dir`)."""
+    from service.engine.kv_layout import ChunkContext
     from service.engine.recompute_spec import parse_recompute
     from service.quality.dataset import QADataError
     from service.quality.eval import table_variants
@@ -36,14 +43,18 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         return _error("give either --data FILE.jsonl, or --data-dir DIR with --questions FILE.txt")
     if args.limit is not None and args.limit < 1:
         return _error("--limit must be at least 1")
+    if args.offset < 0:
+        return _error("--offset must be at least 0")
+    if args.instruction is not None and len(args.instruction) > MAX_INSTRUCTION_CHARS:
+        return _error(f"--instruction has {len(args.instruction)} characters; at most {MAX_INSTRUCTION_CHARS}")
     if args.max_new_tokens < 1:
         return _error("--max-new-tokens must be at least 1")
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
-        variants = table_variants(list(recomputes))
+        contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or ["alone"])
+        variants = table_variants(list(recomputes), list(contexts))
     except (QADataError, ValueError) as err:
         return _error(str(err))
-    logging.getLogger("service.quality").setLevel(logging.INFO)  # progress lines on stderr
     if corpus_form:
         return _eval_corpus(args, dtype, variants)
     return _eval_file(args, dtype, variants)
@@ -52,55 +63,85 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
 def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Variant]) -> int:
     from service.quality.dataset import QADataError, read_samples
     from service.quality.eval import evaluate
+    from service.quality.progress import Progress
 
     try:
-        samples = read_samples(args.data, args.limit)
+        samples = read_samples(args.data, args.limit, args.offset)
     except (QADataError, OSError) as err:
         return _error(str(err))
-    engine = _engine(args, dtype)
+    instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
+    engine = _engine(args, dtype, instruction)
     if engine is None:
         return 2
     try:
-        report = evaluate(engine, samples, variants, args.max_new_tokens, Path(args.data).name)
-    except QADataError as err:
+        with _answers_file(args.answers) as answers:
+            progress = Progress(len(samples), sys.stderr)
+            report = evaluate(engine, samples, variants, args.max_new_tokens, Path(args.data).name, answers, progress)
+    except (QADataError, OSError) as err:
         return _error(str(err))
-    return _report(args, report, {"model": args.model, "data": args.data})
+    return _report(args, report, {"model": args.model, "data": args.data, **_window_record(args, instruction)})
 
 
 def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Variant]) -> int:
     from service.quality.corpus_eval import CorpusError, corpus_cases, open_corpus, read_questions
     from service.quality.dataset import QADataError
     from service.quality.eval import evaluate_cases
+    from service.quality.progress import Progress
     from service.settings import Settings
 
     try:
         settings = Settings(model=args.model, data_dir=args.data_dir)
         if not 1 <= args.top_k <= settings.max_top_k:
             return _error(f"--top-k must be within 1..{settings.max_top_k} (KVSTITCH_MAX_TOP_K)")
-        questions = read_questions(args.questions, settings.max_question_chars, args.limit)
+        questions = read_questions(args.questions, settings.max_question_chars, args.limit, args.offset)
     except (QADataError, ValueError, OSError) as err:
         return _error(str(err))
-    engine = _engine(args, dtype)
+    instruction = args.instruction or ""  # as /ask prompts, unless asked otherwise
+    engine = _engine(args, dtype, instruction)
     if engine is None:
         return 2
     source = Path(args.questions).name
     try:
-        with open_corpus(settings) as corpus:
+        with open_corpus(settings) as corpus, _answers_file(args.answers) as answers:
             cases = corpus_cases(engine, corpus, questions, args.top_k, args.max_new_tokens, source)
-            report = evaluate_cases(engine, cases, len(questions), variants, args.max_new_tokens)
+            progress = Progress(len(questions), sys.stderr, "questions")
+            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress)
     except (CorpusError, QADataError, OSError, RuntimeError) as err:  # Qdrant's lock on a served data dir
         return _error(str(err))
     record = {"model": args.model, "data_dir": args.data_dir, "questions": args.questions, "top_k": args.top_k}
-    return _report(args, report, record)
+    return _report(args, report, {**record, **_window_record(args, instruction)})
 
 
-def _engine(args: Namespace, dtype: torch.dtype | None) -> StitchEngine | None:
-    """The engine as the server builds it, or None after printing why the model does not load."""
+def _window_record(args: Namespace, instruction: str) -> dict[str, Any]:
+    return {"offset": args.offset, "limit": args.limit, "instruction": instruction}
+
+
+@contextlib.contextmanager
+def _answers_file(path: str | None) -> Iterator[AnswerSink | None]:
+    """`--answers OUT.jsonl`: one JSON line per sample per row, written as each is scored (a stopped run keeps
+    what it finished)."""
+    if path is None:
+        yield None
+        return
+    with Path(path).open("w", encoding="utf-8") as out:
+
+        def write(record: dict[str, Any]) -> None:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+
+        yield write
+
+
+def _engine(args: Namespace, dtype: torch.dtype | None, instruction: str = "") -> StitchEngine | None:
+    """The engine as the server builds it (with `instruction` added to the system message), or None after printing
+    why the model does not load."""
     from service.engine.engine import StitchEngine
     from service.engine.model import UnsupportedModelError, load_model
+    from service.engine.prompt import build_template
 
     try:
-        return StitchEngine(load_model(args.model, device=args.device, dtype=dtype))
+        model = load_model(args.model, device=args.device, dtype=dtype)
+        return StitchEngine(model, template=build_template(model.tokenizer, system_extra=instruction))
     except (UnsupportedModelError, OSError, ValueError) as err:
         _error(f"cannot load {args.model}: {err}")
         return None

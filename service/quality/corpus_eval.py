@@ -23,7 +23,7 @@ from typing import Any
 
 from service.engine.engine import StitchEngine
 from service.engine.prompt import encode_text
-from service.quality.dataset import QADataError, QASample
+from service.quality.dataset import QADataError, QASample, window
 from service.quality.eval import Case
 from service.retrieval.collection import RetrievedChunk
 from service.usecases.answer import fit_context
@@ -35,8 +35,9 @@ class Question:
     line: int
 
 
-def read_questions(path: str | Path, max_chars: int, limit: int | None = None) -> list[Question]:
-    """The non-blank lines of a UTF-8 text file, each at most `max_chars`; QADataError naming file and line."""
+def read_questions(path: str | Path, max_chars: int, limit: int | None = None, offset: int = 0) -> list[Question]:
+    """The non-blank lines of a UTF-8 text file, each at most `max_chars` (the `limit` after the first `offset`
+    when given); QADataError naming file and line."""
     source = Path(path)
     questions = []
     with source.open("rb") as lines:
@@ -53,7 +54,7 @@ def read_questions(path: str | Path, max_chars: int, limit: int | None = None) -
                 questions.append(Question(text, number))
     if not questions:
         raise QADataError(f"{source.name}: no questions (one per line)")
-    return questions if limit is None else questions[:limit]
+    return window(questions, offset, limit, source.name, "questions")
 
 
 class CorpusError(ValueError):
@@ -110,7 +111,7 @@ def corpus_cases(
         check_tokenizer(engine, chunks[0])
         prompt = engine.template.prompt([c.token_ids for c in chunks], ids)
         sample = QASample(question.text, tuple(c.text for c in chunks), (), question.line)
-        yield Case(sample, prompt, engine.precompute(prompt.blocks))
+        yield Case(sample, prompt, engine.precompute(prompt.blocks), engine.chunk_context)
 
 
 def check_tokenizer(engine: StitchEngine, chunk: RetrievedChunk) -> None:

@@ -1,7 +1,8 @@
 """QA data sets as JSONL: one `{"question": str, "chunks": [str, ...], "answers": [str, ...]}` per line.
 
-Chunks are in stitching order; any listed answer counts. Other fields (an id, the number of hops) are kept out
-of the sample but allowed, so generated files can carry metadata. Errors name the file, the line and the field,
+Chunks are in stitching order; any listed answer counts. A string `id` is kept (it names the sample in an answers
+file); other fields (the number of hops, a source) are kept out of the sample but allowed, so files can carry
+metadata. Errors name the file, the line and the field,
 because a data set of thousands of lines is fixed by hand.
 """
 
@@ -26,6 +27,7 @@ class QASample:
     chunks: tuple[str, ...]
     answers: tuple[str, ...]
     line: int  # 1-based line number in its file, for messages about this sample later on
+    id: str | None = None
 
 
 def _strings(record: dict[str, Any], field: str, where: str) -> tuple[str, ...]:
@@ -53,11 +55,15 @@ def parse_line(text: str, line: int, source: str = "data") -> QASample:
         if not normalize_answer(answer):
             # It would match every prediction (an empty string is contained in everything).
             raise QADataError(f'{where}: "answers"[{index}] {answer!r} is empty after answer normalisation')
-    return QASample(question, chunks, answers, line)
+    sample_id = record.get("id")
+    if sample_id is not None and not isinstance(sample_id, str | int):
+        raise QADataError(f'{where}: "id" must be a string or a number')
+    return QASample(question, chunks, answers, line, None if sample_id is None else str(sample_id))
 
 
-def read_samples(path: str | Path, limit: int | None = None) -> list[QASample]:
-    """Every sample of a JSONL file (blank lines skipped), the first `limit` of them when given.
+def read_samples(path: str | Path, limit: int | None = None, offset: int = 0) -> list[QASample]:
+    """Every sample of a JSONL file (blank lines skipped); with `offset` and `limit`, the `limit` samples after
+    the first `offset` (a shard).
 
     The whole file is checked even with a limit: a broken file is reported before any model time is spent.
     """
@@ -65,7 +71,16 @@ def read_samples(path: str | Path, limit: int | None = None) -> list[QASample]:
     samples = list(_parse_lines(source))
     if not samples:
         raise QADataError(f"{source.name}: no samples")
-    return samples if limit is None else samples[:limit]
+    return window(samples, offset, limit, source.name)
+
+
+def window(items: list[Any], offset: int, limit: int | None, source: str, noun: str = "samples") -> list[Any]:
+    """items[offset : offset + limit]; QADataError when the offset leaves nothing."""
+    if offset < 0 or (limit is not None and limit < 1):
+        raise ValueError("the offset must be at least 0 and the limit at least 1")
+    if offset >= len(items):
+        raise QADataError(f"{source}: --offset {offset} leaves nothing of its {len(items)} {noun}")
+    return items[offset:] if limit is None else items[offset : offset + limit]
 
 
 def _parse_lines(source: Path) -> Iterator[QASample]:

@@ -9,33 +9,34 @@ whose blocks are already on the device: stitch + recompute (if any) + question p
 full prefill).
 
 The reference is a separate naive run, so the naive row compares two independent runs: its agreement of 1.0 and
-KL of 0 are a check of determinism that every table carries, not a definition.
+KL of 0 are a check of determinism that every table carries, not a definition. Each row's accuracy is compared
+with the reference's on the same samples (McNemar's exact p and a paired bootstrap interval, `significance.py`);
+accuracy is the short-answer rule of `metrics.py`.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.kv_layout import KVBlock
+from service.engine.kv_layout import ChunkContext, KVBlock
 from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import PromptIds, encode_text
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.quality.dataset import QADataError, QASample
-from service.quality.metrics import best_f1, contains_answer, kl_divergence
-
-log = logging.getLogger(__name__)
+from service.quality.metrics import answer_span, best_f1, contains_answer, kl_divergence, short_answer_correct
+from service.quality.progress import Progress
+from service.quality.significance import paired
 
 DEFAULT_MAX_NEW_TOKENS = 32
-PROGRESS_EVERY = 50  # samples between progress lines: a 7B eval of 500 samples runs for minutes
 
 
 @dataclass(frozen=True)
@@ -45,23 +46,48 @@ class Variant:
     mode: GenerationMode
     positions: PositionMode | None = None
     recompute: RecomputeSpec = NO_RECOMPUTE
+    context: ChunkContext = ChunkContext.ALONE  # what the chunks' KV was precomputed after (turbo)
+
+    @property
+    def mode_label(self) -> str:
+        """`turbo`, or `turbo@prefix` for chunks precomputed after the prefix (naive has no chunk KV)."""
+        if self.mode is GenerationMode.NAIVE or self.context is ChunkContext.ALONE:
+            return self.mode.value
+        return f"{self.mode.value}@{self.context.value}"
 
     @property
     def label(self) -> str:
-        return f"{self.mode.value}/{self.positions.value if self.positions else '-'}/{self.recompute}"
+        return f"{self.mode_label}/{self.positions.value if self.positions else '-'}/{self.recompute}"
 
 
 NAIVE = Variant(GenerationMode.NAIVE)
 
 
-def table_variants(recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,)) -> list[Variant]:
-    """Naive, then turbo reordered and composite for each recompute setting (TurboRAG's Table 1 rows)."""
+def table_variants(
+    recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,), contexts: Sequence[ChunkContext] = (ChunkContext.ALONE,)
+) -> list[Variant]:
+    """Naive, then turbo reordered and composite for each chunk context and recompute setting (TurboRAG's Table 1
+    rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
     turbo = [
-        Variant(GenerationMode.TURBO, positions, recompute)
+        Variant(GenerationMode.TURBO, positions, recompute, context)
+        for context in contexts
         for recompute in recomputes
         for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
+        if positions is PositionMode.REORDERED or not recompute.active
     ]
     return [NAIVE, *turbo]
+
+
+@contextmanager
+def chunk_context(engine: StitchEngine, context: ChunkContext) -> Iterator[None]:
+    """The engine precomputing and stitching chunks of `context` for the time of one variant: the eval owns its
+    engine and runs one request at a time, so switching it does not reach anything else."""
+    before = engine.chunk_context
+    engine.chunk_context = context
+    try:
+        yield
+    finally:
+        engine.chunk_context = before
 
 
 @dataclass(frozen=True)
@@ -70,7 +96,17 @@ class Case:
 
     sample: QASample
     prompt: PromptIds
-    chunk_kv: list[KVBlock]
+    chunk_kv: list[KVBlock]  # precomputed in `context`
+    context: ChunkContext = ChunkContext.ALONE
+    other_kv: dict[ChunkContext, list[KVBlock]] = field(default_factory=dict)  # other contexts, computed lazily
+
+    def kv_for(self, engine: StitchEngine, context: ChunkContext) -> list[KVBlock]:
+        """The chunks' KV precomputed after `context` (the engine already set to it: `chunk_context`)."""
+        if context is self.context:
+            return self.chunk_kv
+        if context not in self.other_kv:
+            self.other_kv[context] = engine.precompute(self.prompt.blocks)
+        return self.other_kv[context]
 
 
 @dataclass(frozen=True)
@@ -94,7 +130,7 @@ def prepare(engine: StitchEngine, sample: QASample, max_new_tokens: int, source:
             f"{source} line {sample.line}: the prompt ({len(prompt.joined())} tokens) and {max_new_tokens} new "
             f"tokens exceed the model's context of {engine.spec.max_context}"
         )
-    return Case(sample, prompt, engine.precompute(prompt.blocks))
+    return Case(sample, prompt, engine.precompute(prompt.blocks), engine.chunk_context)
 
 
 def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> torch.Tensor:
@@ -103,8 +139,9 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
         return engine.prefill_naive(case.prompt)[1].float().cpu()
     positions = variant.positions or PositionMode.REORDERED
     question = case.prompt.question
-    buffer, plan = engine.stitch(case.chunk_kv, positions, len(question))
-    engine.recompute(buffer, plan, case.chunk_kv, variant.recompute)  # as the scheduler does, before the question
+    chunk_kv = case.kv_for(engine, variant.context)
+    buffer, plan = engine.stitch(chunk_kv, positions, len(question))
+    engine.recompute(buffer, plan, chunk_kv, variant.recompute, question)  # as the scheduler does, before the question
     return engine.prefill_question(buffer, question).float().cpu()
 
 
@@ -113,42 +150,76 @@ def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling
     distribution."""
     engine = runner.engine
     positions = variant.positions or PositionMode.REORDERED
-    chunk_kv = case.chunk_kv if variant.mode is GenerationMode.TURBO else None
-    result = generate(
-        engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
-    )
-    logits = first_token_logits(engine, case, variant)
+    with chunk_context(engine, variant.context):
+        chunk_kv = case.kv_for(engine, variant.context) if variant.mode is GenerationMode.TURBO else None
+        result = generate(
+            engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
+        )
+        logits = first_token_logits(engine, case, variant)
     return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
+
+
+AnswerSink = Callable[[dict[str, Any]], None]  # receives one record per sample per row (`--answers`)
 
 
 @dataclass
 class Scores:
-    """Per-sample scores of one variant; `row` reduces them."""
+    """Per-sample scores of one variant; `row` reduces them. `reference_correct` is the naive reference run's
+    correctness on the same samples, in order: the pair the significance tests compare."""
 
     variant: Variant
     correct: list[bool] = field(default_factory=list)
+    contains: list[bool] = field(default_factory=list)
+    reference_correct: list[bool] = field(default_factory=list)
     f1: list[float] = field(default_factory=list)
     first_token_same: list[bool] = field(default_factory=list)
     answer_same: list[bool] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
 
-    def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> None:
+    def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> dict[str, Any]:
+        """Score one answer; returns its record for the answers file."""
+        correct = contains = f1 = None
         if sample.answers:  # a question of a user's own corpus has none: agreement and KL only
-            self.correct.append(contains_answer(outcome.text, sample.answers))
-            self.f1.append(best_f1(outcome.text, sample.answers))
-        self.first_token_same.append(outcome.token_ids[:1] == reference.token_ids[:1])
-        self.answer_same.append(outcome.token_ids == reference.token_ids)
+            correct = short_answer_correct(outcome.text, sample.answers)
+            contains = contains_answer(outcome.text, sample.answers)
+            f1 = best_f1(answer_span(outcome.text), sample.answers)
+            self.correct.append(correct)
+            self.contains.append(contains)
+            self.f1.append(f1)
+            self.reference_correct.append(short_answer_correct(reference.text, sample.answers))
+        first_same = outcome.token_ids[:1] == reference.token_ids[:1]
+        answer_same = outcome.token_ids == reference.token_ids
+        self.first_token_same.append(first_same)
+        self.answer_same.append(answer_same)
         self.kl.append(kl_divergence(reference.first_logits, outcome.first_logits))
         self.ttft_ms.append(outcome.ttft_ms)
+        return {
+            "id": sample.id,
+            "line": sample.line,
+            "variant": self.variant.label,
+            "answer": outcome.text,
+            "gold": list(sample.answers),
+            "correct": correct,
+            "contains": contains,
+            "f1": f1,
+            "first_token_agreement": first_same,
+            "answer_agreement": answer_same,
+        }
 
     def row(self) -> Row:
+        vs_naive = paired(self.correct, self.reference_correct) if self.correct else None
         return Row(
-            mode=self.variant.mode.value,
+            mode=self.variant.mode_label,
             positions=self.variant.positions.value if self.variant.positions else None,
             recompute=str(self.variant.recompute),
             accuracy=_mean(self.correct) if self.correct else None,
+            contains=_mean(self.contains) if self.contains else None,
             f1=_mean(self.f1) if self.f1 else None,
+            accuracy_vs_naive=vs_naive.difference if vs_naive else None,
+            p_mcnemar=vs_naive.p_value if vs_naive else None,
+            ci95_low=vs_naive.ci_low if vs_naive else None,
+            ci95_high=vs_naive.ci_high if vs_naive else None,
             first_token_agreement=_mean(self.first_token_same),
             answer_agreement=_mean(self.answer_same),
             kl_first_token=_mean(self.kl),
@@ -162,13 +233,20 @@ def _mean(values: Sequence[float | bool]) -> float:
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table (and of the JSON `rows`)."""
+    """One line of the table (and of the JSON `rows`). The answer columns are None when the questions come
+    without answers (the corpus form); `accuracy_vs_naive`, `p_mcnemar` and the CI compare `accuracy` with the
+    naive reference run's on the same samples (`significance.py`)."""
 
     mode: str
     positions: str | None
     recompute: str
-    accuracy: float | None  # None when the questions come without answers (the corpus form)
+    accuracy: float | None  # short-answer rule (metrics.short_answer_correct)
+    contains: float | None  # the answer anywhere in the text (the papers' lenient accuracy)
     f1: float | None
+    accuracy_vs_naive: float | None
+    p_mcnemar: float | None
+    ci95_low: float | None
+    ci95_high: float | None
     first_token_agreement: float
     answer_agreement: float
     kl_first_token: float
@@ -198,6 +276,8 @@ def evaluate(
     variants: Sequence[Variant],
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     source: str = "data",
+    answers: AnswerSink | None = None,
+    progress: Progress | None = None,
 ) -> EvalReport:
     """Score every variant on every sample against the answers and a naive reference run.
 
@@ -205,14 +285,19 @@ def evaluate(
     allocator growth would otherwise land in the first TTFTs).
     """
     cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
-    return evaluate_cases(engine, cases, len(samples), variants, max_new_tokens)
+    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress)
 
 
 def evaluate_cases(
-    engine: StitchEngine, cases: Iterable[Case], count: int, variants: Sequence[Variant], max_new_tokens: int
+    engine: StitchEngine,
+    cases: Iterable[Case],
+    variants: Sequence[Variant],
+    max_new_tokens: int,
+    answers: AnswerSink | None = None,
+    progress: Progress | None = None,
 ) -> EvalReport:
-    """`evaluate` over cases already built (`count` of them, for progress lines): a QA file's samples, or a
-    user's questions with the chunks retrieved for them."""
+    """`evaluate` over cases already built: a QA file's samples, or a user's questions with the chunks retrieved
+    for them. `answers` receives each sample's record per row as it is scored; `progress` advances per sample."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = [Scores(v) for v in variants]
     done = 0
@@ -224,36 +309,57 @@ def evaluate_cases(
                     run_variant(runner, case, variant, sampling)
             reference = run_variant(runner, case, NAIVE, sampling)
             for score in scores:
-                score.add(case.sample, run_variant(runner, case, score.variant, sampling), reference)
+                record = score.add(case.sample, run_variant(runner, case, score.variant, sampling), reference)
+                if answers is not None:
+                    answers(record)
             done += 1
-            if done % PROGRESS_EVERY == 0:
-                log.info("%d/%d samples", done, count)
+            if progress is not None:
+                progress.advance()
     finally:
         runner.close()
     return EvalReport(done, max_new_tokens, [s.row() for s in scores])
 
 
-_COLUMNS = ("mode", "positions", "recompute", "accuracy", "f1", "ftok_agree", "ans_agree", "kl_ftok", "ttft_ms")
+_COLUMNS = (
+    ("mode", 13),
+    ("positions", 10),
+    ("recompute", 14),
+    ("accuracy", 9),
+    ("vs_naive", 8),
+    ("ci95", 16),
+    ("p", 7),
+    ("contains", 8),
+    ("f1", 6),
+    ("ftok_agree", 10),
+    ("ans_agree", 9),
+    ("kl_ftok", 9),
+    ("ttft_ms", 8),
+)
 
 
 def format_table(report: EvalReport) -> str:
-    """A fixed-width table of the rows, for the terminal."""
+    """A fixed-width table of the rows, for the terminal. `vs_naive`, `ci95` and `p`: the accuracy difference
+    from the naive reference, its bootstrap 95 % interval and McNemar's exact p."""
     lines = [f"{report.samples} samples, greedy, up to {report.max_new_tokens} new tokens"]
-    widths = [8, 10, 14, 9, 7, 11, 10, 10, 9]
-    lines.append(" ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)))
+    lines.append(" ".join(name.ljust(width) for name, width in _COLUMNS).rstrip())
     for row in report.rows:
+        ci = "-" if row.ci95_low is None or row.ci95_high is None else f"[{row.ci95_low:+.3f},{row.ci95_high:+.3f}]"
         cells = (
             row.mode,
             row.positions or "-",
             row.recompute,
             _cell(row.accuracy),
+            "-" if row.accuracy_vs_naive is None else f"{row.accuracy_vs_naive:+.3f}",
+            ci,
+            "-" if row.p_mcnemar is None else f"{row.p_mcnemar:.4f}",
+            _cell(row.contains),
             _cell(row.f1),
             f"{row.first_token_agreement:.3f}",
             f"{row.answer_agreement:.3f}",
             f"{row.kl_first_token:.2e}",
             f"{row.ttft_ms:.2f}",
         )
-        lines.append(" ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)))
+        lines.append(" ".join(c.ljust(w) for c, (_, w) in zip(cells, _COLUMNS, strict=True)).rstrip())
     return "\n".join(lines)
 
 

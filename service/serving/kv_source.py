@@ -40,7 +40,7 @@ def kv_store_for(
     return KVStore(
         engine.spec,
         model_fingerprint(engine.model),
-        engine.template.version,
+        engine.kv_version,
         cache_dir,
         index,
         budgets,

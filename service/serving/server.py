@@ -237,7 +237,7 @@ class Server:
             mode=mode,
             positions=PositionMode(request.positions),
             sampling=sampling,
-            recompute=self._recompute(request.recompute) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
+            recompute=self._recompute(request) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
         )
 
     def _search_text(self, request: AnswerRequest) -> str:
@@ -247,10 +247,15 @@ class Server:
         earlier = [m.text for m in request.history if m.role == "user"][-turns:] if turns else []
         return "\n".join([*earlier, request.question])
 
-    def _recompute(self, spec: RecomputeSpec | None) -> RecomputeSpec:
+    def _recompute(self, request: AnswerRequest) -> RecomputeSpec:
         """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`, checked at start-up);
-        naive answers compute every token anyway, so they carry none."""
-        return parse_recompute(self.settings.recompute) if spec is None else spec
+        naive answers compute every token anyway, so they carry none. A composite request asking for one was
+        refused at validation; the default does not apply to it (composite positions cannot be recomputed)."""
+        if request.recompute is not None:
+            return request.recompute
+        if request.positions == PositionMode.COMPOSITE.value:
+            return NO_RECOMPUTE
+        return parse_recompute(self.settings.recompute)
 
     # ---- files ----------------------------------------------------------------------------------------------
 

@@ -60,13 +60,23 @@ def test_questions_over_an_ingested_corpus_repeat_and_write_nothing(
     model = tiny_model_dirs["qwen2"]
     kv_files = _files(data_dir / "kv")
     records: list[dict[str, Any]] = []
+    answers = tmp_path / "answers.jsonl"
     for run in ("1", "2"):
         out = tmp_path / f"{run}.json"
-        assert _eval(model, data_dir, questions, "--top-k", "2", "--json", str(out)) == 0
+        assert _eval(model, data_dir, questions, "--top-k", "2", "--json", str(out), "--answers", str(answers)) == 0
         records.append(json.loads(out.read_text(encoding="utf-8")))
 
     first = records[0]
     assert first["samples"] == 3 and first["top_k"] == 2 and first["questions"] == str(questions)
+    assert first["instruction"] == "" and first["offset"] == 0  # the served prompt: no added instruction
+    lines = [json.loads(line) for line in answers.read_text(encoding="utf-8").splitlines()]
+    assert [(a["line"], a["variant"]) for a in lines[:3]] == [
+        (1, "naive/-/none"),
+        (1, "turbo/reordered/none"),
+        (1, "turbo/composite/none"),
+    ]
+    assert len(lines) == 9 and {a["line"] for a in lines} == {1, 3, 4}  # question lines, the blank one skipped
+    assert all(a["correct"] is None and a["f1"] is None and a["gold"] == [] for a in lines)
     strip = [[{k: v for k, v in row.items() if k != "ttft_ms"} for row in r["rows"]] for r in records]
     assert strip[0] == strip[1]  # greedy: every number but the TTFT repeats
     naive, *turbo = first["rows"]
@@ -80,6 +90,7 @@ def test_questions_over_an_ingested_corpus_repeat_and_write_nothing(
     assert _files(data_dir / "kv") == kv_files  # the KV cache was read by nobody and written by nobody
     table = capsys.readouterr().out
     assert "3 samples, greedy, up to 4 new tokens" in table and "naive    -          none           -  " in table
+    assert " p " in table and "ci95" in table
 
 
 def test_a_bad_question_file_or_data_dir_exits_2_naming_it(
@@ -92,6 +103,7 @@ def test_a_bad_question_file_or_data_dir_exits_2_naming_it(
         (b"\n  \n", data_dir, (), "error: bad.txt: no questions (one per line)\n"),
         (b"ok?\n" + b"x" * 4001 + b"\n", data_dir, (), "error: bad.txt line 2: the question has 4001 characters"),
         (b"ok?\n", data_dir, ("--top-k", "0"), "error: --top-k must be within 1..50 (KVSTITCH_MAX_TOP_K)\n"),
+        (b"a?\n\nb?\n", data_dir, ("--offset", "2"), "error: bad.txt: --offset 2 leaves nothing of its 2 questions\n"),
         (b"ok?\n", tmp_path / "nowhere", (), f"error: {tmp_path / 'nowhere'}: no ingested corpus here (no qdrant/"),
     ]
     for content, folder, extra, message in cases:

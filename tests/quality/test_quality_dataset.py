@@ -32,6 +32,8 @@ def test_a_good_line_keeps_its_fields_and_ignores_metadata() -> None:
     assert sample.chunks == ("Zorvath Keel was born in Ommeria.",)
     assert sample.answers == ("Ommeria",)
     assert sample.line == 7
+    assert sample.id == "q1"  # kept: it names the sample in an answers file
+    assert parse_line(_line(id=12), 1).id == "12" and parse_line(_line(), 1).id is None
 
 
 @pytest.mark.parametrize(
@@ -49,6 +51,7 @@ def test_a_good_line_keeps_its_fields_and_ignores_metadata() -> None:
         (_line(answers=None), 'qa.jsonl line 3: "answers" must be a non-empty list of strings'),
         (_line(answers=[]), 'qa.jsonl line 3: "answers" must be a non-empty list of strings'),
         (_line(answers=["Ommeria", "The"]), "qa.jsonl line 3: \"answers\"[1] 'The' is empty after answer"),
+        (_line(id=["q1"]), 'qa.jsonl line 3: "id" must be a string or a number'),
     ],
 )
 def test_bad_lines_name_line_and_field(text: str, message: str) -> None:
@@ -72,6 +75,16 @@ def test_limit_takes_the_first_samples_but_the_whole_file_is_checked(tmp_path: P
     path.write_text("\n".join([*lines, "{broken"]) + "\n", encoding="utf-8")
     with pytest.raises(QADataError, match=r"data\.jsonl line 5"):
         read_samples(path, limit=2)
+
+
+def test_offset_and_limit_take_a_shard(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(_line(question=f"Question {i}?") for i in range(5)) + "\n", encoding="utf-8")
+    assert [s.line for s in read_samples(path, limit=2, offset=2)] == [3, 4]
+    assert [s.line for s in read_samples(path, offset=3)] == [4, 5]
+    assert [s.line for s in read_samples(path, limit=9, offset=4)] == [5]
+    with pytest.raises(QADataError, match=r"^data\.jsonl: --offset 5 leaves nothing of its 5 samples"):
+        read_samples(path, offset=5)
 
 
 def test_an_empty_file_and_non_utf8_are_refused(tmp_path: Path) -> None:

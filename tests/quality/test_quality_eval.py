@@ -12,19 +12,25 @@ import pytest
 from service.cli import main
 from service.engine.engine import StitchEngine
 from service.engine.offline import OfflineScheduler, generate
-from service.engine.prompt import encode
+from service.engine.prompt import build_template, encode
 from service.engine.sampling import SamplingParams
+from service.quality.commands import DEFAULT_INSTRUCTION
 from service.quality.dataset import QASample, read_samples
 from service.quality.eval import NAIVE, evaluate, prepare, run_variant, table_variants
 from service.quality.generator import write_qa_file
-from service.quality.metrics import normalize_answer
+from service.quality.metrics import answer_span, best_f1, contains_answer, normalize_answer, short_answer_correct
 
 ROW_FIELDS = {
     "mode",
     "positions",
     "recompute",
     "accuracy",
+    "contains",
     "f1",
+    "accuracy_vs_naive",
+    "p_mcnemar",
+    "ci95_low",
+    "ci95_high",
     "first_token_agreement",
     "answer_agreement",
     "kl_first_token",
@@ -106,7 +112,7 @@ def test_answers_equal_to_the_naive_output_score_one(get_engine: Any, tmp_path: 
     samples = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=6, chunks=2, seed=4, two_fact_share=0.0))
     own = []
     for s in samples:
-        text = _naive_answer(engine, s, 6)
+        text = answer_span(_naive_answer(engine, s, 6))  # what the short-answer rule reads of it
         if normalize_answer(text):  # the parser refuses answers that normalise to nothing
             own.append(QASample(s.question, s.chunks, (text,), s.line))
     assert own, "the tiny model produced no scorable answer"
@@ -159,7 +165,7 @@ def test_a_prompt_longer_than_the_context_names_its_line(
     [
         ("prefix:-3", "prefix:N needs N, a whole number of tokens"),
         ("selective:2", "selective:R needs R, a share of tokens within 0..1"),
-        ("everything", "the kind must be none, prefix:N or selective:R"),
+        ("everything", "the kind must be none, prefix:N, selective:R, query:R or auto"),
     ],
 )
 def test_a_malformed_recompute_spec_exits_2(
@@ -174,27 +180,44 @@ def test_recompute_specs_give_rows_and_recomputing_everything_agrees_with_naive(
     tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
 ) -> None:
     """selective:1 and prefix:N over the longest block recompute every chunk token, which with reordered positions
-    is the naive prefill: full agreement, KL at float noise. prefix:2 and composite rows are real rows too."""
+    is the naive prefill: full agreement, KL at float noise. prefix:2 is a real row too; composite positions get
+    no recompute rows (they refuse a recompute)."""
     extra = ["--recompute", "selective:1", "--recompute", "prefix:2", "--recompute", "prefix:4096"]
     record = _eval_json(tiny_model_dirs["qwen2"], qa_file, tmp_path / "r.json", *extra, "--max-new-tokens", "6")
     rows = {(r["positions"], r["recompute"]): r for r in record["rows"]}
     assert list(rows) == [
         (None, "none"),
         ("reordered", "selective:1"),
-        ("composite", "selective:1"),
         ("reordered", "prefix:2"),
-        ("composite", "prefix:2"),
         ("reordered", "prefix:4096"),
-        ("composite", "prefix:4096"),
     ]
     for spec in ("selective:1", "prefix:4096"):
         full = rows["reordered", spec]
         assert full["answer_agreement"] == 1.0 and full["first_token_agreement"] == 1.0
         assert full["kl_first_token"] < 1e-6
         assert full["accuracy"] == rows[None, "none"]["accuracy"] and full["f1"] == rows[None, "none"]["f1"]
-    # Composite positions are not naive's: recomputing every token does not make them so.
-    assert rows["composite", "selective:1"]["kl_first_token"] > 1e-3
     assert rows["reordered", "prefix:2"]["kl_first_token"] > rows["reordered", "selective:1"]["kl_first_token"]
+
+
+def test_each_chunk_context_gets_its_rows(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
+    """Rows for chunks precomputed alone and after the prefix: the prefix ones are labelled, and differ (their KV
+    is another), while `query:1` in either context is the naive prefill again."""
+    extra = ["--chunk-context", "alone", "--chunk-context", "prefix", "--recompute", "none", "--recompute", "query:1"]
+    record = _eval_json(tiny_model_dirs["llama"], qa_file, tmp_path / "r.json", *extra, "--limit", "2")
+    rows = {(r["mode"], r["positions"], r["recompute"]): r for r in record["rows"]}
+    assert list(rows) == [
+        ("naive", None, "none"),
+        ("turbo", "reordered", "none"),
+        ("turbo", "composite", "none"),
+        ("turbo", "reordered", "query:1"),
+        ("turbo@prefix", "reordered", "none"),
+        ("turbo@prefix", "composite", "none"),
+        ("turbo@prefix", "reordered", "query:1"),
+    ]
+    alone, prefix = rows["turbo", "reordered", "none"], rows["turbo@prefix", "reordered", "none"]
+    assert alone["kl_first_token"] != prefix["kl_first_token"]
+    for mode in ("turbo", "turbo@prefix"):
+        assert rows[mode, "reordered", "query:1"]["kl_first_token"] < 1e-6
 
 
 def test_recompute_none_runs_once(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
@@ -213,3 +236,131 @@ def test_the_first_token_distribution_is_the_one_decoding_started_from(get_engin
         outcome = run_variant(runner, case, variant, sampling)
         assert int(outcome.first_logits.argmax()) == outcome.token_ids[0], variant.label
     runner.close()
+
+
+def _answers(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_answers_file_holds_every_answer_and_adds_up_to_the_rows(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
+) -> None:
+    answers = tmp_path / "answers.jsonl"
+    record = _eval_json(
+        tiny_model_dirs["qwen2"], qa_file, tmp_path / "r.json", "--answers", str(answers), "--max-new-tokens", "6"
+    )
+    lines = _answers(answers)
+    samples = read_samples(qa_file)
+    labels = [v.label for v in table_variants()]
+    assert [(a["id"], a["line"], a["variant"]) for a in lines] == [(s.id, s.line, v) for s in samples for v in labels]
+    assert samples[0].id == "q000000"  # the generator's ids are kept
+    for answer, sample in zip(lines, [s for s in samples for _ in labels], strict=True):
+        assert answer["gold"] == list(sample.answers)
+        assert answer["correct"] is short_answer_correct(answer["answer"], sample.answers)
+        assert answer["contains"] is contains_answer(answer["answer"], sample.answers)
+        assert answer["f1"] == best_f1(answer_span(answer["answer"]), sample.answers)
+    for row, label in zip(record["rows"], labels, strict=True):
+        mine = [a for a in lines if a["variant"] == label]
+        assert row["accuracy"] == sum(a["correct"] for a in mine) / len(mine)
+        assert row["f1"] == pytest.approx(sum(a["f1"] for a in mine) / len(mine))
+        assert row["answer_agreement"] == sum(a["answer_agreement"] for a in mine) / len(mine)
+        assert row["first_token_agreement"] == sum(a["first_token_agreement"] for a in mine) / len(mine)
+    naive = record["rows"][0]  # against an identical run: no difference, p = 1, an interval of a point
+    assert (naive["accuracy_vs_naive"], naive["p_mcnemar"], naive["ci95_low"], naive["ci95_high"]) == (0, 1, 0, 0)
+    for row in record["rows"]:
+        assert row["ci95_low"] <= row["accuracy_vs_naive"] <= row["ci95_high"]
+        assert row["accuracy_vs_naive"] == pytest.approx(row["accuracy"] - naive["accuracy"])
+
+
+def test_offset_and_limit_shards_add_up_to_the_whole_file(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path
+) -> None:
+    model = tiny_model_dirs["llama"]
+    whole, first, second = (tmp_path / f"{name}.jsonl" for name in ("whole", "first", "second"))
+    _eval_json(model, qa_file, tmp_path / "w.json", "--answers", str(whole), "--max-new-tokens", "4")
+    one = _eval_json(
+        model, qa_file, tmp_path / "1.json", "--answers", str(first), "--limit", "3", "--max-new-tokens", "4"
+    )
+    two = _eval_json(
+        model, qa_file, tmp_path / "2.json", "--answers", str(second), "--offset", "3", "--max-new-tokens", "4"
+    )
+    assert (one["samples"], one["offset"], one["limit"]) == (3, 0, 3)
+    assert (two["samples"], two["offset"], two["limit"]) == (1, 3, None)
+    assert {a["line"] for a in _answers(second)} == {4}
+    assert _answers(first) + _answers(second) == _answers(whole)
+
+
+def test_an_offset_past_the_end_exits_2(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(qa_file), "--device", "cpu"]
+    assert main([*args, "--offset", "4"]) == 2
+    assert "error: qa.jsonl: --offset 4 leaves nothing of its 4 samples" in capsys.readouterr().err
+    assert main([*args, "--offset", "-1"]) == 2
+    assert "error: --offset must be at least 0" in capsys.readouterr().err
+    assert main([*args, "--instruction", "x" * 2001]) == 2
+    assert "error: --instruction has 2001 characters; at most 2000" in capsys.readouterr().err
+
+
+def test_the_short_answer_instruction_is_in_the_system_message_by_default(
+    tiny_model_dirs: dict[str, Path], get_engine: Any, qa_file: Path, tmp_path: Path
+) -> None:
+    """By default the eval's prompt carries the instruction in its prefix; `--instruction ''` gives the served
+    prompt: its naive answers are the ones the server's engine (the default template) gives."""
+    engine: StitchEngine = get_engine("qwen2")
+    served = engine.template
+    instructed = build_template(engine.tokenizer, system_extra=DEFAULT_INSTRUCTION)
+    assert instructed.prefix != served.prefix and instructed.version != served.version
+    assert DEFAULT_INSTRUCTION in engine.tokenizer.decode(list(instructed.prefix))
+    assert DEFAULT_INSTRUCTION not in engine.tokenizer.decode(list(served.prefix))
+    # Only the system message changes: the chunk wrappers and the question's pieces are the served ones.
+    assert (instructed.doc_open, instructed.question_head, instructed.question_tail) == (
+        served.doc_open,
+        served.question_head,
+        served.question_tail,
+    )
+
+    model = tiny_model_dirs["qwen2"]
+    plain, default = tmp_path / "plain.jsonl", tmp_path / "default.jsonl"
+    record = _eval_json(model, qa_file, tmp_path / "d.json", "--answers", str(default), "--max-new-tokens", "5")
+    assert record["instruction"] == DEFAULT_INSTRUCTION
+    record = _eval_json(
+        model, qa_file, tmp_path / "p.json", "--answers", str(plain), "--instruction", "", "--max-new-tokens", "5"
+    )
+    assert record["instruction"] == ""
+    naive = [a["answer"] for a in _answers(plain) if a["variant"] == NAIVE.label]
+    assert naive == [_naive_answer(engine, s, 5) for s in read_samples(qa_file)]
+
+
+def test_the_table_shows_the_paired_tests(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = _eval_json(
+        tiny_model_dirs["mistral"], qa_file, tmp_path / "r.json", "--limit", "2", "--max-new-tokens", "3"
+    )
+    header, naive_line = capsys.readouterr().out.splitlines()[1:3]
+    assert header.split() == [
+        "mode",
+        "positions",
+        "recompute",
+        "accuracy",
+        "vs_naive",
+        "ci95",
+        "p",
+        "contains",
+        "f1",
+        "ftok_agree",
+        "ans_agree",
+        "kl_ftok",
+        "ttft_ms",
+    ]
+    cells = naive_line.split()
+    assert cells[:7] == [
+        "naive",
+        "-",
+        "none",
+        f"{record['rows'][0]['accuracy']:.3f}",
+        "+0.000",
+        "[+0.000,+0.000]",
+        "1.0000",
+    ]

@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from service.quality.metrics import best_f1, contains_answer, kl_divergence, normalize_answer, token_f1
+from service.quality.metrics import (
+    EXTRA_WORDS,
+    answer_span,
+    best_f1,
+    contains_answer,
+    kl_divergence,
+    normalize_answer,
+    short_answer_correct,
+    token_f1,
+)
 
 
 @pytest.mark.parametrize(
@@ -84,3 +93,49 @@ def test_kl_ignores_tokens_the_reference_gives_no_mass() -> None:
     q = _logits([0.25, 0.75])
     assert kl_divergence(p, q) == pytest.approx(math.log(1 / 0.25))
     assert kl_divergence(p, p) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("prediction", "span"),
+    [
+        ("1873", "1873"),
+        ("He was born in 1873. Later he moved.", "He was born in 1873."),
+        ("\n\n  Ommeria\nbecause the passage says so", "Ommeria"),
+        ("Python 3.11 and v1.2 are versions", "Python 3.11 and v1.2 are versions"),  # no sentence end in a number
+        ("Yes! It is.", "Yes!"),
+        ("Why? Because.", "Why?"),
+        ("", ""),
+    ],
+)
+def test_the_answer_span_is_the_first_statement(prediction: str, span: str) -> None:
+    assert answer_span(prediction) == span
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answers", "expected"),
+    [
+        ("1873", ["1873"], True),
+        ("He was born in 1873.", ["1873"], True),
+        ("1873. Later he moved to Ommeria and lived there for many long and happy years.", ["1873"], True),
+        ("The default value of the indent argument is None", ["None"], True),  # 6 extra normalised words: the limit
+        ("The default value of this indent argument is None", ["None"], False),  # 7 extra
+        ("Zorvath Keel, a sculptor", ["Zorvath Keel"], True),
+        # a copied sentence around the span is not an answer to the question
+        ("In 1873 the observatory was founded by Gouxbriar Brath on the hill above Ommeria", ["1873"], False),
+        ("Ommeria. He was born in 1873.", ["1873"], False),  # the span is not in the first statement
+        ("I think the documents say\n1873", ["1873"], False),  # nor on the first line
+        ("born in 18735", ["1873"], False),  # whole words, as containment
+        ("Born in Ommeria in 1873", ["Ommeria", "1873"], True),  # any acceptable answer counts
+        # a longer gold answer allows a longer restatement
+        ("It is released under the GNU General Public License version 3", ["GNU General Public License"], True),
+    ],
+)
+def test_short_answer_rule(prediction: str, answers: list[str], expected: bool) -> None:
+    assert short_answer_correct(prediction, answers) is expected
+    assert contains_answer(prediction, answers) or not expected  # stricter than containment, never laxer
+
+
+def test_the_extra_word_limit_is_the_documented_six() -> None:
+    assert EXTRA_WORDS == 6
+    assert short_answer_correct("one two three four five six 1873", ["1873"])
+    assert not short_answer_correct("one two three four five six seven 1873", ["1873"])
