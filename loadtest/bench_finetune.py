@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from service.engine.kv_layout import ChunkContext
 from service.engine.model import LoadedModel, load_model
 from service.engine.prompt import build_template
 from service.quality.generator import write_qa_file
@@ -116,12 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each (default 2)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="teacher answer limit (default 32)")
     parser.add_argument("--generate-batch-size", type=int, default=64, help="teacher answers per batch (64)")
+    parser.add_argument(
+        "--chunk-context", choices=("alone", "prefix"), default="alone", help="trained chunk context (alone)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON line here")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:
         data = args.data or str(write_qa_file(Path(scratch) / "qa.jsonl", args.questions, args.chunks, 11, 0.3))
-        config = FinetuneConfig(args.model, data, "unused", device=args.device, lr=1e-5, warmup_steps=0)
+        context = ChunkContext(args.chunk_context)
+        config = FinetuneConfig(
+            args.model, data, "unused", device=args.device, lr=1e-5, warmup_steps=0, chunk_context=context
+        )
         precision = choose_precision(config)
         model = load_model(args.model, device=args.device, dtype=precision.weights)
         examples = labelled_examples(model, build_template(model.tokenizer), data)
@@ -146,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens_per_sample": sum(e.tokens for e in examples) / len(examples),
         "teacher_answer_tokens": sum(len(a) for a in answers) / max(1, len(answers)),
         "teacher_answers_per_s": teacher_rate,
+        "chunk_context": args.chunk_context,
         "old_batch_size": args.old_batch_size,
         "old_samples_per_s": old,
     }

@@ -253,6 +253,12 @@ def _add_finetune(commands: Any, default_device: str) -> None:
     tune.add_argument(
         "--positions", choices=("reordered", "composite"), default="reordered", help="served positions to train"
     )
+    tune.add_argument(
+        "--chunk-context",
+        choices=("alone", "prefix"),
+        default="alone",
+        help="what the served chunks' KV is precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
+    )
     tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
     tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
     tune.add_argument(

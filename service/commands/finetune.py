@@ -12,6 +12,7 @@ from service.quality.commands import _error
 
 
 def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torch.dtype | None) -> int:
+    from service.engine.kv_layout import ChunkContext
     from service.engine.model import UnsupportedModelError
     from service.engine.stitch import PositionMode
     from service.quality.corpus_eval import CorpusError
@@ -35,6 +36,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         warmup_steps=args.warmup_steps,
         full_attention_share=args.full_attention_share,
         positions=PositionMode(args.positions),
+        chunk_context=ChunkContext(args.chunk_context),
         lora=args.lora,
         device=args.device,
         dtype=dtype,

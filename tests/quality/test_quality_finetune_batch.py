@@ -6,20 +6,28 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from service.cli import main
 from service.engine.engine import StitchEngine
+from service.engine.gate import run_gate
+from service.engine.kv_layout import ChunkContext
+from service.engine.model import load_model
 from service.engine.prompt import PromptIds, encode
 from service.engine.stitch import PositionMode
+from service.quality.generator import write_qa_file
 from workers.training.batch import IGNORE, collate, sample_losses
 from workers.training.distill import FrozenTeacher, stop_ids, until_stop
 from workers.training.finetune import (
     BUCKET_BATCHES,
+    REPORT_NAME,
     Example,
     FinetuneConfig,
     FinetuneReport,
@@ -221,3 +229,69 @@ def test_with_lora_the_teacher_is_the_base_with_its_adapters_off(get_engine: Any
             teacher.log_probs(batch.input_ids[:1], places), reference.log_probs(batch.input_ids[:1], places)
         )
     assert float(after.mean()) < 0.5 * float(before.mean())
+
+
+@pytest.mark.parametrize("positions", list(PositionMode))
+def test_with_chunks_after_the_prefix_training_logits_equal_the_served_ones(
+    get_engine: Any, arch: str, positions: PositionMode
+) -> None:
+    """--chunk-context prefix: in composite one masked forward; in reordered the prefix copied before each later
+    chunk (its K/V as precomputed at P.., its keys at its slot). Either way the question's logits are the
+    engine's stitched prefill over chunks precomputed after the prefix."""
+    base: StitchEngine = get_engine(arch)
+    engine = StitchEngine(base.model, base.template, chunk_context=ChunkContext.PREFIX)
+    example = _labelled(engine)[1]  # three chunks: the second and third are moved away from P
+    prompt = example.prompt
+    sample = attention_sample(prompt, example.target, positions, context=ChunkContext.PREFIX)
+    with torch.no_grad():
+        trained = forward_logits(engine.model.hf, sample, CPU, torch.float32)
+    _, served, _ = engine.prefill_stitched(
+        engine.precompute(prompt.blocks), prompt.question, positions, all_logits=True
+    )
+    end = len(sample.input_ids) - len(example.target)
+    question = trained[end - len(prompt.question) : end]
+    assert float((question - served).abs().max()) < 1e-4
+    alone = attention_sample(prompt, example.target, positions)
+    with torch.no_grad():
+        other = forward_logits(engine.model.hf, alone, CPU, torch.float32)[
+            len(prompt.joined()) - len(prompt.question) :
+        ]
+    assert float((other[: len(prompt.question)] - served).abs().max()) > 1e-3  # the context really differs
+    if positions is PositionMode.REORDERED:
+        copies = len(prompt.blocks) - 1
+        assert len(sample.input_ids) == len(prompt.joined()) + len(example.target) + copies * len(prompt.prefix)
+        assert torch.equal(sample.teacher_input, torch.tensor([*prompt.joined(), *example.target]))
+
+
+def test_a_padded_batch_gives_moved_chunk_samples_their_one_sample_kl(get_engine: Any) -> None:
+    engine: StitchEngine = get_engine("qwen2")
+    teacher = FrozenTeacher.frozen_copy(engine.model.hf, torch.float32)
+    student = _perturbed(engine.model.hf, seed=2)
+    examples = [Example(e.prompt, e.target, distill=True) for e in _labelled(engine)]
+    reordered, prefix = PositionMode.REORDERED, ChunkContext.PREFIX
+    samples = [attention_sample(e.prompt, e.target, reordered, True, prefix) for e in examples]
+    with torch.no_grad():
+        batched = sample_losses(student, collate(samples, pad_id=0), CPU, torch.float32, teacher)
+        alone = []
+        for example, sample in zip(examples, samples, strict=True):
+            naive = attention_sample(example.prompt, example.target, None)
+            student_lp = torch.log_softmax(forward_logits(student, sample, CPU, torch.float32)[:-1], -1)
+            teacher_lp = torch.log_softmax(forward_logits(teacher.hf, naive, CPU, torch.float32)[:-1], -1)
+            learnt = len(example.target)
+            kl = (teacher_lp[-learnt:].exp() * (teacher_lp[-learnt:] - student_lp[-learnt:])).sum(-1)
+            alone.append(kl.mean())
+    assert torch.allclose(batched, torch.stack(alone), rtol=1e-4, atol=1e-6), (batched, alone)
+
+
+def test_the_command_trains_the_chosen_chunk_context(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    qa = write_qa_file(tmp_path / "qa.jsonl", questions=4, chunks=3, seed=2, two_fact_share=0.0)
+    out = tmp_path / "prefix"
+    argv = ["finetune", "--model", str(tiny_model_dirs["llama"]), "--data", str(qa), "--out", str(out)]
+    more = ["--chunk-context", "prefix", "--full-attention-share", "0", "--steps", "1", "--batch-size", "2"]
+    assert main([*argv, "--device", "cpu", *more]) == 0
+    assert "2 block, 0 full-attention samples; 2 labelled" in capsys.readouterr().out
+    record = json.loads((out / REPORT_NAME).read_text(encoding="utf-8"))
+    assert record["config"]["chunk_context"] == "prefix" and record["config"]["positions"] == "reordered"
+    assert run_gate(StitchEngine(load_model(out), chunk_context=ChunkContext.PREFIX)).passed

@@ -33,13 +33,20 @@ IGNORE = -100  # label of tokens without loss (cross_entropy's ignore_index)
 @dataclass(frozen=True)
 class TrainingSample:
     """One sequence with its mask, positions and labels, all [N] (the mask [N, N], True: may attend).
-    `distill`: learn the teacher's distributions at the labelled places rather than the labels themselves."""
+    `distill`: learn the teacher's distributions at the labelled places rather than the labels themselves.
+    `teacher_ids`: what the teacher reads when the sequence holds tokens the served prompt has not (copies of the
+    prefix, all before the learnt tokens); None: the same ids."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     allowed: torch.Tensor
     labels: torch.Tensor
     distill: bool = False
+    teacher_ids: torch.Tensor | None = None
+
+    @property
+    def teacher_input(self) -> torch.Tensor:
+        return self.input_ids if self.teacher_ids is None else self.teacher_ids
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class PaddedBatch:
     allowed: torch.Tensor  # [B, L, L] bool
     targets: torch.Tensor  # [B, L - 1]: the token each position predicts, IGNORE where there is no loss
     distill: torch.Tensor  # [B] bool
+    teacher_ids: torch.Tensor  # [B, L'] what the teacher reads, padded on the right
+    teacher_shift: torch.Tensor  # [B] how many more tokens a row has than its teacher's row (all before the loss)
 
     @property
     def size(self) -> int:
@@ -70,7 +79,12 @@ def collate(samples: Sequence[TrainingSample], pad_id: int) -> PaddedBatch:
         labels[row, :size] = sample.labels
         allowed[row, :size, :size] = sample.allowed
     distill = torch.tensor([s.distill for s in samples], dtype=torch.bool)
-    return PaddedBatch(ids, positions, allowed, labels[:, 1:], distill)
+    teacher_width = max(len(s.teacher_input) for s in samples)
+    teacher_ids = torch.full((count, teacher_width), pad_id, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        teacher_ids[row, : len(sample.teacher_input)] = sample.teacher_input
+    shift = torch.tensor([len(s.input_ids) - len(s.teacher_input) for s in samples], dtype=torch.long)
+    return PaddedBatch(ids, positions, allowed, labels[:, 1:], distill, teacher_ids, shift)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +111,7 @@ class LossPlaces:
     labels: torch.Tensor  # [T] the target token of each
     labelled: torch.Tensor  # indices into T of the cross-entropy tokens
     distilled: torch.Tensor  # indices into T of the KL tokens
-    teacher_flat: torch.Tensor  # the KL tokens' indices into the distillation rows' [D * (L - 1)] predictions
+    teacher_flat: torch.Tensor  # the KL tokens' indices into the distillation rows' [D * (L' - 1)] predictions
     counts: torch.Tensor  # [B] learnt tokens per sample (at least 1)
 
 
@@ -107,13 +121,15 @@ def loss_places(batch: PaddedBatch) -> LossPlaces:
     rows, cols = where.nonzero(as_tuple=True)
     distill = batch.distill[rows]
     teacher_row = torch.cumsum(batch.distill.long(), 0) - 1  # a distillation row's index among those rows
+    teacher_width = batch.teacher_ids.shape[1] - 1
+    teacher_cols = cols - batch.teacher_shift[rows]
     return LossPlaces(
         flat=rows * width + cols,
         rows=rows,
         labels=batch.targets[where],
         labelled=(~distill).nonzero().flatten(),
         distilled=distill.nonzero().flatten(),
-        teacher_flat=teacher_row[rows[distill]] * width + cols[distill],
+        teacher_flat=teacher_row[rows[distill]] * teacher_width + teacher_cols[distill],
         counts=where.sum(dim=1).clamp(min=1),
     )
 
@@ -148,7 +164,7 @@ def sample_losses(
         losses = losses.index_copy(0, labelled, cross)
     if teacher is not None and len(places.distilled):
         distilled = places.distilled.to(device)
-        teacher_lp = teacher.log_probs(batch.input_ids[batch.distill].to(device), places.teacher_flat.to(device))
+        teacher_lp = teacher.log_probs(batch.teacher_ids[batch.distill].to(device), places.teacher_flat.to(device))
         student_lp = torch.log_softmax(logits.index_select(0, distilled), dim=-1)
         kl = torch.nn.functional.kl_div(student_lp, teacher_lp, log_target=True, reduction="none").sum(-1)
         losses = losses.index_copy(0, distilled, kl)

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from service.engine.kv_layout import ChunkContext
 from service.engine.model import LoadedModel, default_dtype, load_model
 from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
 from service.engine.reference import independent_mask
@@ -94,6 +95,7 @@ class FinetuneConfig:
     warmup_steps: int = 20
     full_attention_share: float = DEFAULT_FULL_ATTENTION_SHARE
     positions: PositionMode = PositionMode.REORDERED
+    chunk_context: ChunkContext = ChunkContext.ALONE  # what the served chunks' KV is precomputed after
     lora: bool = False
     device: str = "cpu"
     dtype: torch.dtype | None = None  # weights and optimiser state; None: see `choose_precision`
@@ -186,21 +188,64 @@ def _labels(prompt: PromptIds, target: Sequence[int]) -> torch.Tensor:
 
 
 def attention_sample(
-    prompt: PromptIds, target: Sequence[int], positions: PositionMode | None, distill: bool = False
+    prompt: PromptIds,
+    target: Sequence[int],
+    positions: PositionMode | None,
+    distill: bool = False,
+    context: ChunkContext = ChunkContext.ALONE,
 ) -> TrainingSample:
     """prompt + target under the served attention (`positions` a mode: the independent mask and the stitch
-    plan's positions) or under full causal attention at 0..N-1 (`positions` None, the naive path)."""
+    plan's positions, chunks precomputed after `context`) or under full causal attention at 0..N-1 (`positions`
+    None, the naive path)."""
     ids = torch.tensor([*prompt.joined(), *target], dtype=torch.long)
     size = len(ids)
     if positions is None:
         allowed = torch.ones(size, size, dtype=torch.bool).tril()
         return TrainingSample(ids, torch.arange(size), allowed, _labels(prompt, target), distill)
+    after_prefix = context is ChunkContext.PREFIX
+    if after_prefix and PositionMode(positions) is PositionMode.REORDERED:
+        return moved_chunks_sample(prompt, target, distill)
     lengths = [len(prompt.prefix), *(len(b) for b in prompt.blocks)]
     tail = len(prompt.question) + len(target)
-    plan = plan_positions(positions, lengths)
-    context = plan.context_tokens
-    served = torch.cat([plan.positions(), torch.arange(context, context + tail)])
-    return TrainingSample(ids, served, independent_mask(lengths, tail), _labels(prompt, target), distill)
+    plan = plan_positions(positions, lengths, len(prompt.prefix) if after_prefix else 0)
+    start = plan.context_tokens
+    served = torch.cat([plan.positions(), torch.arange(start, start + tail)])
+    allowed = independent_mask(lengths, tail, prefix_visible=after_prefix)
+    return TrainingSample(ids, served, allowed, _labels(prompt, target), distill)
+
+
+def moved_chunks_sample(prompt: PromptIds, target: Sequence[int], distill: bool) -> TrainingSample:
+    """Chunks precomputed after the prefix (at P..) and read at reordered positions, as one forward.
+
+    Served, a chunk's K/V come from prefix + chunk at P.., and its keys are then rotated to its slot: no single
+    position per token gives that when the chunk's slot is not P. But RoPE depends only on distances, so a copy of
+    the prefix placed right before the chunk (at slot - P .. slot - 1) gives the chunk exactly its precomputed
+    K/V, with its keys already at the slot. So the sequence is prefix + chunk 1 (whose slot is P), then a prefix
+    copy + chunk for each later chunk, then the tail; each block sees only itself (`independent_mask`), and the
+    tail sees the prefix and the chunks but no copy. The teacher reads the prompt without the copies
+    (`teacher_ids`)."""
+    prefix, blocks = list(prompt.prefix), [list(b) for b in prompt.blocks]
+    tail_ids = [*prompt.question, *target]
+    segments = [prefix + blocks[0], *(prefix + b for b in blocks[1:])]
+    lengths = [len(s) for s in segments]
+    allowed = independent_mask(lengths, len(tail_ids))
+    copies = torch.zeros(sum(lengths), dtype=torch.bool)
+    positions, slot, offset = [], 0, 0
+    for index, segment in enumerate(segments):
+        first = slot if index == 0 else slot - len(prefix)
+        positions.append(torch.arange(first, first + len(segment)))
+        if index > 0:
+            copies[offset : offset + len(prefix)] = True
+        slot += len(segment) if index == 0 else len(segment) - len(prefix)
+        offset += len(segment)
+    tail_rows = slice(sum(lengths), None)
+    allowed[tail_rows, : sum(lengths)] &= ~copies
+    positions.append(torch.arange(slot, slot + len(tail_ids)))
+    ids = torch.tensor([*(t for s in segments for t in s), *tail_ids], dtype=torch.long)
+    labels = torch.full((len(ids),), IGNORE, dtype=torch.long)
+    labels[len(ids) - len(target) :] = torch.tensor(list(target), dtype=torch.long)
+    teacher = torch.tensor([*prompt.joined(), *target], dtype=torch.long)
+    return TrainingSample(ids, torch.cat(positions), allowed, labels, distill, teacher)
 
 
 def block_sample(
@@ -502,7 +547,7 @@ def draw_sample(example: Example, config: FinetuneConfig, rng: random.Random, re
         report.full_attention_samples += 1
         return attention_sample(example.prompt, example.target, None, example.distill)
     report.block_samples += 1
-    return attention_sample(example.prompt, example.target, config.positions, example.distill)
+    return attention_sample(example.prompt, example.target, config.positions, example.distill, config.chunk_context)
 
 
 def save(hf: Any, model: LoadedModel, config: FinetuneConfig, report: FinetuneReport) -> None:
