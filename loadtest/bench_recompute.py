@@ -5,7 +5,8 @@
 
 Without --model it builds a Qwen2-7B-shaped model with random bf16 weights on the GPU (see bench_prefill); the
 second line is a CPU smoke run on a tiny model (`kvstitch tiny-model DIR`). For each context and each spec
-(`selective:R` for every --shares R, `prefix:N` for every --prefix N) TTFT is wall clock from "chunk KV on the device"
+(`selective:R` for every --shares R, `prefix:N` for every --prefix N, any spec of --specs) TTFT is wall clock from
+"chunk KV on the device"
 to "first token id on the host", synchronised, median of --runs after --warmup, as the scheduler serves a turbo
 request with recompute (`prefill_turbo`): lease the bucket's CUDA graph (where graphs are on), stitch into its
 buffer, recompute eagerly, prefill the question (through the graph where it holds it), argmax. (The scheduler's
@@ -79,7 +80,7 @@ def recompute_only(
         stitched = engine.stitch(chunk_kv, PositionMode.REORDERED, len(prompt.question))
 
     def run() -> int:
-        return engine.recompute(*stitched, chunk_kv, spec)
+        return engine.recompute(*stitched, chunk_kv, spec, prompt.question)
 
     return prepare, run
 
@@ -119,6 +120,7 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) 
     naive = engine.prefill_naive(prompt)[1].float()
     specs = [parse_recompute(f"selective:{r:g}") for r in args.shares]
     specs += [parse_recompute(f"prefix:{n}") for n in args.prefix]
+    specs += [parse_recompute(spec) for spec in args.specs]
     rows = [spec_row(engine, prompt, chunk_kv, spec, naive, args) for spec in specs]
     for row in rows:
         row["median_ttft_ms"] = statistics.median(row["ttft_ms"])
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(contexts=[8192])
     parser.add_argument("--shares", type=float, nargs="+", default=DEFAULT_SHARES, help="selective:R shares")
     parser.add_argument("--prefix", type=int, nargs="*", default=[], help="prefix:N token counts, also timed")
+    parser.add_argument(
+        "--specs", nargs="*", default=[], help="other specs, also timed (query:0.2, auto, auto:1e-6 = always, auto:1)"
+    )
     parser.add_argument("--answer-tokens", type=int, default=256, help="answer budget (sizes the graph's bucket)")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)

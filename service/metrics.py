@@ -38,6 +38,13 @@ TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 
 # `queue` is the wait for the engine; `precompute` is KV computed online for misses; `recompute` the part of the
 # stitched context recomputed before the question (all part of TTFT).
 STAGES = ("retrieve", "queue", "engine_wait", "load", "h2d", "precompute", "stitch", "recompute", "prefill", "decode")
+# KL(naive || turbo) of the first-token distribution, in nats: ~1e-6 is rounding, ~0.1 a visible shift, > 1 another
+# answer.
+KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+# What became of the shadow of a turbo answer picked for one (service/serving/shadow.py): compared, dropped (the
+# shadows' queue was full), preempted (a request needed its place), failed.
+SHADOW_OUTCOMES = ("compared", "dropped", "preempted", "failed")
+SHADOW_KINDS = ("first_token", "answer")
 # `submitted` at POST /ingest; the others as a worker's delivery ends (`retry`: failed, will be delivered again).
 INGEST_STATUSES = ("submitted", "done", "failed", "retry")
 
@@ -92,10 +99,43 @@ class Metrics:
         self.preemptions = Counter(
             "kvstitch_preemptions", "Running answers preempted to free KV pool memory", registry=r
         )
+        self.recompute_requests = Counter(
+            "kvstitch_recompute_requests", "Turbo answers by recompute policy (none, prefix, selective, query, auto)",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        self.recompute_triggered = Counter(
+            "kvstitch_recompute_triggered", "Turbo answers that recomputed any context token, by policy",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        # The share of answers whose recompute ran (since start): `auto`'s trigger rate, the figure its threshold
+        # trades against TTFT. The two counters give it over any window.
+        self.recompute_trigger_rate = Gauge(
+            "kvstitch_recompute_trigger_rate", "Share of turbo answers that recomputed, by policy (since start)",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        self.recomputed_tokens = Counter(
+            "kvstitch_recomputed_tokens", "Context tokens recomputed after the stitch", registry=r
+        )
+        self._recomputes: dict[str, tuple[int, int]] = {}  # policy -> (answers, answers that recomputed)
         self.ready = Gauge("kvstitch_ready", "1 when /readyz answers 200", registry=r)
         self.gate_diff = Gauge(
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
         )
+        # Agreement as counters of comparisons by outcome (agreed, differed), not a gauge of a running mean: a rate
+        # over any window is then agreed / all, it sums across gateways, and no comparison is lost between scrapes.
+        self.shadow_agreement = Counter(
+            "kvstitch_shadow_agreement", "Turbo answers compared with their naive shadow, by outcome: agreed, differed",
+            ["positions", "recompute", "kind", "outcome"], registry=r,
+        )  # fmt: skip
+        self.shadow_kl = Histogram(
+            "kvstitch_shadow_kl", "KL(naive || turbo) of the first-token distribution of sampled answers (nats)",
+            ["positions", "recompute", "kind"], buckets=KL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.shadow_answers = Counter(
+            "kvstitch_shadow_answers", "Shadow answers (a share of turbo answers run again naive), by outcome",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.shadow_pending = Gauge("kvstitch_shadow_pending", "Shadow answers queued or running", registry=r)
         self.ingest_jobs = Counter("kvstitch_ingest_jobs", "Ingest jobs by outcome", ["status"], registry=r)
         self.ingest_chunks = Counter(
             "kvstitch_ingest_chunks", "Chunks ingested, by whether their KV was computed or reused", ["kv"], registry=r
@@ -108,6 +148,8 @@ class Metrics:
             self.ingest_jobs.labels(status)
         for kv in ("precomputed", "reused"):
             self.ingest_chunks.labels(kv)
+        for outcome in SHADOW_OUTCOMES:
+            self.shadow_answers.labels(outcome)
 
     # ---- answers --------------------------------------------------------------------------------------------
 
@@ -120,8 +162,12 @@ class Metrics:
         kv: dict[str, int],
         kv_bytes: dict[str, int],
         output_tokens: int,
+        recompute: str = "none",
+        recomputed_tokens: int = 0,
     ) -> None:
         self.ttft.labels(mode, positions).observe(ttft_ms / 1e3)
+        if mode == "turbo":
+            self._observe_recompute(recompute.partition(":")[0], recomputed_tokens)
         for stage, ms in timings_ms.items():
             if stage in STAGES:
                 self.stage.labels(stage).observe(ms / 1e3)
@@ -135,6 +181,27 @@ class Metrics:
         # Decode time covers the tokens after the first (the first one is TTFT); one token has no decode rate.
         if output_tokens > 1:
             self.time_per_output_token.labels(mode).observe(timings_ms.get("decode", 0.0) / 1e3 / (output_tokens - 1))
+
+    def _observe_recompute(self, policy: str, tokens: int) -> None:
+        self.recompute_requests.labels(policy).inc()
+        if tokens:
+            self.recompute_triggered.labels(policy).inc()
+            self.recomputed_tokens.inc(tokens)
+        runs, triggered = self._recomputes.get(policy, (0, 0))
+        runs, triggered = runs + 1, triggered + (tokens > 0)
+        self._recomputes[policy] = (runs, triggered)
+        self.recompute_trigger_rate.labels(policy).set(triggered / runs)
+
+    # ---- shadow answers -------------------------------------------------------------------------------------
+
+    def observe_shadow(self, positions: str, recompute: str, agreed: dict[str, bool | None], kl: float | None) -> None:
+        """One compared shadow: agreement by kind (first_token, answer; None: not compared) and the KL where
+        one was computed (kind first_token: the first-token distribution)."""
+        for kind, same in agreed.items():
+            if same is not None:
+                self.shadow_agreement.labels(positions, recompute, kind, "agreed" if same else "differed").inc()
+        if kl is not None:
+            self.shadow_kl.labels(positions, recompute, "first_token").observe(kl)
 
     # ---- ingestion ------------------------------------------------------------------------------------------
 

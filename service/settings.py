@@ -75,6 +75,16 @@ class Settings(BaseSettings):
         "none",
         description="Recompute for turbo answers that name none: none, prefix:N, selective:R, query:R, auto[:T].",
     )
+    shadow_share: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Share of turbo answers also answered naive after the client's answer, off the critical path, "
+        "and compared (agreement and KL metrics, /readyz); 0 = none.",
+    )
+    shadow_queue: int = Field(
+        16, ge=1, le=1024, description="Shadow answers queued or running at most; one more is dropped and counted."
+    )
 
     # ---- retrieval and ingestion ---------------------------------------------------------------------------
     embedding_model: str | None = Field(

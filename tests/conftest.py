@@ -23,6 +23,9 @@ from service.engine.model import load_model
 os.environ.setdefault("KVSTITCH_GC_FREEZE", "false")
 # Python's own youngest-generation threshold: a ready server in one test must not change the whole run's GC.
 os.environ.setdefault("KVSTITCH_GC_GEN0_THRESHOLD", "700")
+# Shadow answers are drawn at random (1 % of turbo answers by default): a server under test runs none unless the test
+# asks (tests/api/test_api_shadow.py), so no test's engine steps or metrics change by chance.
+os.environ.setdefault("KVSTITCH_SHADOW_SHARE", "0")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [

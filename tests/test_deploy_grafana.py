@@ -65,6 +65,7 @@ def exported() -> dict[str, set[str]]:
     metrics.gate_diff.set(1e-6)
     for status in INGEST_STATUSES:
         metrics.ingest_jobs.labels(status).inc()
+    metrics.observe_shadow("reordered", "none", {"first_token": True, "answer": False}, kl=0.01)
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         assert family.samples, f"{family.name} has no sample: populate it above"
@@ -106,6 +107,8 @@ def test_the_dashboard_has_the_panels_the_issue_asks_for() -> None:
         "rate(kvstitch_output_tokens_total",  # tokens per second
         "kvstitch_queue_depth",
         "kvstitch_ingest_pending",  # ingest backlog
+        'increase(kvstitch_shadow_agreement_total{outcome="agreed"}',  # fidelity on live traffic
+        "kvstitch_shadow_kl_bucket",
     ):
         assert needle in exprs, needle
 

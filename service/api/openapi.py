@@ -32,10 +32,12 @@ class OpenAIErrorOut(BaseModel):
 
 
 class Readiness(BaseModel):
-    """What /readyz answers, with 200 or 503: each check and why it fails."""
+    """What /readyz answers, with 200 or 503: each check and why it fails; once serving, the shadow answers'
+    figures (share, queue, outcomes, agreement rates and mean KL since start)."""
 
     ready: bool
     checks: dict[str, Any]
+    shadow: dict[str, Any] | None = None
 
 
 WHY = {

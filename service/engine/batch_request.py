@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 
+import torch
+
 from service.engine.chunk_source import ChunkFetch
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import GenerationMode, GenerationResult
@@ -31,7 +33,9 @@ class BatchRequest:
     `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
     scheduler's thread. A turbo request without `chunk_kv` gets it at admission from the scheduler's KV source
     (`fetch` then keeps what the source reported: tiers, bytes, timings). `result.finish_reason` ends as
-    "length", "stop", "cancelled" or "error" (`error` then holds the exception).
+    "length", "stop", "cancelled" or "error" (`error` then holds the exception); a `shadow` request (low
+    priority: admitted only while no other request waits) may also end "preempted", to make room for one that
+    does. `keep_first_logits`: the first token's logits are kept in `first_logits` (fp32, on the host).
     """
 
     def __init__(
@@ -45,6 +49,8 @@ class BatchRequest:
         on_text: TextSink | None = None,
         on_finish: Callable[[BatchRequest], None] | None = None,
         recompute: RecomputeSpec = NO_RECOMPUTE,
+        shadow: bool = False,
+        keep_first_logits: bool = False,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -55,6 +61,9 @@ class BatchRequest:
         self.recompute = recompute  # turbo only: part of the stitched context recomputed before the question
         self.on_text = on_text
         self.on_finish = on_finish
+        self.shadow = shadow  # yields to every other request: admitted after them, preempted for them
+        self.keep_first_logits = keep_first_logits
+        self.first_logits: torch.Tensor | None = None  # [vocab] fp32 on the host, once picked (when kept)
         self.fetch: ChunkFetch | None = None  # what the KV source handed at admission
         self.status = RequestStatus.WAITING
         self.cancelled = False

@@ -8,6 +8,12 @@ prompt tokens this step prefills; `continuing` picks the running requests that n
 
 First come, first served: a request the pool cannot hold yet waits at the head of the line and nothing behind it
 overtakes it, so a long request cannot starve.
+
+Shadow requests (a sample of answers run again naive, to watch fidelity) wait in a line of their own, the low
+priority lane: one is admitted only while no other request waits and the batch has room. When the head of the
+main line cannot be admitted (no room in the batch or the pool), every shadow admitted is preempted (`preempted`:
+ended, its slab freed, not run again), so a request never waits longer for a shadow than the step already launched.
+A running naive shadow's prompt chunks also go after every other request's.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Planner:
         self.waiting: deque[BatchRequest] = deque()
         self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt goes in by chunks
         self.running: deque[BatchRequest] = deque()
+        self.shadows: deque[BatchRequest] = deque()  # the low-priority lane; its bound is the caller's
 
     def add(self, request: BatchRequest) -> None:
         """Queue a request; ValueError when it can never run, QueueFullError when the line is full."""
@@ -101,20 +108,32 @@ class Planner:
             raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
         if need > self.max_tokens:
             raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self.max_tokens}")
+        if request.shadow:
+            request.added_at = time.perf_counter()
+            self.shadows.append(request)
+            return
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests already wait")
         request.added_at = time.perf_counter()
         self.waiting.append(request)
 
     def cancelled(self) -> list[BatchRequest]:
-        return [r for r in (*self.waiting, *self.prefilling, *self.running) if r.cancelled]
+        return [r for r in (*self.waiting, *self.shadows, *self.prefilling, *self.running) if r.cancelled]
+
+    def preempted(self) -> list[BatchRequest]:
+        """The admitted shadows to end now: the head of the main line cannot be admitted (the batch is full or the
+        pool has no slab for it), so they make room for it."""
+        shadows = [r for r in (*self.prefilling, *self.running) if r.shadow]
+        if not (shadows and self.waiting) or self._admissible(self.waiting[0], 0):
+            return []
+        return shadows
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.shadows or self.prefilling or self.running)
 
     def remove(self, request: BatchRequest) -> None:
         """Take an ended request out of whichever line holds it."""
-        for line in (self.waiting, self.running, self.prefilling):
+        for line in (self.waiting, self.shadows, self.running, self.prefilling):
             if request in line:
                 line.remove(request)
 
@@ -132,18 +151,22 @@ class Planner:
         decode step's forward where it holds them (`_rides_in_step`)."""
         plan = AdmissionPlan()
         admitted: list[BatchRequest] = []
-        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch:
-            request = self.waiting[0]
-            if not self.pool.can_allocate(request.tokens_needed):
+        # The shadows' lane only once the main line is empty: a shadow never takes a place a request could have.
+        for line in (self.waiting, self.shadows):
+            if line is self.shadows and self.waiting:
                 break
-            self.waiting.popleft()
-            error = self._reserve(request)
-            if error is not None:
-                plan.failed.append((request, error))
-            elif self._chunked(request):
-                self.prefilling.append(request)
-            else:
-                admitted.append(request)
+            while line:
+                request = line[0]
+                if not self._admissible(request, len(admitted)):
+                    break
+                line.popleft()
+                error = self._reserve(request)
+                if error is not None:
+                    plan.failed.append((request, error))
+                elif self._chunked(request):
+                    self.prefilling.append(request)
+                else:
+                    admitted.append(request)
         together = [r for r in admitted if self._joins_batched_prefill(r)]
         riding = self._rides_in_step(together)
         if not self.shapes.batched or (len(together) < self.batch_prefill_min and not riding):
@@ -154,6 +177,12 @@ class Planner:
         else:
             plan.together = together
         return plan
+
+    def _admissible(self, request: BatchRequest, admitted: int) -> bool:
+        """Whether `request` can be admitted now, beside `admitted` others admitted in this step: the batch has a
+        row and the pool a slab for it."""
+        batch = len(self.running) + len(self.prefilling) + admitted
+        return batch < self.max_batch and self.pool.can_allocate(request.tokens_needed)
 
     def _reserve(self, request: BatchRequest) -> BaseException | None:
         """Give the request its slab and its chunk KV; the error when the KV could not be had (its slab, which no
@@ -208,7 +237,7 @@ class Planner:
         every request's share of the budget goes in this step; elsewhere one chunk of the oldest alone."""
         chunks: list[NaiveChunk] = []
         budget = self.prefill_chunk
-        for request in self.prefilling:
+        for request in sorted(self.prefilling, key=lambda r: r.shadow):  # stable: shadows last, else oldest first
             ids, begin = request.prompt.joined(), request.buffer.length
             take = min(len(ids) - begin, budget)
             chunks.append(NaiveChunk(request, list(ids[begin : begin + take]), begin))

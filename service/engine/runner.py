@@ -28,6 +28,7 @@ from service.engine.batch_graph import BatchGraphs
 from service.engine.batch_request import BatchRequest
 from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import StitchEngine, Stopwatch, stage_setter
+from service.engine.first_logits import keep_first_logits
 from service.engine.inflight import InFlight, PendingPicks, copy_to_host
 from service.engine.output import Failed, Started, StepOutput, Tokens
 from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
@@ -142,6 +143,7 @@ class StepRunner:
         if len(started) < len(group):
             kept = {id(r) for r in started}
             logits = logits[[row for row, r in enumerate(group) if id(r) in kept]]
+        keep_first_logits(started, logits)
         try:
             picks = pick_rows_on_device(logits, [r.running_sampler for r in started])
         except Exception as err:
@@ -154,6 +156,7 @@ class StepRunner:
         self, group: Sequence[BatchRequest], logits: torch.Tensor, watch: Stopwatch | None
     ) -> Outputs:
         """Each request's first token picked and read here; those it does not end start running."""
+        keep_first_logits(group, logits)
         for row, request in enumerate(group):
             try:
                 self.start_decoding(request)
@@ -270,6 +273,7 @@ class StepRunner:
             if questions:
                 assert watch is not None
                 logits = self._mixed_logits(batch, questions, feed, watch)
+                keep_first_logits(questions, logits[len(batch) :])
             else:
                 logits = self._decode_logits(batch, feed)
             picks = pick_rows_on_device(logits, [r.running_sampler for r in rows])

@@ -100,6 +100,7 @@ class Scheduler:
         """One iteration; returns the requests that ended in it."""
         busy, began = self.runner.busy_s, time.perf_counter()
         finished = self._end(self.planner.cancelled(), "cancelled")
+        finished += self._end(self.planner.preempted(), "preempted")
         plan = self.planner.admit()
         finished += self._apply(Failed([request], error) for request, error in plan.failed)
         finished += self._apply(self.runner.admit(plan))
@@ -142,7 +143,7 @@ class Scheduler:
     def fail_all(self, error: BaseException) -> list[BatchRequest]:
         """End every request with `error` (a step itself failed: the device state of the batch is unknown)."""
         planner = self.planner
-        failed = [*planner.waiting, *planner.prefilling, *planner.running, *self.runner.questions]
+        failed = [*planner.waiting, *planner.shadows, *planner.prefilling, *planner.running, *self.runner.questions]
         self.runner.questions = []
         self.runner.inflight.forget()
         for request in failed:

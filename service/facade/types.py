@@ -125,6 +125,7 @@ class DoneEvent:
     kv_bytes: dict[str, int] = field(default_factory=dict)
     recompute: str = "none"
     recomputed_tokens: int = 0
+    recomputed_share: float = 0.0  # of the chunk tokens (auto decides it per request)
     logprobs: tuple[Logprob, ...] = ()  # every answer token's, when the request asked
 
     def summary(self) -> dict[str, Any]:
@@ -141,6 +142,7 @@ class DoneEvent:
             "context_tokens": self.context_tokens,
             "recompute": self.recompute,
             "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_share": round(self.recomputed_share, 4),
         }
 
 

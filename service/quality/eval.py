@@ -181,13 +181,13 @@ class Scores:
         """Score one answer; returns its record for the answers file."""
         correct = contains = f1 = None
         if sample.answers:  # a question of a user's own corpus has none: agreement and KL only
-            correct = short_answer_correct(outcome.text, sample.answers)
+            correct = short_answer_correct(outcome.text, sample.answers, sample.question)
             contains = contains_answer(outcome.text, sample.answers)
             f1 = best_f1(answer_span(outcome.text), sample.answers)
             self.correct.append(correct)
             self.contains.append(contains)
             self.f1.append(f1)
-            self.reference_correct.append(short_answer_correct(reference.text, sample.answers))
+            self.reference_correct.append(short_answer_correct(reference.text, sample.answers, sample.question))
         first_same = outcome.token_ids[:1] == reference.token_ids[:1]
         answer_same = outcome.token_ids == reference.token_ids
         self.first_token_same.append(first_same)

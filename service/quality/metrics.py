@@ -6,7 +6,9 @@ collapse whitespace), so numbers are comparable with the papers that report it.
 Accuracy (`short_answer_correct`) does not reward a wordy answer that merely contains the span. The answer is cut
 to its first statement (`answer_span`: the first non-blank line, up to the first `.`, `!` or `?` followed by a space
 or the end); it is correct when that span holds an acceptable answer as whole words (normalised) and has at most
-`EXTRA_WORDS` normalised words more than that answer. "1873", "He was born in 1873." and "1873. Later he moved to
+`EXTRA_WORDS` normalised words more than that answer, not counting words of the question (an answer that restates
+the question, "The default width of fmt is 75." for "What is the default width of fmt?", is a short answer; a small
+instruct model answers so even when told not to). "1873", "He was born in 1873." and "1873. Later he moved to
 Ommeria." are correct for "1873"; a copied sentence of fifteen words around it, "Ommeria. He was born in 1873."
 and an answer on its second line are not. F1 is scored on the same first statement. `contains_answer` (anywhere in
 the text, any length: the accuracy of Block-Attention and TurboRAG) is kept as the lenient figure beside them.
@@ -53,11 +55,12 @@ def answer_span(prediction: str) -> str:
     return (line[: end.end()] if end else line).strip()
 
 
-def short_answer_correct(prediction: str, answers: Sequence[str]) -> bool:
-    """The module's accuracy rule: the first statement holds an acceptable answer and is at most `EXTRA_WORDS`
-    normalised words longer than it."""
+def short_answer_correct(prediction: str, answers: Sequence[str], question: str = "") -> bool:
+    """The module's accuracy rule: the first statement holds an acceptable answer and has at most `EXTRA_WORDS`
+    normalised words more than it, words of `question` not counted."""
     span = answer_span(prediction)
-    length = len(normalize_answer(span).split())
+    asked = set(normalize_answer(question).split())
+    length = sum(1 for word in normalize_answer(span).split() if word not in asked)
     return any(
         contains_answer(span, [answer]) and length <= len(normalize_answer(answer).split()) + EXTRA_WORDS
         for answer in answers

@@ -5,7 +5,8 @@ chunks' KV is fetched (the scheduler's KV source, the store), then the request i
 its slab of the KV pool and decoded together with the other running answers. Each text delta reaches the
 listener as a `TokenEvent`, then a `DoneEvent` and None (the end), or the error and None. When the client goes
 away `cancel` marks the request; the scheduler drops it at its next step, frees its slab, and the place in line
-is released.
+is released. A turbo answer picked for a shadow (`shadow.py`) hands its request to the shadows once its `done`
+went out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from service.facade.types import DoneEvent, Source, TokenEvent
 from service.kvcache.store import FetchResult
 from service.metrics import Metrics
 from service.serving.engine_loop import Admission, EngineLoop
+from service.serving.shadow import Shadows
 from service.usecases.answer import Answerer, Question, Retrieval
 
 # What an answer session hands its listener: events, then None at the end; an exception instead when it failed.
@@ -33,11 +35,13 @@ class AnswerSession:
     retrieval: Retrieval
     admission: Admission
     started: float  # perf_counter at the request's arrival (TTFT counts from here)
+    shadows: Shadows | None = None  # None: no answer of this server is shadowed
     done: DoneEvent | None = None
     request: BatchRequest | None = field(default=None, repr=False)
     _listener: Callable[[AnswerItem], None] | None = field(default=None, repr=False)
     _cancelled: bool = False
     _logprobs_sent: int = 0
+    _shadowed: bool = False
 
     def sources(self) -> list[Source]:
         return [
@@ -64,6 +68,7 @@ class AnswerSession:
             on_finish=self._finished,
             recompute=question.recompute,
         )
+        self._shadowed = self.shadows is not None and self.shadows.pick(self.request)
         try:
             self.loop.add_answer(self.request)
         except BaseException:
@@ -100,6 +105,8 @@ class AnswerSession:
         finally:
             self.admission.release()
             listener(None)
+        if self._shadowed and self.done is not None and self.shadows is not None:
+            self.shadows.follow(request)  # after the client's answer: its shadow runs off the critical path
 
     def _done_event(self, request: BatchRequest) -> DoneEvent:
         ttft_ms = (request.first_token_at - self.started) * 1e3
@@ -112,6 +119,14 @@ class AnswerSession:
         done.timings_ms["engine_wait"] = max(0.0, (admitted_at - request.handed_at) * 1e3)
         self.done = done
         self.metrics.observe_answer(
-            done.mode, done.positions, done.ttft_ms, done.timings_ms, done.kv, done.kv_bytes, done.output_tokens
+            done.mode,
+            done.positions,
+            done.ttft_ms,
+            done.timings_ms,
+            done.kv,
+            done.kv_bytes,
+            done.output_tokens,
+            done.recompute,
+            done.recomputed_tokens,
         )
         return done

@@ -93,9 +93,9 @@ class EngineLoop:
 
     @property
     def waiting(self) -> int:
-        """Answers admitted but not decoding yet."""
-        running = len(self.scheduler.running) if self.scheduler is not None else 0
-        return max(0, self.admitted - running)
+        """Answers admitted but not decoding yet (shadow answers hold no place in line: not counted)."""
+        running = list(self.scheduler.running) if self.scheduler is not None else []  # one copy: atomic
+        return max(0, self.admitted - sum(1 for r in running if not r.shadow))
 
     @property
     def running(self) -> int:

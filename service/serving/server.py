@@ -53,6 +53,7 @@ from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
+from service.serving.shadow import ShadowPolicy, Shadows
 from service.settings import MIB, Settings
 from service.usecases.answer import Answerer, Question
 
@@ -75,6 +76,7 @@ class Server:
         self.metrics.watch_gc(self._gc_pauses)
         self.runtime: Runtime | None = None
         self.answerer: Answerer | None = None
+        self.shadows: Shadows | None = None
         self.gate: GateOutcome | None = None
         self.startup_error: str | None = None
         self.started = threading.Event()
@@ -121,6 +123,8 @@ class Server:
             pool = scheduler.pool
             self.metrics.watch_batching(lambda: len(scheduler.running), lambda: pool.used_bytes, pool.capacity_bytes)
             runtime.loop.on_step = self.metrics.batch_size.observe
+            policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
+            self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
             self.answerer = Answerer(runtime.engine, runtime.store, runtime.retrieval.retrieve)
             self._start_worker(runtime)
             if self.settings.gc_freeze:
@@ -165,7 +169,10 @@ class Server:
             checks["qdrant"] = "ok" if self.runtime.collection.ping() else "unreachable"
         ok = self.ready and checks.get("index") == "ok" and checks.get("qdrant") == "ok"
         self.metrics.ready.set(1 if ok else 0)
-        return {"ready": ok, "checks": checks}
+        report: dict[str, Any] = {"ready": ok, "checks": checks}
+        if self.shadows is not None:
+            report["shadow"] = self.shadows.figures()
+        return report
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -203,7 +210,9 @@ class Server:
             if isinstance(err, UnavailableError):
                 self.metrics.rejected.labels("dependency").inc()
             raise
-        return AnswerSession(runtime.loop, self.answerer, self.metrics, question, retrieval, admission, started)
+        return AnswerSession(
+            runtime.loop, self.answerer, self.metrics, question, retrieval, admission, started, self.shadows
+        )
 
     def _prepared(self, answerer: Answerer, request: AnswerRequest) -> Question:
         """The request as a `Question` with its token ids: the one check left after the HTTP boundary's, that

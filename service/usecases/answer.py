@@ -155,6 +155,7 @@ class Answerer:
             context_tokens=result.context_tokens,
             recompute=str(question.recompute),
             recomputed_tokens=result.recomputed_tokens,
+            recomputed_share=_share(result.recomputed_tokens, result.context_tokens - len(self.engine.template.prefix)),
             logprobs=self.named(result.logprobs),
         )
 
@@ -166,6 +167,10 @@ class Answerer:
             return str(tokenizer.decode([token]))
 
         return tuple(Logprob(text(e.token), e.logprob, tuple((text(t), lp) for t, lp in e.top)) for e in entries)
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole > 0 else 0.0
 
 
 def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: Any) -> dict[str, float]:

@@ -84,3 +84,45 @@ def test_the_openai_extra_body_carries_recompute(
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         oai.chat.completions.create(model="qwen2", messages=messages, extra_body={"recompute": "selective:9"})
     assert refused.value.body["param"] == "recompute"  # type: ignore[index]
+
+
+def _metric(text: str, line_start: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(line_start)]
+    assert len(lines) == 1, (line_start, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_composite_positions_refuse_a_recompute_and_skip_the_default(make_app: MakeApp) -> None:
+    app = make_app(recompute="prefix:4")
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+        reply = client.post("/ask", json={"question": QUESTION, "positions": "composite", "recompute": "query:0.5"})
+        composite = _ask(client, positions="composite", max_new_tokens=4)
+
+    assert reply.status_code == 422
+    error = reply.json()["detail"][0]
+    assert error["loc"] == ["body", "recompute"] and "composite positions cannot be recomputed" in error["msg"]
+    assert (composite["recompute"], composite["recomputed_tokens"]) == ("none", 0)
+
+
+def test_done_and_metrics_report_the_share_recomputed_and_the_trigger_rate(
+    client: TestClient, get_engine: Callable[[str, str], StitchEngine]
+) -> None:
+    ingest(client)
+    query = _ask(client, max_new_tokens=4, recompute="query:0.5")
+    never = _ask(client, max_new_tokens=4, recompute="auto:1")  # no estimate reaches 1: nothing recomputed
+    always = _ask(client, max_new_tokens=4, recompute="auto:0.000001")
+
+    chunk_tokens = _chunk_tokens(query, get_engine)
+    assert query["recomputed_tokens"] == int(0.5 * chunk_tokens + 0.5)
+    assert query["recomputed_share"] == pytest.approx(query["recomputed_tokens"] / chunk_tokens, abs=1e-4)
+    assert (never["recompute"], never["recomputed_tokens"], never["recomputed_share"]) == ("auto:1", 0, 0.0)
+    assert always["recompute"] == "auto:1e-06" and 0 < always["recomputed_share"] <= 0.3
+    metrics = client.get("/metrics").text
+    assert _metric(metrics, 'kvstitch_recompute_requests_total{policy="auto"}') == 2
+    assert _metric(metrics, 'kvstitch_recompute_triggered_total{policy="auto"}') == 1
+    assert _metric(metrics, 'kvstitch_recompute_trigger_rate{policy="auto"}') == 0.5
+    assert _metric(metrics, 'kvstitch_recompute_trigger_rate{policy="query"}') == 1.0
+    recomputed = query["recomputed_tokens"] + always["recomputed_tokens"]
+    assert _metric(metrics, "kvstitch_recomputed_tokens_total") == recomputed

@@ -256,7 +256,7 @@ def test_the_answers_file_holds_every_answer_and_adds_up_to_the_rows(
     assert samples[0].id == "q000000"  # the generator's ids are kept
     for answer, sample in zip(lines, [s for s in samples for _ in labels], strict=True):
         assert answer["gold"] == list(sample.answers)
-        assert answer["correct"] is short_answer_correct(answer["answer"], sample.answers)
+        assert answer["correct"] is short_answer_correct(answer["answer"], sample.answers, sample.question)
         assert answer["contains"] is contains_answer(answer["answer"], sample.answers)
         assert answer["f1"] == best_f1(answer_span(answer["answer"]), sample.answers)
     for row, label in zip(record["rows"], labels, strict=True):

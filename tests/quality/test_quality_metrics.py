@@ -135,6 +135,21 @@ def test_short_answer_rule(prediction: str, answers: list[str], expected: bool) 
     assert contains_answer(prediction, answers) or not expected  # stricter than containment, never laxer
 
 
+@pytest.mark.parametrize(
+    ("prediction", "expected"),
+    [
+        ("The default maximum line width of fmt is 75.", True),  # the question restated around the answer
+        ("The default maximum line width of fmt is 75 columns wide on most terminals people use today.", False),
+        ("It is 75.", True),
+        ("The documents say that the default maximum line width is 75 columns wide in most cases here.", False),
+    ],
+)
+def test_words_of_the_question_do_not_count_as_padding(prediction: str, expected: bool) -> None:
+    question = "What is the default maximum line width of fmt?"
+    assert short_answer_correct(prediction, ["75"], question) is expected
+    assert not short_answer_correct("The default maximum line width of fmt is 75.", ["75"])  # without the question
+
+
 def test_the_extra_word_limit_is_the_documented_six() -> None:
     assert EXTRA_WORDS == 6
     assert short_answer_correct("one two three four five six 1873", ["1873"])
