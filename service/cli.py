@@ -1,5 +1,5 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | eval | finetune |
-make-qa."""
+"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | import-gguf | eval |
+finetune | make-qa."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", choices=("llama", "qwen2", "mistral"), default="qwen2", help="architecture (default qwen2)"
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    _add_import_gguf(commands)
 
     serve = commands.add_parser("serve", help="run the gateway (embedded Qdrant, index and worker by default)")
     _add_runtime_options(serve)
@@ -103,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--api-key", default=None, help="bearer token (default: KVSTITCH_API_KEY)")
     _add_quality_commands(commands)
     return parser
+
+
+def _add_import_gguf(commands: Any) -> None:
+    gguf = commands.add_parser(
+        "import-gguf", help="convert a GGUF checkpoint into an HF folder kvstitch serves (needs kvstitch[gguf])"
+    )
+    gguf.add_argument("file", help="the .gguf file (llama.cpp's format; llama, qwen2 or mistral)")
+    gguf.add_argument("--out", required=True, help="new folder for the safetensors weights, config and tokenizer")
+    gguf.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the saved weights (default fp32: the GGUF's tensors dequantised)",
+    )
 
 
 def _add_documents(commands: Any) -> None:
@@ -190,12 +205,43 @@ def _add_eval(commands: Any, default_device: str) -> None:
 
 
 def _add_finetune(commands: Any, default_device: str) -> None:
-    tune = commands.add_parser("finetune", help="block fine-tune a model on a QA JSONL file (served mask, positions)")
+    tune = commands.add_parser(
+        "finetune", help="block fine-tune a model: self-distillation over an ingested corpus and/or labelled QA"
+    )
     tune.add_argument("--model", required=True, help="HF model folder or hub id to start from")
-    tune.add_argument("--data", required=True, help="QA JSONL file (the eval's format); the first answer is learnt")
+    tune.add_argument(
+        "--data", default=None, help="labelled QA JSONL file (the eval's format); the first answer is learnt"
+    )
+    tune.add_argument(
+        "--data-dir",
+        default=None,
+        help="an ingested corpus's data folder: self-distillation on questions made from its chunks (stop its server)",
+    )
     tune.add_argument("--out", required=True, help="folder for the fine-tuned HF model and tokenizer")
+    tune.add_argument(
+        "--prompts", type=int, default=512, help="with --data-dir: training prompts made from the corpus (default 512)"
+    )
+    tune.add_argument("--top-k", type=int, default=5, help="with --data-dir: chunks retrieved per prompt (default 5)")
+    tune.add_argument(
+        "--answer-tokens", type=int, default=48, help="with --data-dir: the teacher's answer length limit (default 48)"
+    )
+    tune.add_argument(
+        "--label-share",
+        type=float,
+        default=None,
+        help="with both --data and --data-dir: share of each step's samples that are labelled (default 0.5)",
+    )
     tune.add_argument("--steps", type=int, default=100, help="optimiser steps (default 100)")
-    tune.add_argument("--batch-size", type=int, default=8, help="samples per step, gradients accumulated (default 8)")
+    tune.add_argument("--batch-size", type=int, default=8, help="samples per optimiser step (default 8)")
+    tune.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="samples per forward, gradients accumulated over a step (default: the whole step at once)",
+    )
+    tune.add_argument(
+        "--generate-batch-size", type=int, default=32, help="prompts per batch of teacher answers (default 32)"
+    )
     tune.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default 2e-5, Block-Attention)")
     tune.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps (default 20)")
     tune.add_argument(
@@ -206,6 +252,12 @@ def _add_finetune(commands: Any, default_device: str) -> None:
     )
     tune.add_argument(
         "--positions", choices=("reordered", "composite"), default="reordered", help="served positions to train"
+    )
+    tune.add_argument(
+        "--chunk-context",
+        choices=("alone", "prefix"),
+        default="alone",
+        help="what the served chunks' KV is precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
     )
     tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
     tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
@@ -221,7 +273,7 @@ def _add_finetune(commands: Any, default_device: str) -> None:
         default=None,
         help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
     )
-    tune.add_argument("--seed", type=int, default=0, help="seed of sample order and mask choice (default 0)")
+    tune.add_argument("--seed", type=int, default=0, help="seed of prompts, sample order and mask choice (default 0)")
 
 
 def _add_make_qa(commands: Any) -> None:
@@ -288,6 +340,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
     path = build_tiny_model(args.arch, args.out_dir, seed=args.seed)
     print(f"wrote a tiny random-weight {args.arch} model to {path}")
     return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from service.commands.import_gguf import run_import_gguf
+
+    return run_import_gguf(args.file, args.out, args.dtype)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -428,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cancel": _cancel,
         "verify": _verify,
         "tiny-model": _tiny_model,
+        "import-gguf": _import_gguf,
         "eval": _eval,
         "finetune": _finetune,
         "make-qa": _make_qa,

@@ -12,8 +12,10 @@ from service.quality.commands import _error
 
 
 def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torch.dtype | None) -> int:
+    from service.engine.kv_layout import ChunkContext
     from service.engine.model import UnsupportedModelError
     from service.engine.stitch import PositionMode
+    from service.quality.corpus_eval import CorpusError
     from service.quality.dataset import QADataError
     from workers.training.finetune import FinetuneConfig, FinetuneError, finetune
 
@@ -21,12 +23,20 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         model=args.model,
         data=args.data,
         out=args.out,
+        data_dir=args.data_dir,
+        prompts=args.prompts,
+        top_k=args.top_k,
+        answer_tokens=args.answer_tokens,
+        label_share=args.label_share,
         steps=args.steps,
         lr=args.lr,
         batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        generate_batch_size=args.generate_batch_size,
         warmup_steps=args.warmup_steps,
         full_attention_share=args.full_attention_share,
         positions=PositionMode(args.positions),
+        chunk_context=ChunkContext(args.chunk_context),
         lora=args.lora,
         device=args.device,
         dtype=dtype,
@@ -36,11 +46,15 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
     logging.getLogger("workers.training").setLevel(logging.INFO)
     try:
         report = finetune(config)
-    except (FinetuneError, QADataError, UnsupportedModelError, OSError) as err:
+    except (FinetuneError, QADataError, CorpusError, UnsupportedModelError, OSError) as err:
         return _error(str(err))
+    except RuntimeError as err:  # embedded Qdrant's lock: a server still owns the data dir
+        return _error(f"{args.data_dir}: {err}" if args.data_dir else str(err))
     last = report.losses[-1]
     print(
         f"fine-tuned {len(report.losses)} steps ({report.block_samples} block, {report.full_attention_samples} "
-        f"full-attention samples); last loss {last:.4f}; saved to {report.out}"
+        f"full-attention samples; {report.labelled_samples} labelled, {report.distill_samples} self-distilled over "
+        f"{report.distill_prompts} corpus prompts); {report.samples_per_s:.3g} samples/s; last loss {last:.4f}; "
+        f"saved to {report.out}"
     )
     return 0

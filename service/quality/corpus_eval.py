@@ -116,8 +116,13 @@ def corpus_cases(
 
 def check_tokenizer(engine: StitchEngine, chunk: RetrievedChunk) -> None:
     """The chunker stores the ids of the chunk's text encoded alone; another tokenizer gives other ids."""
-    if encode_text(engine.tokenizer, chunk.text) != tuple(chunk.token_ids):
+    check_chunk_tokens(engine.tokenizer, engine.model.source, chunk)
+
+
+def check_chunk_tokens(tokenizer: Any, source: str, chunk: RetrievedChunk) -> None:
+    """`check_tokenizer` for a tokenizer and the name of its model (jobs that open no engine)."""
+    if encode_text(tokenizer, chunk.text) != tuple(chunk.token_ids):
         raise CorpusError(
-            f"the chunks were ingested with another tokenizer than {engine.model.source}'s (chunk {chunk.id} of "
-            f"{chunk.doc_id}); evaluate with the model that ingested them, or ingest again with this one"
+            f"the chunks were ingested with another tokenizer than {source}'s (chunk {chunk.id} of "
+            f"{chunk.doc_id}); use the model that ingested them, or ingest again with this one"
         )

@@ -332,6 +332,12 @@ class ChunkCollection:
         responses = self._client.query_batch_points(self.name, requests=requests)
         return [list(r.points) for r in responses]
 
+    def chunk_texts(self) -> Iterator[tuple[str, int, str]]:
+        """(doc_id, index, text) of every published chunk, in Qdrant's scroll order: what an offline job reads
+        to make questions from the corpus (`kvstitch finetune --data-dir`)."""
+        for payload in self._scroll(_SHOWN, ["doc_id", "index", "text"]):
+            yield str(payload.get("doc_id", "")), int(payload.get("index", 0)), str(payload.get("text", ""))
+
     def document_versions(self, doc_id: str) -> set[str]:
         """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
         return {str(p.get("version", "")) for p in self._scroll(_document_filter(doc_id, None), ["version"])}

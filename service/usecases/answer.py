@@ -18,7 +18,7 @@ from typing import Any
 from service.engine.conversation import Turn
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
 from service.engine.kv_layout import TokenIds
-from service.engine.prompt import PromptIds
+from service.engine.prompt import PromptIds, PromptTemplate
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
 from service.engine.stitch import PositionMode
@@ -58,8 +58,19 @@ def fit_context(
     """The hits (best first) whose blocks fit the model's context beside the template prefix, the prefilled
     suffix (the conversation and the question in their template turns) and the answer budget; a hit that does
     not fit is left out and later ones still may fit."""
-    template = engine.template
-    room = engine.spec.max_context - len(template.prefix) - suffix_tokens - max_new_tokens
+    return fit_blocks(engine.template, engine.spec.max_context, hits, suffix_tokens, max_new_tokens)
+
+
+def fit_blocks(
+    template: PromptTemplate,
+    max_context: int,
+    hits: Sequence[RetrievedChunk],
+    suffix_tokens: int,
+    max_new_tokens: int,
+) -> list[RetrievedChunk]:
+    """`fit_context` for a template and a context length, without an engine (offline jobs that load only the
+    model, such as `kvstitch finetune --data-dir`)."""
+    room = max_context - len(template.prefix) - suffix_tokens - max_new_tokens
     wrapper = len(template.doc_open) + len(template.doc_close)
     kept = []
     for hit in hits:
