@@ -89,7 +89,7 @@ def test_questions_over_an_ingested_corpus_repeat_and_write_nothing(
     assert any(r["kl_first_token"] > 0.0 for r in turbo)  # the chunks really were stitched from several blocks
     assert _files(data_dir / "kv") == kv_files  # the KV cache was read by nobody and written by nobody
     table = capsys.readouterr().out
-    assert "3 samples, greedy, up to 4 new tokens" in table and "naive    -          none           -  " in table
+    assert "3 samples, greedy, up to 4 new tokens" in table and "naive         -          none           -  " in table
     assert " p " in table and "ci95" in table
 
 

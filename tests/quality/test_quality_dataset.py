@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from service.engine.kv_layout import ChunkContext
 from service.engine.recompute_spec import parse_recompute
 from service.quality.dataset import QADataError, parse_line, read_samples
 from service.quality.eval import table_variants
@@ -98,12 +99,15 @@ def test_an_empty_file_and_non_utf8_are_refused(tmp_path: Path) -> None:
         read_samples(binary)
 
 
-def test_table_variants_add_two_turbo_rows_per_recompute() -> None:
+def test_table_variants_add_turbo_rows_per_recompute_and_chunk_context() -> None:
+    """Both positions without recompute, reordered alone with one (composite refuses a recompute); each chunk
+    context its own rows."""
     variants = table_variants([parse_recompute("none"), parse_recompute("prefix:8")])
     assert [v.label for v in variants] == [
         "naive/-/none",
         "turbo/reordered/none",
         "turbo/composite/none",
         "turbo/reordered/prefix:8",
-        "turbo/composite/prefix:8",
     ]
+    both = table_variants([parse_recompute("query:0.2")], [ChunkContext.ALONE, ChunkContext.PREFIX])
+    assert [v.label for v in both] == ["naive/-/none", "turbo/reordered/query:0.2", "turbo@prefix/reordered/query:0.2"]
