@@ -5,7 +5,6 @@ prefix + chunk computes."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,6 @@ from service.engine.kv_layout import VALUES, ChunkContext
 from service.engine.prompt import PromptIds
 from service.engine.reference import prompt_reference_logits
 from service.engine.stitch import PositionMode
-from service.serving.runtime import open_engine
-from service.settings import Settings
 
 EngineFactory = Callable[[str, str], StitchEngine]
 
@@ -75,14 +72,6 @@ def test_the_cache_keys_blocks_of_each_context_apart(get_engine: EngineFactory) 
     after = _after_prefix(alone)
     assert alone.kv_version == alone.template.version  # keys of existing caches unchanged
     assert after.kv_version != alone.kv_version and after.kv_version.startswith(alone.template.version)
-
-
-def test_the_settings_reach_the_engine(tiny_model_dirs: dict[str, Path]) -> None:
-    settings = Settings(
-        model=str(tiny_model_dirs["llama"]), device="cpu", chunk_context="prefix", recompute_full_below=7
-    )
-    engine = open_engine(settings)
-    assert (engine.chunk_context, engine.recompute_full_below) == (ChunkContext.PREFIX, 7)
 
 
 def test_an_unknown_context_is_refused(get_engine: EngineFactory) -> None:

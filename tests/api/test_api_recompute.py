@@ -4,6 +4,7 @@ the `done` event reports (the spec applied, `recomputed_tokens`, `timings_ms.rec
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -13,6 +14,9 @@ from app_server import MakeApp, wait_ready
 from fastapi.testclient import TestClient
 
 from service.engine.engine import StitchEngine
+from service.engine.kv_layout import ChunkContext
+from service.serving.runtime import open_engine
+from service.settings import Settings
 
 
 def _ask(client: TestClient, **body: Any) -> dict[str, Any]:
@@ -145,3 +149,11 @@ def test_a_context_under_the_setting_is_recomputed_by_a_full_prefill(
     assert full["answer"] == naive["answer"] and full["recomputed_share"] == 1.0
     assert full["timings_ms"]["recompute"] > 0 and full["timings_ms"]["stitch"] == 0
     assert (plain["recompute"], plain["recomputed_tokens"]) == ("none", 0)  # no recompute asked: plain turbo
+
+
+def test_the_settings_reach_the_engine(tiny_model_dirs: dict[str, Path]) -> None:
+    settings = Settings(
+        model=str(tiny_model_dirs["llama"]), device="cpu", chunk_context="prefix", recompute_full_below=7
+    )
+    engine = open_engine(settings)
+    assert (engine.chunk_context, engine.recompute_full_below) == (ChunkContext.PREFIX, 7)
