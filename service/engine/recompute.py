@@ -62,12 +62,13 @@ def recompute_context(
     host_candidates, candidates = candidates, candidates.to(device)
     ids = torch.tensor(list(context_ids), dtype=torch.long, device=device)
     cos, sin = forward.rotary.cos_sin(plan.positions().to(device))
-    chosen = _choose(forward, buffer, plan, spec, question_ids, candidates, ids, (cos, sin))
+    # Every chunk token a candidate and chosen: the queries are the context's tail, which the eager causal kernel
+    # (flash where it runs) covers without a mask; known here, on the host, before the slots move to the device.
+    all_tail = _is_tail(host_candidates, plan.context_tokens)
+    chosen = _choose(forward, buffer, plan, spec, question_ids, candidates, ids, (cos, sin), all_tail)
     if chosen is None or chosen.numel() == 0:
         return 0
-    # Every chunk token chosen: the queries are the context's tail, which the eager causal kernel (flash where it
-    # runs) covers without a mask; known here, on the host, before the slots move to the device.
-    tail = chosen.numel() == host_candidates.numel() and _is_tail(host_candidates, plan.context_tokens)
+    tail = all_tail and chosen.numel() == host_candidates.numel()
     slots = candidates[chosen]
     cos_sin = (cos[slots], sin[slots])
     hidden = forward.decoder.embed_tokens(ids[slots].unsqueeze(0))
@@ -89,29 +90,26 @@ def _choose(
     candidates: torch.Tensor,
     ids: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
+    all_tail: bool,
 ) -> torch.Tensor | None:
     """Indices (ascending, on the device) into `candidates` of the tokens to recompute; None for none."""
     total = candidates.numel()
+    everything = torch.arange(total, device=candidates.device)
     if spec.kind is RecomputeKind.PREFIX:
-        return torch.arange(total, device=candidates.device)
+        return everything
+    count = chosen_count(spec, total)  # auto decides below
+    if spec.kind is not RecomputeKind.AUTO and count in (0, total):
+        return everything if count else None
     if spec.kind is RecomputeKind.QUERY:
-        count = chosen_count(spec, total)
-        if count == 0:
-            return None
-        attention = question_attention(forward, buffer, plan, question_ids)[candidates]
-        return top_share(attention, count)
+        return top_share(question_attention(forward, buffer, plan, question_ids)[candidates], count)
+    # Layer 0 of every candidate under full attention: the first layer where cached and full K/V can differ.
     cos, sin = cos_sin[0][candidates], cos_sin[1][candidates]
     hidden = forward.decoder.embed_tokens(ids[candidates].unsqueeze(0))
-    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=False)
+    hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=all_tail)
     if spec.kind is RecomputeKind.AUTO:
         attention = question_attention(forward, buffer, plan, question_ids)[candidates]
         deviation = layer1_deviation(forward, buffer, hidden, candidates, (cos, sin))
         return auto_choice(attention, deviation, spec.amount).chosen
-    count = chosen_count(spec, total)
-    if count == 0:
-        return None
-    if count == total:
-        return torch.arange(total, device=candidates.device)
     return most_deviating(forward, buffer, hidden, candidates, (cos, sin), count)
 
 
