@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 
+from service.engine.kv_layout import SERVED_CHUNK_CONTEXT
 from service.serving.data_dir_lock import DataDirInUseError
 
+# verify, eval and finetune check, measure and train what the service serves by default (KVSTITCH_CHUNK_CONTEXT).
+DEFAULT_CHUNK_CONTEXT = SERVED_CHUNK_CONTEXT.value
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Commands that print what a server says, often into `| head` or `| less`: a reader gone is a normal end for them.
 CLIENT_COMMANDS = ("ask", "documents", "ingest", "cancel")
@@ -37,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--chunk-context",
         choices=("alone", "prefix"),
-        default="alone",
-        help="what chunks are precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
+        default=DEFAULT_CHUNK_CONTEXT,
+        help=f"what chunks are precomputed after, as KVSTITCH_CHUNK_CONTEXT (default {DEFAULT_CHUNK_CONTEXT})",
     )
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
@@ -179,7 +182,7 @@ def _add_eval(commands: Any, default_device: str) -> None:
         "--chunk-context",
         action="append",
         choices=("alone", "prefix"),
-        help="what turbo's chunks are precomputed after, repeatable: rows for each (default alone)",
+        help=f"what turbo's chunks are precomputed after, repeatable: rows for each (default {DEFAULT_CHUNK_CONTEXT})",
     )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
     evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
@@ -256,8 +259,8 @@ def _add_finetune(commands: Any, default_device: str) -> None:
     tune.add_argument(
         "--chunk-context",
         choices=("alone", "prefix"),
-        default="alone",
-        help="what the served chunks' KV is precomputed after, as KVSTITCH_CHUNK_CONTEXT (default alone)",
+        default=DEFAULT_CHUNK_CONTEXT,
+        help=f"what the served chunks' KV is precomputed after (default {DEFAULT_CHUNK_CONTEXT})",
     )
     tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
     tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
         description="Contexts under this many tokens serve a turbo recompute by a full prefill (exact, faster there).",
     )
     chunk_context: Literal["alone", "prefix"] = Field(
-        "alone",
+        "prefix",
         description="What a chunk's KV is precomputed after: alone, or the template prefix (APE; docs/quality.md).",
     )
     recompute: str = Field(

@@ -77,3 +77,12 @@ def test_the_cache_keys_blocks_of_each_context_apart(get_engine: EngineFactory) 
 def test_an_unknown_context_is_refused(get_engine: EngineFactory) -> None:
     with pytest.raises(ValueError, match="sideways"):
         StitchEngine(get_engine("llama", "cpu").model, chunk_context="sideways")
+
+
+def test_the_service_default_is_the_one_the_commands_use() -> None:
+    """KVSTITCH_CHUNK_CONTEXT's default and the constant verify, eval and finetune default to are one value."""
+    from service.cli import DEFAULT_CHUNK_CONTEXT
+    from service.engine.kv_layout import SERVED_CHUNK_CONTEXT
+    from service.settings import Settings
+
+    assert Settings.model_fields["chunk_context"].default == SERVED_CHUNK_CONTEXT.value == DEFAULT_CHUNK_CONTEXT

@@ -34,6 +34,11 @@ class ChunkContext(StrEnum):
     PREFIX = "prefix"
 
 
+# The service's default (`KVSTITCH_CHUNK_CONTEXT`): measured to keep more of naive's answers at no cost
+# (docs/quality.md). The engine class itself defaults to `alone`, TurboRAG's form.
+SERVED_CHUNK_CONTEXT = ChunkContext.PREFIX
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape facts the engine and the KV cache need, read once from the config."""

@@ -33,7 +33,7 @@ def _error(message: str) -> int:
 
 def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     """`kvstitch eval`: a QA file (`--data`), or a user's questions over an ingested corpus (`--data-dir`)."""
-    from service.engine.kv_layout import ChunkContext
+    from service.engine.kv_layout import SERVED_CHUNK_CONTEXT, ChunkContext
     from service.engine.recompute_spec import parse_recompute
     from service.quality.dataset import QADataError
     from service.quality.eval import table_variants
@@ -51,7 +51,7 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         return _error("--max-new-tokens must be at least 1")
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
-        contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or ["alone"])
+        contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
         variants = table_variants(list(recomputes), list(contexts))
     except (QADataError, ValueError) as err:
         return _error(str(err))

@@ -72,8 +72,8 @@ def test_questions_over_an_ingested_corpus_repeat_and_write_nothing(
     lines = [json.loads(line) for line in answers.read_text(encoding="utf-8").splitlines()]
     assert [(a["line"], a["variant"]) for a in lines[:3]] == [
         (1, "naive/-/none"),
-        (1, "turbo/reordered/none"),
-        (1, "turbo/composite/none"),
+        (1, "turbo@prefix/reordered/none"),
+        (1, "turbo@prefix/composite/none"),
     ]
     assert len(lines) == 9 and {a["line"] for a in lines} == {1, 3, 4}  # question lines, the blank one skipped
     assert all(a["correct"] is None and a["f1"] is None and a["gold"] == [] for a in lines)

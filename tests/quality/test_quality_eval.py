@@ -11,6 +11,7 @@ import pytest
 
 from service.cli import main
 from service.engine.engine import StitchEngine
+from service.engine.kv_layout import SERVED_CHUNK_CONTEXT
 from service.engine.offline import OfflineScheduler, generate
 from service.engine.prompt import build_template, encode
 from service.engine.sampling import SamplingParams
@@ -65,15 +66,15 @@ def test_eval_gives_the_same_numbers_twice(
     assert first["samples"] == 4 and first["max_new_tokens"] == 6
     assert [(r["mode"], r["positions"], r["recompute"]) for r in first["rows"]] == [
         ("naive", None, "none"),
-        ("turbo", "reordered", "none"),
-        ("turbo", "composite", "none"),
+        ("turbo@prefix", "reordered", "none"),
+        ("turbo@prefix", "composite", "none"),
     ]
     for row in first["rows"]:
         assert set(row) == ROW_FIELDS
         assert row["first_token_agreement"] >= row["answer_agreement"]  # same answer implies same first token
         assert row["kl_first_token"] >= 0.0 and row["ttft_ms"] > 0.0
     tables = capsys.readouterr().out  # both runs' tables
-    assert tables.count("4 samples, greedy, up to 6 new tokens") == 2 and tables.count("\nturbo ") == 4
+    assert tables.count("4 samples, greedy, up to 6 new tokens") == 2 and tables.count("\nturbo@prefix ") == 4
 
 
 def test_limit_takes_the_first_n_samples(tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path) -> None:
@@ -251,7 +252,7 @@ def test_the_answers_file_holds_every_answer_and_adds_up_to_the_rows(
     )
     lines = _answers(answers)
     samples = read_samples(qa_file)
-    labels = [v.label for v in table_variants()]
+    labels = [v.label for v in table_variants(contexts=[SERVED_CHUNK_CONTEXT])]
     assert [(a["id"], a["line"], a["variant"]) for a in lines] == [(s.id, s.line, v) for s in samples for v in labels]
     assert samples[0].id == "q000000"  # the generator's ids are kept
     for answer, sample in zip(lines, [s for s in samples for _ in labels], strict=True):
