@@ -57,7 +57,7 @@ def exported() -> dict[str, set[str]]:
     timings = {stage: 1.0 for stage in STAGES}
     tiers = {tier.value: 1 for tier in Tier}
     for mode in ("turbo", "naive"):
-        metrics.observe_answer(mode, "reordered", 12.0, timings, tiers, tiers, output_tokens=5)
+        metrics.observe_answer(mode, "reordered", 12.0, timings, tiers, tiers, 5, "selective:0.2", 10)
     metrics.requests.labels("/ask", "200").inc()
     metrics.rejected.labels("busy").inc()
     metrics.disconnects.inc()
