@@ -83,6 +83,8 @@ def print_events(events: Iterator[tuple[str, str]], out: TextIO) -> int:
         if name == "retrieval":
             sources = ", ".join(f"{c['doc_id']} ({c['score']:.2f})" for c in payload["chunks"])
             print(printable(f"[sources: {sources or 'none'}]"), file=out, flush=True)
+            if "note" in payload:
+                print(printable(f"[{payload['note']}]"), file=out, flush=True)
         elif name == "token":
             out.write(printable(payload["text"]))
             out.flush()
