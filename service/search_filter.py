@@ -30,7 +30,7 @@ RANGE_BOUNDS = ("gte", "gt", "lte", "lt")
 DOC_ID_KEY = "doc_id"
 INGESTED_AT_KEY = "ingested_at"
 # Letters, digits, `_`, `-`; dots reach into nested metadata (`source.site`).
-_KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 MatchValue = str | int | bool
 
@@ -124,7 +124,7 @@ def _condition(raw: Any, where: str, depth: int, counter: list[int]) -> Conditio
 
 
 def _key(raw: Any, where: str) -> str:
-    if not isinstance(raw, str) or not 1 <= len(raw) <= MAX_KEY_CHARS or not _KEY.fullmatch(raw):
+    if not isinstance(raw, str) or not 1 <= len(raw) <= MAX_KEY_CHARS or not KEY_PATTERN.fullmatch(raw):
         raise FilterError(
             f"{where}: 1 to {MAX_KEY_CHARS} letters, digits, '_' or '-', dots between parts (got {_shown(raw)})"
         )

@@ -73,3 +73,18 @@ def test_a_filter_at_every_bound_is_accepted() -> None:
     assert parse_filter({"must": [{"key": "source.site-1_x", "any": list(range(MAX_ANY_VALUES))}]}).must[0] == AnyOf(
         "source.site-1_x", tuple(range(MAX_ANY_VALUES))
     )
+
+
+def test_the_filter_index_setting_reads_as_keys_and_types() -> None:
+    from service.settings import parse_filter_indexes
+
+    assert parse_filter_indexes(" lang:keyword, year:integer,source.site:keyword,") == {
+        "lang": "keyword",
+        "year": "integer",
+        "source.site": "keyword",
+    }
+    assert parse_filter_indexes("") == {}
+    with pytest.raises(ValueError, match="'lang:text': write key:type, type one of keyword, integer"):
+        parse_filter_indexes("lang:text")
+    with pytest.raises(ValueError, match="'a b:keyword': the key is 1 to 64"):
+        parse_filter_indexes("a b:keyword")

@@ -144,6 +144,7 @@ class ChunkCollection:
         api_key: str | None = None,
         timeout_s: int = 10,
         hybrid: bool = True,
+        filter_indexes: Mapping[str, str] | None = None,
     ) -> None:
         if (path is None) == (url is None):
             raise ValueError("give exactly one of path (embedded Qdrant) or url (Qdrant server)")
@@ -162,6 +163,8 @@ class ChunkCollection:
             threading.RLock() if self.embedded else contextlib.nullcontext()
         )
         self.sparse = self._ensure_collection()
+        if not self.embedded:  # payload indexes do nothing in embedded mode
+            self._index_metadata(filter_indexes or {})
         self.hybrid = hybrid and self.sparse
         if hybrid and not self.sparse:
             log.warning(
@@ -483,6 +486,13 @@ class ChunkCollection:
             config = self._client.get_collection(self.name).config.params
             self._check_vector_params(config.vectors)
             return SPARSE_VECTOR in (config.sparse_vectors or {})
+
+    def _index_metadata(self, indexes: Mapping[str, str]) -> None:
+        """Payload indexes for the metadata keys that filters use most (KVSTITCH_FILTER_INDEXES), at every open:
+        Qdrant keeps an index that exists, so a key added later is indexed over the points already stored."""
+        for key, kind in indexes.items():
+            with self._lock:
+                self._client.create_payload_index(self.name, f"metadata.{key}", models.PayloadSchemaType(kind))
 
     def _check_vector_params(self, vectors: Any) -> None:
         if not isinstance(vectors, models.VectorParams):
