@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="none | prefix:N | selective:R | query:R | auto (server default)",
+    )
+    ask.add_argument(
+        "--filter",
+        default=None,
+        metavar="JSON",
+        help='metadata filter, e.g. \'{"must": [{"key": "lang", "match": "en"}]}\' (docs/api.md)',
     )
 
     worker = commands.add_parser("worker", help="consume ingest jobs from Redis (KVSTITCH_REDIS_URL)")
@@ -383,6 +390,12 @@ def _ask(args: argparse.Namespace) -> int:
         body["max_new_tokens"] = args.max_new_tokens
     if args.recompute is not None:
         body["recompute"] = args.recompute
+    if args.filter is not None:
+        try:
+            body["filter"] = json.loads(args.filter)
+        except ValueError as err:
+            print(f"error: --filter is not JSON: {err}", file=sys.stderr)
+            return 2
     return ask(_server_url(args), body, args.api_key or os.environ.get("KVSTITCH_API_KEY"))
 
 

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine import batching_defaults
 from service.engine.recompute_spec import parse_recompute
+from service.search_filter import KEY_PATTERN as FILTER_KEY
+from service.search_filter import MAX_KEY_CHARS as MAX_FILTER_KEY_CHARS
 
 MIB = 1 << 20
 
@@ -53,6 +55,12 @@ class Settings(BaseSettings):
     hybrid_search: bool | None = Field(
         None,
         description="Dense + BM25-style sparse search fused by RRF; unset = on with a Qdrant server, off embedded.",
+    )
+    filter_indexes: str = Field(
+        "",
+        max_length=2048,
+        description="Qdrant server: payload indexes for metadata filter keys, comma-separated key:type "
+        "(keyword, integer, float, datetime, bool), e.g. lang:keyword,year:integer; made at start-up.",
     )
     gpu_cache_mb: int = Field(8192, ge=0, description="GPU tier budget (MiB of chunk KV kept on the device).")
     host_cache_mb: int = Field(4096, ge=0, description="Pinned host pool, allocated once at start (MiB).")
@@ -239,6 +247,16 @@ class Settings(BaseSettings):
         parse_recompute(value)  # a bad default fails at start-up, not on the first question
         return value.strip()
 
+    @field_validator("filter_indexes")
+    @classmethod
+    def _check_filter_indexes(cls, value: str) -> str:
+        parse_filter_indexes(value)
+        return value
+
+    @property
+    def filter_index_types(self) -> dict[str, str]:
+        return parse_filter_indexes(self.filter_indexes)
+
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
         if self.chunk_overlap > self.chunk_size // 2:
@@ -281,3 +299,21 @@ class Settings(BaseSettings):
     def embedded(self) -> bool:
         """True when no Redis is configured: index, queue and job status live in this process."""
         return self.redis_url is None
+
+
+FILTER_INDEX_TYPES = ("keyword", "integer", "float", "datetime", "bool")
+
+
+def parse_filter_indexes(value: str) -> dict[str, str]:
+    """KVSTITCH_FILTER_INDEXES as {metadata key: payload index type}; ValueError naming the first wrong entry."""
+    indexes: dict[str, str] = {}
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry:
+            continue
+        key, _, kind = entry.rpartition(":")
+        if not key or kind not in FILTER_INDEX_TYPES:
+            raise ValueError(f"filter index {entry!r}: write key:type, type one of {', '.join(FILTER_INDEX_TYPES)}")
+        if not FILTER_KEY.fullmatch(key) or len(key) > MAX_FILTER_KEY_CHARS:
+            raise ValueError(f"filter index {entry!r}: the key is 1 to 64 letters, digits, '_', '-', dots between")
+        indexes[key] = kind
+    return indexes

@@ -52,4 +52,5 @@ def test_the_facade_reaches_only_plain_value_modules_of_the_service() -> None:
         "service.plain_json",
         "service.retrieval",
         "service.retrieval.document_summary",
+        "service.search_filter",
     }

@@ -65,6 +65,16 @@ async def _collect(stream: AnswerStream) -> str:
     return "".join(parts)
 
 
-def sources_and_summary(stream: AnswerStream, done: DoneEvent) -> dict[str, Any]:
-    """What both APIs report beside the text: the sources, the drops, timings and tier hits."""
-    return {"sources": stream.sources, "dropped": stream.dropped, **done.summary()}
+# What an answer whose filter matched no chunk says beside its empty sources (the model answered without them).
+NO_MATCH_NOTE = "no chunk matches the filter: the answer has no sources"
+
+
+def sources_and_summary(stream: AnswerStream, done: DoneEvent, filtered: bool = False) -> dict[str, Any]:
+    """What both APIs report beside the text: the sources, the drops, timings and tier hits (and the note of a
+    filter that matched nothing)."""
+    return {"sources": stream.sources, "dropped": stream.dropped, **done.summary(), **filter_note(stream, filtered)}
+
+
+def filter_note(stream: AnswerStream, filtered: bool) -> dict[str, str]:
+    """`{"note": ...}` when the request's filter matched no chunk, else nothing."""
+    return {"note": NO_MATCH_NOTE} if filtered and not stream.sources and not stream.dropped else {}

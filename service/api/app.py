@@ -20,7 +20,7 @@ from service.api.allow_header import AllowHeader
 from service.api.auth import ApiKeyGuard
 from service.api.body_limit import BodyLimit
 from service.api.request_metrics import RequestCounter
-from service.api.routes import ask, documents, health, ingest, ingest_files, openai
+from service.api.routes import ask, documents, health, ingest, ingest_files, openai, retrieve
 from service.api.security_headers import SecurityHeaders
 from service.facade import Facade
 
@@ -42,7 +42,7 @@ def create_app(facade: Facade) -> FastAPI:
     # and the pages' security policy refuses; /openapi.json (behind the key) feeds any OpenAPI viewer instead.
     app = FastAPI(title="kvstitch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.facade = facade
-    for module in (health, ingest, ingest_files, documents, ask, openai):
+    for module in (health, ingest, ingest_files, documents, ask, retrieve, openai):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

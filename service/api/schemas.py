@@ -28,6 +28,12 @@ def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
+# A metadata filter over the documents (`service/search_filter.py`), checked by `validation.checked_filter`.
+SearchFilterIn = Annotated[
+    dict[str, Any] | None,
+    Field(description='{"must"|"should"|"must_not": [{"key": K, "match"|"any"|"range": ...}, ...]}; see docs/api.md.'),
+]
+
 # The answer ends before the first occurrence of any of these strings (a string or a list of them).
 Stop = Annotated[
     str | list[str] | None,
@@ -116,6 +122,14 @@ class AskRequest(Body):
     # none | prefix:N | selective:R | query:R | auto[:T], checked by the service (422 naming it);
     # unset: KVSTITCH_RECOMPUTE.
     recompute: str | None = Field(None, max_length=64)
+    filter: SearchFilterIn = None
+
+
+class RetrieveIn(Body):
+    question: Text = Field(min_length=1)
+    filter: SearchFilterIn = None
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K)
+    hybrid: bool | None = Field(None, description="Dense and sparse search fused; unset: KVSTITCH_HYBRID_SEARCH.")
 
 
 class ChatMessage(BaseModel):
@@ -162,6 +176,7 @@ class ChatCompletionRequest(BaseModel):
     mode: Literal["turbo", "naive"] = "turbo"
     positions: Literal["reordered", "composite"] = "reordered"
     recompute: str | None = Field(None, max_length=64)
+    filter: SearchFilterIn = None
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

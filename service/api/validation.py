@@ -29,11 +29,15 @@ from service.facade.types import (
     AnswerLimits,
     AnswerRequest,
     ChatMessage,
+    FilterError,
     Mode,
     Positions,
     RecomputeSpec,
+    RetrieveRequest,
+    SearchFilter,
     json_problem,
     json_safe,
+    parse_filter,
     parse_recompute,
     text_problem,
 )
@@ -97,11 +101,12 @@ def answer_request(
     mode: Mode,
     positions: Positions,
     recompute: str | None,
+    search_filter: dict[str, Any] | None = None,
 ) -> AnswerRequest:
     """The request within the deployment's bounds; `InvalidRequestError` naming the first field beyond them."""
     _check_question(limits, question)
-    if top_k > limits.max_top_k:
-        raise InvalidRequestError("top_k", f"at most {limits.max_top_k}")
+    _check_top_k(limits, top_k)
+    parsed_filter = checked_filter(search_filter)
     max_new = sampling.max_new_tokens or limits.default_max_new_tokens
     if max_new > limits.max_new_tokens:
         raise InvalidRequestError("max_new_tokens", f"at most {limits.max_new_tokens} (got {max_new})")
@@ -119,7 +124,32 @@ def answer_request(
         history=history,
         stop=sampling.stop,
         logprobs=sampling.logprobs,
+        filter=parsed_filter,
     )
+
+
+def retrieve_request(
+    limits: AnswerLimits, question: str, top_k: int, search_filter: dict[str, Any] | None, hybrid: bool | None
+) -> RetrieveRequest:
+    """A search request within the same bounds as a question's retrieval."""
+    _check_question(limits, question)
+    _check_top_k(limits, top_k)
+    return RetrieveRequest(question, top_k, checked_filter(search_filter), hybrid)
+
+
+def checked_filter(raw: dict[str, Any] | None) -> SearchFilter | None:
+    """A request's metadata filter (`service.search_filter`); `InvalidRequestError` naming `filter` and where."""
+    if raw is None:
+        return None
+    try:
+        return parse_filter(raw)
+    except FilterError as err:
+        raise InvalidRequestError("filter", str(err)) from err
+
+
+def _check_top_k(limits: AnswerLimits, top_k: int) -> None:
+    if top_k > limits.max_top_k:
+        raise InvalidRequestError("top_k", f"at most {limits.max_top_k}")
 
 
 def _check_question(limits: AnswerLimits, question: str) -> None:

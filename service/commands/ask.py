@@ -57,8 +57,9 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
         yield last
 
 
-def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO = sys.stdout) -> int:
-    """Print tokens as they arrive; 0 when `done` arrived, 1 on an `error` event or HTTP error."""
+def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO | None = None) -> int:
+    """Print tokens as they arrive (to `out`, else the standard output of the moment of the call); 0 when `done`
+    arrived, 1 on an `error` event or HTTP error."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with (
@@ -69,7 +70,7 @@ def ask(url: str, body: dict[str, Any], api_key: str | None, out: TextIO = sys.s
                 reply.read()
                 print(printable(f"error: HTTP {reply.status_code}: {_detail(reply)}"), file=sys.stderr)
                 return 1
-            return print_events(sse_events(reply.iter_lines()), out)
+            return print_events(sse_events(reply.iter_lines()), out or sys.stdout)
     except httpx.HTTPError as err:
         print(f"error: cannot talk to the server at {url}: {err}", file=sys.stderr)
         return 1
@@ -83,6 +84,8 @@ def print_events(events: Iterator[tuple[str, str]], out: TextIO) -> int:
         if name == "retrieval":
             sources = ", ".join(f"{c['doc_id']} ({c['score']:.2f})" for c in payload["chunks"])
             print(printable(f"[sources: {sources or 'none'}]"), file=out, flush=True)
+            if "note" in payload:
+                print(printable(f"[{payload['note']}]"), file=out, flush=True)
         elif name == "token":
             out.write(printable(payload["text"]))
             out.flush()

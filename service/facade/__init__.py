@@ -19,6 +19,7 @@ from service.facade.types import (
     DoneEvent,
     JobStatus,
     RequestLimits,
+    RetrieveRequest,
     Source,
 )
 
@@ -76,6 +77,10 @@ class Facade(Protocol):
         """Admit and retrieve, then hand back the answer to iterate. Everything that refuses the request is raised
         here, before any event: `InvalidRequestError` (over the model's context), `BusyError`, `NotReadyError`,
         `UnavailableError`; so the caller can still answer with an HTTP status."""
+        ...
+
+    async def retrieve(self, request: RetrieveRequest) -> list[Source]:
+        """The ranked chunks for a question (no answer); `NotReadyError`, `UnavailableError`."""
         ...
 
     def read_file(self, name: str, data: bytes, stop: Callable[[], bool] | None = None) -> Document:

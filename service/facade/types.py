@@ -16,6 +16,7 @@ from service.jobs.documents import MAX_DOC_ID_CHARS, MAX_METADATA_BYTES, Documen
 from service.jobs.job_status import JobStatus
 from service.plain_json import MAX_DEPTH, json_problem, json_safe, text_problem
 from service.retrieval.document_summary import DocumentSummary
+from service.search_filter import FilterError, SearchFilter, parse_filter
 
 __all__ = [
     "COMPOSITE_RECOMPUTE",
@@ -31,17 +32,21 @@ __all__ = [
     "DocumentPage",
     "DocumentSummary",
     "DoneEvent",
+    "FilterError",
     "JobStatus",
     "Logprob",
     "Mode",
     "Positions",
     "RecomputeSpec",
     "RequestLimits",
+    "RetrieveRequest",
     "Role",
+    "SearchFilter",
     "Source",
     "TokenEvent",
     "json_problem",
     "json_safe",
+    "parse_filter",
     "parse_recompute",
     "text_problem",
 ]
@@ -50,8 +55,8 @@ __all__ = [
 Role = Literal["system", "user", "assistant"]
 Mode = Literal["turbo", "naive"]  # turbo: stitched chunk KV; naive: the whole prompt prefilled
 Positions = Literal["reordered", "composite"]
-# One retrieved chunk as an answer reports it: id, doc_id, score, tokens, text, and where known title, headings,
-# page and last_page.
+# One retrieved chunk as an answer reports it: id, doc_id, score, tokens, text, its document's metadata (as given at
+# ingest, bounded there), and where known title, headings, page and last_page.
 Source = dict[str, Any]
 
 
@@ -92,6 +97,17 @@ class AnswerRequest:
     history: tuple[ChatMessage, ...] = ()  # earlier messages of the conversation, oldest first
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely rivals
+    filter: SearchFilter | None = None  # retrieval reads only the chunks it matches
+
+
+@dataclass(frozen=True)
+class RetrieveRequest:
+    """A search without an answer (`POST /retrieve`), within the same bounds as a question."""
+
+    question: str  # not blank
+    top_k: int
+    filter: SearchFilter | None = None
+    hybrid: bool | None = None  # None: the deployment's default (KVSTITCH_HYBRID_SEARCH)
 
 
 @dataclass(frozen=True)

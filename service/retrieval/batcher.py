@@ -17,19 +17,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from service.errors import UnavailableError
-from service.retrieval.collection import RetrievedChunk
+from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
 
 DEFAULT_MAX_BATCH = 64
 
 EmbedMany = Callable[[Sequence[str]], list[list[float]]]
-# (question vectors, top_k of each, question texts) → hits of each; the texts make the sparse half of hybrid search
-SearchMany = Callable[[Sequence[Sequence[float]], Sequence[int], Sequence[str]], list[list[RetrievedChunk]]]
+# (question vectors, top_k of each, question texts[, search options of each]) → hits of each; the texts make the
+# sparse half of hybrid search; the options (a filter, hybrid on/off) are passed only when a question has some.
+SearchMany = Callable[..., list[list[RetrievedChunk]]]
 
 
 @dataclass
 class _Pending:
     text: str
     top_k: int
+    options: SearchOptions
     result: concurrent.futures.Future[list[RetrievedChunk]] = field(default_factory=concurrent.futures.Future)
     queued_at: float = field(default_factory=time.perf_counter)
 
@@ -68,9 +70,9 @@ class RetrievalBatcher:
         self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
         self._thread.start()
 
-    def retrieve(self, text: str, top_k: int) -> list[RetrievedChunk]:
+    def retrieve(self, text: str, top_k: int, options: SearchOptions = PLAIN_SEARCH) -> list[RetrievedChunk]:
         """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
-        pending = _Pending(text, top_k)
+        pending = _Pending(text, top_k, options)
         self._waiting.put(pending)
         return pending.result.result()
 
@@ -106,7 +108,7 @@ class RetrievalBatcher:
             texts = [p.text for p in batch]
             vectors = self._embed(texts)
             embedded = time.perf_counter()
-            hits = self._searched(vectors, [p.top_k for p in batch], texts)
+            hits = self._searched(vectors, [p.top_k for p in batch], texts, [p.options for p in batch])
         except BaseException as err:  # every caller of this round learns why (a failed round is not counted)
             for pending in batch:
                 pending.result.set_exception(err)
@@ -126,8 +128,12 @@ class RetrievalBatcher:
             search_s=stats.search_s + n * (searched - embedded),
         )
 
-    def _searched(self, vectors: list[list[float]], top_ks: list[int], texts: list[str]) -> list[list[RetrievedChunk]]:
+    def _searched(
+        self, vectors: list[list[float]], top_ks: list[int], texts: list[str], options: list[SearchOptions]
+    ) -> list[list[RetrievedChunk]]:
         try:
-            return self._search(vectors, top_ks, texts)
+            if all(o == PLAIN_SEARCH for o in options):
+                return self._search(vectors, top_ks, texts)
+            return self._search(vectors, top_ks, texts, options)
         except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
             raise UnavailableError("Qdrant", err) from err

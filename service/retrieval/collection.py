@@ -50,6 +50,16 @@ from service.engine.kv_layout import TokenIds
 from service.retrieval import sparse
 from service.retrieval.chunker import Chunk
 from service.retrieval.document_summary import DocumentSummary
+from service.search_filter import (
+    DOC_ID_KEY,
+    INGESTED_AT_KEY,
+    AnyOf,
+    Condition,
+    Match,
+    Range,
+    SearchFilter,
+    epoch_seconds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,18 @@ def point_id(doc_id: str, index: int, version: str) -> str:
     """The point id of a chunk of one version of a document; JSON keeps ("a:1", 2) and ("a", 12)-like tuples
     apart."""
     return str(uuid.uuid5(POINT_ID_NAMESPACE, json.dumps([doc_id, version, index])))
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How one question searches beyond its vector and text: a metadata filter, and hybrid on or off (None: the
+    collection's default; on needs the sparse vector, without it the search is dense)."""
+
+    filter: SearchFilter | None = None
+    hybrid: bool | None = None
+
+
+PLAIN_SEARCH = SearchOptions()
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,7 @@ class ChunkCollection:
         api_key: str | None = None,
         timeout_s: int = 10,
         hybrid: bool = True,
+        filter_indexes: Mapping[str, str] | None = None,
     ) -> None:
         if (path is None) == (url is None):
             raise ValueError("give exactly one of path (embedded Qdrant) or url (Qdrant server)")
@@ -140,6 +163,8 @@ class ChunkCollection:
             threading.RLock() if self.embedded else contextlib.nullcontext()
         )
         self.sparse = self._ensure_collection()
+        if not self.embedded:  # payload indexes do nothing in embedded mode
+            self._index_metadata(filter_indexes or {})
         self.hybrid = hybrid and self.sparse
         if hybrid and not self.sparse:
             log.warning(
@@ -223,9 +248,15 @@ class ChunkCollection:
 
     # ---- reads -----------------------------------------------------------------------------------------------
 
-    def search(self, vector: Sequence[float], top_k: int = 5, text: str | None = None) -> list[RetrievedChunk]:
+    def search(
+        self,
+        vector: Sequence[float],
+        top_k: int = 5,
+        text: str | None = None,
+        options: SearchOptions = PLAIN_SEARCH,
+    ) -> list[RetrievedChunk]:
         """The `top_k` chunks nearest to the vector, best first; with the question's `text`, hybrid (when on)."""
-        return self.search_many([vector], [top_k], None if text is None else [text])[0]
+        return self.search_many([vector], [top_k], None if text is None else [text], [options])[0]
 
     def documents(self, doc_id: str | None = None) -> list[DocumentSummary]:
         """Every stored document (or the one named), sorted by id. One scroll over the points' small payload
@@ -238,20 +269,51 @@ class ChunkCollection:
         return [_summary(name, grouped[name]) for name in sorted(grouped)]
 
     def search_many(
-        self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int], texts: Sequence[str] | None = None
+        self,
+        vectors: Sequence[Sequence[float]],
+        top_ks: Sequence[int],
+        texts: Sequence[str] | None = None,
+        options: Sequence[SearchOptions] | None = None,
     ) -> list[list[RetrievedChunk]]:
-        """`search` for several vectors (and their questions' texts) in one call (one round trip to a server)."""
+        """`search` for several vectors (and their questions' texts) in one call (one round trip to a server).
+        `options`: per question, a filter and hybrid on/off; such questions are searched one by one."""
         if len(vectors) != len(top_ks) or (texts is not None and len(texts) != len(vectors)):
             raise ValueError(f"{len(vectors)} vectors for {len(top_ks)} top_k values and {len(texts or [])} texts")
+        if options is not None and len(options) != len(vectors):
+            raise ValueError(f"{len(vectors)} vectors for {len(options)} search options")
         if any(k < 1 for k in top_ks):
             raise ValueError("top_k must be positive")
         for vector in vectors:
             self._check_vector(vector)
+        if options is not None and any(o != PLAIN_SEARCH for o in options):
+            return [
+                self._search_with(v, k, None if texts is None else texts[i], options[i])
+                for i, (v, k) in enumerate(zip(vectors, top_ks, strict=True))
+            ]
         if self.hybrid and texts is not None:
             return self._search_hybrid(vectors, texts, top_ks)
         if not self.embedded:  # a server filters through its payload index
             return self._query(vectors, _SHOWN, top_ks)
         return self._search_embedded(vectors, top_ks)
+
+    def _search_with(
+        self, vector: Sequence[float], top_k: int, text: str | None, options: SearchOptions
+    ) -> list[RetrievedChunk]:
+        """One question with its options. A filter is always sent to Qdrant with the published-only condition (an
+        over-fetch and a drop afterwards cannot know how deep to look for the filter's matches)."""
+        selector = _shown(to_qdrant(options.filter) if options.filter is not None else None)
+        hybrid = self.hybrid if options.hybrid is None else options.hybrid and self.sparse
+        if hybrid and text is not None:
+            request = models.QueryRequest(
+                prefetch=self._prefetches(vector, text, HYBRID_PREFETCH * top_k, selector),
+                query=models.FusionQuery(fusion=models.Fusion.RRF),
+                limit=top_k,
+                with_payload=True,
+            )
+            with self._lock:
+                (response,) = self._client.query_batch_points(self.name, requests=[request])
+            return [_retrieved(h) for h in response.points]
+        return self._query([vector], selector, [top_k])[0]
 
     def _search_embedded(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
         """Embedded Qdrant checks a filter in Python on every point for every query: at 400 points and 32 queries
@@ -419,9 +481,18 @@ class ChunkCollection:
                     for key in ("doc_id", "version", "kv_key"):
                         self._client.create_payload_index(self.name, key, models.PayloadSchemaType.KEYWORD)
                     self._client.create_payload_index(self.name, VISIBLE, models.PayloadSchemaType.BOOL)
+                    # what metadata filters reach besides doc_id (`service.search_filter`)
+                    self._client.create_payload_index(self.name, "ingested_at", models.PayloadSchemaType.FLOAT)
             config = self._client.get_collection(self.name).config.params
             self._check_vector_params(config.vectors)
             return SPARSE_VECTOR in (config.sparse_vectors or {})
+
+    def _index_metadata(self, indexes: Mapping[str, str]) -> None:
+        """Payload indexes for the metadata keys that filters use most (KVSTITCH_FILTER_INDEXES), at every open:
+        Qdrant keeps an index that exists, so a key added later is indexed over the points already stored."""
+        for key, kind in indexes.items():
+            with self._lock:
+                self._client.create_payload_index(self.name, f"metadata.{key}", models.PayloadSchemaType(kind))
 
     def _check_vector_params(self, vectors: Any) -> None:
         if not isinstance(vectors, models.VectorParams):
@@ -490,13 +561,44 @@ _SHOWN = models.Filter(must_not=_invisible())
 def _shown(selector: models.Filter | None) -> models.Filter:
     if selector is None:
         return _SHOWN
-    return models.Filter(must=selector.must, must_not=[*_conditions(selector.must_not), _invisible()])
+    return models.Filter(
+        must=selector.must, should=selector.should, must_not=[*_conditions(selector.must_not), _invisible()]
+    )
 
 
 def _conditions(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
+
+
+def to_qdrant(spec: SearchFilter) -> models.Filter:
+    """A client's metadata filter as Qdrant's: metadata keys live under `metadata.` in the payload; `doc_id` and
+    `ingested_at` (seconds since the epoch) are top-level fields."""
+    clauses = {name: [_qdrant_condition(c) for c in conditions] for name, conditions in spec.clauses().items()}
+    return models.Filter(**{name: conditions or None for name, conditions in clauses.items()})
+
+
+def _qdrant_condition(condition: Condition) -> Any:
+    if isinstance(condition, SearchFilter):
+        return to_qdrant(condition)
+    key = _payload_key(condition.key)
+    if isinstance(condition, Match):
+        return models.FieldCondition(key=key, match=models.MatchValue(value=condition.value))
+    if isinstance(condition, AnyOf):
+        return models.FieldCondition(key=key, match=models.MatchAny(any=list(condition.values)))
+    return models.FieldCondition(key=key, **_qdrant_range(condition))
+
+
+def _qdrant_range(condition: Range) -> dict[str, Any]:
+    if condition.key == INGESTED_AT_KEY:  # stored as epoch seconds: dates become numbers
+        return {"range": models.Range(**{name: epoch_seconds(b) for name, b in condition.bounds})}
+    bounds = dict(condition.bounds)
+    return {"range": models.DatetimeRange(**bounds) if condition.dates else models.Range(**bounds)}
+
+
+def _payload_key(key: str) -> str:
+    return key if key in (DOC_ID_KEY, INGESTED_AT_KEY) else f"metadata.{key}"
 
 
 def _version_filter(doc_id: str, version: str) -> models.Filter:

@@ -18,6 +18,7 @@ from service.engine.batch_request import BatchRequest
 from service.facade.types import DoneEvent, Source, TokenEvent
 from service.kvcache.store import FetchResult
 from service.metrics import Metrics
+from service.retrieval.collection import RetrievedChunk
 from service.serving.engine_loop import Admission, EngineLoop
 from service.serving.shadow import Shadows
 from service.usecases.answer import Answerer, Question, Retrieval
@@ -44,17 +45,7 @@ class AnswerSession:
     _shadowed: bool = False
 
     def sources(self) -> list[Source]:
-        return [
-            {
-                "id": c.id,
-                "doc_id": c.doc_id,
-                "score": round(c.score, 6),
-                "tokens": len(c.token_ids),
-                "text": c.text,
-                **c.context,  # title, headings, page, last_page: where they are known
-            }
-            for c in self.retrieval.chunks
-        ]
+        return [source(c) for c in self.retrieval.chunks]
 
     def start(self, listener: Callable[[AnswerItem], None]) -> None:
         question = self.question
@@ -130,3 +121,16 @@ class AnswerSession:
             done.recomputed_tokens,
         )
         return done
+
+
+def source(chunk: RetrievedChunk) -> Source:
+    """A retrieved chunk as answers and `/retrieve` report it."""
+    return {
+        "id": chunk.id,
+        "doc_id": chunk.doc_id,
+        "score": round(chunk.score, 6),
+        "tokens": len(chunk.token_ids),
+        "text": chunk.text,
+        "metadata": dict(chunk.metadata),  # the document's, bounded at ingest (MAX_METADATA_BYTES)
+        **chunk.context,  # title, headings, page, last_page: where they are known
+    }

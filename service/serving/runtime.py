@@ -342,7 +342,12 @@ def open_collection(settings: Settings, dimension: int) -> ChunkCollection:
     hybrid = settings.hybrid_search if settings.hybrid_search is not None else bool(settings.qdrant_url)
     if settings.qdrant_url:
         return ChunkCollection(
-            settings.collection, dimension, url=settings.qdrant_url, api_key=settings.qdrant_api_key, hybrid=hybrid
+            settings.collection,
+            dimension,
+            url=settings.qdrant_url,
+            api_key=settings.qdrant_api_key,
+            hybrid=hybrid,
+            filter_indexes=settings.filter_index_types,
         )
     return ChunkCollection(settings.collection, dimension, path=settings.qdrant_path, hybrid=hybrid)
 

@@ -42,14 +42,17 @@ from service.facade.types import (
     DocumentSummary,
     JobStatus,
     RequestLimits,
+    RetrieveRequest,
+    Source,
 )
 from service.formats import ExtractError
 from service.formats.isolated import ExtractCancelledError, ExtractTimeoutError, IsolatedExtractor
 from service.jobs.documents import IngestJob, JobError, parse_job
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
+from service.retrieval.collection import SearchOptions
 from service.retrieval.embedder import Embedder
-from service.serving.answer_session import AnswerSession
+from service.serving.answer_session import AnswerSession, source
 from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
@@ -218,6 +221,21 @@ class Server:
             runtime.loop, self.answerer, self.metrics, question, retrieval, admission, started, self.shadows
         )
 
+    async def retrieve(self, request: RetrieveRequest) -> list[Source]:
+        """The ranked chunks for a question, on a worker thread (retrieval blocks); nothing is generated, so no
+        place on the engine is taken."""
+        return await anyio.to_thread.run_sync(self.retrieve_now, request)
+
+    def retrieve_now(self, request: RetrieveRequest) -> list[Source]:
+        runtime = self._ready_runtime()
+        options = SearchOptions(filter=request.filter, hybrid=request.hybrid)
+        try:
+            hits = runtime.retrieval.retrieve(request.question, request.top_k, options)
+        except UnavailableError:
+            self.metrics.rejected.labels("dependency").inc()
+            raise
+        return [source(c) for c in hits]
+
     def _prepared(self, answerer: Answerer, request: AnswerRequest) -> Question:
         """The request as a `Question` with its token ids: the one check left after the HTTP boundary's, that
         the tokens fit the model's context (`Answerer.prepare`)."""
@@ -246,6 +264,7 @@ class Server:
             text=request.question,
             history=request.history,
             search_text=self._search_text(request),
+            search=SearchOptions(filter=request.filter),
             top_k=request.top_k,
             mode=mode,
             positions=PositionMode(request.positions),

@@ -26,7 +26,7 @@ from service.errors import InvalidRequestError
 from service.facade.types import ChatMessage, DoneEvent, Logprob
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
-from service.retrieval.collection import RetrievedChunk
+from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Question:
     recompute: RecomputeSpec = NO_RECOMPUTE  # part of the stitched context recomputed before the question (turbo)
     history: tuple[ChatMessage, ...] = ()  # earlier messages, oldest first; they go between chunks and question
     search_text: str = ""  # what retrieval embeds (the question and earlier user turns); empty: the question
+    search: SearchOptions = PLAIN_SEARCH  # the request's metadata filter (and hybrid on/off)
     ids: TokenIds = ()  # the prompt's suffix (conversation and question) as token ids, set once by `prepare`
 
 
@@ -80,9 +81,9 @@ def fit_blocks(
     return kept
 
 
-# The top-k chunks for a question's text (the runtime's `RetrievalBatcher.retrieve`); `UnavailableError` when
-# Qdrant is away.
-Search = Callable[[str, int], list[RetrievedChunk]]
+# The top-k chunks for a question's text and search options (the runtime's `RetrievalBatcher.retrieve`);
+# `UnavailableError` when Qdrant is away.
+Search = Callable[[str, int, SearchOptions], list[RetrievedChunk]]
 
 
 class Answerer:
@@ -96,7 +97,7 @@ class Answerer:
     def retrieve(self, question: Question) -> Retrieval:
         """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away."""
         start = time.perf_counter()
-        hits = self.search(question.search_text or question.text, question.top_k)
+        hits = self.search(question.search_text or question.text, question.top_k, question.search)
         kept = self._fit(hits, question)
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 

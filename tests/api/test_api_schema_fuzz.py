@@ -35,6 +35,7 @@ OPERATIONS = {
     "GET /documents/{doc_id}": True,
     "DELETE /documents/{doc_id}": True,
     "POST /ask": True,
+    "POST /retrieve": True,
     "GET /v1/models": False,
     "POST /v1/chat/completions": True,
 }
@@ -69,7 +70,7 @@ def test_the_document_declares_streams_text_and_every_error_status(fuzzed_server
 
     for path in ("/ask", "/v1/chat/completions"):
         assert set(paths[path]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert statuses("/ask", "post") == {"200", "400", "401", "413", "422", "503"}
+    assert statuses("/ask", "post") == statuses("/retrieve", "post") == {"200", "400", "401", "413", "422", "503"}
     assert statuses("/v1/chat/completions", "post") == {"200", "400", "401", "404", "413", "422", "503"}  # 404: model
     assert statuses("/ingest", "post") == {"202", "400", "401", "413", "422", "503"}
     assert (

@@ -16,11 +16,13 @@ from service.retrieval.collection import (
     HYBRID_PREFETCH,
     ChunkCollection,
     CollectionMismatchError,
+    SearchOptions,
     pack_token_ids,
     point_id,
     unpack_token_ids,
 )
 from service.retrieval.embedder import Embedder
+from service.search_filter import parse_filter
 
 DIM = 4
 AXES = {"x": [1.0, 0.0, 0.0, 0.0], "y": [0.0, 1.0, 0.0, 0.0], "z": [0.0, 0.0, 1.0, 0.0], "w": [0.0, 0.0, 0.0, 1.0]}
@@ -410,3 +412,22 @@ def test_a_chunk_without_ascii_words_gets_an_empty_sparse_vector_and_is_found_by
 
     assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="日本語")] == ["ja", "en"]
     assert [c.doc_id for c in collection.search(AXES["x"], top_k=2, text="alpha")] == ["en", "ja"]
+
+
+def test_a_filtered_search_finds_the_best_matching_published_chunks_beyond_the_top(collection: ChunkCollection) -> None:
+    # The filter runs inside Qdrant: the matching chunk far from the question is found even though more than
+    # top_k + the over-fetch non-matching ones are nearer, and an unpublished match stays hidden.
+    crowd = EMBEDDED_OVERFETCH + 8
+    near = [[1.0, 0.01 * i, 0.0, 0.0] for i in range(crowd)]
+    collection.upsert([chunk("en", i) for i in range(crowd)], near, version="v1", metadata={"lang": "en"})
+    collection.upsert([chunk("fr", 0)], [AXES["y"]], version="v1", metadata={"lang": "fr", "year": 2024})
+    collection.upsert([chunk("fr-draft", 0)], [AXES["x"]], version="v1", metadata={"lang": "fr"}, visible=False)
+    french = SearchOptions(filter=parse_filter({"must": [{"key": "lang", "match": "fr"}]}))
+
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=3, options=french)] == ["fr"]
+    assert [c.doc_id for c in collection.search(AXES["x"], top_k=3, text="fr chunk", options=french)] == ["fr"]
+    recent = SearchOptions(filter=parse_filter({"must_not": [{"key": "year", "range": {"lt": 2024}}]}), hybrid=False)
+    found = collection.search_many([AXES["x"], AXES["x"]], [2, 2], None, [recent, SearchOptions()])
+    assert [c.doc_id for c in found[0]] == ["en", "en"]  # a point without `year` is not excluded by must_not
+    assert [(c.doc_id, c.index) for c in found[1]] == [("en", 0), ("en", 1)]
+    assert found[0][0].metadata == {"lang": "en"}

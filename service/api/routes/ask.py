@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from service.api.answers import collect_text, open_answer, sources_and_summary
+from service.api.answers import collect_text, filter_note, open_answer, sources_and_summary
 from service.api.deps import FacadeDep
 from service.api.openapi import errors, streamed
 from service.api.schemas import AskRequest, stop_strings
@@ -27,10 +27,10 @@ async def ask(body: AskRequest, facade: FacadeDep, request: Request) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
     stream = await open_answer(facade, lambda limits: _request(body, limits))
     if body.stream:
-        return EventSourceResponse(_sse(stream), ping=15)
+        return EventSourceResponse(_sse(stream, body.filter is not None), ping=15)
     text = await collect_text(stream, request)
     assert stream.done is not None
-    summary = sources_and_summary(stream, stream.done)
+    summary = sources_and_summary(stream, stream.done, body.filter is not None)
     return {"answer": text, "chunks": summary.pop("sources"), **summary}
 
 
@@ -46,15 +46,17 @@ def _request(body: AskRequest, limits: AnswerLimits) -> AnswerRequest:
         mode=body.mode,
         positions=body.positions,
         recompute=body.recompute,
+        search_filter=body.filter,
     )
 
 
-async def _sse(stream: AnswerStream) -> AsyncIterator[dict[str, str]]:
+async def _sse(stream: AnswerStream, filtered: bool) -> AsyncIterator[dict[str, str]]:
+    note = filter_note(stream, filtered)  # said in the retrieval event and again in done
     try:
-        yield _event("retrieval", {"chunks": stream.sources, "dropped": stream.dropped})
+        yield _event("retrieval", {"chunks": stream.sources, "dropped": stream.dropped, **note})
         async for event in stream:
             if isinstance(event, DoneEvent):
-                yield _event("done", event.summary())
+                yield _event("done", {**event.summary(), **note})
             else:
                 yield _event("token", {"text": event.text})
     except UnavailableError as err:

@@ -4,7 +4,7 @@ Every message counts: the last user message is the question (and, with the user 
 embeds); the system messages and earlier turns go into the prompt after the stitched chunks, before the question
 (`service/engine/conversation.py`). Retrieval and stitching apply as for `/ask`; the sources, TTFT and tier hits
 travel in an extra `kvstitch` field (on the last choice chunk when streaming). kvstitch's own options (`top_k`,
-`mode`, `positions`, `recompute`) can be sent through the openai client's `extra_body`.
+`mode`, `positions`, `recompute`, `filter`) can be sent through the openai client's `extra_body`.
 
 What OpenAI offers and kvstitch does not serve (tools, functions, JSON response formats, n > 1) is a 400 naming
 the field, never silently ignored; an unknown `model` is a 404 `model_not_found`; errors come in OpenAI's shape
@@ -76,14 +76,16 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http:
             mode=body.mode,
             positions=body.positions,
             recompute=body.recompute,
+            search_filter=body.filter,
         )
 
     stream = await _open(facade, request, body)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_chunks(stream, completion_id, model, body.logprobs, usage), ping=15)
-    return await _completion(stream, completion_id, model, body.logprobs, http)
+        chunks = _chunks(stream, completion_id, model, body.logprobs, usage, body.filter is not None)
+        return EventSourceResponse(chunks, ping=15)
+    return await _completion(stream, completion_id, model, body.logprobs, http, body.filter is not None)
 
 
 def document_models(app: FastAPI, names: Sequence[str]) -> None:
@@ -184,7 +186,7 @@ async def _open(
 
 
 async def _completion(
-    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, request: Request
+    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, request: Request, filtered: bool
 ) -> dict[str, Any]:
     text = await collect_text(stream, request)
     done = stream.done
@@ -202,12 +204,12 @@ async def _completion(
         "model": model,
         "choices": [choice],
         "usage": _usage(done),
-        "kvstitch": sources_and_summary(stream, done),
+        "kvstitch": sources_and_summary(stream, done, filtered),
     }
 
 
 async def _chunks(
-    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, include_usage: bool
+    stream: AnswerStream, completion_id: str, model: str, logprobs: bool, include_usage: bool, filtered: bool
 ) -> AsyncIterator[dict[str, str]]:
     created = int(time.time())
     usage: dict[str, Any] = {"usage": None} if include_usage else {}
@@ -231,7 +233,7 @@ async def _chunks(
         async for event in stream:
             if isinstance(event, DoneEvent):
                 finish = FINISH_REASONS.get(event.finish_reason, "stop")
-                summary = sources_and_summary(stream, event)
+                summary = sources_and_summary(stream, event, filtered)
                 yield {"data": chunk({}, finish, event.logprobs[sent:], kvstitch=summary)}
                 if include_usage:  # OpenAI's form: one more chunk, no choices, the usage
                     final = {"id": completion_id, "object": "chat.completion.chunk", "created": created}

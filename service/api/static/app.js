@@ -151,6 +151,38 @@
     return n;
   }
 
+  // ---------------------------------------------------------------- sources that link back
+
+  /** The source's document URL (its metadata's `url`) when it is an absolute http(s) URL, else null. */
+  function sourceLink(c) {
+    const url = c && c.metadata && typeof c.metadata === "object" ? c.metadata.url : undefined;
+    if (typeof url !== "string" || url.length > 2048) return null;
+    let parsed;
+    try {
+      parsed = new URL(url);
+    } catch (err) {
+      return null;
+    }
+    return parsed.protocol === "http:" || parsed.protocol === "https:" ? parsed.href : null;
+  }
+
+  /** The source's document name: a link to its URL where it has one (text only, never markup), else plain text. */
+  function sourceName(doc, c) {
+    const href = sourceLink(c);
+    const name = doc.createElement(href ? "a" : "span");
+    name.className = "doc-id";
+    const title = c.metadata && typeof c.metadata.title === "string" && c.metadata.title ? c.metadata.title : null;
+    const id = c.doc_id === undefined || c.doc_id === null ? "(unknown document)" : String(c.doc_id);
+    name.textContent = href && title ? title : id;
+    if (href) {
+      name.setAttribute("href", href);
+      name.setAttribute("target", "_blank");
+      name.setAttribute("rel", "noopener noreferrer");
+      name.setAttribute("title", id);
+    }
+    return name;
+  }
+
   // ---------------------------------------------------------------- page
 
   function init() {
@@ -370,7 +402,11 @@
     function handleEvent(ev) {
       if (!current || current.finished) return;
       switch (ev.type) {
-        case "retrieval": renderSources((parseData(ev) || {}).chunks); break;
+        case "retrieval": {
+          const found = parseData(ev) || {};
+          renderSources(found.chunks, typeof found.note === "string" ? found.note : "");
+          break;
+        }
         case "token": onToken(parseData(ev)); break;
         case "done": onDone(parseData(ev)); break;
         case "error": {
@@ -449,11 +485,11 @@
       return parts.join(" · ");
     }
 
-    function renderSources(chunks) {
+    function renderSources(chunks, note) {
       el.sources.replaceChildren();
       if (!Array.isArray(chunks) || chunks.length === 0) {
         el.sourcesEmpty.hidden = false;
-        el.sourcesEmpty.textContent = "No chunks matched the question.";
+        el.sourcesEmpty.textContent = note || "No chunks matched the question.";
         return;
       }
       el.sourcesEmpty.hidden = true;
@@ -466,9 +502,7 @@
 
         const head = document.createElement("div");
         head.className = "source-head";
-        const doc = document.createElement("span");
-        doc.className = "doc-id";
-        doc.textContent = c.doc_id === undefined || c.doc_id === null ? "(unknown document)" : String(c.doc_id);
+        const doc = sourceName(document, c);
         const score = document.createElement("span");
         score.className = "score";
         score.textContent = "score " + (isNum(c.score) ? c.score.toFixed(3) : "—");
@@ -726,7 +760,10 @@
   }
 
   if (typeof module === "object" && module.exports) {
-    module.exports = { SSEParser: SSEParser, describeDetail: describeDetail, median: median, tierLine: tierLine };
+    module.exports = {
+      SSEParser: SSEParser, describeDetail: describeDetail, median: median, tierLine: tierLine,
+      sourceLink: sourceLink, sourceName: sourceName,
+    };
   } else if (typeof document !== "undefined") {
     if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
     else init();
