@@ -188,8 +188,8 @@ def test_every_error_under_v1_has_openais_shape(server: LiveServer) -> None:
         "embeddings": (404, None, "unknown_url"),
         "no key": (401, None, "invalid_api_key"),
         "too large": (413, None, "request_too_large"),
-        "bad field": (422, "temperature", "invalid_value"),
-        "bound": (422, "max_tokens", "invalid_value"),
+        "bad field": (400, "temperature", "invalid_value"),
+        "bound": (400, "max_tokens", "invalid_value"),
         "method": (405, None, "method_not_allowed"),
     }
     for name, reply in replies.items():
