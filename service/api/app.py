@@ -19,6 +19,7 @@ from service.api import openai_errors
 from service.api.allow_header import AllowHeader
 from service.api.auth import ApiKeyGuard
 from service.api.body_limit import BodyLimit
+from service.api.request_id import RequestId
 from service.api.request_metrics import RequestCounter
 from service.api.routes import ask, documents, health, ingest, ingest_files, openai, retrieve
 from service.api.security_headers import SecurityHeaders
@@ -51,7 +52,7 @@ def create_app(facade: Facade) -> FastAPI:
         return FileResponse(STATIC_DIR / "index.html")
 
     openai_errors.install(app)
-    openai.document_models(app, [facade.model_name, *facade.model_aliases])
+    openai.document_v1(app, [facade.model_name, *facade.model_aliases])
 
     # The last added runs first. Each one added before the counter runs inside it: refused requests (401, 413) are
     # counted under their route. The key is checked before the body limit so that nothing of an unauthenticated
@@ -64,5 +65,7 @@ def create_app(facade: Facade) -> FastAPI:
     app.add_middleware(SecurityHeaders)
 
     app.add_middleware(RequestCounter, count=facade.count_request)
+    # Outermost: every answer, refusals included, carries the request's id, and its log line is written here.
+    app.add_middleware(RequestId)
 
     return app

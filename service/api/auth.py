@@ -5,9 +5,9 @@ the body, so an unauthenticated client could make the server take a whole upload
 before hearing 401. Here the refusal comes first, and a refused request that still has a body to send gets
 `Connection: close`, so the server never reads that body.
 
-Open to everyone: the probes and Prometheus (`/healthz`, `/readyz`, `/metrics`), and the chat page with its files (it
-asks for the key itself). Everything else, `/openapi.json` included, needs `Authorization: Bearer <KVSTITCH_API_KEY>`
-when a key is set. Under /v1 the refusal comes in OpenAI's error shape.
+Open to everyone: the probes and Prometheus (`/health`, `/healthz`, `/readyz`, `/metrics`), and the chat page with
+its files (it asks for the key itself). Everything else, `/openapi.json` included, needs
+`Authorization: Bearer <KVSTITCH_API_KEY>` when a key is set. Under /v1 the refusal comes in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.openai_errors import error_body
 
-OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/", "/health", "/healthz", "/readyz", "/metrics"})
 OPEN_PREFIXES = ("/static/",)
 MESSAGE = "missing or wrong API key: send Authorization: Bearer <KVSTITCH_API_KEY>"
 

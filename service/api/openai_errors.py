@@ -2,13 +2,18 @@
 
 OpenAI clients (the official SDK, LangChain) read that body to name the problem: `param` is the request field
 (OpenAI's names, `max_tokens` rather than the engine's `max_new_tokens`), `code` a short string or null. Routing's
-404 and 405, the body limit's 413, validation's 422, the API key's 401, the service's 503 and anything
-unexpected (500) all come this way under /v1; elsewhere FastAPI's own `{"detail": ...}` stays.
+404 and 405, the body limit's 413, the API key's 401, the service's 503 and anything unexpected (500) all come this
+way under /v1; elsewhere FastAPI's own `{"detail": ...}` stays.
+
+A body the server refuses is a 400 under /v1, as OpenAI answers it (FastAPI's 422 elsewhere): JSON that does not
+parse (`param` null, no character offset), unknown fields ("Unrecognized request argument supplied: topk", `param`
+null, as OpenAI words it), or a value malformed or out of bounds (`param` the field).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
@@ -26,9 +31,10 @@ CODES = {
     404: "unknown_url",
     405: "method_not_allowed",
     413: "request_too_large",
-    422: "invalid_value",
     503: "service_unavailable",
 }
+INVALID_VALUE = "invalid_value"
+NOT_JSON = "We could not parse the JSON body of your request: it is not valid JSON."
 # The service's field names in the OpenAI API's words.
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "question": "messages", "history": "messages"}
 
@@ -57,14 +63,15 @@ def install(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if not _under_v1(request):
             return await http_exception_handler(request, exc)
+        status = 400 if exc.status_code == 422 else exc.status_code  # a value out of the settings' bounds
         if isinstance(exc, OpenAIError):
             message, param, code = str(exc.detail), exc.param, exc.code
         else:
             message, param = _message_of(exc.detail)
-            code = None
+            code = INVALID_VALUE if exc.status_code == 422 else None
             if exc.status_code == 404 and exc.detail == "Not Found":  # routing's: no such operation
                 message = f"unknown URL: {request.method} {request.url.path}"
-        reply = JSONResponse(error_body(exc.status_code, message, param, code), status_code=exc.status_code)
+        reply = JSONResponse(error_body(status, message, param, code), status_code=status)
         reply.headers.update(exc.headers or {})
         return reply
 
@@ -75,8 +82,7 @@ def install(app: FastAPI) -> None:
         errors = safe_errors(exc.errors())
         if not _under_v1(request):
             return JSONResponse({"detail": errors}, status_code=422)
-        message, param = _message_of(errors)
-        return JSONResponse(error_body(422, message, param), status_code=422)
+        return JSONResponse(_refused_body(errors), status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -84,6 +90,23 @@ def install(app: FastAPI) -> None:
         if not _under_v1(request):
             return PlainTextResponse("Internal Server Error", status_code=500)
         return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}", None), status_code=500)
+
+
+def _refused_body(errors: list[Any]) -> dict[str, object]:
+    """OpenAI's 400 for a body it will not take: not JSON, then unknown fields, then the values."""
+    if any(error.get("type") == "json_invalid" for error in errors):
+        return error_body(400, NOT_JSON, None)
+    unknown = [_dotted(error["loc"][1:]) for error in errors if error.get("type") == "extra_forbidden"]
+    unknown = [name for name in unknown if name]  # a name that is no text is refused on the body, below
+    if unknown:
+        arguments = "argument" if len(unknown) == 1 else "arguments"
+        return error_body(400, f"Unrecognized request {arguments} supplied: {', '.join(unknown)}", None)
+    message, param = _message_of(errors)
+    return error_body(400, message, param, INVALID_VALUE)
+
+
+def _dotted(loc: list[Any] | tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc)
 
 
 def _under_v1(request: Request) -> bool:

@@ -47,7 +47,9 @@ WHY = {
     413: "The body is larger than KVSTITCH_MAX_REQUEST_MB (declared or counted while it is read), or an ingest "
     "job's documents hold more than KVSTITCH_MAX_JOB_TOKENS tokens.",
     400: "The body is not JSON the server can read (invalid UTF-8, nesting deeper than the parser allows); under "
-    "/v1 also an OpenAI option that is not served (tools, json response formats, n > 1), named in `param`.",
+    "/v1 every body refused: not JSON, an unknown field (named in the message, as OpenAI does), a value missing, "
+    "malformed or out of bounds (named in `param`), or an OpenAI option that is not served (tools, json response "
+    "formats, n > 1, penalties), named in `param`.",
     422: "A field is missing, malformed or out of bounds; the error names it.",
     503: "Not ready yet, the engine's line is full, or a dependency (Qdrant, the KV index, Redis) is away; "
     "see Retry-After.",
@@ -61,7 +63,7 @@ def errors(*codes: int) -> Responses:
 
 
 def openai_errors(*codes: int) -> Responses:
-    """Error answers of a route under /v1, all in OpenAI's shape (422 included)."""
+    """Error answers of a route under /v1, all in OpenAI's shape."""
     return {code: {"model": OpenAIErrorOut, "description": WHY[code]} for code in codes}
 
 

@@ -146,11 +146,13 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion body; unknown OpenAI fields are accepted and ignored, as OpenAI clients send many."""
+    """OpenAI's chat completion body. A field OpenAI does not know is a 400 naming it, as OpenAI answers; the
+    OpenAI fields that do not change the answer are taken and ignored, and those that would and are not served are
+    a 400 naming them unless they ask for what is served anyway."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    model: Text = Field(min_length=1, max_length=512)
+    model: Text | None = Field(None, min_length=1, max_length=512, description="Unset: the served model.")
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
@@ -171,6 +173,23 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = Field(
         None, description='Only {"type": "text"}; json_object and json_schema are a 400 naming it.'
     )
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is served.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is served.")
+    logit_bias: dict[str, int] | None = Field(None, max_length=300, description="Only an empty one is served.")
+    modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description='Only ["text"].')
+    audio: Any = Field(None, description="Not served: a 400 naming `audio`.")
+    prediction: Any = Field(None, description="Not served: a 400 naming `prediction`.")
+    web_search_options: Any = Field(None, description="Not served: a 400 naming `web_search_options`.")
+    # OpenAI fields that leave the answer as it is: taken and ignored.
+    user: Text | None = Field(None, max_length=512)
+    safety_identifier: Text | None = Field(None, max_length=512)
+    prompt_cache_key: Text | None = Field(None, max_length=512)
+    metadata: dict[Text, Text] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: Text | None = Field(None, max_length=32)
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Text | None = Field(None, max_length=32)
+    verbosity: Literal["low", "medium", "high"] | None = None
     # kvstitch's own options (the openai client sends them through `extra_body`)
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     mode: Literal["turbo", "naive"] = "turbo"

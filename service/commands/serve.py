@@ -39,6 +39,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level="info",
+        access_log=False,  # the app writes each request's line itself, with its id (service/api/request_id.py)
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
         **server_options(limits),
     )

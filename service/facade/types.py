@@ -43,6 +43,7 @@ __all__ = [
     "Role",
     "SearchFilter",
     "Source",
+    "TokenChoice",
     "TokenEvent",
     "json_problem",
     "json_safe",
@@ -111,12 +112,20 @@ class RetrieveRequest:
 
 
 @dataclass(frozen=True)
-class Logprob:
-    """One answer token's log-probability and its likeliest rivals, by their text (when a request asks)."""
+class TokenChoice:
+    """A token by its text and its own bytes (a part of a UTF-8 character reads as U+FFFD, its bytes as the part),
+    with its log-probability."""
 
     token: str
     logprob: float
-    top: tuple[tuple[str, float], ...] = ()
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class Logprob(TokenChoice):
+    """One answer token's log-probability and its likeliest rivals (when a request asks)."""
+
+    top: tuple[TokenChoice, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from service.engine.prompt import PromptIds, PromptTemplate
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams, TokenLogprobs
 from service.engine.stitch import PositionMode
+from service.engine.token_bytes import token_bytes
 from service.errors import InvalidRequestError
-from service.facade.types import ChatMessage, DoneEvent, Logprob
+from service.facade.types import ChatMessage, DoneEvent, Logprob, TokenChoice
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
@@ -161,13 +162,17 @@ class Answerer:
         )
 
     def named(self, entries: Sequence[TokenLogprobs]) -> tuple[Logprob, ...]:
-        """Log-probability entries with each token id turned into its text."""
+        """Log-probability entries with each token id turned into its text and its own bytes."""
         tokenizer = self.engine.tokenizer
 
-        def text(token: int) -> str:
-            return str(tokenizer.decode([token]))
+        def choice(token: int, logprob: float) -> TokenChoice:
+            return TokenChoice(str(tokenizer.decode([token])), logprob, token_bytes(tokenizer, token))
 
-        return tuple(Logprob(text(e.token), e.logprob, tuple((text(t), lp) for t, lp in e.top)) for e in entries)
+        def entry(e: TokenLogprobs) -> Logprob:
+            chosen = choice(e.token, e.logprob)
+            return Logprob(chosen.token, chosen.logprob, chosen.token_bytes, tuple(choice(t, lp) for t, lp in e.top))
+
+        return tuple(entry(e) for e in entries)
 
 
 def _share(part: int, whole: int) -> float:

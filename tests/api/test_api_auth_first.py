@@ -61,7 +61,7 @@ def test_the_openapi_document_needs_the_key_and_the_cdn_pages_are_off(server: Li
     for page in ("/docs", "/redoc"):
         assert httpx.get(f"{server.url}{page}").status_code == 401
         assert httpx.get(f"{server.url}{page}", headers=GOOD).status_code == 404
-    for path in ("/", "/healthz", "/readyz", "/metrics", "/static/app.js", "/static/style.css"):
+    for path in ("/", "/health", "/healthz", "/readyz", "/metrics", "/static/app.js", "/static/style.css"):
         assert httpx.get(f"{server.url}{path}").status_code == 200, path
 
 

@@ -83,7 +83,7 @@ def test_the_api_key_guards_every_route_but_health_metrics_and_the_page(make_app
         assert client.get("/v1/models", headers=good).status_code == 200
         reply = client.post("/ask", json={"question": QUESTION, "stream": False, "max_new_tokens": 2}, headers=good)
         assert reply.status_code == 200
-        for path in ("/healthz", "/readyz", "/metrics", "/"):
+        for path in ("/health", "/healthz", "/readyz", "/metrics", "/"):
             assert client.get(path).status_code == 200, path
 
 

@@ -12,6 +12,7 @@ from sse_starlette import EventSourceResponse
 from service.api.answers import collect_text, filter_note, open_answer, sources_and_summary
 from service.api.deps import FacadeDep
 from service.api.openapi import errors, streamed
+from service.api.request_id import request_id_of
 from service.api.schemas import AskRequest, stop_strings
 from service.api.validation import Sampling, answer_request
 from service.facade import AnswerStream
@@ -26,12 +27,13 @@ EVENTS = ("retrieval", "token", "done", "error")
 async def ask(body: AskRequest, facade: FacadeDep, request: Request) -> Any:
     """Answer a question from the retrieved chunks; streams SSE unless `stream` is false."""
     stream = await open_answer(facade, lambda limits: _request(body, limits))
+    request_id = request_id_of(request)
     if body.stream:
-        return EventSourceResponse(_sse(stream, body.filter is not None), ping=15)
+        return EventSourceResponse(_sse(stream, body.filter is not None, request_id), ping=15)
     text = await collect_text(stream, request)
     assert stream.done is not None
     summary = sources_and_summary(stream, stream.done, body.filter is not None)
-    return {"answer": text, "chunks": summary.pop("sources"), **summary}
+    return {"answer": text, "chunks": summary.pop("sources"), **summary, "request_id": request_id}
 
 
 def _request(body: AskRequest, limits: AnswerLimits) -> AnswerRequest:
@@ -50,13 +52,13 @@ def _request(body: AskRequest, limits: AnswerLimits) -> AnswerRequest:
     )
 
 
-async def _sse(stream: AnswerStream, filtered: bool) -> AsyncIterator[dict[str, str]]:
+async def _sse(stream: AnswerStream, filtered: bool, request_id: str) -> AsyncIterator[dict[str, str]]:
     note = filter_note(stream, filtered)  # said in the retrieval event and again in done
     try:
         yield _event("retrieval", {"chunks": stream.sources, "dropped": stream.dropped, **note})
         async for event in stream:
             if isinstance(event, DoneEvent):
-                yield _event("done", {**event.summary(), **note})
+                yield _event("done", {**event.summary(), **note, "request_id": request_id})
             else:
                 yield _event("token", {"text": event.text})
     except UnavailableError as err:

@@ -20,6 +20,12 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/health")
+def health() -> dict[str, str]:
+    """The same probe as /healthz, under the name vLLM and SGLang serve it."""
+    return healthz()
+
+
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 def readyz(facade: FacadeDep) -> Any:
     """Model loaded, gate passed, KV index and Qdrant reachable; 503 naming what is not."""

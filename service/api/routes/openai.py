@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -26,10 +25,11 @@ from service.api.answers import collect_text, open_answer, sources_and_summary
 from service.api.deps import FacadeDep
 from service.api.openai_errors import OpenAIError
 from service.api.openapi import openai_errors, streamed
+from service.api.request_id import request_id_of
 from service.api.schemas import ChatCompletionRequest, ChatMessage, stop_strings
 from service.api.validation import Sampling, answer_request
 from service.facade import AnswerStream, Facade
-from service.facade.types import AnswerLimits, AnswerRequest, DoneEvent, Logprob, Role
+from service.facade.types import AnswerLimits, AnswerRequest, DoneEvent, Logprob, Role, TokenChoice
 from service.facade.types import ChatMessage as Turn
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_errors(401))
@@ -50,7 +50,7 @@ def models(facade: FacadeDep) -> dict[str, Any]:
 @router.post(
     "/chat/completions",
     response_model=None,
-    responses={**streamed("The completion"), **openai_errors(400, 404, 413, 422, 503)},
+    responses={**streamed("The completion"), **openai_errors(400, 404, 413, 503)},
 )
 async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http: Request) -> Any:
     """A chat completion answered with retrieval and stitched chunk KV, the whole conversation in the prompt."""
@@ -80,7 +80,7 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http:
         )
 
     stream = await _open(facade, request, body)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    completion_id = f"chatcmpl-{request_id_of(http)}"  # vLLM's: the X-Request-Id, sent or generated
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chunks(stream, completion_id, model, body.logprobs, usage, body.filter is not None)
@@ -88,15 +88,20 @@ async def chat_completions(body: ChatCompletionRequest, facade: FacadeDep, http:
     return await _completion(stream, completion_id, model, body.logprobs, http, body.filter is not None)
 
 
-def document_models(app: FastAPI, names: Sequence[str]) -> None:
+def document_v1(app: FastAPI, names: Sequence[str]) -> None:
     """Give the document's `model` field the names served (an enum), so generated clients and the schema fuzz
-    test send a model that exists; another name is the documented 404."""
+    test send a model that exists (another name is the documented 404); and drop the 422 FastAPI adds to every
+    route with a body: under /v1 a refused body is a 400."""
     plain = app.openapi
 
     def openapi() -> dict[str, Any]:
         schema = plain()
-        model = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]
-        model["enum"] = list(names)
+        properties = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+        properties["model"] = {"type": "string", "enum": list(names), "description": "Unset: the served model."}
+        for path, operations in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -120,6 +125,16 @@ def _refuse_unserved(body: ChatCompletionRequest) -> None:
     kind = (body.response_format or {}).get("type", "text")
     if kind != "text":
         raise _unsupported("response_format", f"only the text response format is served (got {kind!r})")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, penalty) not in (None, 0.0):
+            raise _unsupported(penalty, f"{penalty} is not served by kvstitch (only 0)")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not served by kvstitch")
+    if body.modalities not in (None, ["text"]):
+        raise _unsupported("modalities", 'only the modalities ["text"] are served')
+    for option in ("audio", "prediction", "web_search_options"):
+        if getattr(body, option) is not None:
+            raise _unsupported(option, f"{option} is not served by kvstitch")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     if body.stream_options is not None and not body.stream:
@@ -134,8 +149,11 @@ def _served_names(facade: Facade) -> list[str]:
     return list(dict.fromkeys((facade.model_name, *facade.model_aliases)))
 
 
-def _check_model(model: str, facade: Facade) -> str:
+def _check_model(model: str | None, facade: Facade) -> str:
+    """The model named, or the served one where none is (as vLLM answers)."""
     names = _served_names(facade)
+    if model is None:
+        return names[0]
     if model not in names:
         served = ", ".join(repr(n) for n in names)
         raise OpenAIError(404, f"the model {model!r} does not exist here; served: {served}", "model", "model_not_found")
@@ -147,7 +165,8 @@ def _conversation(messages: Sequence[ChatMessage]) -> tuple[tuple[Turn, ...], st
     system ones after it)."""
     last = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
     if last is None:
-        raise OpenAIError(422, "messages: needs at least one message with role 'user' (it is the question)", "messages")
+        refusal = "messages: needs at least one message with role 'user' (it is the question)"
+        raise OpenAIError(400, refusal, "messages", "invalid_value")
     if any(m.role not in ("system", "developer") for m in messages[last + 1 :]):
         raise OpenAIError(400, "the last non-system message must be the user's question", "messages", "invalid_value")
     turns = []
@@ -250,14 +269,14 @@ async def _chunks(
 
 
 def _logprobs(entries: Sequence[Logprob]) -> dict[str, Any]:
-    """OpenAI's `logprobs` of a choice: per token its text, log-probability, UTF-8 bytes and top alternatives."""
+    """OpenAI's `logprobs` of a choice: per token its text, log-probability, own bytes and top alternatives."""
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+    def entry(choice: TokenChoice) -> dict[str, Any]:
         # OpenAI's floor for a token the model all but rules out; JSON has no -Infinity.
-        return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8"))}
+        return {"token": choice.token, "logprob": max(choice.logprob, -9999.0), "bytes": list(choice.token_bytes)}
 
     return {
-        "content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries],
+        "content": [{**entry(e), "top_logprobs": [entry(t) for t in e.top]} for e in entries],
         "refusal": None,
     }
 
