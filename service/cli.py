@@ -227,6 +227,11 @@ def _add_finetune(commands: Any, default_device: str) -> None:
         default=None,
         help="an ingested corpus's data folder: self-distillation on questions made from its chunks (stop its server)",
     )
+    tune.add_argument(
+        "--distill-data",
+        default=None,
+        help="a QA JSONL whose questions over its chunks are self-distillation prompts (its answers are not read)",
+    )
     tune.add_argument("--out", required=True, help="folder for the fine-tuned HF model and tokenizer")
     tune.add_argument(
         "--prompts", type=int, default=512, help="with --data-dir: training prompts made from the corpus (default 512)"

@@ -24,6 +24,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         data=args.data,
         out=args.out,
         data_dir=args.data_dir,
+        distill_data=args.distill_data,
         prompts=args.prompts,
         top_k=args.top_k,
         answer_tokens=args.answer_tokens,
@@ -54,7 +55,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
     print(
         f"fine-tuned {len(report.losses)} steps ({report.block_samples} block, {report.full_attention_samples} "
         f"full-attention samples; {report.labelled_samples} labelled, {report.distill_samples} self-distilled over "
-        f"{report.distill_prompts} corpus prompts); {report.samples_per_s:.3g} samples/s; last loss {last:.4f}; "
+        f"{report.distill_prompts} distillation prompts); {report.samples_per_s:.3g} samples/s; last loss {last:.4f}; "
         f"saved to {report.out}"
     )
     return 0

@@ -105,7 +105,7 @@ def test_finetune_over_an_ingested_corpus_distils_served_prompts_and_saves_a_gat
     steps = ["--steps", "2", "--batch-size", "4", "--prompts", "6", "--top-k", "2", "--answer-tokens", "6"]
     assert main([*argv, *steps, "--lr", "1e-3", "--warmup-steps", "0"]) == 0
     printed = capsys.readouterr().out
-    assert "0 labelled, 8 self-distilled over 6 corpus prompts" in printed
+    assert "0 labelled, 8 self-distilled over 6 distillation prompts" in printed
     record = json.loads((out / REPORT_NAME).read_text(encoding="utf-8"))
     assert record["distill_samples"] == 8 and record["labelled_samples"] == 0 and record["distill_prompts"] == 6
     assert record["config"]["data_dir"] == str(data_dir) and record["samples_per_s"] > 0
@@ -130,12 +130,31 @@ def test_finetune_over_an_ingested_corpus_distils_served_prompts_and_saves_a_gat
     assert (record["labelled_samples"], record["distill_samples"]) == (2, 6)
 
 
+def test_a_prompts_file_is_distilled_without_reading_its_answers(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--distill-data`: a QA file's questions over its chunks are the prompts; the teacher answers them (the file's
+    answers are replaced by nonsense to show they are never read) and the saved folder passes the gate."""
+    qa = write_qa_file(tmp_path / "qa.jsonl", questions=5, chunks=2, seed=3, two_fact_share=0.0)
+    lines = [json.loads(line) for line in qa.read_text(encoding="utf-8").splitlines() if line.strip()]
+    qa.write_text("".join(json.dumps({**r, "answers": ["zzz never read"]}) + "\n" for r in lines), encoding="utf-8")
+    out = tmp_path / "tuned"
+    base = tiny_model_dirs["llama"]
+    argv = ["finetune", "--model", str(base), "--distill-data", str(qa), "--out", str(out), "--device", "cpu"]
+    assert main([*argv, "--steps", "2", "--batch-size", "3", "--answer-tokens", "5", "--warmup-steps", "0"]) == 0
+    assert "0 labelled, 6 self-distilled over 5 distillation prompts" in capsys.readouterr().out
+    record = json.loads((out / REPORT_NAME).read_text(encoding="utf-8"))
+    assert [p["question"] for p in record["distill_preview"]] == [r["question"] for r in lines]
+    assert all("zzz" not in p["answer"] for p in record["distill_preview"])
+    assert run_gate(StitchEngine(load_model(out))).passed
+
+
 def test_finetune_without_data_or_corpus_exits_2_naming_the_options(
     tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["finetune", "--model", str(tiny_model_dirs["qwen2"]), "--out", str(tmp_path / "o"), "--device", "cpu"]
     assert main(argv) == 2
-    assert "give --data FILE.jsonl (labelled QA), --data-dir DIR (an ingested corpus), or both" in (
+    assert "give --data FILE.jsonl (labelled QA), --data-dir DIR (an ingested corpus) or --distill-data" in (
         capsys.readouterr().err
     )
     assert main([*argv, "--data-dir", str(tmp_path / "nowhere")]) == 2

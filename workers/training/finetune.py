@@ -49,7 +49,7 @@ import torch
 
 from service.engine.kv_layout import ChunkContext
 from service.engine.model import LoadedModel, default_dtype, load_model
-from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode
+from service.engine.prompt import PromptIds, PromptTemplate, build_template, encode, encode_text
 from service.engine.reference import independent_mask
 from service.engine.stitch import PositionMode, plan_positions
 from service.quality.dataset import QADataError, QASample, read_samples
@@ -83,6 +83,7 @@ class FinetuneConfig:
     data: str | None  # labelled QA JSONL (cross-entropy)
     out: str
     data_dir: str | None = None  # an ingested corpus: prompts for self-distillation
+    distill_data: str | None = None  # a QA JSONL whose questions and chunks are distillation prompts (answers unused)
     prompts: int = DEFAULT_PROMPTS  # distillation prompts made from the corpus
     top_k: int = DEFAULT_TOP_K
     answer_tokens: int = DEFAULT_ANSWER_TOKENS  # the teacher's greedy answers' length limit
@@ -103,8 +104,10 @@ class FinetuneConfig:
     seed: int = 0
 
     def check(self) -> None:
-        if self.data is None and self.data_dir is None:
-            raise FinetuneError("give --data FILE.jsonl (labelled QA), --data-dir DIR (an ingested corpus), or both")
+        if self.data is None and not self.distills:
+            raise FinetuneError(
+                "give --data FILE.jsonl (labelled QA), --data-dir DIR (an ingested corpus) or --distill-data FILE.jsonl"
+            )
         if self.steps < 1 or self.batch_size < 1 or self.warmup_steps < 0:
             raise FinetuneError("--steps and --batch-size must be at least 1, --warmup-steps at least 0")
         if (self.micro_batch_size or 1) < 1 or self.generate_batch_size < 1:
@@ -118,9 +121,14 @@ class FinetuneConfig:
         if self.prompts < 1 or self.top_k < 1 or self.answer_tokens < 1:
             raise FinetuneError("--prompts, --top-k and --answer-tokens must be at least 1")
 
+    @property
+    def distills(self) -> bool:
+        """Whether any self-distillation prompts are given (a corpus, a prompts file)."""
+        return self.data_dir is not None or self.distill_data is not None
+
     def labelled_per_step(self) -> int:
         """How many of a step's samples come from the labelled file; the rest are distillation samples."""
-        if self.data_dir is None:
+        if not self.distills:
             return self.batch_size
         if self.data is None:
             return 0
@@ -321,8 +329,8 @@ def encode_samples(
     """Ids of every sample, chunks encoded like the chunker does; QADataError when one exceeds the context."""
     tokenizer, encoded = model.tokenizer, []
     for sample in samples:
-        chunks = [encode(tokenizer, c) for c in sample.chunks]
-        prompt = template.prompt(chunks, encode(tokenizer, sample.question))
+        chunks = [encode_text(tokenizer, c) for c in sample.chunks]
+        prompt = template.prompt(chunks, encode_text(tokenizer, sample.question))
         answer = answer_ids(template, tokenizer, sample.answers[0])
         size = len(prompt.joined()) + len(answer) + 1
         if size > model.spec.max_context:
@@ -421,18 +429,38 @@ def distill_examples(
     settings: Any,
     report: FinetuneReport,
 ) -> list[Example]:
-    """The corpus prompts with the teacher's greedy answers (generated here, once); the first few go into the
-    report's preview."""
-    from workers.training.corpus_prompts import corpus_prompts
-
-    made = corpus_prompts(model, template, settings, config.prompts, config.top_k, config.answer_tokens, config.seed)
-    prompts = [p.prompt for p in made]
+    """The distillation prompts (the corpus's, the prompts file's) with the teacher's greedy answers (generated
+    here, once); the first few go into the report's preview."""
+    questions, prompts = distill_prompts(model, template, config, settings)
     stops = stop_ids(model.tokenizer, model.hf)
     answers = teacher.answers(prompts, stops, config.answer_tokens, config.generate_batch_size, pad_id(model))
-    for item, answer in list(zip(made, answers, strict=True))[:PREVIEW]:
+    for question, answer in list(zip(questions, answers, strict=True))[:PREVIEW]:
         text = model.tokenizer.decode(list(answer), skip_special_tokens=True)
-        report.distill_preview.append({"question": item.question, "answer": text})
+        report.distill_preview.append({"question": question, "answer": text})
     return [Example(p, a, distill=True) for p, a in zip(prompts, answers, strict=True) if a]
+
+
+def distill_prompts(
+    model: LoadedModel, template: PromptTemplate, config: FinetuneConfig, settings: Any
+) -> tuple[list[str], list[PromptIds]]:
+    """(questions, prompts) to distil on: made from the corpus (`--data-dir`), then a QA file's questions over its
+    chunks (`--distill-data`; its answers are never read: the teacher answers)."""
+    questions: list[str] = []
+    prompts: list[PromptIds] = []
+    if settings is not None:
+        from workers.training.corpus_prompts import corpus_prompts
+
+        made = corpus_prompts(
+            model, template, settings, config.prompts, config.top_k, config.answer_tokens, config.seed
+        )
+        questions += [p.question for p in made]
+        prompts += [p.prompt for p in made]
+    if config.distill_data is not None:
+        samples = read_samples(config.distill_data)
+        encoded = encode_samples(model, template, samples, Path(config.distill_data).name)
+        questions += [s.question for s in samples]
+        prompts += [e.prompt for e in encoded]
+    return questions, prompts
 
 
 def finetune(config: FinetuneConfig) -> FinetuneReport:
@@ -447,7 +475,7 @@ def finetune(config: FinetuneConfig) -> FinetuneReport:
     labelled = labelled_examples(model, template, config.data) if config.data else []
     report = FinetuneReport(config.out)
     teacher, distilled = None, []
-    if settings is not None:
+    if config.distills:
         began = time.perf_counter()
         teacher = (
             FrozenTeacher(model.hf, precision.compute)
@@ -458,7 +486,7 @@ def finetune(config: FinetuneConfig) -> FinetuneReport:
         report.teacher_seconds = time.perf_counter() - began
         report.distill_prompts = len(distilled)
     if not labelled and not distilled:
-        raise FinetuneError("the teacher answered every corpus prompt with nothing; there is nothing to learn")
+        raise FinetuneError("the teacher answered every distillation prompt with nothing; there is nothing to learn")
     hf = with_lora(model.hf) if config.lora else model.hf.requires_grad_(True)
     if teacher is not None and config.lora:
         teacher.off = hf.disable_adapter
