@@ -15,7 +15,6 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
     from service.engine.kv_layout import ChunkContext
     from service.engine.model import UnsupportedModelError
     from service.engine.stitch import PositionMode
-    from service.quality.corpus_eval import CorpusError
     from service.quality.dataset import QADataError
     from workers.training.finetune import FinetuneConfig, FinetuneError, finetune
 
@@ -45,9 +44,15 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         seed=args.seed,
     )
     logging.getLogger("workers.training").setLevel(logging.INFO)
+    corpus_errors: tuple[type[Exception], ...] = ()
+    if args.data_dir is not None:  # the corpus's modules need Qdrant's client; labelled QA and prompt files do not
+        from service.quality.corpus_eval import CorpusError
+
+        corpus_errors = (CorpusError,)
+    refusals = (FinetuneError, QADataError, UnsupportedModelError, OSError, *corpus_errors)
     try:
         report = finetune(config)
-    except (FinetuneError, QADataError, CorpusError, UnsupportedModelError, OSError) as err:
+    except refusals as err:
         return _error(str(err))
     except RuntimeError as err:  # embedded Qdrant's lock: a server still owns the data dir
         return _error(f"{args.data_dir}: {err}" if args.data_dir else str(err))
