@@ -49,7 +49,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         from service.quality.corpus_eval import CorpusError
 
         corpus_errors = (CorpusError,)
-    refusals = (FinetuneError, QADataError, UnsupportedModelError, OSError, *corpus_errors)
+    refusals: tuple[type[Exception], ...] = (FinetuneError, QADataError, UnsupportedModelError, OSError, *corpus_errors)
     try:
         report = finetune(config)
     except refusals as err:
