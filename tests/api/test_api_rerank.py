@@ -53,6 +53,7 @@ def test_retrieve_and_ask_return_the_reranker_order(make_app: MakeApp, cross_enc
         assert ingest(client, CORPUS)["status"] == "done"
         every = retrieve(client, top_k=len(FACTS), hybrid=False)
         assert len(every) == len(FACTS)
+        doc_of = {c["text"]: c["doc_id"] for c in every}
         expected, scores = predicted_order(cross_encoder_dir, [c["text"] for c in every])
         assert [c["text"] for c in every] == expected
         assert [c["score"] for c in every] == pytest.approx(scores, abs=1e-5)
@@ -68,6 +69,12 @@ def test_retrieve_and_ask_return_the_reranker_order(make_app: MakeApp, cross_enc
         answer = client.post("/ask", json=body)
         assert answer.status_code == 200, answer.text
         assert [c["text"] for c in answer.json()["chunks"]] == expected[:3]
+
+        chat = {"model": client.get("/v1/models").json()["data"][0]["id"], "max_tokens": 2, "top_k": 3}
+        messages = [{"role": "user", "content": QUESTION}]
+        completion = client.post("/v1/chat/completions", json={**chat, "messages": messages})
+        assert completion.status_code == 200, completion.text
+        assert [s["doc_id"] for s in completion.json()["kvstitch"]["sources"]] == [doc_of[t] for t in expected[:3]]
 
 
 def test_without_a_reranker_the_order_is_the_retrieval_order(
