@@ -3,6 +3,8 @@
     python -m loadtest.recall                       # chunks as ingestion makes them, dense search
     python -m loadtest.recall --context none        # embed the chunk text alone (what ingestion did before)
     python -m loadtest.recall --hybrid              # also the service's hybrid search (dense + BM25-style sparse, RRF)
+    python -m loadtest.recall --rerank-model DIR    # also each ranking reordered by a CrossEncoder (the service's
+                                                    # KVSTITCH_RERANK_MODEL) over its first --rerank-candidates hits
 
 The corpus is `tests/data/licenses/` (Apache-2.0, MPL-2.0, CC0-1.0, copied from Debian's common-licenses; the
 licences' own terms allow verbatim copies) and its `questions.json`: each question names the document and a short
@@ -29,6 +31,7 @@ from service.devtools.tiny_model import build_tokenizer
 from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.embedder import Embedder
+from service.retrieval.reranker import DEFAULT_CANDIDATES, Reranker
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "licenses"
 
@@ -115,6 +118,25 @@ def hybrid_ranking(
     return [[h.index for h in found] for found in hits]
 
 
+def reranked(
+    reranker: Reranker, ranked: list[list[int]], chunks: list[Indexed], questions: list[dict[str, str]], k: int
+) -> list[list[int]]:
+    """Each question's candidates reordered by the cross-encoder's scores of (question, chunk text), as the
+    service reranks them (`RerankedSearch`), cut to k."""
+    orders = []
+    for order, q in zip(ranked, questions, strict=True):
+        scores = reranker.scores(q["q"], [chunks[i].text for i in order])
+        orders.append([i for _, i in sorted(zip(scores, order, strict=True), key=lambda pair: -pair[0])][:k])
+    return orders
+
+
+def _measure(
+    report: dict[str, Any], name: str, ranked: list[list[int]], chunks: list[Indexed], qs: Any, k: int
+) -> None:
+    report[f"{name}_recall@{k}"] = round(recall(ranked, chunks, qs, k), 4)
+    report[f"{name}_mrr@{k}"] = round(mrr(ranked, chunks, qs, k), 4)
+
+
 def heading_only(chunks: list[Indexed]) -> int:
     try:
         from service.retrieval.headings import is_heading_only
@@ -130,6 +152,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5, help="recall@k")
     parser.add_argument("--context", choices=["title-path", "none"], default="title-path", help="what is embedded")
     parser.add_argument("--hybrid", action="store_true", help="also measure dense + sparse (BM25-style) search")
+    parser.add_argument("--rerank-model", type=Path, default=None, help="also rerank with this CrossEncoder folder")
+    parser.add_argument(
+        "--rerank-candidates", type=int, default=DEFAULT_CANDIDATES, help="hits the reranker reads (at least k)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
@@ -137,20 +163,32 @@ def main() -> None:
     questions = load_questions()
     chunks = index_corpus(CORPUS, args.chunk_size, args.overlap, args.context == "title-path")
     embedder = Embedder()
-    dense = dense_ranking(embedder, chunks, questions, args.k)
+    reranker = Reranker(args.rerank_model) if args.rerank_model is not None else None
+    depth = max(args.k, args.rerank_candidates) if reranker is not None else args.k
     report: dict[str, Any] = {
         "questions": len(questions),
         "chunks": len(chunks),
         "shortest_chunk_chars": min(len(c.text) for c in chunks),
         "heading_only_chunks": heading_only(chunks),
         "context": args.context,
-        f"dense_recall@{args.k}": round(recall(dense, chunks, questions, args.k), 4),
-        f"dense_mrr@{args.k}": round(mrr(dense, chunks, questions, args.k), 4),
     }
+    if reranker is not None:
+        report["rerank_model"] = str(args.rerank_model)
+        report["rerank_candidates"] = depth
+    rankings = {"dense": dense_ranking(embedder, chunks, questions, depth)}
     if args.hybrid:
-        hybrid = hybrid_ranking(embedder, chunks, questions, args.k)
-        report[f"hybrid_recall@{args.k}"] = round(recall(hybrid, chunks, questions, args.k), 4)
-        report[f"hybrid_mrr@{args.k}"] = round(mrr(hybrid, chunks, questions, args.k), 4)
+        rankings["hybrid"] = hybrid_ranking(embedder, chunks, questions, depth)
+    for name, ranked in rankings.items():
+        _measure(report, name, ranked, chunks, questions, args.k)
+        if reranker is not None:
+            _measure(
+                report,
+                f"{name}_reranked",
+                reranked(reranker, ranked, chunks, questions, args.k),
+                chunks,
+                questions,
+                args.k,
+            )
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=2))
     if args.out is not None:

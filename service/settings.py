@@ -110,6 +110,14 @@ class Settings(BaseSettings):
         description="Embed questions in a child process, so the forward never waits for the gateway's GIL (engine "
         "thread, event loop); auto = on when the LLM runs on CUDA.",
     )
+    rerank_model: str | None = Field(
+        None,
+        description="sentence-transformers CrossEncoder model folder that reorders the retrieved candidates "
+        "before the context is fitted (runs on the embedding device); unset = no reranking.",
+    )
+    rerank_candidates: int = Field(
+        20, ge=1, le=200, description="Retrieved candidates the reranker reads and reorders (at least top_k)."
+    )
     chunk_size: int = Field(384, ge=16, le=8192, description="Chunk size in LLM tokens.")
     chunk_overlap: int = Field(48, ge=0, description="Overlap between chunks cut inside a paragraph (tokens).")
     max_document_chars: int = Field(2_000_000, ge=1, description="Largest document accepted (characters).")

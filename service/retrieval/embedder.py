@@ -64,6 +64,11 @@ class Embedder:
         return self._dimension
 
     @property
+    def device(self) -> str:
+        """Where the model runs ("cpu", "cuda:0"): the reranker runs there too."""
+        return str(self._model.device)
+
+    @property
     def max_input_tokens(self) -> int | None:
         """The model's own token limit (256 word pieces for MiniLM); longer texts are truncated before embedding."""
         limit = getattr(self._model, "max_seq_length", None)

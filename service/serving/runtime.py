@@ -39,9 +39,10 @@ from service.kvcache.precompute import Precompute
 from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunker, ChunkerConfig
-from service.retrieval.collection import ChunkCollection
+from service.retrieval.collection import PLAIN_SEARCH, ChunkCollection, RetrievedChunk, SearchOptions
 from service.retrieval.embed_process import QueryEmbedProcess
 from service.retrieval.embedder import Embedder
+from service.retrieval.reranker import RerankedSearch, Reranker
 from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineLoop
 from service.serving.kv_source import StoreChunks, kv_store_for
@@ -119,11 +120,21 @@ class Runtime:
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
     question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
+    reranker: Reranker | None = None  # the cross-encoder that reorders retrieved candidates, where one is set
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     blocks_swept: int = 0  # KV blocks the start-up sweep released (`sweep_dead_jobs`)
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
+
+    def search(self, text: str, top_k: int, options: SearchOptions = PLAIN_SEARCH) -> list[RetrievedChunk]:
+        """A question's top-k chunks: the batched search, reordered by the reranker where one is set (blocks: call
+        it from a worker thread)."""
+        if self.reranker is None:
+            return self.retrieval.retrieve(text, top_k, options)
+        return RerankedSearch(self.retrieval.retrieve, self.reranker, self.settings.rerank_candidates)(
+            text, top_k, options
+        )
 
     @property
     def limits(self) -> DocumentLimits:
@@ -402,6 +413,14 @@ def open_question_embedder(settings: Settings, engine: StitchEngine, embedder: E
     return child
 
 
+def open_reranker(settings: Settings, embedder: Embedder) -> Reranker | None:
+    """The cross-encoder of `rerank_model` on the embedder's device; None when no model is set. A folder that
+    does not load raises here, so the service does not start without the ranking it was configured for."""
+    if settings.rerank_model is None:
+        return None
+    return Reranker(settings.rerank_model, device=embedder.device)
+
+
 def _open_components(
     settings: Settings, engine: StitchEngine | None, embedder: Embedder | None, answers: bool = True
 ) -> Runtime:
@@ -411,6 +430,7 @@ def _open_components(
     index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")
     store = open_store(settings, engine, index, precompute)
     embedder = embedder or Embedder(settings.embedding_model, device=settings.embedding_device)
+    reranker = open_reranker(settings, embedder) if answers else None  # a bad folder fails before Qdrant opens
     collection = open_collection(settings, embedder.dimension)
     config = ChunkerConfig(settings.chunk_size, settings.chunk_overlap, settings.max_document_chars)
     queue, jobs, order = open_jobs(settings)
@@ -433,6 +453,7 @@ def _open_components(
         precompute,
         retrieval,
         question_embedder,
+        reranker,
         blocks_swept=blocks_swept,
     )
 

@@ -131,7 +131,7 @@ class Server:
             runtime.loop.on_step = self.metrics.batch_size.observe
             policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
             self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
-            self.answerer = Answerer(runtime.engine, runtime.store, runtime.retrieval.retrieve)
+            self.answerer = Answerer(runtime.engine, runtime.store, runtime.search)
             self._start_worker(runtime)
             if self.settings.gc_freeze:
                 log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
@@ -230,7 +230,7 @@ class Server:
         runtime = self._ready_runtime()
         options = SearchOptions(filter=request.filter, hybrid=request.hybrid)
         try:
-            hits = runtime.retrieval.retrieve(request.question, request.top_k, options)
+            hits = runtime.search(request.question, request.top_k, options)
         except UnavailableError:
             self.metrics.rejected.labels("dependency").inc()
             raise
