@@ -29,6 +29,10 @@ os.environ.setdefault("KVSTITCH_SHADOW_SHARE", "0")
 # Test prompts are a few hundred tokens: the servers tests start recompute them as asked, not by a full prefill
 # (tests/test_engine_recompute.py checks that rule itself).
 os.environ.setdefault("KVSTITCH_RECOMPUTE_FULL_BELOW", "0")
+# The tests' own engines use the engine's default chunk context (alone); the servers and workers they start in
+# other processes must precompute and key chunk KV the same way, or the tests' expected KV keys would not match.
+# tests/test_engine_chunk_context.py and the CLI tests cover the served default (prefix).
+os.environ.setdefault("KVSTITCH_CHUNK_CONTEXT", "alone")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [

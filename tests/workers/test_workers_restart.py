@@ -38,6 +38,7 @@ SHUTDOWN_TIMEOUT_S = 8.0
 START_TIMEOUT_S = 240.0
 FINISH_TIMEOUT_S = 240.0
 SERVE_SETTINGS = {
+    "CHUNK_CONTEXT": "alone",  # the chunk context of the test's own engine, which keys the expected blocks
     "DEVICE": "cpu",
     "CHUNK_SIZE": str(CHUNK_SIZE),
     "CHUNK_OVERLAP": str(CHUNK_OVERLAP),

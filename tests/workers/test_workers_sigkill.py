@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 
 CHUNK_SIZE, CHUNK_OVERLAP = 48, 8
 WORKER_SETTINGS = {
+    "CHUNK_CONTEXT": "alone",  # the chunk context of the test's own engine, which keys the expected blocks
     "DEVICE": "cpu",
     "CHUNK_SIZE": str(CHUNK_SIZE),
     "CHUNK_OVERLAP": str(CHUNK_OVERLAP),
