@@ -53,9 +53,7 @@ class Embedder:
             ) from err
         if not device.startswith("cuda"):
             self._model.float()  # half-precision weights (a folder saved in fp16) run several times slower on CPU
-        # On a GPU shared with the engine, embeddings run on a stream of their own: on the default stream they
-        # would queue behind the engine's decode steps and prefills, and a question's retrieval with them.
-        self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+        self._on_own_stream = SideStream(device)
         self._dimension = self._read_dimension()
 
     @property
@@ -90,14 +88,6 @@ class Embedder:
             return []
         return self._encode(list(texts), self._prompt_name("query"))
 
-    @contextlib.contextmanager
-    def _on_own_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        with torch.cuda.stream(self._stream):
-            yield
-
     def _encode(self, texts: list[str], prompt_name: str | None) -> list[list[float]]:
         with self._lock, self._on_own_stream():
             vectors: Any = self._model.encode(
@@ -123,3 +113,20 @@ class Embedder:
             probe: Any = self._model.encode(["dimension probe"], convert_to_numpy=True, show_progress_bar=False)
             dimension = len(probe[0])
         return int(dimension)
+
+
+class SideStream:
+    """Runs a retrieval model's kernels on a CUDA stream of its own (nothing on the CPU). On a GPU shared with the
+    engine, on the default stream they would queue behind the engine's decode steps and prefills, and a question's
+    retrieval with them. Calling it gives the context to run them in."""
+
+    def __init__(self, device: str) -> None:
+        self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield

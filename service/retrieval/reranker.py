@@ -8,18 +8,17 @@ but costs one forward per pair. So only the first `candidates` hits of the searc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from sentence_transformers import CrossEncoder
 from transformers.utils import logging as hf_logging
 
 from service.retrieval.collection import RetrievedChunk, SearchOptions
+from service.retrieval.embedder import SideStream
 
 DEFAULT_CANDIDATES = 20
 MAX_CANDIDATES = 200
@@ -48,9 +47,7 @@ class Reranker:
             ) from err
         if not device.startswith("cuda"):
             self._model.model.float()  # half-precision weights run several times slower on CPU
-        # On a GPU shared with the engine, a stream of its own (as the embedder's): on the default stream the
-        # forward would queue behind the engine's decode steps and prefills.
-        self._stream = torch.cuda.Stream(torch.device(device)) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+        self._on_own_stream = SideStream(device)
 
     def scores(self, question: str, texts: Sequence[str]) -> list[float]:
         """The model's relevance score of each text for the question, in order (higher is more relevant)."""
@@ -62,14 +59,6 @@ class Reranker:
                 pairs, batch_size=self.batch_size, convert_to_numpy=True, show_progress_bar=False
             )
         return [float(s) for s in raw.reshape(len(texts), -1)[:, 0]]
-
-    @contextlib.contextmanager
-    def _on_own_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        with torch.cuda.stream(self._stream):
-            yield
 
     def rerank(self, question: str, hits: Sequence[RetrievedChunk]) -> list[RetrievedChunk]:
         """The hits ordered by the model's score, best first, each carrying that score (ties keep search order)."""
