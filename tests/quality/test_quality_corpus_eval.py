@@ -5,11 +5,11 @@ clear exit-2 errors for bad question files and data dirs."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from quality_corpus import ingest_corpus
 
 from service.cli import main
 
@@ -28,19 +28,7 @@ QUESTIONS = "Why does sourdough rise?\n\nDo otters hold hands?\nWhen did volcano
 @pytest.fixture
 def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dirs: dict[str, Path]) -> Path:
     """A corpus ingested into an embedded data dir, with a clean KVSTITCH_* environment and no .env."""
-    for name in [n for n in os.environ if n.upper().startswith("KVSTITCH_")]:
-        monkeypatch.delenv(name)
-    for name, value in SETTINGS.items():
-        monkeypatch.setenv(f"KVSTITCH_{name}", value)
-    monkeypatch.chdir(tmp_path)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, text in DOCUMENTS.items():
-        (corpus / name).write_text(text, encoding="utf-8")
-    data = tmp_path / "data"
-    argv = ["ingest", "--embedded", "--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu"]
-    assert main([*argv, "--data-dir", str(data), str(corpus)]) == 0
-    return data
+    return ingest_corpus(tmp_path, monkeypatch, tiny_model_dirs["qwen2"], SETTINGS, DOCUMENTS)
 
 
 def _eval(model: Path, data: Path, questions: Path, *extra: str) -> int:

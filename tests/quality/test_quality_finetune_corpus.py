@@ -5,13 +5,13 @@ nothing in the data dir is written, and bad input exits 2 with one line."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from quality_corpus import ingest_corpus
 
 from service.cli import main
 from service.engine.engine import StitchEngine
@@ -59,19 +59,7 @@ def test_questions_come_from_the_chunks_sentences_and_spread_over_the_corpus() -
 @pytest.fixture
 def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dirs: dict[str, Path]) -> Path:
     """A corpus ingested into an embedded data dir, with a clean KVSTITCH_* environment and no .env."""
-    for name in [n for n in os.environ if n.upper().startswith("KVSTITCH_")]:
-        monkeypatch.delenv(name)
-    for name, value in SETTINGS.items():
-        monkeypatch.setenv(f"KVSTITCH_{name}", value)
-    monkeypatch.chdir(tmp_path)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, text in DOCUMENTS.items():
-        (corpus / name).write_text(text, encoding="utf-8")
-    data = tmp_path / "data"
-    argv = ["ingest", "--embedded", "--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu"]
-    assert main([*argv, "--data-dir", str(data), str(corpus)]) == 0
-    return data
+    return ingest_corpus(tmp_path, monkeypatch, tiny_model_dirs["qwen2"], SETTINGS, DOCUMENTS)
 
 
 def _files(folder: Path) -> dict[str, int]:
