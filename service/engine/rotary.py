@@ -37,7 +37,7 @@ class Rotary:
         rotated = xf * cos + rotated_half * sin
         return (rotated if factor == 1.0 else rotated * factor).to(x.dtype)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., T, D] to the given positions [T]."""
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        """Rotate x [..., T, D] to the given positions [T] (times `factor`, see `apply`)."""
         cos, sin = self.cos_sin(positions)
-        return self.apply(x, cos, sin)
+        return self.apply(x, cos, sin, factor)

@@ -187,7 +187,6 @@ def _place(
     first, last = (0, buffer.data.shape[0]) if layers is None else layers
     kv = block.kv[first:last].to(device, non_blocking=True)
     end = slot + block.num_tokens
-    cos, sin = rotary.cos_sin(torch.arange(start, start + block.num_tokens, device=device))
-    keys = Rotary.apply(kv[:, KEYS], cos, sin, key_scale)
+    keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device), key_scale)
     buffer.data[first:last, KEYS, :, slot:end].copy_(keys)
     buffer.data[first:last, VALUES, :, slot:end].copy_(kv[:, VALUES])
