@@ -30,6 +30,7 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
+from service.engine.segment_launch import SegmentAttention, SegmentPlan, segment_kernels_apply
 
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5
@@ -132,7 +133,9 @@ def stitched_attention(s: Scenario, rotary: Rotary, context: ContextScaling | No
         m = s.batch.positions[row]
         q = rotary.rotate(s.q[row].float().unsqueeze(1), torch.tensor([m]))[:, 0].double()  # [Hq, D]
         chunk_kv = [
-            _rotated(rotary, s.raw_chunks[seg.chunk], list(range(seg.offset, seg.offset + s.raw_chunks[seg.chunk].shape[2])))
+            _rotated(
+                rotary, s.raw_chunks[seg.chunk], list(range(seg.offset, seg.offset + s.raw_chunks[seg.chunk].shape[2]))
+            )
             for seg in request.segments
         ]
         tail_kv = _rotated(rotary, s.raw_tails[request_index], s.tail_positions[request_index])[:, :, : visible[row]]
@@ -238,3 +241,112 @@ def test_math_sanity_of_the_direct_formula() -> None:
 
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEEDS_KERNELS = pytest.mark.skipif(
+    not segment_kernels_apply(torch.device(KERNEL_DEVICE), interpreter=INTERPRETER),
+    reason="needs CUDA and triton (or TRITON_INTERPRET=1 with triton importable)",
+)
+# bf16/fp16 round q, K, V and the probabilities before their products (fp32 accumulation): a few 1e-3 on outputs
+# of size ~1, while a wrong rotation or a missed key moves them by ~0.1.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _kernel_case(rope: str, heads: int, kv_heads: int, dtype: torch.dtype) -> tuple[Scenario, Rotary]:
+    rotary = rotary_for(rope, KERNEL_DEVICE)
+    return scenario(rotary, heads, kv_heads, dtype, KERNEL_DEVICE), rotary
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize(("rope", "heads", "kv_heads"), [("default", 4, 4), ("llama3", 4, 2), ("yarn", 6, 2)])
+@pytest.mark.parametrize("pieces", (1, 3))
+def test_kernels_equal_the_reference(rope: str, heads: int, kv_heads: int, dtype: torch.dtype, pieces: int) -> None:
+    """Shared reads (a chunk's readers in one program), pieces of chunks, tails causal, NaN in every slot the call
+    does not name: the kernels give the reference's answer (itself held to the stitched copy above)."""
+    if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu":
+        pytest.skip("Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); bf16 runs on CUDA")
+    s, rotary = _kernel_case(rope, heads, kv_heads, dtype)
+    want = reference_attention(s.q, s.batch, s.arena, s.pool, rotary, SCALE)
+    plan = SegmentPlan.build(s.batch, heads // kv_heads, kv_heads, torch.device(KERNEL_DEVICE), pieces)
+    got = SegmentAttention(plan, rotary)(s.q, s.arena, s.pool, SCALE)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert (got.float() - want.float()).abs().max().item() < TOLERANCE[dtype]
+
+
+@NEEDS_KERNELS
+def test_kernels_apply_ape_temperature_and_scale() -> None:
+    s, rotary = _kernel_case("llama3", 4, 2, torch.float32)
+    context = ContextScaling(temperature=1.3, scale=0.85)
+    want = reference_attention(s.q, s.batch, s.arena, s.pool, rotary, SCALE, context)
+    plan = SegmentPlan.build(s.batch, 2, 2, torch.device(KERNEL_DEVICE))
+    got = SegmentAttention(plan, rotary, context)(s.q, s.arena, s.pool, SCALE)
+    assert (got - want).abs().max().item() < 2e-5
+    plain = reference_attention(s.q, s.batch, s.arena, s.pool, rotary, SCALE)
+    assert (got - plain).abs().max().item() > 1e-3
+
+
+def random_batch(requests: int, chunks: int, reads: int, seed: int) -> tuple[SegmentBatch, list[int]]:
+    """`requests` decode rows (the last a 2-row prefill), each reading `reads` of `chunks` random chunks placed back
+    to back after a 2-token prefix; chunk lengths 5..40 and local bases 0..7; tails 3..9 slots."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 41, (chunks,), generator=gen).tolist()
+    ranges, start = [], 0
+    for length in lengths:
+        ranges.append(ChunkRange(start, length, int(torch.randint(0, 8, (1,), generator=gen))))
+        start += length + 1
+    placed, rows, positions, tail_start = [], [], [], 0
+    for r in range(requests):
+        picks = torch.randperm(chunks, generator=gen)[:reads].tolist()
+        segments, offset = [], 2
+        for c in picks:
+            segments.append(Segment(c, offset))
+            offset += lengths[c]
+        used = int(torch.randint(3, 10, (1,), generator=gen))
+        placed.append(RequestSegments(tuple(segments), Tail(tail_start, used)))
+        n_rows = 2 if r == requests - 1 else 1
+        rows += [r] * n_rows
+        positions += [offset + used - n_rows + i for i in range(n_rows)]
+        tail_start += used + 1
+    return SegmentBatch(tuple(ranges), tuple(placed), tuple(rows), tuple(positions)), [start, tail_start]
+
+
+def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
+    """Host-side plan on the CPU (no triton needed): one tile group per chunk piece holding every reader of it,
+    each row's partials = its segments x pieces, and its tail pair."""
+    batch, _ = random_batch(requests=12, chunks=6, reads=3, seed=0)
+    plan = SegmentPlan.build(batch, group=7, kv_heads=2, device=torch.device("cpu"), pieces=2)
+    rows = len(batch.rows)
+    counts = plan.row_ptr[1:] - plan.row_ptr[:-1]
+    assert counts.tolist() == [2 * len(batch.requests[r].segments) for r in batch.rows]
+    assert plan.chunks is not None and plan.chunks.block_m == 64
+    readers = {c: sum(1 for r in batch.rows for s in batch.requests[r].segments if s.chunk == c) for c in range(6)}
+    expected_tiles = sum(2 * -(-n * 7 // 64) for n in readers.values() if n)
+    assert plan.chunks.tiles.shape == (expected_tiles, 5)
+    assert plan.pairs == 2 * sum(readers.values()) + rows
+    # Every chunk tile covers a piece of its chunk; the pieces of a chunk tile it exactly.
+    for c, chunk in enumerate(batch.chunks):
+        starts = sorted(
+            {(t[0], t[1]) for t in plan.chunks.tiles.tolist() if chunk.start <= t[0] < chunk.start + chunk.length}
+        )
+        if readers[c]:
+            assert sum(length for _, length in starts) == chunk.length and starts[0][0] == chunk.start
+    assert plan.row_tail.tolist() == sorted(plan.row_tail.tolist()) and plan.row_tail.min() >= plan.pairs - rows
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("pieces", (None, 1, 4))
+def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None:
+    """12 requests x 3 of 6 chunks at GQA 7 (a chunk's queries span several 64-item blocks), a 2-row prefill."""
+    rotary = rotary_for("llama3", KERNEL_DEVICE)
+    batch, (arena_slots, pool_slots) = random_batch(requests=12, chunks=6, reads=3, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    arena = torch.randn((2, 2, arena_slots + 64, HEAD_DIM), generator=gen)
+    pool = torch.randn((2, 2, pool_slots + 64, HEAD_DIM), generator=gen)
+    arena[:, :, arena_slots:] = float("nan")
+    pool[:, :, pool_slots:] = float("nan")
+    q = torch.randn((len(batch.rows), 14, HEAD_DIM), generator=gen)
+    q, arena, pool = (t.to(KERNEL_DEVICE) for t in (q, arena, pool))
+    want = reference_attention(q, batch, arena, pool, rotary, SCALE)
+    plan = SegmentPlan.build(batch, 7, 2, torch.device(KERNEL_DEVICE), pieces)
+    got = SegmentAttention(plan, rotary)(q, arena, pool, SCALE)
+    assert (got - want).abs().max().item() < 2e-5

@@ -111,7 +111,9 @@ class SegmentBatch:
         return max((c.start + c.length for c in self.chunks), default=0)
 
 
-def partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def partial(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention of q [Hq, D] (rotated) over keys, values [Hkv, L, D]: output [Hq, D] and log-sum-exp [Hq]
     of the scaled scores (an empty range: zero output, -inf)."""
     kv_heads, length, dim = keys.shape
@@ -167,7 +169,10 @@ def reference_attention(
     for row, request_index in enumerate(batch.rows):
         request = batch.requests[request_index]
         m = batch.positions[row]
-        parts = [_segment_partial(q[row], batch.chunks[s.chunk], s.offset, m, arena, rotary, scale, context) for s in request.segments]
+        parts = [
+            _segment_partial(q[row], batch.chunks[s.chunk], s.offset, m, arena, rotary, scale, context)
+            for s in request.segments
+        ]
         q_tail = rotate_rows(rotary, q[row : row + 1].float(), torch.tensor([m]))[0]
         tail = request.tail
         tail_part = partial(q_tail, *_range(tail_kv, tail.start, visible[row]), scale)

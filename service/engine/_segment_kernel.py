@@ -1,0 +1,160 @@
+"""The Triton kernels behind `segment_launch`: imported only where triton exists (see `segment_launch._kernels`).
+
+No `from __future__ import annotations` here: Triton reads the `tl.constexpr` annotations as objects.
+"""
+
+import triton
+import triton.language as tl
+
+# A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
+# pair count, and which block of the group's query items it takes.
+LN2 = 0.6931471805599453
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def segment_partials_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    kv_ptr,
+    tiles_ptr,
+    pair_q_ptr,
+    pair_visible_ptr,
+    out_ptr,
+    lse_ptr,
+    q_stride_p,
+    q_stride_h,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    out_stride_p,
+    out_stride_h,
+    lse_stride_p,
+    qk_scale,
+    group: tl.constexpr,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """One program: a tile (one key range, a block of the queries that read it) and one KV head.
+
+    A tile's queries are `block_m` (pair, query head) items: pair p of the tile's group, query head
+    kv_head * group + g. Every K/V tile of the range is loaded once for all of them (the GQA heads of the KV head
+    and every request reading the range), online softmax in base 2 (`qk_scale` carries log2(e)); item i sees
+    keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
+    output and natural log-sum-exp; a pair that sees no key writes zeros and -inf.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tiles_ptr + tile * 5
+    kv_start = tl.load(row)
+    kv_len = tl.load(row + 1)
+    first_pair = tl.load(row + 2)
+    n_pairs = tl.load(row + 3)
+    block = tl.load(row + 4)
+
+    item = block * block_m + tl.arange(0, block_m)
+    live = item < n_pairs * group
+    pair = first_pair + item // group
+    head = kv_head * group + item % group
+    d = tl.arange(0, dim_p2)
+    d_live = d < head_dim
+    q_row = tl.load(pair_q_ptr + pair, mask=live, other=0)
+    visible = tl.load(pair_visible_ptr + pair, mask=live, other=0)
+    q_offs = q_row[:, None] * q_stride_p + head[:, None] * q_stride_h + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=live[:, None] & d_live[None, :], other=0.0)
+
+    m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((block_m,), dtype=tl.float32)
+    acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
+    kv_base = kv_ptr + kv_head * kv_stride_h
+    for n0 in range(0, kv_len, block_n):
+        n = n0 + tl.arange(0, block_n)
+        kv_mask = (n < kv_len)[:, None] & d_live[None, :]
+        kv_offs = (kv_start + n)[:, None] * kv_stride_t + d[None, :]
+        k = tl.load(kv_base + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + kv_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        if ieee:  # noqa: SIM108 (a constexpr branch: fp32 tiles multiply in full precision, not TF32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n[None, :] < visible[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if ieee:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, out, mask=live[:, None] & d_live[None, :])
+    tl.store(lse_ptr + pair * lse_stride_p + head, lse, mask=live)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def segment_merge_kernel(  # type: ignore[no-untyped-def]
+    part_out_ptr,
+    part_lse_ptr,
+    row_ptr_ptr,
+    row_parts_ptr,
+    row_tail_ptr,
+    out_ptr,
+    heads,
+    part_stride_p,
+    part_stride_h,
+    lse_stride_p,
+    out_stride_t,
+    out_stride_h,
+    context_scale,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_h: tl.constexpr,
+):
+    """One program: query row r, block_h of its heads. Merges the row's chunk partials (row_parts[row_ptr[r] ..
+    row_ptr[r + 1]]) into the context's by log-sum-exp, multiplies the context's log-sum-exp by `context_scale`
+    (APE's S), then merges it with the row's tail partial (row_tail[r]), all in fp32."""
+    r = tl.program_id(0)
+    h = tl.program_id(1) * block_h + tl.arange(0, block_h)
+    d = tl.arange(0, dim_p2)
+    live_h = h < heads
+    mask = live_h[:, None] & (d < head_dim)[None, :]
+    lo = tl.load(row_ptr_ptr + r)
+    hi = tl.load(row_ptr_ptr + r + 1)
+
+    peak = tl.full((block_h,), float("-inf"), dtype=tl.float32)
+    for i in range(lo, hi):
+        part = tl.load(row_parts_ptr + i)
+        peak = tl.maximum(peak, tl.load(part_lse_ptr + part * lse_stride_p + h, mask=live_h, other=float("-inf")))
+    safe = tl.where(peak == float("-inf"), 0.0, peak)
+    acc = tl.zeros((block_h, dim_p2), dtype=tl.float32)
+    total = tl.zeros((block_h,), dtype=tl.float32)
+    for i in range(lo, hi):
+        part = tl.load(row_parts_ptr + i)
+        lse = tl.load(part_lse_ptr + part * lse_stride_p + h, mask=live_h, other=float("-inf"))
+        weight = tl.exp(lse - safe)
+        offs = part * part_stride_p + h[:, None] * part_stride_h + d[None, :]
+        acc += tl.load(part_out_ptr + offs, mask=mask, other=0.0) * weight[:, None]
+        total += weight
+
+    has_context = total > 0
+    context_out = acc / tl.where(has_context, total, 1.0)[:, None]
+    context_lse = tl.where(has_context, safe + tl.log(tl.where(has_context, total, 1.0)), float("-inf"))
+    context_lse = context_lse * context_scale
+    tail = tl.load(row_tail_ptr + r)
+    tail_lse = tl.load(part_lse_ptr + tail * lse_stride_p + h, mask=live_h, other=float("-inf"))
+    tail_offs = tail * part_stride_p + h[:, None] * part_stride_h + d[None, :]
+    tail_out = tl.load(part_out_ptr + tail_offs, mask=mask, other=0.0)
+    top = tl.maximum(context_lse, tail_lse)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w_context = tl.exp(context_lse - top)
+    w_tail = tl.exp(tail_lse - top)
+    merged = (context_out * w_context[:, None] + tail_out * w_tail[:, None]) / (w_context + w_tail)[:, None]
+    out_offs = r * out_stride_t + h[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,315 @@
+"""Segment attention with shared reads: each chunk's K/V tiles are read once for every query that attends to it.
+
+The (row, chunk) pairs of a call are grouped by chunk; a Triton program per (chunk range, KV head, block of that
+chunk's queries) loads each K/V tile once and scores it against all the queries of the group: the GQA heads of the
+KV head times every request reading the chunk (each query rotated beforehand, in torch, to m - o + base). Each
+pair's partial (output, log-sum-exp) goes to one buffer; the tails run through the same kernel (a group per
+request, its rows causal), and a second kernel merges each row's partials by log-sum-exp (APE's T and S as in the
+reference, `segment_attention.py`).
+
+When few requests read few chunks, a grid of one program per (chunk, KV head) would leave most of the GPU idle, so
+chunks are cut into pieces (more partials, same math: a piece at arena offset a is a chunk of base + a placed at
+o + a, which rotates q by the same amount).
+
+`SegmentPlan.build` runs on the host once per step (every layer reuses it); `SegmentAttention` holds the step's
+rotation tables and runs one layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.engine.fused_stitch import triton_available
+from service.engine.rotary import Rotary
+from service.engine.segment_attention import ContextScaling, SegmentBatch
+
+# A tile row: arena start and length of its key range, its group's first pair and pair count, its query block.
+TILE_COLUMNS = 5
+_BLOCK_N = 64
+_MIN_BLOCK_M, _MAX_BLOCK_M = 16, 64
+# Programs worth having in flight before chunks are cut: about two per SM of an H100.
+_TARGET_PROGRAMS = 264
+_MIN_PIECE = 128
+_MERGE_HEADS = 8
+_LOG2E = 1.4426950408889634
+
+
+def segment_kernels_apply(device: torch.device, interpreter: bool = False) -> bool:
+    """Whether the kernels run for tensors on `device`: CUDA with triton. `interpreter` (tests only, with
+    TRITON_INTERPRET=1 set before triton imports) lets CPU tensors through Triton's interpreter."""
+    if not triton_available():
+        return False
+    return device.type == "cuda" or (interpreter and device.type == "cpu")
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    from service.engine import _segment_kernel
+
+    return _segment_kernel.segment_partials_kernel, _segment_kernel.segment_merge_kernel
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One partials launch: tiles [T, TILE_COLUMNS] int64 and the query items a tile holds."""
+
+    tiles: torch.Tensor
+    block_m: int
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Device metadata of one call. Query entry e is row q_rows[e] rotated to q_positions[e]; pair p reads entry
+    pair_q[p] against the first pair_visible[p] keys of its tile's range; row r merges pairs row_parts[row_ptr[r]
+    .. row_ptr[r + 1]] (its chunk pieces) with pair row_tail[r] (its tail)."""
+
+    q_rows: torch.Tensor
+    q_positions: torch.Tensor
+    pair_q: torch.Tensor
+    pair_visible: torch.Tensor
+    chunks: Launch | None
+    tails: Launch
+    row_ptr: torch.Tensor
+    row_parts: torch.Tensor
+    row_tail: torch.Tensor
+    pairs: int
+
+    @classmethod
+    def build(
+        cls, batch: SegmentBatch, group: int, kv_heads: int, device: torch.device, pieces: int | None = None
+    ) -> SegmentPlan:
+        """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into
+        (None: enough for about _TARGET_PROGRAMS programs)."""
+        host = _HostPlan(batch, group)
+        host.add_chunks(pieces if pieces is not None else _auto_pieces(batch, group, kv_heads))
+        chunk_pairs = len(host.pair_q)
+        host.add_tails()
+        tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        flat = [i for parts in host.row_parts for i in parts]
+        row_ptr = [0]
+        for parts in host.row_parts:
+            row_ptr.append(row_ptr[-1] + len(parts))
+        return cls(
+            q_rows=tensor(host.q_rows).to(device),
+            q_positions=tensor(host.q_positions).to(device),
+            pair_q=tensor(host.pair_q).to(device),
+            pair_visible=tensor(host.pair_visible).to(device),
+            chunks=_launch(host.chunk_tiles, host.chunk_block_m, device) if chunk_pairs else None,
+            tails=_launch(host.tail_tiles, host.tail_block_m, device),
+            row_ptr=tensor(row_ptr).to(device),
+            row_parts=tensor(flat or [0]).to(device),
+            row_tail=tensor(host.row_tail).to(device),
+            pairs=len(host.pair_q),
+        )
+
+
+class _HostPlan:
+    """The plan's lists, built on the host: query entries, pairs, tiles and each row's partials."""
+
+    def __init__(self, batch: SegmentBatch, group: int) -> None:
+        self.batch = batch
+        self.group = group
+        self.q_rows: list[int] = []
+        self.q_positions: list[int] = []
+        self.pair_q: list[int] = []
+        self.pair_visible: list[int] = []
+        self.row_parts: list[list[int]] = [[] for _ in batch.rows]
+        self.row_tail: list[int] = [0] * len(batch.rows)
+        self.chunk_tiles: list[list[int]] = []
+        self.tail_tiles: list[list[int]] = []
+        self.chunk_block_m = self.tail_block_m = _MIN_BLOCK_M
+
+    def _entry(self, row: int, position: int) -> int:
+        self.q_rows.append(row)
+        self.q_positions.append(position)
+        return len(self.q_rows) - 1
+
+    def add_chunks(self, pieces: int) -> None:
+        """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece."""
+        batch = self.batch
+        readers: dict[int, list[tuple[int, int]]] = {}
+        for row, request in enumerate(batch.rows):
+            for segment in batch.requests[request].segments:
+                chunk = batch.chunks[segment.chunk]
+                entry = self._entry(row, batch.positions[row] - segment.offset + chunk.base)
+                readers.setdefault(segment.chunk, []).append((entry, row))
+        widest = max((len(group) for group in readers.values()), default=1)
+        self.chunk_block_m = _block_m(widest * self.group)
+        for chunk_id, group in readers.items():
+            chunk = batch.chunks[chunk_id]
+            for first, length in _cut(chunk.length, pieces):
+                self._add_group(self.chunk_tiles, self.chunk_block_m, chunk.start + first, length, group, None)
+
+    def add_tails(self) -> None:
+        """A group per request: its rows, rotated to their own positions, each seeing its causal prefix."""
+        batch = self.batch
+        visible = batch.tail_visible()
+        rows_of: list[list[int]] = [[] for _ in batch.requests]
+        for row, owner in enumerate(batch.rows):
+            rows_of[owner].append(row)
+        self.tail_block_m = _block_m(max(len(rows) for rows in rows_of) * self.group)
+        for request, rows in zip(batch.requests, rows_of, strict=True):
+            if rows:
+                group = [(self._entry(row, batch.positions[row]), row) for row in rows]
+                seen = [visible[row] for row in rows]
+                self._add_group(self.tail_tiles, self.tail_block_m, request.tail.start, max(seen), group, seen)
+
+    def _add_group(
+        self,
+        tiles: list[list[int]],
+        block_m: int,
+        start: int,
+        length: int,
+        readers: Sequence[tuple[int, int]],
+        seen: Sequence[int] | None,
+    ) -> None:
+        """Pairs of `readers` (entry, row) over keys start .. start + length (row i sees seen[i] of them, or all;
+        `seen` given means these are tail pairs), and the tiles that cover their query items."""
+        first = len(self.pair_q)
+        for i, (entry, row) in enumerate(readers):
+            self.pair_q.append(entry)
+            self.pair_visible.append(length if seen is None else seen[i])
+            if seen is None:
+                self.row_parts[row].append(first + i)
+            else:
+                self.row_tail[row] = first + i
+        items = len(readers) * self.group
+        for block in range(-(-items // block_m)):
+            tiles.append([start, length, first, len(readers), block])
+
+
+def _block_m(items: int) -> int:
+    return min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, 1 << max(items - 1, 0).bit_length()))
+
+
+def _cut(length: int, pieces: int) -> list[tuple[int, int]]:
+    """(first, length) of `pieces` near-equal ranges of a chunk (fewer for a short chunk; none empty)."""
+    n = max(1, min(pieces, length))
+    edges = [length * i // n for i in range(n + 1)]
+    return [(a, b - a) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _auto_pieces(batch: SegmentBatch, group: int, kv_heads: int) -> int:
+    """Pieces per chunk so that the chunk programs reach about _TARGET_PROGRAMS, no piece under _MIN_PIECE."""
+    readers: dict[int, int] = {}
+    for request in batch.rows:
+        for segment in batch.requests[request].segments:
+            readers[segment.chunk] = readers.get(segment.chunk, 0) + 1
+    if not readers:
+        return 1
+    block_m = _block_m(max(readers.values()) * group)
+    programs = kv_heads * sum(-(-n * group // block_m) for n in readers.values())
+    longest = max(batch.chunks[c].length for c in readers)
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), longest // _MIN_PIECE))
+
+
+def _launch(tiles: list[list[int]], block_m: int, device: torch.device) -> Launch:
+    return Launch(torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_COLUMNS).to(device), block_m)
+
+
+class SegmentAttention:
+    """One step's segment attention: the plan and its rotation tables, reused by every layer."""
+
+    def __init__(self, plan: SegmentPlan, rotary: Rotary, context: ContextScaling | None = None) -> None:
+        self.plan = plan
+        self.context = context or ContextScaling()
+        self._cos, self._sin = rotary.cos_sin(plan.q_positions)
+
+    def __call__(self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention [N, Hq, D] of the unrotated queries q [N, Hq, D] over the arena's chunks and the pool's tails
+        (both [2, Hkv, slots, D], q's dtype, unit stride on D), in q's dtype."""
+        plan = self.plan
+        if not (q.dtype == arena.dtype == tail_kv.dtype):
+            raise ValueError("queries, arena and tails must share one dtype")
+        heads, dim = q.shape[1], q.shape[2]
+        group = heads // arena.shape[1]
+        q_rot = Rotary.apply(q.index_select(0, plan.q_rows).transpose(0, 1), self._cos, self._sin)
+        q_rot = q_rot.transpose(0, 1).contiguous()  # [entries, Hq, D]
+        part_out = torch.empty((plan.pairs, heads, dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
+        partials = (q_rot, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
+        if plan.chunks is not None:
+            _run_partials(plan.chunks, arena, *partials, scale / self.context.temperature)
+        _run_partials(plan.tails, tail_kv, *partials, scale)
+        return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
+
+
+def _run_partials(
+    launch: Launch,
+    kv: torch.Tensor,
+    q_rot: torch.Tensor,
+    pair_q: torch.Tensor,
+    pair_visible: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    group: int,
+    scale: float,
+) -> None:
+    if kv.stride(-1) != 1 or q_rot.stride(-1) != 1:
+        raise ValueError("segment attention needs unit stride on the head dimension")
+    dim = q_rot.shape[-1]
+    grid = (launch.tiles.shape[0], kv.shape[1])
+    _kernels()[0][grid](
+        q_rot,
+        kv,
+        launch.tiles,
+        pair_q,
+        pair_visible,
+        part_out,
+        part_lse,
+        q_rot.stride(0),
+        q_rot.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        scale * _LOG2E,
+        group=group,
+        head_dim=dim,
+        dim_p2=_p2(dim),
+        block_m=launch.block_m,
+        block_n=_BLOCK_N,
+        ieee=kv.dtype == torch.float32,
+        num_warps=4,
+    )
+
+
+def _run_merge(
+    plan: SegmentPlan, part_out: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype, context_scale: float
+) -> torch.Tensor:
+    rows = plan.row_tail.shape[0]
+    heads, dim = part_out.shape[1], part_out.shape[2]
+    out = torch.empty((rows, heads, dim), dtype=dtype, device=part_out.device)
+    block_h = min(_MERGE_HEADS, _p2(heads))
+    _kernels()[1][(rows, -(-heads // block_h))](
+        part_out,
+        part_lse,
+        plan.row_ptr,
+        plan.row_parts,
+        plan.row_tail,
+        out,
+        heads,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+        context_scale,
+        head_dim=dim,
+        dim_p2=_p2(dim),
+        block_h=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+def _p2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
