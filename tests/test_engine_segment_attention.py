@@ -312,24 +312,24 @@ def random_batch(requests: int, chunks: int, reads: int, seed: int) -> tuple[Seg
 
 def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
     """Host-side plan on the CPU (no triton needed): one tile group per chunk piece holding every reader of it,
-    each row's partials = its segments x pieces, and its tail pair."""
+    tiles sized to their group's query items, each row's partials = its segments x pieces, and its tail pair."""
     batch, _ = random_batch(requests=12, chunks=6, reads=3, seed=0)
     plan = SegmentPlan.build(batch, group=7, kv_heads=2, device=torch.device("cpu"), pieces=2)
     rows = len(batch.rows)
     counts = plan.row_ptr[1:] - plan.row_ptr[:-1]
     assert counts.tolist() == [2 * len(batch.requests[r].segments) for r in batch.rows]
-    assert plan.chunks is not None and plan.chunks.block_m == 64
     readers = {c: sum(1 for r in batch.rows for s in batch.requests[r].segments if s.chunk == c) for c in range(6)}
-    expected_tiles = sum(2 * -(-n * 7 // 64) for n in readers.values() if n)
-    assert plan.chunks.tiles.shape == (expected_tiles, 5)
-    assert plan.pairs == 2 * sum(readers.values()) + rows
-    # Every chunk tile covers a piece of its chunk; the pieces of a chunk tile it exactly.
+    tiles = [(launch.block_m, row) for launch in plan.chunks for row in launch.tiles.tolist()]
+    assert max(readers.values()) * 7 > 64 and len(plan.chunks) > 1  # a group over two blocks; two tile widths
     for c, chunk in enumerate(batch.chunks):
-        starts = sorted(
-            {(t[0], t[1]) for t in plan.chunks.tiles.tolist() if chunk.start <= t[0] < chunk.start + chunk.length}
-        )
-        if readers[c]:
-            assert sum(length for _, length in starts) == chunk.length and starts[0][0] == chunk.start
+        mine = [(block_m, row) for block_m, row in tiles if chunk.start <= row[0] < chunk.start + chunk.length]
+        pieces = sorted({(row[0], row[1]) for _, row in mine})
+        assert len(pieces) == 2 and sum(length for _, length in pieces) == chunk.length
+        assert pieces[0][0] == chunk.start
+        block_m = min(64, max(16, 1 << (readers[c] * 7 - 1).bit_length()))
+        assert {m for m, _ in mine} == {block_m} and len(mine) == 2 * -(-readers[c] * 7 // block_m)
+        assert all(row[3] == readers[c] for _, row in mine)
+    assert plan.pairs == 2 * sum(readers.values()) + rows
     assert plan.row_tail.tolist() == sorted(plan.row_tail.tolist()) and plan.row_tail.min() >= plan.pairs - rows
 
 

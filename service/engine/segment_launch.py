@@ -73,8 +73,8 @@ class SegmentPlan:
     q_positions: torch.Tensor
     pair_q: torch.Tensor
     pair_visible: torch.Tensor
-    chunks: Launch | None
-    tails: Launch
+    chunks: tuple[Launch, ...]
+    tails: tuple[Launch, ...]
     row_ptr: torch.Tensor
     row_parts: torch.Tensor
     row_tail: torch.Tensor
@@ -88,7 +88,6 @@ class SegmentPlan:
         (None: enough for about _TARGET_PROGRAMS programs)."""
         host = _HostPlan(batch, group)
         host.add_chunks(pieces if pieces is not None else _auto_pieces(batch, group, kv_heads))
-        chunk_pairs = len(host.pair_q)
         host.add_tails()
         tensor = functools.partial(torch.tensor, dtype=torch.int64)
         flat = [i for parts in host.row_parts for i in parts]
@@ -100,8 +99,8 @@ class SegmentPlan:
             q_positions=tensor(host.q_positions).to(device),
             pair_q=tensor(host.pair_q).to(device),
             pair_visible=tensor(host.pair_visible).to(device),
-            chunks=_launch(host.chunk_tiles, host.chunk_block_m, device) if chunk_pairs else None,
-            tails=_launch(host.tail_tiles, host.tail_block_m, device),
+            chunks=_launches(host.chunk_tiles, device),
+            tails=_launches(host.tail_tiles, device),
             row_ptr=tensor(row_ptr).to(device),
             row_parts=tensor(flat or [0]).to(device),
             row_tail=tensor(host.row_tail).to(device),
@@ -121,9 +120,9 @@ class _HostPlan:
         self.pair_visible: list[int] = []
         self.row_parts: list[list[int]] = [[] for _ in batch.rows]
         self.row_tail: list[int] = [0] * len(batch.rows)
-        self.chunk_tiles: list[list[int]] = []
-        self.tail_tiles: list[list[int]] = []
-        self.chunk_block_m = self.tail_block_m = _MIN_BLOCK_M
+        # Tiles by the query items they hold: a group of few readers is not padded to the widest group's block.
+        self.chunk_tiles: dict[int, list[list[int]]] = {}
+        self.tail_tiles: dict[int, list[list[int]]] = {}
 
     def _entry(self, row: int, position: int) -> int:
         self.q_rows.append(row)
@@ -139,12 +138,10 @@ class _HostPlan:
                 chunk = batch.chunks[segment.chunk]
                 entry = self._entry(row, batch.positions[row] - segment.offset + chunk.base)
                 readers.setdefault(segment.chunk, []).append((entry, row))
-        widest = max((len(group) for group in readers.values()), default=1)
-        self.chunk_block_m = _block_m(widest * self.group)
         for chunk_id, group in readers.items():
             chunk = batch.chunks[chunk_id]
             for first, length in _cut(chunk.length, pieces):
-                self._add_group(self.chunk_tiles, self.chunk_block_m, chunk.start + first, length, group, None)
+                self._add_group(self.chunk_tiles, chunk.start + first, length, group, None)
 
     def add_tails(self) -> None:
         """A group per request: its rows, rotated to their own positions, each seeing its causal prefix."""
@@ -153,17 +150,15 @@ class _HostPlan:
         rows_of: list[list[int]] = [[] for _ in batch.requests]
         for row, owner in enumerate(batch.rows):
             rows_of[owner].append(row)
-        self.tail_block_m = _block_m(max(len(rows) for rows in rows_of) * self.group)
         for request, rows in zip(batch.requests, rows_of, strict=True):
             if rows:
                 group = [(self._entry(row, batch.positions[row]), row) for row in rows]
                 seen = [visible[row] for row in rows]
-                self._add_group(self.tail_tiles, self.tail_block_m, request.tail.start, max(seen), group, seen)
+                self._add_group(self.tail_tiles, request.tail.start, max(seen), group, seen)
 
     def _add_group(
         self,
-        tiles: list[list[int]],
-        block_m: int,
+        tiles: dict[int, list[list[int]]],
         start: int,
         length: int,
         readers: Sequence[tuple[int, int]],
@@ -180,8 +175,9 @@ class _HostPlan:
             else:
                 self.row_tail[row] = first + i
         items = len(readers) * self.group
+        block_m = _block_m(items)
         for block in range(-(-items // block_m)):
-            tiles.append([start, length, first, len(readers), block])
+            tiles.setdefault(block_m, []).append([start, length, first, len(readers), block])
 
 
 def _block_m(items: int) -> int:
@@ -203,14 +199,16 @@ def _auto_pieces(batch: SegmentBatch, group: int, kv_heads: int) -> int:
             readers[segment.chunk] = readers.get(segment.chunk, 0) + 1
     if not readers:
         return 1
-    block_m = _block_m(max(readers.values()) * group)
-    programs = kv_heads * sum(-(-n * group // block_m) for n in readers.values())
+    programs = kv_heads * sum(-(-n * group // _block_m(n * group)) for n in readers.values())
     longest = max(batch.chunks[c].length for c in readers)
     return max(1, min(-(-_TARGET_PROGRAMS // programs), longest // _MIN_PIECE))
 
 
-def _launch(tiles: list[list[int]], block_m: int, device: torch.device) -> Launch:
-    return Launch(torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_COLUMNS).to(device), block_m)
+def _launches(tiles: dict[int, list[list[int]]], device: torch.device) -> tuple[Launch, ...]:
+    return tuple(
+        Launch(torch.tensor(rows, dtype=torch.int64).view(-1, TILE_COLUMNS).to(device), block_m)
+        for block_m, rows in sorted(tiles.items())
+    )
 
 
 class SegmentAttention:
@@ -234,9 +232,10 @@ class SegmentAttention:
         part_out = torch.empty((plan.pairs, heads, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
         partials = (q_rot, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
-        if plan.chunks is not None:
-            _run_partials(plan.chunks, arena, *partials, scale / self.context.temperature)
-        _run_partials(plan.tails, tail_kv, *partials, scale)
+        for launch in plan.chunks:
+            _run_partials(launch, arena, *partials, scale / self.context.temperature)
+        for launch in plan.tails:
+            _run_partials(launch, tail_kv, *partials, scale)
         return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
 
 
@@ -278,7 +277,7 @@ def _run_partials(
         block_m=launch.block_m,
         block_n=_BLOCK_N,
         ieee=kv.dtype == torch.float32,
-        num_warps=4,
+        num_warps=4 if launch.block_m <= 32 else 8,
     )
 
 
