@@ -36,6 +36,7 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from service.engine import segment_launch
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import SDPA_GATHER, DecodeRows, batch_attention
 from service.engine.rotary import Rotary
@@ -314,6 +315,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=520)
     parser.add_argument("--tail-tokens", type=int, default=100)
     parser.add_argument("--pieces", type=int, default=None, help="ranges each chunk is cut into (default: auto)")
+    parser.add_argument("--max-block-m", type=int, default=None, help="query items per tile at most (default: 64)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -327,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (torch.cuda.is_available() and segment_kernels_apply(device)):
         log.error("this benchmark needs a CUDA device and triton")
         return 1
+    if args.max_block_m is not None:
+        segment_launch.MAX_BLOCK_M = args.max_block_m
     rotary = qwen2_rotary(device)
     errors = check_kernels(device, rotary, (torch.bfloat16, torch.float16, torch.float32))
     print("kernels vs torch reference, max abs error: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))

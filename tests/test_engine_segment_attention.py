@@ -336,7 +336,8 @@ def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
 @NEEDS_KERNELS
 @pytest.mark.parametrize("pieces", (None, 1, 4))
 def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None:
-    """12 requests x 3 of 6 chunks at GQA 7 (a chunk's queries span several 64-item blocks), a 2-row prefill."""
+    """12 requests x 3 of 6 chunks at GQA 7 (a chunk's queries span several 64-item blocks), a 2-row prefill,
+    queries strided in memory."""
     rotary = rotary_for("llama3", KERNEL_DEVICE)
     batch, (arena_slots, pool_slots) = random_batch(requests=12, chunks=6, reads=3, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -344,8 +345,9 @@ def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None
     pool = torch.randn((2, 2, pool_slots + 64, HEAD_DIM), generator=gen)
     arena[:, :, arena_slots:] = float("nan")
     pool[:, :, pool_slots:] = float("nan")
-    q = torch.randn((len(batch.rows), 14, HEAD_DIM), generator=gen)
-    q, arena, pool = (t.to(KERNEL_DEVICE) for t in (q, arena, pool))
+    wide = torch.randn((len(batch.rows), 14 + 4, HEAD_DIM), generator=gen)
+    wide, arena, pool = (t.to(KERNEL_DEVICE) for t in (wide, arena, pool))
+    q = wide[:, :14]  # strided, as the query slice of the fused q/k/v projection
     want = reference_attention(q, batch, arena, pool, rotary, SCALE)
     plan = SegmentPlan.build(batch, 7, 2, torch.device(KERNEL_DEVICE), pieces)
     got = SegmentAttention(plan, rotary)(q, arena, pool, SCALE)

@@ -14,14 +14,18 @@ LN2 = 0.6931471805599453
 @triton.jit  # type: ignore[untyped-decorator]
 def segment_partials_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
+    cos_ptr,
+    sin_ptr,
     kv_ptr,
     tiles_ptr,
+    q_rows_ptr,
     pair_q_ptr,
     pair_visible_ptr,
     out_ptr,
     lse_ptr,
-    q_stride_p,
+    q_stride_t,
     q_stride_h,
+    table_stride,
     kv_stride_kv,
     kv_stride_h,
     kv_stride_t,
@@ -39,7 +43,9 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     """One program: a tile (one key range, a block of the queries that read it) and one KV head.
 
     A tile's queries are `block_m` (pair, query head) items: pair p of the tile's group, query head
-    kv_head * group + g. Every K/V tile of the range is loaded once for all of them (the GQA heads of the KV head
+    kv_head * group + g. Pair p reads query entry e = pair_q[p]: row q_rows[e] of the unrotated q, rotated here in
+    fp32 by the cos/sin rows e (the model's own tables, RoPE's rotate-half form) and cast to the keys' dtype once,
+    as `Rotary.apply` does. Every K/V tile of the range is loaded once for all of them (the GQA heads of the KV head
     and every request reading the range), online softmax in base 2 (`qk_scale` carries log2(e)); item i sees
     keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
     output and natural log-sum-exp; a pair that sees no key writes zeros and -inf.
@@ -59,10 +65,20 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     head = kv_head * group + item % group
     d = tl.arange(0, dim_p2)
     d_live = d < head_dim
-    q_row = tl.load(pair_q_ptr + pair, mask=live, other=0)
+    entry = tl.load(pair_q_ptr + pair, mask=live, other=0)
+    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0)
     visible = tl.load(pair_visible_ptr + pair, mask=live, other=0)
-    q_offs = q_row[:, None] * q_stride_p + head[:, None] * q_stride_h + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=live[:, None] & d_live[None, :], other=0.0)
+    q_mask = live[:, None] & d_live[None, :]
+    q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    rotated_half = tl.where(d < half, -x_partner, x_partner)
+    table = entry[:, None] * table_stride + d[None, :]
+    cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
+    q = (x * cos + rotated_half * sin).to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)

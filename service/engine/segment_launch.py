@@ -2,7 +2,8 @@
 
 The (row, chunk) pairs of a call are grouped by chunk; a Triton program per (chunk range, KV head, block of that
 chunk's queries) loads each K/V tile once and scores it against all the queries of the group: the GQA heads of the
-KV head times every request reading the chunk (each query rotated beforehand, in torch, to m - o + base). Each
+KV head times every request reading the chunk (each query rotated in the kernel to m - o + base by the model's
+cos/sin rows, looked up once per step). Each
 pair's partial (output, log-sum-exp) goes to one buffer; the tails run through the same kernel (a group per
 request, its rows causal), and a second kernel merges each row's partials by log-sum-exp (APE's T and S as in the
 reference, `segment_attention.py`).
@@ -32,7 +33,10 @@ from service.engine.segment_attention import ContextScaling, SegmentBatch
 # A tile row: arena start and length of its key range, its group's first pair and pair count, its query block.
 TILE_COLUMNS = 5
 _BLOCK_N = 64
-_MIN_BLOCK_M, _MAX_BLOCK_M = 16, 64
+_MIN_BLOCK_M = 16
+# Query items a tile holds at most: a chunk read by more queries is read once per block of them (from L2 after
+# the first). Module-level so a benchmark can try 128 (the register budget of 8 warps allows it, unmeasured).
+MAX_BLOCK_M = 64
 # Programs worth having in flight before chunks are cut: about two per SM of an H100.
 _TARGET_PROGRAMS = 264
 _MIN_PIECE = 128
@@ -181,7 +185,7 @@ class _HostPlan:
 
 
 def _block_m(items: int) -> int:
-    return min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, 1 << max(items - 1, 0).bit_length()))
+    return min(MAX_BLOCK_M, max(_MIN_BLOCK_M, 1 << max(items - 1, 0).bit_length()))
 
 
 def _cut(length: int, pieces: int) -> list[tuple[int, int]]:
@@ -217,7 +221,8 @@ class SegmentAttention:
     def __init__(self, plan: SegmentPlan, rotary: Rotary, context: ContextScaling | None = None) -> None:
         self.plan = plan
         self.context = context or ContextScaling()
-        self._cos, self._sin = rotary.cos_sin(plan.q_positions)
+        cos, sin = rotary.cos_sin(plan.q_positions)  # [entries, D] fp32
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
     def __call__(self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention [N, Hq, D] of the unrotated queries q [N, Hq, D] over the arena's chunks and the pool's tails
@@ -226,12 +231,13 @@ class SegmentAttention:
         if not (q.dtype == arena.dtype == tail_kv.dtype):
             raise ValueError("queries, arena and tails must share one dtype")
         heads, dim = q.shape[1], q.shape[2]
+        if dim % 2 or q.stride(-1) != 1:
+            raise ValueError("segment attention needs an even head size and unit stride on it")
         group = heads // arena.shape[1]
-        q_rot = Rotary.apply(q.index_select(0, plan.q_rows).transpose(0, 1), self._cos, self._sin)
-        q_rot = q_rot.transpose(0, 1).contiguous()  # [entries, Hq, D]
         part_out = torch.empty((plan.pairs, heads, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
-        partials = (q_rot, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
+        rotation = _Rotation(q, self._cos, self._sin, plan.q_rows)
+        partials = (rotation, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
         for launch in plan.chunks:
             _run_partials(launch, arena, *partials, scale / self.context.temperature)
         for launch in plan.tails:
@@ -239,10 +245,20 @@ class SegmentAttention:
         return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
 
 
+@dataclass(frozen=True)
+class _Rotation:
+    """What the kernel rotates queries from: q [N, Hq, D] unrotated, cos/sin [entries, D], each entry's row."""
+
+    q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor
+
+
 def _run_partials(
     launch: Launch,
     kv: torch.Tensor,
-    q_rot: torch.Tensor,
+    rotation: _Rotation,
     pair_q: torch.Tensor,
     pair_visible: torch.Tensor,
     part_out: torch.Tensor,
@@ -250,20 +266,25 @@ def _run_partials(
     group: int,
     scale: float,
 ) -> None:
-    if kv.stride(-1) != 1 or q_rot.stride(-1) != 1:
+    if kv.stride(-1) != 1:
         raise ValueError("segment attention needs unit stride on the head dimension")
-    dim = q_rot.shape[-1]
+    q = rotation.q
+    dim = q.shape[-1]
     grid = (launch.tiles.shape[0], kv.shape[1])
     _kernels()[0][grid](
-        q_rot,
+        q,
+        rotation.cos,
+        rotation.sin,
         kv,
         launch.tiles,
+        rotation.rows,
         pair_q,
         pair_visible,
         part_out,
         part_lse,
-        q_rot.stride(0),
-        q_rot.stride(1),
+        q.stride(0),
+        q.stride(1),
+        rotation.cos.stride(0),
         kv.stride(0),
         kv.stride(1),
         kv.stride(2),
