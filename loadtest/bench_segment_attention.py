@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import re
 import statistics
 import sys
@@ -174,13 +175,18 @@ def _with_prefill(batch: SegmentBatch, rows: int) -> SegmentBatch:
     )
 
 
-def time_layers(fn: Callable[[int], Any], runs: int, warmup: int, graph: bool) -> float:
-    """Median ms of LAYERS calls fn(0) .. fn(LAYERS - 1), from a CUDA graph of them when `graph`."""
+def time_layers(fn: Callable[[int], Any], runs: int, warmup: int, graph: bool, device: torch.device) -> float:
+    """Median ms of LAYERS calls fn(0) .. fn(LAYERS - 1), from a CUDA graph of them when `graph` (wall clock on
+    the CPU, a smoke run's)."""
     for _ in range(warmup):
         for layer in range(LAYERS):
             fn(layer)
-    torch.cuda.synchronize()
     step: Callable[[], Any] = lambda: [fn(layer) for layer in range(LAYERS)]  # noqa: E731
+    if device.type != "cuda":
+        if graph:
+            raise ValueError("CUDA graphs need a CUDA device")
+        return float(statistics.median(_wall_ms(step) for _ in range(runs)))
+    torch.cuda.synchronize()
     if graph:
         captured = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -204,13 +210,19 @@ def time_layers(fn: Callable[[int], Any], runs: int, warmup: int, graph: bool) -
     return float(statistics.median(times))
 
 
+def _wall_ms(step: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    step()
+    return (time.perf_counter() - started) * 1e3
+
+
 def copies(nbytes: int, cap: int = LAYERS) -> int:
     """Copies of one layer's data to cycle through so that L2_SPAN_BYTES pass between two reads of one copy."""
     return max(1, min(cap, -(-L2_SPAN_BYTES // max(nbytes, 1))))
 
 
 def time_segment(work: Workload, rotary: Rotary, args: argparse.Namespace, graph: bool) -> float:
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = args.device, args.dtype
     gen = torch.Generator(device=device).manual_seed(0)
     kv_bytes = (work.arena_tokens + work.tail_tokens) * 2 * KV_HEADS * HEAD_DIM * 2
     data = [
@@ -221,13 +233,13 @@ def time_segment(work: Workload, rotary: Rotary, args: argparse.Namespace, graph
     plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, args.pieces)
     attend = SegmentAttention(plan, rotary)
     scale = HEAD_DIM**-0.5
-    return time_layers(lambda layer: attend(q, *data[layer % len(data)], scale), args.runs, args.warmup, graph)
+    return time_layers(lambda layer: attend(q, *data[layer % len(data)], scale), args.runs, args.warmup, graph, device)
 
 
 def time_copy(work: Workload, backend: str, args: argparse.Namespace, graph: bool) -> float:
     """The copy path: request b's stitched slab (context[b] live slots, end to end in one pool) read by
     batch_decode's decode attention."""
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = args.device, args.dtype
     gen = torch.Generator(device=device).manual_seed(0)
     slots = sum(work.context)
     pools = [random_kv(slots, device, dtype, gen) for _ in range(copies(slots * 2 * KV_HEADS * HEAD_DIM * 2))]
@@ -243,7 +255,7 @@ def time_copy(work: Workload, backend: str, args: argparse.Namespace, graph: boo
         kv = pools[index % len(pools)]
         return attend(q, kv[0], kv[1], scale)
 
-    return time_layers(layer, args.runs, args.warmup, graph)
+    return time_layers(layer, args.runs, args.warmup, graph, device)
 
 
 def kv_bytes_per_answer(work: Workload) -> tuple[float, float]:
@@ -267,17 +279,18 @@ def timed_or_none(fn: Callable[[], float], what: str) -> float | None:
 def measure(level: str, requests: int, rotary: Rotary, args: argparse.Namespace) -> dict[str, Any]:
     work = build_workload(level, requests, args.reads, args.chunk_tokens, args.tail_tokens, seed=requests)
     started = time.perf_counter()
-    SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, torch.device("cuda"), args.pieces)
+    SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
     plan_ms = (time.perf_counter() - started) * 1e3
     row: dict[str, Any] = {"level": level, "batch": requests, "distinct_chunks": len(work.chunk_lengths)}
     row["plan_ms"] = plan_ms
-    for graph, tag in ((True, "graph"), (False, "eager")):
-        segment = functools.partial(time_segment, work, rotary, args, graph)
-        row[f"segment_{tag}_ms"] = timed_or_none(segment, f"segment {tag}")
+    graph = args.device.type == "cuda"  # a CPU smoke run times everything eagerly, under the same keys
+    row["segment_graph_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, graph), "segment")
+    row["segment_eager_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, False), "eager")
     for backend in (FLASH_VARLEN, SDPA_GATHER):
-        copy = functools.partial(time_copy, work, backend, args, True)
+        copy = functools.partial(time_copy, work, backend, args, graph)
         row[f"copy_{backend}_graph_ms"] = timed_or_none(copy, f"copy {backend}")
-        torch.cuda.empty_cache()
+        if graph:
+            torch.cuda.empty_cache()
     row["kv_mib_copy"], row["kv_mib_segment"] = kv_bytes_per_answer(work)
     return row
 
@@ -319,20 +332,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
-    return parser.parse_args(argv)
+    parser.add_argument("--device", type=torch.device, default=torch.device("cuda"), help="cpu: a smoke run")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    args = parser.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse(argv)
-    device = torch.device("cuda")
-    if not (torch.cuda.is_available() and segment_kernels_apply(device)):
-        log.error("this benchmark needs a CUDA device and triton")
+    device = args.device
+    # The CPU runs the kernels only under Triton's interpreter (a smoke run of this script, TRITON_INTERPRET=1).
+    interpreter = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if (device.type == "cuda" and not torch.cuda.is_available()) or not segment_kernels_apply(device, interpreter):
+        log.error("this benchmark needs a CUDA device and triton (or TRITON_INTERPRET=1 with --device cpu)")
         return 1
     if args.max_block_m is not None:
         segment_launch.MAX_BLOCK_M = args.max_block_m
     rotary = qwen2_rotary(device)
-    errors = check_kernels(device, rotary, (torch.bfloat16, torch.float16, torch.float32))
+    # Triton's interpreter multiplies bf16 tiles wrongly: a CPU smoke run checks fp16 and fp32 only.
+    dtypes = (torch.float16, torch.float32) if interpreter else (torch.bfloat16, torch.float16, torch.float32)
+    errors = check_kernels(device, rotary, dtypes)
     print("kernels vs torch reference, max abs error: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
     rows = []
     for level in args.levels:
@@ -340,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(level, requests, rotary, args)
             log.info("%s", json.dumps(row))
             rows.append(row)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "errors": errors, "rows": rows}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    report = {"device": name, "torch": torch.__version__, "errors": errors, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     sys.stdout.write(table(rows) + "\n")
