@@ -10,6 +10,7 @@ under Triton's interpreter when the test run sets TRITON_INTERPRET=1 and triton 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
-from service.engine.segment_launch import SegmentAttention, SegmentPlan, segment_kernels_apply
+from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan, segment_kernels_apply
 
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5
@@ -352,3 +353,43 @@ def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None
     plan = SegmentPlan.build(batch, 7, 2, torch.device(KERNEL_DEVICE), pieces)
     got = SegmentAttention(plan, rotary)(q, arena, pool, SCALE)
     assert (got - want).abs().max().item() < 2e-5
+
+
+CAPACITY = PlanCapacity(rows=16, entries=80, pairs=120, chunk_tiles=24, tail_tiles=16)
+
+
+def test_a_padded_plan_has_fixed_shapes_and_refuses_a_batch_too_large() -> None:
+    shapes = []
+    for seed in (3, 4):
+        batch, _ = random_batch(requests=6, chunks=5, reads=3, seed=seed)
+        plan = SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=CAPACITY)
+        assert plan.pairs == 120 and plan.row_tail.shape == (16,) and (plan.row_tail[len(batch.rows) :] == -1).all()
+        assert [launch.block_m for launch in plan.chunks] == [16, 32, 64]
+        shapes.append([t.shape for t in plan._tensors()])
+    assert shapes[0] == shapes[1]
+    with pytest.raises(ValueError, match=r"pairs \d+ > 20"):
+        SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=dataclasses.replace(CAPACITY, pairs=20))
+
+
+@NEEDS_KERNELS
+def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
+    """The CUDA-graph shape: a plan padded to a capacity, the next batch copied into its tensors in place, the same
+    call object refreshed: each batch gets its own reference answer; the padding rows come out zero."""
+    rotary = rotary_for("yarn", KERNEL_DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    arena = torch.randn((2, 2, 400, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
+    pool = torch.randn((2, 2, 100, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
+    q = torch.randn((CAPACITY.rows, 14, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
+    device = torch.device(KERNEL_DEVICE)
+    first, _ = random_batch(requests=6, chunks=5, reads=3, seed=3)
+    second, _ = random_batch(requests=4, chunks=5, reads=2, seed=4)
+    static = SegmentPlan.build(first, 7, 2, device, pieces=2, capacity=CAPACITY)
+    attend = SegmentAttention(static, rotary)
+    for batch in (first, second):
+        static.copy_from(SegmentPlan.build(batch, 7, 2, device, pieces=2, capacity=CAPACITY))
+        attend.refresh()
+        got = attend(q, arena, pool, SCALE)
+        live = len(batch.rows)
+        want = reference_attention(q[:live], batch, arena, pool, rotary, SCALE)
+        assert (got[:live] - want).abs().max().item() < 2e-5
+        assert (got[live:] == 0).all()

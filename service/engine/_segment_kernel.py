@@ -135,7 +135,7 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
 ):
     """One program: query row r, block_h of its heads. Merges the row's chunk partials (row_parts[row_ptr[r] ..
     row_ptr[r + 1]]) into the context's by log-sum-exp, multiplies the context's log-sum-exp by `context_scale`
-    (APE's S), then merges it with the row's tail partial (row_tail[r]), all in fp32."""
+    (APE's S), then merges it with the row's tail partial (row_tail[r]; -1: none, a padded row), all in fp32."""
     r = tl.program_id(0)
     h = tl.program_id(1) * block_h + tl.arange(0, block_h)
     d = tl.arange(0, dim_p2)
@@ -164,13 +164,17 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
     context_lse = tl.where(has_context, safe + tl.log(tl.where(has_context, total, 1.0)), float("-inf"))
     context_lse = context_lse * context_scale
     tail = tl.load(row_tail_ptr + r)
-    tail_lse = tl.load(part_lse_ptr + tail * lse_stride_p + h, mask=live_h, other=float("-inf"))
+    has_tail = live_h & ((tail + h * 0) >= 0)  # as a block: a scalar mask does not broadcast everywhere
+    tail_lse = tl.load(part_lse_ptr + tail * lse_stride_p + h, mask=has_tail, other=float("-inf"))
     tail_offs = tail * part_stride_p + h[:, None] * part_stride_h + d[None, :]
-    tail_out = tl.load(part_out_ptr + tail_offs, mask=mask, other=0.0)
+    tail_out = tl.load(part_out_ptr + tail_offs, mask=has_tail[:, None] & mask, other=0.0)
     top = tl.maximum(context_lse, tail_lse)
     top = tl.where(top == float("-inf"), 0.0, top)
     w_context = tl.exp(context_lse - top)
     w_tail = tl.exp(tail_lse - top)
-    merged = (context_out * w_context[:, None] + tail_out * w_tail[:, None]) / (w_context + w_tail)[:, None]
+    total_w = w_context + w_tail  # 0 only on a dead row of a padded plan, whose output is zero
+    merged = (context_out * w_context[:, None] + tail_out * w_tail[:, None]) / tl.where(total_w > 0, total_w, 1.0)[
+        :, None
+    ]
     out_offs = r * out_stride_t + h[:, None] * out_stride_h + d[None, :]
     tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)

@@ -68,10 +68,22 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class PlanCapacity:
+    """Fixed sizes of the plans one CUDA graph replays: each step's plan is padded to them (dead rows, entries,
+    pairs and tiles do nothing; a dead row's output is zero) and copied into the captured plan's tensors."""
+
+    rows: int
+    entries: int
+    pairs: int
+    chunk_tiles: int  # per tile width (16, 32, ... MAX_BLOCK_M query items)
+    tail_tiles: int  # per tile width
+
+
+@dataclass(frozen=True)
 class SegmentPlan:
     """Device metadata of one call. Query entry e is row q_rows[e] rotated to q_positions[e]; pair p reads entry
     pair_q[p] against the first pair_visible[p] keys of its tile's range; row r merges pairs row_parts[row_ptr[r]
-    .. row_ptr[r + 1]] (its chunk pieces) with pair row_tail[r] (its tail)."""
+    .. row_ptr[r + 1]] (its chunk pieces) with pair row_tail[r] (its tail; -1: a dead row of a padded plan)."""
 
     q_rows: torch.Tensor
     q_positions: torch.Tensor
@@ -86,18 +98,29 @@ class SegmentPlan:
 
     @classmethod
     def build(
-        cls, batch: SegmentBatch, group: int, kv_heads: int, device: torch.device, pieces: int | None = None
+        cls,
+        batch: SegmentBatch,
+        group: int,
+        kv_heads: int,
+        device: torch.device,
+        pieces: int | None = None,
+        capacity: PlanCapacity | None = None,
     ) -> SegmentPlan:
         """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into
-        (None: enough for about _TARGET_PROGRAMS programs)."""
+        (None: enough for about _TARGET_PROGRAMS programs); `capacity`: padded to these sizes (ValueError when
+        the batch does not fit)."""
         host = _HostPlan(batch, group)
         host.add_chunks(pieces if pieces is not None else _auto_pieces(batch, group, kv_heads))
         host.add_tails()
+        if capacity is not None:
+            host.pad(capacity)
         tensor = functools.partial(torch.tensor, dtype=torch.int64)
         flat = [i for parts in host.row_parts for i in parts]
         row_ptr = [0]
         for parts in host.row_parts:
             row_ptr.append(row_ptr[-1] + len(parts))
+        if capacity is not None:
+            flat += [0] * (capacity.pairs - len(flat))
         return cls(
             q_rows=tensor(host.q_rows).to(device),
             q_positions=tensor(host.q_positions).to(device),
@@ -110,6 +133,19 @@ class SegmentPlan:
             row_tail=tensor(host.row_tail).to(device),
             pairs=len(host.pair_q),
         )
+
+    def copy_from(self, other: SegmentPlan) -> None:
+        """Take `other`'s metadata into this plan's tensors in place (both padded to one capacity): a captured
+        graph then replays `other`'s call."""
+        mine, theirs = self._tensors(), other._tensors()
+        if [t.shape for t in mine] != [t.shape for t in theirs]:
+            raise ValueError("plans of different capacities")
+        for dst, src in zip(mine, theirs, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        fixed = [self.q_rows, self.q_positions, self.pair_q, self.pair_visible, self.row_ptr, self.row_parts]
+        return [*fixed, self.row_tail, *(launch.tiles for launch in (*self.chunks, *self.tails))]
 
 
 class _HostPlan:
@@ -127,6 +163,25 @@ class _HostPlan:
         # Tiles by the query items they hold: a group of few readers is not padded to the widest group's block.
         self.chunk_tiles: dict[int, list[list[int]]] = {}
         self.tail_tiles: dict[int, list[list[int]]] = {}
+
+    def pad(self, capacity: PlanCapacity) -> None:
+        """Pad every list to `capacity`, with a tile list of each width (dead tiles hold no pair)."""
+        sizes = {"rows": len(self.row_tail), "entries": len(self.q_rows), "pairs": len(self.pair_q)}
+        for tiles, name in ((self.chunk_tiles, "chunk_tiles"), (self.tail_tiles, "tail_tiles")):
+            sizes[name] = max((len(rows) for rows in tiles.values()), default=0)
+        over = [f"{name} {n} > {getattr(capacity, name)}" for name, n in sizes.items() if n > getattr(capacity, name)]
+        if over:
+            raise ValueError(f"the batch exceeds the plan's capacity: {', '.join(over)}")
+        self.row_parts += [[] for _ in range(capacity.rows - len(self.row_parts))]
+        self.row_tail += [-1] * (capacity.rows - len(self.row_tail))
+        self.q_rows += [0] * (capacity.entries - len(self.q_rows))
+        self.q_positions += [0] * (capacity.entries - len(self.q_positions))
+        self.pair_q += [0] * (capacity.pairs - len(self.pair_q))
+        self.pair_visible += [0] * (capacity.pairs - len(self.pair_visible))
+        for tiles, count in ((self.chunk_tiles, capacity.chunk_tiles), (self.tail_tiles, capacity.tail_tiles)):
+            for width in _widths():
+                rows = tiles.setdefault(width, [])
+                rows += [[0] * TILE_COLUMNS for _ in range(count - len(rows))]
 
     def _entry(self, row: int, position: int) -> int:
         self.q_rows.append(row)
@@ -184,6 +239,11 @@ class _HostPlan:
             tiles.setdefault(block_m, []).append([start, length, first, len(readers), block])
 
 
+def _widths() -> list[int]:
+    """Every tile width a plan may use."""
+    return [1 << k for k in range(_MIN_BLOCK_M.bit_length() - 1, MAX_BLOCK_M.bit_length())]
+
+
 def _block_m(items: int) -> int:
     return min(MAX_BLOCK_M, max(_MIN_BLOCK_M, 1 << max(items - 1, 0).bit_length()))
 
@@ -221,8 +281,15 @@ class SegmentAttention:
     def __init__(self, plan: SegmentPlan, rotary: Rotary, context: ContextScaling | None = None) -> None:
         self.plan = plan
         self.context = context or ContextScaling()
+        self._rotary = rotary
         cos, sin = rotary.cos_sin(plan.q_positions)  # [entries, D] fp32
         self._cos, self._sin = cos.contiguous(), sin.contiguous()
+
+    def refresh(self) -> None:
+        """Recompute the rotation tables in place after `plan.copy_from` (a captured graph reads these tensors)."""
+        cos, sin = self._rotary.cos_sin(self.plan.q_positions)
+        self._cos.copy_(cos)
+        self._sin.copy_(sin)
 
     def __call__(self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention [N, Hq, D] of the unrotated queries q [N, Hq, D] over the arena's chunks and the pool's tails
@@ -268,6 +335,8 @@ def _run_partials(
 ) -> None:
     if kv.stride(-1) != 1:
         raise ValueError("segment attention needs unit stride on the head dimension")
+    if launch.tiles.shape[0] == 0:
+        return
     q = rotation.q
     dim = q.shape[-1]
     grid = (launch.tiles.shape[0], kv.shape[1])
