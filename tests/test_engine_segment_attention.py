@@ -49,6 +49,8 @@ def _config(rope: str) -> PretrainedConfig:
             "original_max_position_embeddings": 64,
         }
         return LlamaConfig(**common, rope_scaling=scaling)
+    if rope == "linear":
+        return LlamaConfig(**common, rope_scaling={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     if rope == "yarn":
         scaling = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
         return Qwen2Config(**common, rope_scaling=scaling)
@@ -163,7 +165,7 @@ def _exp_sums(q: torch.Tensor, kvs: list[torch.Tensor], scale: float) -> tuple[t
     return z, num
 
 
-ROPES = ("default", "llama3", "yarn")
+ROPES = ("default", "linear", "llama3", "yarn")
 
 
 @pytest.mark.parametrize("rope", ROPES)
@@ -243,9 +245,10 @@ def test_math_sanity_of_the_direct_formula() -> None:
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_KERNELS_HERE = segment_kernels_apply(torch.device(KERNEL_DEVICE), interpreter=INTERPRETER)
+# Marked `gpu` so a GPU run selects them with -m gpu; on the CPU they run only under the interpreter.
 NEEDS_KERNELS = pytest.mark.skipif(
-    not segment_kernels_apply(torch.device(KERNEL_DEVICE), interpreter=INTERPRETER),
-    reason="needs CUDA and triton (or TRITON_INTERPRET=1 with triton importable)",
+    not _KERNELS_HERE, reason="needs CUDA and triton (or TRITON_INTERPRET=1 with triton importable)"
 )
 # bf16/fp16 round q, K, V and the probabilities before their products (fp32 accumulation): a few 1e-3 on outputs
 # of size ~1, while a wrong rotation or a missed key moves them by ~0.1.
@@ -257,6 +260,7 @@ def _kernel_case(rope: str, heads: int, kv_heads: int, dtype: torch.dtype) -> tu
     return scenario(rotary, heads, kv_heads, dtype, KERNEL_DEVICE), rotary
 
 
+@pytest.mark.gpu
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize(("rope", "heads", "kv_heads"), [("default", 4, 4), ("llama3", 4, 2), ("yarn", 6, 2)])
@@ -274,6 +278,7 @@ def test_kernels_equal_the_reference(rope: str, heads: int, kv_heads: int, dtype
     assert (got.float() - want.float()).abs().max().item() < TOLERANCE[dtype]
 
 
+@pytest.mark.gpu
 @NEEDS_KERNELS
 def test_kernels_apply_ape_temperature_and_scale() -> None:
     s, rotary = _kernel_case("llama3", 4, 2, torch.float32)
@@ -334,6 +339,7 @@ def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
     assert plan.row_tail.tolist() == sorted(plan.row_tail.tolist()) and plan.row_tail.min() >= plan.pairs - rows
 
 
+@pytest.mark.gpu
 @NEEDS_KERNELS
 @pytest.mark.parametrize("pieces", (None, 1, 4))
 def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None:
@@ -371,6 +377,7 @@ def test_a_padded_plan_has_fixed_shapes_and_refuses_a_batch_too_large() -> None:
         SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=dataclasses.replace(CAPACITY, pairs=20))
 
 
+@pytest.mark.gpu
 @NEEDS_KERNELS
 def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
     """The CUDA-graph shape: a plan padded to a capacity, the next batch copied into its tensors in place, the same

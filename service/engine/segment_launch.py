@@ -2,18 +2,18 @@
 
 The (row, chunk) pairs of a call are grouped by chunk; a Triton program per (chunk range, KV head, block of that
 chunk's queries) loads each K/V tile once and scores it against all the queries of the group: the GQA heads of the
-KV head times every request reading the chunk (each query rotated in the kernel to m - o + base by the model's
-cos/sin rows, looked up once per step). Each
-pair's partial (output, log-sum-exp) goes to one buffer; the tails run through the same kernel (a group per
-request, its rows causal), and a second kernel merges each row's partials by log-sum-exp (APE's T and S as in the
-reference, `segment_attention.py`).
+KV head times every request reading the chunk, each query rotated in the kernel to m - o + base by the model's
+cos/sin rows (looked up once per step). Each pair's partial (output, log-sum-exp) goes to one buffer; the tails run
+through the same kernel (a group per request, its rows causal), and a second kernel merges each row's partials by
+log-sum-exp (APE's T and S as in the reference, `segment_attention.py`).
 
 When few requests read few chunks, a grid of one program per (chunk, KV head) would leave most of the GPU idle, so
 chunks are cut into pieces (more partials, same math: a piece at arena offset a is a chunk of base + a placed at
 o + a, which rotates q by the same amount).
 
 `SegmentPlan.build` runs on the host once per step (every layer reuses it); `SegmentAttention` holds the step's
-rotation tables and runs one layer.
+rotation tables and runs one layer. For CUDA graphs a plan is padded to a `PlanCapacity` and each step's plan is
+copied into the captured one (`copy_from`, then `SegmentAttention.refresh`).
 """
 
 from __future__ import annotations
