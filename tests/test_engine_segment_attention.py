@@ -11,6 +11,7 @@ under Triton's interpreter when the test run sets TRITON_INTERPRET=1 and triton 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from service.engine import segment_launch
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import (
     ChunkRange,
@@ -400,3 +402,43 @@ def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
         want = reference_attention(q[:live], batch, arena, pool, rotary, SCALE)
         assert (got[:live] - want).abs().max().item() < 2e-5
         assert (got[live:] == 0).all()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or INTERPRETER, reason="needs triton importable, not interpreting"
+)
+@pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
+def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
+    """Ahead-of-time compilation for sm_90 (ptxas ships with triton): catches what the interpreter lets through
+    (globals a jitted function may not read, types the GPU compiler refuses) on a machine with no GPU."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from service.engine import _segment_kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": "fp32"}
+    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
+    pointers |= {"pair_visible_ptr": "i64"}
+    for block_m in (16, 32, 64):
+        constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": block_m, "block_n": 64}
+        constants["ieee"] = dtype == "fp32"
+        kernel = _segment_kernel.segment_partials_kernel
+        signature = _signature(kernel.arg_names, pointers, {"qk_scale": "fp32"}, constants)
+        options = {"num_warps": segment_launch._warps(block_m)}
+        assert triton_compile(ASTSource(kernel, signature, constants), target=target, options=options).asm["cubin"]
+    merge = _segment_kernel.segment_merge_kernel
+    pointers = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": dtype}
+    pointers |= {"row_ptr_ptr": "i64", "row_parts_ptr": "i64", "row_tail_ptr": "i64"}
+    constants = {"head_dim": 128, "dim_p2": 128, "block_h": 8}
+    signature = _signature(merge.arg_names, pointers, {"context_scale": "fp32"}, constants)
+    assert triton_compile(ASTSource(merge, signature, constants), target=target).asm["cubin"]
+
+
+def _signature(
+    names: list[str], pointers: dict[str, str], floats: dict[str, str], constants: dict[str, object]
+) -> dict[str, str]:
+    """Triton's signature of a kernel: pointer element types, fp32 scalars, constexprs, i32 for the rest."""
+    kinds = {name: f"*{kind}" for name, kind in pointers.items()} | floats
+    return {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in names}

@@ -8,7 +8,8 @@ import triton.language as tl
 
 # A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
-LN2 = 0.6931471805599453
+# ln 2 as a constexpr global: a jitted function reads no plain global.
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -53,11 +54,13 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tiles_ptr + tile * 5
+    # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's
+    # pointers. Only the range's start goes 64-bit, into a scalar base pointer.
     kv_start = tl.load(row)
-    kv_len = tl.load(row + 1)
-    first_pair = tl.load(row + 2)
-    n_pairs = tl.load(row + 3)
-    block = tl.load(row + 4)
+    kv_len = tl.load(row + 1).to(tl.int32)
+    first_pair = tl.load(row + 2).to(tl.int32)
+    n_pairs = tl.load(row + 3).to(tl.int32)
+    block = tl.load(row + 4).to(tl.int32)
 
     item = block * block_m + tl.arange(0, block_m)
     live = item < n_pairs * group
@@ -65,9 +68,9 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     head = kv_head * group + item % group
     d = tl.arange(0, dim_p2)
     d_live = d < head_dim
-    entry = tl.load(pair_q_ptr + pair, mask=live, other=0)
-    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0)
-    visible = tl.load(pair_visible_ptr + pair, mask=live, other=0)
+    entry = tl.load(pair_q_ptr + pair, mask=live, other=0).to(tl.int32)
+    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0).to(tl.int32)
+    visible = tl.load(pair_visible_ptr + pair, mask=live, other=0).to(tl.int32)
     q_mask = live[:, None] & d_live[None, :]
     q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
     half = head_dim // 2
@@ -83,13 +86,14 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
     acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
-    kv_base = kv_ptr + kv_head * kv_stride_h
+    k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
+    v_base = k_base + kv_stride_kv
     for n0 in range(0, kv_len, block_n):
         n = n0 + tl.arange(0, block_n)
         kv_mask = (n < kv_len)[:, None] & d_live[None, :]
-        kv_offs = (kv_start + n)[:, None] * kv_stride_t + d[None, :]
-        k = tl.load(kv_base + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + kv_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        kv_offs = n[:, None] * kv_stride_t + d[None, :]
+        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
         if ieee:  # noqa: SIM108 (a constexpr branch: fp32 tiles multiply in full precision, not TF32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -141,8 +145,8 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
     d = tl.arange(0, dim_p2)
     live_h = h < heads
     mask = live_h[:, None] & (d < head_dim)[None, :]
-    lo = tl.load(row_ptr_ptr + r)
-    hi = tl.load(row_ptr_ptr + r + 1)
+    lo = tl.load(row_ptr_ptr + r).to(tl.int32)
+    hi = tl.load(row_ptr_ptr + r + 1).to(tl.int32)
 
     peak = tl.full((block_h,), float("-inf"), dtype=tl.float32)
     for i in range(lo, hi):
