@@ -54,7 +54,7 @@ def _config(rope: str) -> PretrainedConfig:
     if rope == "linear":
         return LlamaConfig(**common, rope_scaling={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     if rope == "yarn":
-        scaling = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+        scaling = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
         return Qwen2Config(**common, rope_scaling=scaling)
     return Qwen2Config(**common)
 
@@ -418,7 +418,7 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
     from service.engine import _segment_kernel
 
     target = GPUTarget("cuda", 90, 32)
-    pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": "fp32"}
+    pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
     pointers |= {"pair_visible_ptr": "i64"}
     for block_m in (16, 32, 64):
@@ -429,7 +429,7 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
         options = {"num_warps": segment_launch._warps(block_m)}
         assert triton_compile(ASTSource(kernel, signature, constants), target=target, options=options).asm["cubin"]
     merge = _segment_kernel.segment_merge_kernel
-    pointers = {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": dtype}
+    pointers = {"part_out_ptr": dtype, "part_lse_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"row_ptr_ptr": "i64", "row_parts_ptr": "i64", "row_tail_ptr": "i64"}
     constants = {"head_dim": 128, "dim_p2": 128, "block_h": 8}
     signature = _signature(merge.arg_names, pointers, {"context_scale": "fp32"}, constants)

@@ -8,6 +8,7 @@ import triton.language as tl
 
 # A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
+
 # ln 2 as a constexpr global: a jitted function reads no plain global.
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -49,7 +50,8 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     as `Rotary.apply` does. Every K/V tile of the range is loaded once for all of them (the GQA heads of the KV head
     and every request reading the range), online softmax in base 2 (`qk_scale` carries log2(e)); item i sees
     keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
-    output and natural log-sum-exp; a pair that sees no key writes zeros and -inf.
+    output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
+    -inf.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,7 +116,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
-    tl.store(out_ptr + out_offs, out, mask=live[:, None] & d_live[None, :])
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_live[None, :])
     tl.store(lse_ptr + pair * lse_stride_p + head, lse, mask=live)
 
 
@@ -160,7 +162,7 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
         lse = tl.load(part_lse_ptr + part * lse_stride_p + h, mask=live_h, other=float("-inf"))
         weight = tl.exp(lse - safe)
         offs = part * part_stride_p + h[:, None] * part_stride_h + d[None, :]
-        acc += tl.load(part_out_ptr + offs, mask=mask, other=0.0) * weight[:, None]
+        acc += tl.load(part_out_ptr + offs, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
         total += weight
 
     has_context = total > 0
@@ -171,7 +173,7 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
     has_tail = live_h & ((tail + h * 0) >= 0)  # as a block: a scalar mask does not broadcast everywhere
     tail_lse = tl.load(part_lse_ptr + tail * lse_stride_p + h, mask=has_tail, other=float("-inf"))
     tail_offs = tail * part_stride_p + h[:, None] * part_stride_h + d[None, :]
-    tail_out = tl.load(part_out_ptr + tail_offs, mask=has_tail[:, None] & mask, other=0.0)
+    tail_out = tl.load(part_out_ptr + tail_offs, mask=has_tail[:, None] & mask, other=0.0).to(tl.float32)
     top = tl.maximum(context_lse, tail_lse)
     top = tl.where(top == float("-inf"), 0.0, top)
     w_context = tl.exp(context_lse - top)

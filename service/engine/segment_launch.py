@@ -301,7 +301,9 @@ class SegmentAttention:
         if dim % 2 or q.stride(-1) != 1:
             raise ValueError("segment attention needs an even head size and unit stride on it")
         group = heads // arena.shape[1]
-        part_out = torch.empty((plan.pairs, heads, dim), dtype=torch.float32, device=q.device)
+        # Partial outputs in the queries' dtype (fp32 merge weights, fp32 log-sum-exps): at high batch their traffic
+        # rivals the shared chunks' own, and a bf16 attention's output is rounded to bf16 anyway.
+        part_out = torch.empty((plan.pairs, heads, dim), dtype=q.dtype, device=q.device)
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
         rotation = _Rotation(q, self._cos, self._sin, plan.q_rows)
         partials = (rotation, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
