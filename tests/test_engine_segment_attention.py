@@ -2,10 +2,12 @@
 
 The torch reference is held to plain attention over the stitched copy each request would get today (every chunk's
 keys rotated at its absolute positions o + j, then the request's tail, causal), in fp32 on the CPU, for default,
-llama3- and yarn-scaled RoPE (the models' own rotary modules), GQA, chunks shared by some requests and not others,
-a chunk read at two offsets, a multi-row prefill, APE's temperature and scale, and NaN in every arena and pool slot
-the call does not name. The Triton kernels are held to the reference on CUDA (bf16, fp16, fp32); on the CPU they run
-under Triton's interpreter when the test run sets TRITON_INTERPRET=1 and triton imports (skipped otherwise).
+linear, llama3- and yarn-scaled RoPE (the HF rotary modules of tiny configs), GQA, chunks shared by some requests
+and not others, a chunk read at two offsets, a multi-row prefill, APE's temperature and scale, and NaN in every
+arena and pool slot the call does not name; and to the engine's own stitched buffers of the tiny models (both
+position modes). The Triton kernels are held to the reference on CUDA (bf16, fp16, fp32; marked gpu); on the CPU
+they run under Triton's interpreter when the run sets TRITON_INTERPRET=1 and triton imports (fp32 and fp16: the
+interpreter multiplies bf16 tiles wrongly), and compile for sm_90 wherever triton imports without the interpreter.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +26,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from service.engine import segment_launch
+from service.engine.attention import attend_causal_end
+from service.engine.engine import StitchEngine
+from service.engine.gate import synthetic_ids
+from service.engine.kv_layout import KVBlock
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import (
     ChunkRange,
@@ -442,3 +449,56 @@ def _signature(
     """Triton's signature of a kernel: pointer element types, fp32 scalars, constexprs, i32 for the rest."""
     kinds = {name: f"*{kind}" for name, kind in pointers.items()} | floats
     return {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in names}
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral"))
+@pytest.mark.parametrize("positions", ("reordered", "composite"))
+def test_reference_equals_attention_over_the_engines_own_stitched_buffers(
+    get_engine: Callable[[str, str], StitchEngine], arch: str, positions: str
+) -> None:
+    """Real layouts end to end: a tiny model's precomputed chunk KV (keys un-roped, kv_layout), each chunk rotated
+    once at local positions into an arena; two requests reading the chunks in different orders are stitched by the
+    engine (its rotary: llama3 scaling for llama) and their questions prefilled. Segment attention over (arena,
+    prefix + question as the tail) equals plain attention over each stitched buffer, for every layer."""
+    engine = get_engine(arch, "cpu")
+    rotary, spec = engine.forward.rotary, engine.spec
+    chunk_ids = synthetic_ids(engine, [9, 14, 6], seed=11)
+    kv = engine.precompute([engine.template.chunk_block(ids) for ids in chunk_ids])
+    question = synthetic_ids(engine, [5], seed=12)[0]
+    base, rows = 3, 3  # local positions base..; the last 3 question tokens are the query rows
+    for layer in range(spec.num_layers):
+        arena, chunks = _arena_of(kv, layer, rotary, base)
+        for order in ((0, 1, 2), (2, 0)):
+            buffer, plan = engine.stitch([kv[c] for c in order], positions, room=len(question))
+            engine.prefill_question(buffer, question)
+            prefix = plan.lengths[0]
+            segments = tuple(Segment(c, plan.starts[i + 1]) for i, c in enumerate(order))
+            # The tail: the prefix's slots, then the question's (keys at absolute positions, as the buffer holds them).
+            live = buffer.data[layer, :, :, : buffer.length]
+            tail_kv = torch.cat((live[:, :, :prefix], live[:, :, plan.context_tokens :]), dim=2)
+            pool = torch.full((2, spec.num_kv_heads, tail_kv.shape[2] + 4, spec.head_dim), float("nan"))
+            pool[:, :, 2 : 2 + tail_kv.shape[2]] = tail_kv
+            request = RequestSegments(segments, Tail(2, tail_kv.shape[2]))
+            first = buffer.next_position - rows
+            batch = SegmentBatch(chunks, (request,), (0,) * rows, tuple(range(first, first + rows)))
+            q = torch.randn((rows, spec.num_heads, spec.head_dim), generator=torch.Generator().manual_seed(layer))
+            scale = spec.head_dim**-0.5
+            got = reference_attention(q, batch, arena, pool, rotary, scale)
+            q_rot = rotary.rotate(q.transpose(0, 1), torch.arange(first, first + rows)).unsqueeze(0)
+            keys, values = live[0].unsqueeze(0), live[1].unsqueeze(0)
+            want = attend_causal_end(q_rot, keys, values, scale)[0]
+            assert (got - want).abs().max().item() < 2e-5
+
+
+def _arena_of(kv: list[KVBlock], layer: int, rotary: Rotary, base: int) -> tuple[torch.Tensor, tuple[ChunkRange, ...]]:
+    """One layer's arena: every chunk's keys rotated once at local positions base.., values as stored, NaN between."""
+    _, _, heads, _, dim = kv[0].kv.shape
+    arena = torch.full((2, heads, sum(b.num_tokens + 5 for b in kv), dim), float("nan"))
+    chunks, start = [], 1
+    for block in kv:
+        n = block.num_tokens
+        arena[0, :, start : start + n] = rotary.rotate(block.kv[layer, 0], torch.arange(base, base + n))
+        arena[1, :, start : start + n] = block.kv[layer, 1]
+        chunks.append(ChunkRange(start, n, base))
+        start += n + 5
+    return arena, tuple(chunks)
