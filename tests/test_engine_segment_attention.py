@@ -240,6 +240,11 @@ def test_a_batch_refuses_rows_it_cannot_attend() -> None:
     with pytest.raises(ValueError, match="positive"):
         ContextScaling(temperature=0.0)
     assert SegmentBatch((), (RequestSegments((), Tail(0, 5)),), (0, 0, 0), (2, 3, 4)).tail_visible() == (3, 4, 5)
+    batch = SegmentBatch((ChunkRange(4, 6),), (RequestSegments((Segment(0, 0),), Tail(3, 5)),), (0,), (9,))
+    assert batch.reach() == (10, 8)
+    kv = torch.zeros((2, 1, 9, HEAD_DIM))
+    with pytest.raises(ValueError, match="arena slots up to 10"):
+        batch.check_fits(kv, kv)
 
 
 def test_math_sanity_of_the_direct_formula() -> None:

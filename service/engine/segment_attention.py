@@ -106,9 +106,19 @@ class SegmentBatch:
             visible.append(self.requests[request].tail.used - counts[request] + seen[request])
         return tuple(visible)
 
-    def arena_slots(self) -> int:
-        """Slots the arena must hold at least."""
-        return max((c.start + c.length for c in self.chunks), default=0)
+    def reach(self) -> tuple[int, int]:
+        """Slots the arena and the tail tensor must hold at least (the ends of the ranges the call reads)."""
+        arena = max((c.start + c.length for c in self.chunks), default=0)
+        return arena, max(r.tail.start + r.tail.used for r in self.requests)
+
+    def check_fits(self, arena: torch.Tensor, tail_kv: torch.Tensor) -> None:
+        """ValueError when a range of the call lies past the end of its tensor ([2, Hkv, slots, D] each)."""
+        arena_end, tail_end = self.reach()
+        if arena_end > arena.shape[2] or tail_end > tail_kv.shape[2]:
+            raise ValueError(
+                f"the call reads arena slots up to {arena_end} and tail slots up to {tail_end}; "
+                f"the tensors hold {arena.shape[2]} and {tail_kv.shape[2]}"
+            )
 
 
 def partial(
@@ -164,6 +174,7 @@ def reference_attention(
     """Attention of the unrotated queries q [N, Hq, D] of `batch` over its chunks in `arena` [2, Hkv, A, D] and its
     tails in `tail_kv` [2, Hkv, S, D], in fp32 (cast to q's dtype). Reads only the slots `batch` names."""
     context = context or ContextScaling()
+    batch.check_fits(arena, tail_kv)
     visible = batch.tail_visible()
     outs = []
     for row, request_index in enumerate(batch.rows):

@@ -79,7 +79,7 @@ class PlanCapacity:
     tail_tiles: int  # per tile width
 
 
-@dataclass(frozen=True)
+@dataclass
 class SegmentPlan:
     """Device metadata of one call. Query entry e is row q_rows[e] rotated to q_positions[e]; pair p reads entry
     pair_q[p] against the first pair_visible[p] keys of its tile's range; row r merges pairs row_parts[row_ptr[r]
@@ -95,6 +95,7 @@ class SegmentPlan:
     row_parts: torch.Tensor
     row_tail: torch.Tensor
     pairs: int
+    reach: tuple[int, int]  # arena and tail slots the plan's ranges end by (checked against the tensors)
 
     @classmethod
     def build(
@@ -132,6 +133,7 @@ class SegmentPlan:
             row_parts=tensor(flat or [0]).to(device),
             row_tail=tensor(host.row_tail).to(device),
             pairs=len(host.pair_q),
+            reach=batch.reach(),
         )
 
     def copy_from(self, other: SegmentPlan) -> None:
@@ -142,6 +144,7 @@ class SegmentPlan:
             raise ValueError("plans of different capacities")
         for dst, src in zip(mine, theirs, strict=True):
             dst.copy_(src, non_blocking=True)
+        self.reach = other.reach
 
     def _tensors(self) -> list[torch.Tensor]:
         fixed = [self.q_rows, self.q_positions, self.pair_q, self.pair_visible, self.row_ptr, self.row_parts]
@@ -297,6 +300,8 @@ class SegmentAttention:
         plan = self.plan
         if not (q.dtype == arena.dtype == tail_kv.dtype):
             raise ValueError("queries, arena and tails must share one dtype")
+        if plan.reach[0] > arena.shape[2] or plan.reach[1] > tail_kv.shape[2]:
+            raise ValueError(f"the plan reads up to slots {plan.reach}; arena and tails hold fewer")
         heads, dim = q.shape[1], q.shape[2]
         if dim % 2 or q.stride(-1) != 1:
             raise ValueError("segment attention needs an even head size and unit stride on it")
