@@ -416,8 +416,10 @@ def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
         assert (got[live:] == 0).all()
 
 
+# Where CUDA exists the kernels run for real (above); the ahead-of-time API also differs between triton versions.
 @pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or INTERPRETER, reason="needs triton importable, not interpreting"
+    importlib.util.find_spec("triton") is None or INTERPRETER or torch.cuda.is_available(),
+    reason="a CPU check: needs triton importable, no interpreter, no CUDA",
 )
 @pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
 def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
