@@ -1,0 +1,186 @@
+"""The Triton kernels behind `segment_launch`: imported only where triton exists (see `segment_launch._kernels`).
+
+No `from __future__ import annotations` here: Triton reads the `tl.constexpr` annotations as objects.
+"""
+
+import triton
+import triton.language as tl
+
+# A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
+# pair count, and which block of the group's query items it takes.
+
+# ln 2 as a constexpr global: a jitted function reads no plain global.
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def segment_partials_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    tiles_ptr,
+    q_rows_ptr,
+    pair_q_ptr,
+    pair_visible_ptr,
+    out_ptr,
+    lse_ptr,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    out_stride_p,
+    out_stride_h,
+    lse_stride_p,
+    qk_scale,
+    group: tl.constexpr,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """One program: a tile (one key range, a block of the queries that read it) and one KV head.
+
+    A tile's queries are `block_m` (pair, query head) items: pair p of the tile's group, query head
+    kv_head * group + g. Pair p reads query entry e = pair_q[p]: row q_rows[e] of the unrotated q, rotated here in
+    fp32 by the cos/sin rows e (the model's own tables, RoPE's rotate-half form) and cast to the keys' dtype once,
+    as `Rotary.apply` does. Every K/V tile of the range is loaded once for all of them (the GQA heads of the KV head
+    and every request reading the range), online softmax in base 2 (`qk_scale` carries log2(e)); item i sees
+    keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
+    output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
+    -inf.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tiles_ptr + tile * 5
+    # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's
+    # pointers. Only the range's start goes 64-bit, into a scalar base pointer.
+    kv_start = tl.load(row)
+    kv_len = tl.load(row + 1).to(tl.int32)
+    first_pair = tl.load(row + 2).to(tl.int32)
+    n_pairs = tl.load(row + 3).to(tl.int32)
+    block = tl.load(row + 4).to(tl.int32)
+
+    item = block * block_m + tl.arange(0, block_m)
+    live = item < n_pairs * group
+    pair = first_pair + item // group
+    head = kv_head * group + item % group
+    d = tl.arange(0, dim_p2)
+    d_live = d < head_dim
+    entry = tl.load(pair_q_ptr + pair, mask=live, other=0).to(tl.int32)
+    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0).to(tl.int32)
+    visible = tl.load(pair_visible_ptr + pair, mask=live, other=0).to(tl.int32)
+    q_mask = live[:, None] & d_live[None, :]
+    q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    rotated_half = tl.where(d < half, -x_partner, x_partner)
+    table = entry[:, None] * table_stride + d[None, :]
+    cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
+    q = (x * cos + rotated_half * sin).to(kv_ptr.dtype.element_ty)
+
+    m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((block_m,), dtype=tl.float32)
+    acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
+    k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
+    v_base = k_base + kv_stride_kv
+    for n0 in range(0, kv_len, block_n):
+        n = n0 + tl.arange(0, block_n)
+        kv_mask = (n < kv_len)[:, None] & d_live[None, :]
+        kv_offs = n[:, None] * kv_stride_t + d[None, :]
+        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
+        if ieee:  # noqa: SIM108 (a constexpr branch: fp32 tiles multiply in full precision, not TF32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n[None, :] < visible[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if ieee:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_live[None, :])
+    tl.store(lse_ptr + pair * lse_stride_p + head, lse, mask=live)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def segment_merge_kernel(  # type: ignore[no-untyped-def]
+    part_out_ptr,
+    part_lse_ptr,
+    row_ptr_ptr,
+    row_parts_ptr,
+    row_tail_ptr,
+    out_ptr,
+    heads,
+    part_stride_p,
+    part_stride_h,
+    lse_stride_p,
+    out_stride_t,
+    out_stride_h,
+    context_scale,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_h: tl.constexpr,
+):
+    """One program: query row r, block_h of its heads. Merges the row's chunk partials (row_parts[row_ptr[r] ..
+    row_ptr[r + 1]]) into the context's by log-sum-exp, multiplies the context's log-sum-exp by `context_scale`
+    (APE's S), then merges it with the row's tail partial (row_tail[r]; -1: none, a padded row), all in fp32."""
+    r = tl.program_id(0)
+    h = tl.program_id(1) * block_h + tl.arange(0, block_h)
+    d = tl.arange(0, dim_p2)
+    live_h = h < heads
+    mask = live_h[:, None] & (d < head_dim)[None, :]
+    lo = tl.load(row_ptr_ptr + r).to(tl.int32)
+    hi = tl.load(row_ptr_ptr + r + 1).to(tl.int32)
+
+    peak = tl.full((block_h,), float("-inf"), dtype=tl.float32)
+    for i in range(lo, hi):
+        part = tl.load(row_parts_ptr + i)
+        peak = tl.maximum(peak, tl.load(part_lse_ptr + part * lse_stride_p + h, mask=live_h, other=float("-inf")))
+    safe = tl.where(peak == float("-inf"), 0.0, peak)
+    acc = tl.zeros((block_h, dim_p2), dtype=tl.float32)
+    total = tl.zeros((block_h,), dtype=tl.float32)
+    for i in range(lo, hi):
+        part = tl.load(row_parts_ptr + i)
+        lse = tl.load(part_lse_ptr + part * lse_stride_p + h, mask=live_h, other=float("-inf"))
+        weight = tl.exp(lse - safe)
+        offs = part * part_stride_p + h[:, None] * part_stride_h + d[None, :]
+        acc += tl.load(part_out_ptr + offs, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
+        total += weight
+
+    has_context = total > 0
+    context_out = acc / tl.where(has_context, total, 1.0)[:, None]
+    context_lse = tl.where(has_context, safe + tl.log(tl.where(has_context, total, 1.0)), float("-inf"))
+    context_lse = context_lse * context_scale
+    tail = tl.load(row_tail_ptr + r)
+    has_tail = live_h & ((tail + h * 0) >= 0)  # as a block: a scalar mask does not broadcast everywhere
+    tail_lse = tl.load(part_lse_ptr + tail * lse_stride_p + h, mask=has_tail, other=float("-inf"))
+    tail_offs = tail * part_stride_p + h[:, None] * part_stride_h + d[None, :]
+    tail_out = tl.load(part_out_ptr + tail_offs, mask=has_tail[:, None] & mask, other=0.0).to(tl.float32)
+    top = tl.maximum(context_lse, tail_lse)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w_context = tl.exp(context_lse - top)
+    w_tail = tl.exp(tail_lse - top)
+    total_w = w_context + w_tail  # 0 only on a dead row of a padded plan, whose output is zero
+    merged = (context_out * w_context[:, None] + tail_out * w_tail[:, None]) / tl.where(total_w > 0, total_w, 1.0)[
+        :, None
+    ]
+    out_offs = r * out_stride_t + h[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
