@@ -32,7 +32,13 @@ from service.engine.attention import attend_at_slots, attend_causal_end
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES
-from service.engine.recompute_select import auto_choice, layer1_deviation, question_attention, top_share
+from service.engine.recompute_select import (
+    auto_choice,
+    layer1_change,
+    layer1_deviation,
+    question_attention,
+    top_share,
+)
 from service.engine.recompute_spec import COMPOSITE_RECOMPUTE, RecomputeKind, RecomputeSpec
 from service.engine.rotary import Rotary
 from service.engine.stitch import PositionMode, StitchPlan
@@ -187,16 +193,8 @@ def most_deviating(
 ) -> torch.Tensor:
     """Indices (ascending) into `slots` of the `count` tokens whose cached layer-1 K/V differ most from those
     full attention gives (`hidden` [1, T, hidden]: the tokens after a full-attention layer 0)."""
-    if forward.spec.num_layers < 2:  # one layer: the cached K/V are exact, any choice recomputes nothing new
-        return torch.arange(count, device=slots.device)
-    layer = forward.layers[1]
-    _, keys, values = forward._project(layer, layer.input_layernorm(hidden))
-    keys = Rotary.apply(keys, *cos_sin)[0]
-    cached_keys = buffer.data[1, KEYS].index_select(1, slots)
-    cached_values = buffer.data[1, VALUES].index_select(1, slots)
-    deviation = (keys.float() - cached_keys.float()).square().sum(dim=(0, 2))
-    deviation += (values[0].float() - cached_values.float()).square().sum(dim=(0, 2))
-    return torch.topk(deviation, count).indices.sort().values
+    change, _ = layer1_change(forward, buffer, hidden, slots, cos_sin)
+    return torch.topk(change, count).indices.sort().values
 
 
 def _layer(

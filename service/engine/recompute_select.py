@@ -75,6 +75,28 @@ def top_share(scores: torch.Tensor, count: int) -> torch.Tensor:
     return torch.topk(scores, count).indices.sort().values
 
 
+def layer1_change(
+    forward: LeanForward,
+    buffer: KVBuffer,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [T] each: ||full - cached|| and ||full|| of the layer-1 K/V of the tokens at `slots` (`hidden`
+    [1, T, hidden]: the tokens after a full-attention layer 0), CacheBlend's deviation and its scale. A one-layer
+    model's cached K/V are exact: no change."""
+    if forward.spec.num_layers < 2:
+        zeros = torch.zeros(slots.numel(), dtype=torch.float32, device=slots.device)
+        return zeros, torch.ones_like(zeros)
+    layer = forward.layers[1]
+    _, keys, values = forward._project(layer, layer.input_layernorm(hidden))
+    full = torch.cat([Rotary.apply(keys, *cos_sin)[0], values[0]], dim=-1).float()  # [Hkv, T, 2D]
+    cached = torch.cat(
+        [buffer.data[1, KEYS].index_select(1, slots), buffer.data[1, VALUES].index_select(1, slots)], dim=-1
+    ).float()
+    return (full - cached).square().sum(dim=(0, 2)).sqrt(), full.square().sum(dim=(0, 2)).sqrt()
+
+
 def layer1_deviation(
     forward: LeanForward,
     buffer: KVBuffer,
@@ -82,18 +104,9 @@ def layer1_deviation(
     slots: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """fp32 [T]: ||full - cached|| / ||full|| of layer-1 K/V for the tokens at `slots` (`hidden` [1, T, hidden]:
-    the tokens after a full-attention layer 0), the relative form of CacheBlend's deviation."""
-    if forward.spec.num_layers < 2:  # one layer: the cached K/V are exact
-        return torch.zeros(slots.numel(), dtype=torch.float32, device=slots.device)
-    layer = forward.layers[1]
-    _, keys, values = forward._project(layer, layer.input_layernorm(hidden))
-    full = torch.cat([Rotary.apply(keys, *cos_sin)[0], values[0]], dim=-1).float()  # [Hkv, T, 2D]
-    cached = torch.cat(
-        [buffer.data[1, KEYS].index_select(1, slots), buffer.data[1, VALUES].index_select(1, slots)], dim=-1
-    ).float()
-    change = (full - cached).square().sum(dim=(0, 2)).sqrt()
-    return change / full.square().sum(dim=(0, 2)).sqrt().clamp_min(1e-12)
+    """fp32 [T]: `layer1_change` relative to the K/V's own size, the form `auto` weighs against attention."""
+    change, size = layer1_change(forward, buffer, hidden, slots, cos_sin)
+    return change / size.clamp_min(1e-12)
 
 
 def auto_choice(
