@@ -279,10 +279,13 @@ def timed_or_none(fn: Callable[[], float], what: str) -> float | None:
 def measure(level: str, requests: int, rotary: Rotary, args: argparse.Namespace) -> dict[str, Any]:
     work = build_workload(level, requests, args.reads, args.chunk_tokens, args.tail_tokens, seed=requests)
     started = time.perf_counter()
-    SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
+    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
     plan_ms = (time.perf_counter() - started) * 1e3
     row: dict[str, Any] = {"level": level, "batch": requests, "distinct_chunks": len(work.chunk_lengths)}
     row["plan_ms"] = plan_ms
+    # The plan's shape: partials written and merged, chunk tiles by query-block width (programs = tiles x KV heads).
+    row["pairs"] = plan.pairs
+    row["chunk_tiles"] = {launch.block_m: launch.tiles.shape[0] for launch in plan.chunks}
     graph = args.device.type == "cuda"  # a CPU smoke run times everything eagerly, under the same keys
     row["segment_graph_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, graph), "segment")
     row["segment_eager_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, False), "eager")
