@@ -332,6 +332,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tail-tokens", type=int, default=100)
     parser.add_argument("--pieces", type=int, default=None, help="ranges each chunk is cut into (default: auto)")
     parser.add_argument("--max-block-m", type=int, default=None, help="query items per tile at most (default: 64)")
+    parser.add_argument("--block-n", type=int, default=None, help="keys per K/V tile (default: 64)")
+    parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -353,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_block_m is not None:
         segment_launch.MAX_BLOCK_M = args.max_block_m
+    if args.block_n is not None:
+        segment_launch.BLOCK_N = args.block_n
+    segment_launch.NUM_STAGES = args.stages
     rotary = qwen2_rotary(device)
     # Triton's interpreter multiplies bf16 tiles wrongly: a CPU smoke run checks fp16 and fp32 only.
     dtypes = (torch.float16, torch.float32) if interpreter else (torch.bfloat16, torch.float16, torch.float32)
