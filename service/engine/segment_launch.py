@@ -37,7 +37,8 @@ BLOCK_N = 64
 NUM_STAGES: int | None = None
 _MIN_BLOCK_M = 16
 # Query items a tile holds at most: a chunk read by more queries is read once per block of them (from L2 after
-# the first). Module-level so a benchmark can try 128 (the register budget of 8 warps allows it, unmeasured).
+# the first). 128 would halve those reads but spills registers at 8 warps (ptxas, sm_90, head_dim 128); module-level
+# so a benchmark can try it.
 MAX_BLOCK_M = 64
 # Programs worth having in flight before chunks are cut: about two per SM of an H100.
 _TARGET_PROGRAMS = 264
