@@ -279,10 +279,13 @@ def timed_or_none(fn: Callable[[], float], what: str) -> float | None:
 def measure(level: str, requests: int, rotary: Rotary, args: argparse.Namespace) -> dict[str, Any]:
     work = build_workload(level, requests, args.reads, args.chunk_tokens, args.tail_tokens, seed=requests)
     started = time.perf_counter()
-    SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
+    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
     plan_ms = (time.perf_counter() - started) * 1e3
     row: dict[str, Any] = {"level": level, "batch": requests, "distinct_chunks": len(work.chunk_lengths)}
     row["plan_ms"] = plan_ms
+    # The plan's shape: partials written and merged, chunk tiles by query-block width (programs = tiles x KV heads).
+    row["pairs"] = plan.pairs
+    row["chunk_tiles"] = {launch.block_m: launch.tiles.shape[0] for launch in plan.chunks}
     graph = args.device.type == "cuda"  # a CPU smoke run times everything eagerly, under the same keys
     row["segment_graph_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, graph), "segment")
     row["segment_eager_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, False), "eager")
@@ -329,6 +332,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tail-tokens", type=int, default=100)
     parser.add_argument("--pieces", type=int, default=None, help="ranges each chunk is cut into (default: auto)")
     parser.add_argument("--max-block-m", type=int, default=None, help="query items per tile at most (default: 64)")
+    parser.add_argument("--block-n", type=int, default=None, help="keys per K/V tile (default: 64)")
+    parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -350,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_block_m is not None:
         segment_launch.MAX_BLOCK_M = args.max_block_m
+    if args.block_n is not None:
+        segment_launch.BLOCK_N = args.block_n
+    segment_launch.NUM_STAGES = args.stages
     rotary = qwen2_rotary(device)
     # Triton's interpreter multiplies bf16 tiles wrongly: a CPU smoke run checks fp16 and fp32 only.
     dtypes = (torch.float16, torch.float32) if interpreter else (torch.bfloat16, torch.float16, torch.float32)

@@ -32,10 +32,13 @@ from service.engine.segment_attention import ContextScaling, SegmentBatch
 
 # A tile row: arena start and length of its key range, its group's first pair and pair count, its query block.
 TILE_COLUMNS = 5
-_BLOCK_N = 64
+# Keys per K/V tile and Triton's pipeline stages (None: its default): module-level so a benchmark can try others.
+BLOCK_N = 64
+NUM_STAGES: int | None = None
 _MIN_BLOCK_M = 16
 # Query items a tile holds at most: a chunk read by more queries is read once per block of them (from L2 after
-# the first). Module-level so a benchmark can try 128 (the register budget of 8 warps allows it, unmeasured).
+# the first). 128 would halve those reads but spills registers at 8 warps (ptxas, sm_90, head_dim 128); module-level
+# so a benchmark can try it.
 MAX_BLOCK_M = 64
 # Programs worth having in flight before chunks are cut: about two per SM of an H100.
 _TARGET_PROGRAMS = 264
@@ -372,9 +375,10 @@ def _run_partials(
         head_dim=dim,
         dim_p2=_p2(dim),
         block_m=launch.block_m,
-        block_n=_BLOCK_N,
+        block_n=BLOCK_N,
         ieee=kv.dtype == torch.float32,
         num_warps=_warps(launch.block_m),
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
 
 
