@@ -26,7 +26,7 @@ from service.engine.reference import prompt_reference_logits, reference_logits
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
 from service.metrics import Metrics
-from service.serving.shadow import ShadowPolicy, Shadows
+from service.serving.shadow import SHADOW_RETRIES, ShadowPolicy, Shadows
 from service.serving.shadow_compare import TurboAnswer, compare, first_token_kl
 from service.settings import Settings
 
@@ -232,21 +232,51 @@ def test_a_full_queue_drops_and_counts(engine: StitchEngine) -> None:
     assert served.outcome("compared") == 3 and served.outcome("dropped") == 1
 
 
-def test_a_preempted_shadow_is_counted_and_frees_its_place(engine: StitchEngine) -> None:
-    served = Served(engine, max_batch=1)
+def _preempt_running_shadow(served: Served, engine: StitchEngine, seed: int) -> BatchRequest:
+    """Step until the shadow runs alone, then add a real request that takes its place."""
     scheduler = served.scheduler
-    served.shadows.follow(served.answer(prompt(engine, 51), max_new=30, follow=False))
-    for _ in range(3):
+    for _ in range(10):
+        if len(scheduler.running) == 1 and scheduler.running[0].shadow:
+            break
         scheduler.step()
     assert len(scheduler.running) == 1 and scheduler.running[0].shadow
-
-    real = BatchRequest(prompt(engine, 52), SamplingParams(max_new_tokens=2), "turbo")
+    real = BatchRequest(prompt(engine, seed), SamplingParams(max_new_tokens=2), "turbo")
     scheduler.add(real)
-    scheduler.run_until_idle()
+    scheduler.step()  # the real request is admitted, the shadow preempted
+    assert not any(r.shadow for r in scheduler.running)
+    return real
+
+
+def test_a_preempted_shadow_starts_over_and_is_compared(engine: StitchEngine) -> None:
+    served = Served(engine, max_batch=1)
+    served.shadows.follow(served.answer(prompt(engine, 51), max_new=30, follow=False))
+    real = _preempt_running_shadow(served, engine, 52)
+    served.scheduler.run_until_idle()
+
+    assert real.result.finish_reason == "length"
+    assert served.outcome("preempted") == 0 and served.outcome("compared") == 1  # the restart finished
+    assert served.shadows.figures()["pending"] == 0
+    assert served.agreement("first_token", "agreed") + served.agreement("first_token", "differed") == 1
+
+
+def test_a_shadow_preempted_past_its_retries_is_counted_and_frees_its_place(engine: StitchEngine) -> None:
+    served = Served(engine, max_batch=1)
+    served.shadows.follow(served.answer(prompt(engine, 53), max_new=30, follow=False))
+    for attempt in range(SHADOW_RETRIES + 1):  # the first run and every restart preempted
+        _preempt_running_shadow(served, engine, 54 + attempt)
+        _finish_real(served)
+    served.scheduler.run_until_idle()
 
     assert served.outcome("preempted") == 1 and served.outcome("compared") == 0
-    assert served.shadows.figures()["pending"] == 0 and real.result.finish_reason == "length"
+    assert served.shadows.figures()["pending"] == 0
     assert served.agreement("first_token", "agreed") == served.agreement("first_token", "differed") == 0
+
+
+def _finish_real(served: Served) -> None:
+    """Step until only the restarted shadow is left waiting or running."""
+    scheduler = served.scheduler
+    while any(not r.shadow for r in scheduler.running) or any(not r.shadow for r in scheduler.waiting):
+        scheduler.step()
 
 
 def test_share_0_runs_no_shadow(engine: StitchEngine) -> None:

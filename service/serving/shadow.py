@@ -6,7 +6,8 @@ their positions and recompute policy) and asks a sampled answer to keep its firs
 once that answer's `done` went out, queues its shadow: the same prompt ids, naive, greedy, up to as many tokens as
 turbo generated, in the scheduler's low-priority lane (`BatchRequest.shadow`). No client waits for a shadow: it
 holds no place in the engine's line, at most `queue_size` are queued or running (one more is dropped and counted),
-and the scheduler admits one only while no request waits, preempting it for one that does (`planner.py`).
+and the scheduler admits one only while no request waits, preempting it for one that does (`planner.py`); a
+preempted shadow starts over, behind real traffic again, up to `SHADOW_RETRIES` times.
 
 Both calls, and a shadow's end, run on the engine loop's thread (inside an answer's end); the figures are read
 from other threads, under a lock.
@@ -25,6 +26,7 @@ from typing import Any
 
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode
+from service.engine.prompt import PromptIds
 from service.engine.sampling import MIN_SAMPLING_TEMPERATURE, SamplingParams
 from service.metrics import SHADOW_KINDS, SHADOW_OUTCOMES, Metrics
 from service.serving.shadow_compare import Comparison, TurboAnswer, compare
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 # Where shadows go: the engine loop's `add_answer` (the scheduler's `add` on the loop's thread).
 Submit = Callable[[BatchRequest], None]
+# A preempted shadow starts over (behind real traffic again) this many times before it is counted preempted: a
+# burst that pushes shadows out should not leave the busiest periods without any fidelity figure, and a load that
+# never lets a shadow finish should not keep a queue place forever.
+SHADOW_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,14 @@ class ShadowPolicy:
 
 @dataclass(frozen=True)
 class _Shadowed:
-    """A turbo answer whose shadow runs: what it is compared against and the labels it is counted under."""
+    """A turbo answer whose shadow runs: what it is compared against, the labels it is counted under, and what
+    its shadow (re)starts from."""
 
     turbo: TurboAnswer
     positions: str
     recompute: str  # the policy's kind (none, prefix, selective, ...): bounded, unlike a request's amount
+    prompt: PromptIds  # what the shadow answers (not the turbo request itself: that would keep its chunk KV alive)
+    ignore_eos: bool
 
 
 class Shadows:
@@ -95,19 +104,28 @@ class Shadows:
                 self._count("dropped")
                 return
             self._pending += 1
-        greedy = _greedy(request.sampling)
+        turbo = TurboAnswer(tokens, _greedy(request.sampling), request.first_logits)
         shadowed = _Shadowed(
-            TurboAnswer(tokens, greedy, request.first_logits), request.positions.value, request.recompute.kind.value
-        )
-        params = SamplingParams(max_new_tokens=len(tokens), ignore_eos=request.sampling.ignore_eos)
-        shadow = BatchRequest(
+            turbo,
+            request.positions.value,
+            request.recompute.kind.value,
             request.prompt,
+            request.sampling.ignore_eos,
+        )
+        self._launch(shadowed, retries=0)
+
+    def _launch(self, shadowed: _Shadowed, retries: int) -> None:
+        """Queue the naive shadow of `shadowed` (its `retries`-th restart after preemptions)."""
+        turbo = shadowed.turbo
+        params = SamplingParams(max_new_tokens=len(turbo.tokens), ignore_eos=shadowed.ignore_eos)
+        shadow = BatchRequest(
+            shadowed.prompt,
             params,
             GenerationMode.NAIVE,
-            request.positions,
-            on_finish=partial(self._ended, shadowed),
+            shadowed.positions,
+            on_finish=partial(self._ended, shadowed, retries),
             shadow=True,
-            keep_first_logits=not greedy,
+            keep_first_logits=not turbo.greedy,
         )
         try:
             self._submit(shadow)
@@ -135,8 +153,11 @@ class Shadows:
 
     # ---- a shadow's end (on the engine loop) ---------------------------------------------------------------
 
-    def _ended(self, shadowed: _Shadowed, shadow: BatchRequest) -> None:
+    def _ended(self, shadowed: _Shadowed, retries: int, shadow: BatchRequest) -> None:
         reason = shadow.result.finish_reason
+        if reason == "preempted" and retries < SHADOW_RETRIES:
+            self._launch(shadowed, retries + 1)  # keeps its queue place
+            return
         if reason == "preempted":
             self._end("preempted")
             return
