@@ -3,6 +3,7 @@ top_k), orders them by `CrossEncoder.predict`'s scores and keeps top_k; bad fold
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SearchLog:
-    """A search over `TEXTS` in their given order that records the top_k it was asked for."""
+    """A search of several texts, each over `TEXTS` in their given order, that records the top_k it was asked for."""
 
     def __init__(self) -> None:
         self.asked: list[int] = []
 
-    def __call__(self, text: str, top_k: int, options: SearchOptions) -> list[RetrievedChunk]:
+    def __call__(self, texts: Sequence[str], top_k: int, options: SearchOptions) -> list[list[RetrievedChunk]]:
         self.asked.append(top_k)
-        return [hit(rank) for rank in range(min(top_k, len(TEXTS)))]
+        return [[hit(rank) for rank in range(min(top_k, len(TEXTS)))] for _ in texts]
 
 
 @pytest.mark.parametrize(("candidates", "top_k"), [(8, 3), (4, 6), (20, 5)])
