@@ -67,3 +67,14 @@ def test_bad_folders_and_bounds_are_refused(model_dir: Path, tmp_path: Path) -> 
     for bad in (0, MAX_CANDIDATES + 1):
         with pytest.raises(ValueError, match="candidates"):
             RerankedSearch(SearchLog(), Reranker(model_dir), bad)
+
+
+def test_each_ranking_of_a_conversation_is_reordered_by_its_own_text(model_dir: Path) -> None:
+    reranker = Reranker(model_dir)
+    texts = [QUESTION, f"where do rivers end?\n{QUESTION}"]
+
+    found = RerankedSearch(SearchLog(), reranker, 6).many(texts, 3, PLAIN_SEARCH)
+
+    for text, hits in zip(texts, found, strict=True):
+        assert [h.index for h in hits] == [h.index for h in reranker.rerank(text, [hit(r) for r in range(6)])][:3]
+    assert [h.index for h in found[0]] != [h.index for h in found[1]]  # the two texts order the candidates apart
