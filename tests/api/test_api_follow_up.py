@@ -1,7 +1,7 @@
 """Retrieval in a conversation, against the real app (tiny Qwen2, MiniLM, local Qdrant): a follow-up that changes
 topic gets the new topic's chunks, one that names its subject only in the earlier turn still gets that subject's.
-Each case is set against one search of the question with the earlier turn (what retrieval searched before, asked
-here through /retrieve), so the test shows what the fusion changed."""
+Each case is set against the one search that fails it, asked through /retrieve: the question with the earlier turn
+(what retrieval searched before) for the switch, the question alone for the follow-up."""
 
 from __future__ import annotations
 
