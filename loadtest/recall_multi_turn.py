@@ -3,6 +3,7 @@ the service searched before) and the two rankings fused (what it searches now), 
 
     python -m loadtest.recall_multi_turn              # dense search, as the embedded default
     python -m loadtest.recall_multi_turn --hybrid     # the hybrid search (dense + BM25-style sparse, RRF in Qdrant)
+    python -m loadtest.recall_multi_turn --timing     # also the retrieval time of one text and of a conversation's two
 
 The corpus is every distinct passage of `loadtest/qa/real_passages.jsonl` (233 passages of manual pages, Python
 docstrings, licences and READMEs, each with its source; several passages per source share its vocabulary). Each
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunk
 from service.retrieval.collection import ChunkCollection, RetrievedChunk
 from service.retrieval.embedder import Embedder
@@ -99,18 +102,44 @@ def _fuse(alone: list[int], joined: list[int], k: int) -> list[int]:
     return [h.index for h in reciprocal_rank_fusion([hits(alone), hits(joined)], k)]
 
 
-def collection_search(embedder: Embedder, corpus: Sequence[Passage], hybrid: bool, k: int, folder: str) -> Any:
-    """A search function over the corpus in a `ChunkCollection` (embedded Qdrant), as the service searches."""
+def open_corpus(embedder: Embedder, corpus: Sequence[Passage], hybrid: bool, folder: str) -> ChunkCollection:
+    """The corpus in a `ChunkCollection` (embedded Qdrant), one point a passage."""
     collection = ChunkCollection("multi-turn", embedder.dimension, path=folder, hybrid=hybrid)
     texts = [p.text for p in corpus]
     stored = [Chunk(p.source, i, 0, len(p.text), p.text, ()) for i, p in enumerate(corpus)]
     collection.upsert(stored, embedder.embed_documents(texts), version="multi-turn", texts=texts)
+    return collection
+
+
+def collection_search(embedder: Embedder, collection: ChunkCollection, k: int) -> Any:
+    """A search function over the collection, as the service searches (batched questions)."""
 
     def search(questions: list[str]) -> list[list[int]]:
         found = collection.search_many(embedder.embed_queries(questions), [k] * len(questions), questions)
         return [[h.index for h in hits] for hits in found]
 
-    return collection, search
+    return search
+
+
+def retrieval_ms(embedder: Embedder, collection: ChunkCollection, conversations: Sequence[Conversation], k: int) -> Any:
+    """Median milliseconds of the service's `RetrievalBatcher` for each conversation's question alone and for its two
+    texts in one round (the second of two passes: the first warms up)."""
+    batcher = RetrievalBatcher(embedder.embed_queries, collection.search_many)
+    try:
+        for _ in range(2):
+            one, two = [], []
+            for c in conversations:
+                queries = conversation_queries(c.question, c.earlier)
+                start = time.perf_counter()
+                batcher.retrieve(queries[0], k)
+                middle = time.perf_counter()
+                batcher.retrieve_many(queries, k)
+                one.append(middle - start)
+                two.append(time.perf_counter() - middle)
+    finally:
+        batcher.close()
+    median_ms = {"one_text_ms": statistics.median(one), "two_texts_ms": statistics.median(two)}
+    return {name: round(seconds * 1e3, 1) for name, seconds in median_ms.items()}
 
 
 def measure(ranked: Rankings, conversations: Sequence[Conversation], corpus: Sequence[Passage], k: int) -> Any:
@@ -138,20 +167,26 @@ def main() -> None:
     parser.add_argument(
         "--turns", type=int, default=turns, help="earlier user turns searched with the question (the setting's default)"
     )
+    parser.add_argument("--timing", action="store_true", help="also time retrieval through the service's batcher")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
     start = time.perf_counter()
     corpus, gold = load_corpus()
     conversations = load_conversations(gold, turns=args.turns)
+    embedder = Embedder()
+    timing: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as folder:
-        collection, search = collection_search(Embedder(), corpus, args.hybrid, args.k, folder)
+        collection = open_corpus(embedder, corpus, args.hybrid, folder)
         try:
-            ranked = rankings(search, conversations, args.k)
+            ranked = rankings(collection_search(embedder, collection, args.k), conversations, args.k)
+            if args.timing:
+                timing = retrieval_ms(embedder, collection, conversations, args.k)
         finally:
             collection.close()
     report = {"passages": len(corpus), "search": "hybrid" if args.hybrid else "dense", "turns": args.turns}
     report.update(measure(ranked, conversations, corpus, args.k))
+    report.update(timing)
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=2))
     if args.out is not None:
