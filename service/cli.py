@@ -191,6 +191,13 @@ def _add_eval(commands: Any, default_device: str) -> None:
         choices=("alone", "prefix"),
         help=f"what turbo's chunks are precomputed after, repeatable: rows for each (default {DEFAULT_CHUNK_CONTEXT})",
     )
+    evaluate.add_argument(
+        "--context-temperature",
+        action="append",
+        type=float,
+        metavar="T",
+        help="APE attention temperature on chunk keys, repeatable: turbo rows for each (default 1 = off)",
+    )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
     evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
     evaluate.add_argument(

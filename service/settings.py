@@ -85,6 +85,13 @@ class Settings(BaseSettings):
         "prefix",
         description="What a chunk's KV is precomputed after: alone, or the template prefix (APE; docs/quality.md).",
     )
+    context_temperature: float = Field(
+        1.0,
+        ge=0.25,
+        le=4.0,
+        description="APE attention temperature on chunk keys for turbo answers (< 1 sharpens; 1 = off; "
+        "docs/quality.md).",
+    )
     recompute: str = Field(
         "none",
         description="Recompute for turbo answers that name none: none, prefix:N, selective:R, query:R, auto[:T].",

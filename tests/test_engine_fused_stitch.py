@@ -55,8 +55,9 @@ def _stitch_both(
     positions: PositionMode,
     ready: Sequence[BlockReady | None] | None = None,
     dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    plan = plan_positions(positions, [b.num_tokens for b in blocks])
+    plan = plan_positions(positions, [b.num_tokens for b in blocks], context_temperature=temperature)
     spec = engine.spec if dtype is None else dataclasses.replace(engine.spec, dtype=dtype)
     if dtype is not None:
         blocks = [KVBlock(b.token_ids, b.kv.to(dtype)) for b in blocks]
@@ -149,3 +150,20 @@ def test_gate_passes_with_the_fused_stitch(get_engine: Callable[..., StitchEngin
     torch_result = run_gate(torch_engine)
     # Same buffers bit for bit, so the same logits.
     assert result.max_abs_logit_diff == pytest.approx(torch_result.max_abs_logit_diff, abs=1e-6)
+
+
+@pytest.mark.gpu
+@NEEDS_TRITON_CUDA
+def test_fused_scales_chunk_keys_like_torch_under_a_context_temperature(
+    get_engine: Callable[..., StitchEngine],
+) -> None:
+    engine = get_engine("qwen2", "cuda")
+    blocks = _blocks(engine, (21, 40), seed=9)
+    torch_buf, fused_buf, used = _stitch_both(engine, blocks, PositionMode.REORDERED, temperature=0.7)
+    assert torch.equal(torch_buf, fused_buf)
+    plain, _, _ = _stitch_both(engine, blocks, PositionMode.REORDERED)
+    prefix = blocks[0].num_tokens
+    assert torch.equal(fused_buf[:, :, :, :prefix], plain[:, :, :, :prefix])  # the prefix keeps its keys
+    assert torch.equal(fused_buf[:, 1, :, :used], plain[:, 1, :, :used])  # values are never scaled
+    ratio = fused_buf[:, 0, :, prefix:used].float().norm() / plain[:, 0, :, prefix:used].float().norm()
+    assert abs(float(ratio) - 1 / 0.7) < 1e-2

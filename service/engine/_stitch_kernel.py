@@ -13,6 +13,7 @@ TABLE_COLUMNS = 4
 @triton.jit  # type: ignore[untyped-decorator]
 def rotate_place_kernel(  # type: ignore[no-untyped-def]
     table_ptr,
+    scale_ptr,
     dst_ptr,
     cos_ptr,
     sin_ptr,
@@ -32,7 +33,8 @@ def rotate_place_kernel(  # type: ignore[no-untyped-def]
     Sources are contiguous `[layers, 2, heads, n, head_dim]`; the destination is the buffer's
     `[layers, 2, heads, capacity, head_dim]` (strides in elements). The rotation is the model's rotate_half form
     on pairs (i, i + D/2) with the model's own fp32 cos/sin rows [position, D]:
-    out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h], cast once to the dtype.
+    out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h], times the block's fp32
+    key scale (`scale_ptr`, one per table row: a context temperature's 1/T, else 1), cast once to the dtype.
     """
     tile = tl.program_id(0)
     block = tl.program_id(1)
@@ -64,8 +66,9 @@ def rotate_place_kernel(  # type: ignore[no-untyped-def]
         sin2 = tl.load(sin_ptr + trig + half, mask=mask, other=0.0)
         # Two rounded products then one add, as torch's x * cos + rotate_half(x) * sin does (launched with
         # fp fusion off so no FMA contracts them): the result is bit-identical to the torch path.
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
+        factor = tl.load(scale_ptr + block)
+        out1 = (x1 * cos1 - x2 * sin1) * factor
+        out2 = (x2 * cos2 + x1 * sin2) * factor
 
         dst_keys = dst_ptr + layer * dst_layer_stride + head * dst_head_stride
         dst_offsets = (slot + t)[:, None] * head_dim + d[None, :]

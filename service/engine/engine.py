@@ -167,6 +167,8 @@ class StitchEngine:
     `chunk_context`: what each chunk block attends to when its KV is precomputed (`ChunkContext`): itself alone
     (TurboRAG), or the template prefix and itself (APE's shared prefix). The stitch places `composite` chunks at
     the positions they were precomputed at, and the KV cache keys blocks by it (`kv_version`).
+    `context_temperature`: APE's attention temperature T on chunk keys (`plan_positions`): every query's scores
+    against chunk tokens are divided by T, sharpening (T < 1) or flattening the attention over the context.
     `recompute_full_below`: a turbo request asking for a recompute over a context shorter than this is prefilled
     in full instead (`recomputes_in_full`); 0 leaves only the share rule.
     `pipeline`: with graphs on, overlap blocks still arriving by layer groups (the KV cache's host tier copies
@@ -186,9 +188,14 @@ class StitchEngine:
         pipeline_groups: int = DEFAULT_PIPELINE_GROUPS,
         chunk_context: ChunkContext | str = ChunkContext.ALONE,
         recompute_full_below: int = 0,
+        context_temperature: float = 1.0,
     ) -> None:
         self.model = model
         self.chunk_context = ChunkContext(chunk_context)
+        if not context_temperature > 0:
+            raise ValueError(f"a context temperature must be positive, not {context_temperature}")
+        # APE's attention temperature on chunk keys (`plan_positions`); 1 is the block attention the gate proves.
+        self.context_temperature = context_temperature
         # Contexts shorter than this serve a recompute by a full prefill (`recomputes_in_full`).
         self.recompute_full_below = recompute_full_below
         self.spec = model.spec
@@ -231,7 +238,7 @@ class StitchEngine:
 
     def plan(self, positions: PositionMode | str, blocks: Sequence[KVBlock]) -> StitchPlan:
         """Where prefix + chunk `blocks` go in a stitch."""
-        return plan_positions(positions, [b.num_tokens for b in blocks], self.chunk_start)
+        return plan_positions(positions, [b.num_tokens for b in blocks], self.chunk_start, self.context_temperature)
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -95,9 +95,11 @@ class FusedStitch:
         starts: Sequence[int],
         waits: Sequence[Any],
         layers: tuple[int, int] | None = None,
+        key_scales: Sequence[float] = (),
     ) -> None:
-        """Write every block at its slot, keys rotated to positions start.., in one launch per wait group;
-        only layers [first, end) of `layers` when given (one layer group of a pipelined stitch)."""
+        """Write every block at its slot, keys rotated to positions start.. (times the block's `key_scales`
+        entry; none given: 1), in one launch per wait group; only layers [first, end) of `layers` when given (one
+        layer group of a pipelined stitch)."""
         if not blocks:
             return
         data = buffer.data
@@ -115,6 +117,7 @@ class FusedStitch:
         ]
         cos, sin = self.cos_sin(max(s + b.num_tokens for s, b in zip(starts, blocks, strict=True)), device)
         table = to_device(torch.tensor(rows, dtype=torch.int64), device)
+        scales = to_device(torch.tensor(list(key_scales) or [1.0] * len(blocks), dtype=torch.float32), device)
         strides = data.stride()
         half_p2 = max(1, 1 << (head_dim // 2 - 1).bit_length())
         if not self.overlap:
@@ -129,6 +132,7 @@ class FusedStitch:
             grid = ((longest + _BLOCK_T - 1) // _BLOCK_T, end - first, (end_layer - first_layer) * heads)
             kernel[grid](
                 table[first:end],
+                scales[first:end],
                 data,
                 cos,
                 sin,

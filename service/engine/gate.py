@@ -113,12 +113,19 @@ def run_gate(
     tolerance: float | None = None,
     seed: int = 0,
 ) -> GateResult:
-    """Several uneven chunks, in two orders, in both position modes."""
+    """Several uneven chunks, in two orders, in both position modes.
+
+    Run at context temperature 1: the gate proves the block attention itself; a temperature T only divides the
+    stitched chunk keys by T (`plan_positions`), which the reference forward has no way to express."""
     result = GateResult(tolerance if tolerance is not None else FP32_TOLERANCE)
-    for order, mode, chunks, question in gate_cases(engine, chunk_lengths, question_length, seed):
-        diff, scale = compare_with_reference(engine, chunks, question, mode)
-        result.cases.append(GateCase(order, mode, diff))
-        result.logit_scale = max(result.logit_scale, scale)
+    temperature, engine.context_temperature = engine.context_temperature, 1.0
+    try:
+        for order, mode, chunks, question in gate_cases(engine, chunk_lengths, question_length, seed):
+            diff, scale = compare_with_reference(engine, chunks, question, mode)
+            result.cases.append(GateCase(order, mode, diff))
+            result.logit_scale = max(result.logit_scale, scale)
+    finally:
+        engine.context_temperature = temperature
     if tolerance is None:
         result.tolerance = scaled_tolerance(engine.spec.dtype, result.logit_scale)
     return result

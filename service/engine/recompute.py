@@ -72,10 +72,17 @@ def recompute_context(
     slots = candidates[chosen]
     cos_sin = (cos[slots], sin[slots])
     hidden = forward.decoder.embed_tokens(ids[slots].unsqueeze(0))
+    key_scale = _chunk_key_scale(plan)
     for index in range(forward.spec.num_layers):
         # Layer 0's cached K/V already are full attention's (they depend on the token and its position alone).
-        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write=index > 0, tail=tail)
+        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write=index > 0, tail=tail, key_scale=key_scale)
     return int(chosen.numel())
+
+
+def _chunk_key_scale(plan: StitchPlan) -> float:
+    """The factor the stitch put on every chunk key (a context temperature's 1/T): recomputed chunk keys carry it
+    too, so that every chunk key a later query reads is tempered alike."""
+    return plan.key_scale(1) if len(plan.lengths) > 1 else 1.0
 
 
 QUESTION_KINDS = frozenset({RecomputeKind.QUERY, RecomputeKind.AUTO})
@@ -106,11 +113,14 @@ def _choose(
     cos, sin = cos_sin[0][candidates], cos_sin[1][candidates]
     hidden = forward.decoder.embed_tokens(ids[candidates].unsqueeze(0))
     hidden = _layer(forward, 0, buffer, hidden, candidates, (cos, sin), write=False, tail=all_tail)
+    # Fresh keys compared with stitched ones carry the stitch's factor too (folded into cos and sin: keys alone).
+    key_scale = _chunk_key_scale(plan)
+    keys_cos_sin = (cos, sin) if key_scale == 1.0 else (cos * key_scale, sin * key_scale)
     if spec.kind is RecomputeKind.AUTO:
         attention = question_attention(forward, buffer, plan, question_ids)[candidates]
-        deviation = layer1_deviation(forward, buffer, hidden, candidates, (cos, sin))
+        deviation = layer1_deviation(forward, buffer, hidden, candidates, keys_cos_sin)
         return auto_choice(attention, deviation, spec.amount).chosen
-    return most_deviating(forward, buffer, hidden, candidates, (cos, sin), count)
+    return most_deviating(forward, buffer, hidden, candidates, keys_cos_sin, count)
 
 
 def _is_tail(slots: torch.Tensor, end: int) -> bool:
@@ -198,16 +208,18 @@ def _layer(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     write: bool,
     tail: bool,
+    key_scale: float = 1.0,
 ) -> torch.Tensor:
     """Layer `index` for the tokens at `slots` (`hidden` [1, T, hidden]) over the buffer's context; with `write`
     their fresh K/V replace the cached ones first, so they attend to themselves and to each other as recomputed.
     `tail`: the slots are the context's last T (one end-aligned causal kernel, no mask). The lean forward's own
-    per-layer pieces keep the arithmetic that of `extend`."""
+    per-layer pieces keep the arithmetic that of `extend`. `key_scale`: the stitch's factor on chunk keys, which
+    the written keys carry too."""
     layer = forward.layers[index]
     q, k, v = forward._project(layer, layer.input_layernorm(hidden))
     q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
     if write:
-        buffer.data[index, KEYS].index_copy_(1, slots, k[0])
+        buffer.data[index, KEYS].index_copy_(1, slots, k[0] if key_scale == 1.0 else (k[0] * key_scale).to(k.dtype))
         buffer.data[index, VALUES].index_copy_(1, slots, v[0])
     keys, values, scale = (
         buffer.keys(index, buffer.length),

@@ -28,14 +28,16 @@ class Rotary:
         return cos[0].float(), sin[0].float()
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., T, D] in fp32 and cast back to x's dtype once."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        """Rotate x [..., T, D] in fp32, times `factor` (a context temperature's 1/T on keys), and cast back to
+        x's dtype once."""
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rotated_half * sin).to(x.dtype)
+        rotated = xf * cos + rotated_half * sin
+        return (rotated if factor == 1.0 else rotated * factor).to(x.dtype)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., T, D] to the given positions [T]."""
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        """Rotate x [..., T, D] to the given positions [T] (times `factor`, see `apply`)."""
         cos, sin = self.cos_sin(positions)
-        return self.apply(x, cos, sin)
+        return self.apply(x, cos, sin, factor)

@@ -66,6 +66,11 @@ class StitchPlan:
     lengths: tuple[int, ...]
     slots: tuple[int, ...]
     starts: tuple[int, ...]
+    # Factor on each block's rotated keys: 1 for the prefix, 1/T for chunks under a context temperature T.
+    key_scales: tuple[float, ...] = ()
+
+    def key_scale(self, block: int) -> float:
+        return self.key_scales[block] if self.key_scales else 1.0
 
     @property
     def context_tokens(self) -> int:
@@ -82,18 +87,27 @@ class StitchPlan:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def plan_positions(mode: PositionMode | str, lengths: Sequence[int], chunk_start: int = 0) -> StitchPlan:
+def plan_positions(
+    mode: PositionMode | str, lengths: Sequence[int], chunk_start: int = 0, context_temperature: float = 1.0
+) -> StitchPlan:
     """Plan a prefix (lengths[0]) followed by chunk blocks (lengths[1:]) in retrieval order; `chunk_start` is the
-    position a chunk's first token had when it was precomputed (`composite` keeps it)."""
+    position a chunk's first token had when it was precomputed (`composite` keeps it).
+
+    `context_temperature` T (APE): every later query's scores against chunk keys are divided by T. Scores are
+    linear in the keys, so dividing the chunks' rotated keys by T once, at the stitch, does it for every
+    attention kernel that reads the buffer, with nothing changed in them."""
     mode = PositionMode(mode)
     if not lengths or any(n <= 0 for n in lengths):
         raise ValueError("every block in a stitch plan needs at least one token")
+    if not context_temperature > 0:
+        raise ValueError(f"a context temperature must be positive, not {context_temperature}")
     slots, offset = [], 0
     for n in lengths:
         slots.append(offset)
         offset += n
     starts = slots if mode is PositionMode.REORDERED else [0, *[chunk_start] * (len(lengths) - 1)]
-    return StitchPlan(mode, tuple(lengths), tuple(slots), tuple(starts))
+    scales = () if context_temperature == 1.0 else (1.0, *[1.0 / context_temperature] * (len(lengths) - 1))
+    return StitchPlan(mode, tuple(lengths), tuple(slots), tuple(starts), scales)
 
 
 def stitch_into(
@@ -118,13 +132,13 @@ def stitch_into(
         raise ValueError(f"{len(waits)} ready entries for {len(blocks)} blocks")
     buffer.reserve(plan.context_tokens)
     if fused is not None and fused.supports(buffer, blocks):
-        fused.place(buffer, blocks, plan.slots, plan.starts, waits)
+        fused.place(buffer, blocks, plan.slots, plan.starts, waits, key_scales=plan.key_scales)
         buffer.commit(plan.context_tokens, plan.question_start)
         return
-    for block, wait, slot, start in zip(blocks, waits, plan.slots, plan.starts, strict=True):
+    for index, (block, wait, slot, start) in enumerate(zip(blocks, waits, plan.slots, plan.starts, strict=True)):
         if wait is not None:
             wait()
-        _place(buffer, rotary, block, slot, start)
+        _place(buffer, rotary, block, slot, start, plan.key_scale(index))
     buffer.commit(plan.context_tokens, plan.question_start)
 
 
@@ -148,25 +162,31 @@ def stitch_layers(
     if len(waits) != len(blocks):
         raise ValueError(f"{len(waits)} ready entries for {len(blocks)} blocks")
     if fused is not None and fused.supports(buffer, blocks):
-        fused.place(buffer, blocks, plan.slots, plan.starts, waits, layers)
+        fused.place(buffer, blocks, plan.slots, plan.starts, waits, layers, plan.key_scales)
         return
     issued: set[int] = set()
-    for block, wait, slot, first in zip(blocks, waits, plan.slots, plan.starts, strict=True):
+    for index, (block, wait, slot, first) in enumerate(zip(blocks, waits, plan.slots, plan.starts, strict=True)):
         if wait is not None and id(wait) not in issued:
             issued.add(id(wait))
             wait()
-        _place(buffer, rotary, block, slot, first, layers)
+        _place(buffer, rotary, block, slot, first, plan.key_scale(index), layers)
 
 
 def _place(
-    buffer: KVBuffer, rotary: Rotary, block: KVBlock, slot: int, start: int, layers: tuple[int, int] | None = None
+    buffer: KVBuffer,
+    rotary: Rotary,
+    block: KVBlock,
+    slot: int,
+    start: int,
+    key_scale: float = 1.0,
+    layers: tuple[int, int] | None = None,
 ) -> None:
-    """One block's keys rotated to positions start.. and its values, written at slots slot.. (only layers
-    [first, end) of `layers` when given)."""
+    """One block's keys rotated to positions start.. (times `key_scale`) and its values, written at slots slot..
+    (only layers [first, end) of `layers` when given)."""
     device = buffer.data.device
     first, last = (0, buffer.data.shape[0]) if layers is None else layers
     kv = block.kv[first:last].to(device, non_blocking=True)
     end = slot + block.num_tokens
-    keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device))
+    keys = rotary.rotate(kv[:, KEYS], torch.arange(start, start + block.num_tokens, device=device), key_scale)
     buffer.data[first:last, KEYS, :, slot:end].copy_(keys)
     buffer.data[first:last, VALUES, :, slot:end].copy_(kv[:, VALUES])

@@ -124,6 +124,7 @@ class FetchResult:
     ready: list[device.Arrival | None] = field(default_factory=list)  # LayeredArrival for layer-group copies
     corrupt: int = 0
     timings: FetchTimings = field(default_factory=FetchTimings)
+    pinned: list[str] = field(default_factory=list)  # device-tier keys held in place until `KVStore.release`
 
 
 @dataclass(frozen=True)
@@ -242,23 +243,36 @@ class KVStore:
 
     # ---- fetching ----------------------------------------------------------------------------------------
 
-    def fetch(self, prompt_blocks: Sequence[Sequence[int]], *, overlap: bool = False) -> FetchResult:
+    def fetch(self, prompt_blocks: Sequence[Sequence[int]], *, overlap: bool = False, pin: bool = False) -> FetchResult:
         """The KV of every block on the target device, in order; misses computed in capped batches.
 
         Without `overlap` the caller's current stream is ordered after every copy before this returns. With
         it, copies may still be running: pass `result.ready` to the stitch, which waits block by block.
+        With `pin`, every block the device tier holds after the fetch stays there, in place, until `release`
+        (a reader that attends to the tier's copy instead of copying it); the others are the caller's alone.
         """
         start = time.perf_counter()
         with self._lock:
             plan = self._plan(prompt_blocks)
             fetch = _Fetch(self, plan)
             result = fetch.run(overlap)
+            if pin:
+                result.pinned = [key for key, block in fetch.blocks.items() if self.gpu.peek(key) is block]
+                for key in result.pinned:
+                    self.gpu.pin(key)
             self._hits.update(t for t in fetch.sources.values() if t is not Tier.MISS)
             self._misses += sum(1 for t in fetch.sources.values() if t is Tier.MISS)
             self._corrupt += result.corrupt
         self._writeback.touch(k for k, t in fetch.sources.items() if t is not Tier.MISS)
         result.timings.total_ms = (time.perf_counter() - start) * 1e3
         return result
+
+    def release(self, result: FetchResult) -> None:
+        """Unpin what a pinned fetch held (once: a second call finds nothing left to release)."""
+        with self._lock:
+            keys, result.pinned = result.pinned, []
+            for key in keys:
+                self.gpu.unpin(key)
 
     # ---- ingestion ---------------------------------------------------------------------------------------
 

@@ -59,6 +59,11 @@ class GpuTier:
     the tier and must be treated as read-only, which the stitcher does. A block put while its H2D copy may
     still be running keeps that copy's event until it completed, so a later hit is never read too early, even
     when the fetch that copied it did not order any stream after it.
+
+    Pins: a request that reads a block where it lies (rather than copying it) pins it for as long as it runs.
+    Eviction passes over pinned blocks, and a pinned block that is discarded (its document deleted) leaves the
+    lookup at once but keeps its bytes counted until the last reader unpins it: the budget always covers what is
+    held, and no reader's memory is handed to another block under it.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -69,6 +74,9 @@ class GpuTier:
         self.evictions = 0
         self._blocks: OrderedDict[str, KVBlock] = OrderedDict()
         self._arriving: dict[str, CopyEvent] = {}
+        self._pins: dict[str, int] = {}
+        self._pinned_bytes = 0
+        self._discarded: dict[str, KVBlock] = {}  # discarded while pinned: dropped at the last unpin
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -105,11 +113,16 @@ class GpuTier:
             self._blocks.move_to_end(key)
             return []
         size = block.nbytes()
-        if size > self.budget_bytes:
+        # A key discarded while pinned is not rewritten under its readers: it comes back after they are done.
+        if key in self._discarded:
+            return [(key, block)]
+        # Only unpinned blocks can make room; when they cannot make enough, nothing is evicted for nothing.
+        if self._pinned_bytes + size > self.budget_bytes:
             return [(key, block)]
         evicted = []
         while self.used_bytes + size > self.budget_bytes:
-            old_key, old = self._blocks.popitem(last=False)
+            old_key = next(k for k in self._blocks if k not in self._pins)
+            old = self._blocks.pop(old_key)
             self._drop(old_key, old)
             self.evictions += 1
             evicted.append((old_key, old))
@@ -120,11 +133,48 @@ class GpuTier:
         return evicted
 
     def discard(self, key: str) -> bool:
+        """Drop a block from the tier (a pinned one leaves the lookup now, its bytes at the last unpin)."""
         block = self._blocks.pop(key, None)
         if block is None:
             return False
+        if key in self._pins:
+            self._discarded[key] = block
+            return True
         self._drop(key, block)
         return True
+
+    def pin(self, key: str) -> KVBlock | None:
+        """The block, held in place until as many `unpin(key)` calls; None (nothing pinned) when absent."""
+        block = self._blocks.get(key)
+        if block is None:
+            return None
+        count = self._pins.get(key, 0)
+        if count == 0:
+            self._pinned_bytes += block.nbytes()
+        self._pins[key] = count + 1
+        return block
+
+    def unpin(self, key: str) -> None:
+        count = self._pins.get(key, 0)
+        if count == 0:
+            raise ValueError(f"unpin of {key}, which is not pinned")
+        if count > 1:
+            self._pins[key] = count - 1
+            return
+        del self._pins[key]
+        discarded = self._discarded.pop(key, None)
+        block = discarded if discarded is not None else self._blocks[key]
+        self._pinned_bytes -= block.nbytes()
+        if discarded is not None:
+            self._drop(key, block)
+
+    def pins(self, key: str) -> int:
+        """How many readers hold the block in place."""
+        return self._pins.get(key, 0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_bytes
 
     def _drop(self, key: str, block: KVBlock) -> None:
         self.used_bytes -= block.nbytes()

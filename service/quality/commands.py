@@ -24,11 +24,19 @@ if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
 # its answer would be scored on its first sentence. The corpus form defaults to none (it measures what /ask serves).
 DEFAULT_INSTRUCTION = "Answer with a short phrase copied from the documents, without explanation."
 MAX_INSTRUCTION_CHARS = 2000
+# The bounds of KVSTITCH_CONTEXT_TEMPERATURE: past them a context is all but ignored or all but argmaxed.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.25, 4.0
 
 
 def _error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def _temperature(value: float) -> float:
+    if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise ValueError(f"--context-temperature {value:g} is outside {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
+    return value
 
 
 def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
@@ -52,7 +60,8 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
         contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
-        variants = table_variants(list(recomputes), list(contexts))
+        temperatures = dict.fromkeys(_temperature(t) for t in args.context_temperature or [1.0])
+        variants = table_variants(list(recomputes), list(contexts), list(temperatures))
     except (QADataError, ValueError) as err:
         return _error(str(err))
     if corpus_form:

@@ -47,13 +47,16 @@ class Variant:
     positions: PositionMode | None = None
     recompute: RecomputeSpec = NO_RECOMPUTE
     context: ChunkContext = ChunkContext.ALONE  # what the chunks' KV was precomputed after (turbo)
+    temperature: float = 1.0  # APE's attention temperature on chunk keys (turbo)
 
     @property
     def mode_label(self) -> str:
-        """`turbo`, or `turbo@prefix` for chunks precomputed after the prefix (naive has no chunk KV)."""
-        if self.mode is GenerationMode.NAIVE or self.context is ChunkContext.ALONE:
+        """`turbo`, `turbo@prefix` for chunks precomputed after the prefix, `...:T0.8` under a context temperature
+        (naive has no chunk KV)."""
+        if self.mode is GenerationMode.NAIVE:
             return self.mode.value
-        return f"{self.mode.value}@{self.context.value}"
+        label = self.mode.value if self.context is ChunkContext.ALONE else f"{self.mode.value}@{self.context.value}"
+        return label if self.temperature == 1.0 else f"{label}:T{self.temperature:g}"
 
     @property
     def label(self) -> str:
@@ -64,13 +67,16 @@ NAIVE = Variant(GenerationMode.NAIVE)
 
 
 def table_variants(
-    recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,), contexts: Sequence[ChunkContext] = (ChunkContext.ALONE,)
+    recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,),
+    contexts: Sequence[ChunkContext] = (ChunkContext.ALONE,),
+    temperatures: Sequence[float] = (1.0,),
 ) -> list[Variant]:
-    """Naive, then turbo reordered and composite for each chunk context and recompute setting (TurboRAG's Table 1
-    rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
+    """Naive, then turbo reordered and composite for each chunk context, context temperature and recompute setting
+    (TurboRAG's Table 1 rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
     turbo = [
-        Variant(GenerationMode.TURBO, positions, recompute, context)
+        Variant(GenerationMode.TURBO, positions, recompute, context, temperature)
         for context in contexts
+        for temperature in temperatures
         for recompute in recomputes
         for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
         if positions is PositionMode.REORDERED or not recompute.active
@@ -79,15 +85,16 @@ def table_variants(
 
 
 @contextmanager
-def chunk_context(engine: StitchEngine, context: ChunkContext) -> Iterator[None]:
-    """The engine precomputing and stitching chunks of `context` for the time of one variant: the eval owns its
-    engine and runs one request at a time, so switching it does not reach anything else."""
-    before = engine.chunk_context
-    engine.chunk_context = context
+def variant_engine(engine: StitchEngine, variant: Variant) -> Iterator[None]:
+    """The engine precomputing chunks of the variant's context and stitching them at its temperature for the time
+    of one variant: the eval owns its engine and runs one request at a time, so switching it reaches nothing
+    else."""
+    before = engine.chunk_context, engine.context_temperature
+    engine.chunk_context, engine.context_temperature = variant.context, variant.temperature
     try:
         yield
     finally:
-        engine.chunk_context = before
+        engine.chunk_context, engine.context_temperature = before
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling
     distribution."""
     engine = runner.engine
     positions = variant.positions or PositionMode.REORDERED
-    with chunk_context(engine, variant.context):
+    with variant_engine(engine, variant):
         chunk_kv = case.kv_for(engine, variant.context) if variant.mode is GenerationMode.TURBO else None
         result = generate(
             engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner

@@ -287,7 +287,12 @@ def open_engine(settings: Settings) -> StitchEngine:
         raise ValueError("no model configured: pass --model or set KVSTITCH_MODEL")
     device = resolve_device(settings.device)
     model = load_model(settings.model, device, resolve_dtype(settings.dtype, device))
-    return StitchEngine(model, chunk_context=settings.chunk_context, recompute_full_below=settings.recompute_full_below)
+    return StitchEngine(
+        model,
+        chunk_context=settings.chunk_context,
+        recompute_full_below=settings.recompute_full_below,
+        context_temperature=settings.context_temperature,
+    )
 
 
 def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precompute: Precompute) -> KVStore:

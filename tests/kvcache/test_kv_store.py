@@ -364,6 +364,28 @@ def test_contains_and_remove_cover_every_tier(
     assert store.plan(prompt.blocks[:1]).counts() == counts(miss=1)  # gone from the memory tiers too
 
 
+def test_a_pinned_fetch_holds_its_device_blocks_in_place_until_released(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    sizes = [b.nbytes() for b in fresh]
+    store = stores.open(index, gpu=sum(sizes))  # room for exactly this prompt's blocks
+    result = store.fetch(prompt.blocks, pin=True)
+    keys = [store.key_of(b) for b in prompt.blocks]
+    assert result.pinned == keys
+    assert all(store.gpu.pins(k) == 1 for k in keys)
+    # Another prompt's blocks cannot push the pinned ones out: they are handed back instead.
+    others = engine.template.prompt(synthetic_ids(engine, [40, 12], seed=9), [5])
+    second = store.fetch(others.blocks)
+    assert all(store.gpu.peek(k) is b for k, b in zip(keys, result.blocks, strict=True))
+    assert not any(store.gpu.peek(store.key_of(b)) is not None for b in others.blocks)
+    assert second.pinned == []
+    store.release(result)
+    store.release(result)  # once only
+    assert result.pinned == [] and all(store.gpu.pins(k) == 0 for k in keys)
+    store.fetch(others.blocks)  # now they make room
+    assert sum(store.gpu.peek(k) is not None for k in keys) < len(keys)
+
+
 # ---- per-block arrival: the stitch overlaps the copies -----------------------------------------------------
 
 
@@ -386,9 +408,9 @@ class CopySpy:
             if event is not None:
                 self.waits.append((event.name, self.placed))
 
-        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def rotate(x: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
             self.placed += 1
-            return real_rotate(x, positions)
+            return real_rotate(x, positions, factor)
 
         monkeypatch.setattr(device, "copy_to_device", copy)
         monkeypatch.setattr(device, "wait_on", wait_on)

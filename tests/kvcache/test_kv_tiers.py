@@ -58,6 +58,45 @@ def test_gpu_tier_put_of_a_held_key_only_refreshes_it(make_block: BlockFactory) 
     assert [k for k, _ in tier.put("c", make_block(BASE_SPEC, seed=3))] == ["b"]  # a was refreshed
 
 
+def test_gpu_tier_never_evicts_a_pinned_block(make_block: BlockFactory) -> None:
+    a, b, c = (make_block(BASE_SPEC, num_tokens=10, seed=s) for s in range(3))
+    size = a.nbytes()
+    tier = GpuTier(budget_bytes=2 * size)
+    tier.put("a", a)
+    tier.put("b", b)
+    assert tier.pin("a") is a and tier.pins("a") == 1  # a is the least recently used, and pinned
+    evicted = tier.put("c", c)
+    assert [k for k, _ in evicted] == ["b"]  # b went instead of a
+    assert tier.pin("c") is c and tier.pinned_bytes == 2 * size
+    # Everything pinned: a new block is handed back and nothing is evicted for it.
+    d = make_block(BASE_SPEC, num_tokens=10, seed=4)
+    assert tier.put("d", d) == [("d", d)]
+    assert tier.get("a") is a and tier.get("c") is c and tier.used_bytes == 2 * size
+    tier.unpin("a")
+    assert [k for k, _ in tier.put("d", d)] == ["a"]  # unpinned, a can go again
+    assert tier.pin("missing") is None
+    with pytest.raises(ValueError, match="not pinned"):
+        tier.unpin("a")
+
+
+def test_a_pinned_block_discarded_keeps_its_bytes_until_the_last_reader_is_done(make_block: BlockFactory) -> None:
+    a, b = make_block(BASE_SPEC, num_tokens=10, seed=1), make_block(BASE_SPEC, num_tokens=10, seed=2)
+    size = a.nbytes()
+    tier = GpuTier(budget_bytes=2 * size)
+    tier.put("a", a)
+    tier.pin("a")
+    tier.pin("a")  # two readers
+    assert tier.discard("a")
+    assert "a" not in tier and tier.get("a") is None  # no new reader finds it
+    assert tier.used_bytes == size  # but its bytes stay counted under its readers
+    assert tier.put("a", b) == [("a", b)]  # and its key is not rewritten while they read it
+    tier.unpin("a")
+    assert tier.used_bytes == size and tier.pinned_bytes == size
+    tier.unpin("a")
+    assert tier.used_bytes == 0 and tier.pinned_bytes == 0
+    assert tier.put("a", b) == [] and tier.get("a") is b  # after the last reader it can come back
+
+
 def test_gpu_tier_keeps_a_block_copy_event_until_it_completed(make_block: BlockFactory) -> None:
     a, b = make_block(BASE_SPEC, seed=1), make_block(BASE_SPEC, seed=2)
     tier = GpuTier(budget_bytes=a.nbytes())

@@ -365,3 +365,24 @@ def test_the_table_shows_the_paired_tests(
         "[+0.000,+0.000]",
         "1.0000",
     ]
+
+
+def test_eval_rows_per_context_temperature(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model_dirs["llama"]
+    extra = ("--max-new-tokens", "4", "--limit", "2", "--context-temperature", "1", "--context-temperature", "0.5")
+    rows = _eval_json(model, qa_file, tmp_path / "t.json", *extra)["rows"]
+    modes = [(r["mode"], r["positions"]) for r in rows]
+    assert modes == [
+        ("naive", None),
+        ("turbo@prefix", "reordered"),
+        ("turbo@prefix", "composite"),
+        ("turbo@prefix:T0.5", "reordered"),
+        ("turbo@prefix:T0.5", "composite"),
+    ]
+    # A temperature of 0.5 doubles every chunk score: the first-token distribution moves away from naive's.
+    assert rows[3]["kl_first_token"] != rows[1]["kl_first_token"]
+    code = main(["eval", "--model", str(model), "--data", str(qa_file), "--context-temperature", "9"])
+    assert code == 2
+    assert "--context-temperature 9 is outside 0.25..4" in capsys.readouterr().err
