@@ -10,16 +10,20 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from service.engine.kv_layout import SERVED_CHUNK_CONTEXT
 from service.serving.data_dir_lock import DataDirInUseError
 
-# verify, eval and finetune check, measure and train what the service serves by default (KVSTITCH_CHUNK_CONTEXT).
-DEFAULT_CHUNK_CONTEXT = SERVED_CHUNK_CONTEXT.value
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# This module imports no torch, so the client commands (ask, documents, ingest, cancel) start without it: dtypes are
+# named here and resolved by the commands that load a model (`_dtype`), the default device likewise (`_on_device`).
+# verify, eval and finetune check, measure and train what the service serves by default (KVSTITCH_CHUNK_CONTEXT):
+# `service.engine.kv_layout.SERVED_CHUNK_CONTEXT`, by value (tests/test_engine_chunk_context.py keeps them equal).
+DEFAULT_CHUNK_CONTEXT = "prefix"
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICE_HELP = "torch device (default: cuda when available, else cpu)"
 # Commands that print what a server says, often into `| head` or `| less`: a reader gone is a normal end for them.
 CLIENT_COMMANDS = ("ask", "documents", "ingest", "cancel")
 
@@ -31,9 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="run the correctness gate on a model and print the largest diff")
     verify.add_argument("--model", required=True, help="HF model folder or hub id")
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    verify.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
-    verify.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    verify.add_argument("--device", default=None, help=DEVICE_HELP)
+    verify.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on CPU, bf16 on CUDA")
     verify.add_argument(
         "--tolerance", type=float, default=None, help="default: 1e-4 in fp32; in bf16 10%% of the largest logit"
     )
@@ -158,13 +161,12 @@ def _add_client_options(parser: argparse.ArgumentParser, default: Any, json: boo
 
 def _add_quality_commands(commands: Any) -> None:
     """eval, finetune and make-qa (service/quality): answer quality of stitched KV and block fine-tuning."""
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    _add_eval(commands, default_device)
-    _add_finetune(commands, default_device)
+    _add_eval(commands)
+    _add_finetune(commands)
     _add_make_qa(commands)
 
 
-def _add_eval(commands: Any, default_device: str) -> None:
+def _add_eval(commands: Any) -> None:
     evaluate = commands.add_parser(
         "eval", help="answer a QA JSONL file (or questions over an ingested corpus) naive and turbo; compare"
     )
@@ -216,12 +218,12 @@ def _add_eval(commands: Any, default_device: str) -> None:
         help="added to the system message; default for --data: a short-answer instruction, for --data-dir: none "
         "(as /ask); '' for none",
     )
-    evaluate.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
-    evaluate.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    evaluate.add_argument("--device", default=None, help=DEVICE_HELP)
+    evaluate.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on CPU, bf16 on CUDA")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")
 
 
-def _add_finetune(commands: Any, default_device: str) -> None:
+def _add_finetune(commands: Any) -> None:
     tune = commands.add_parser(
         "finetune", help="block fine-tune a model: self-distillation over an ingested corpus and/or labelled QA"
     )
@@ -282,16 +284,16 @@ def _add_finetune(commands: Any, default_device: str) -> None:
         help=f"what the served chunks' KV is precomputed after (default {DEFAULT_CHUNK_CONTEXT})",
     )
     tune.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft), merged before saving")
-    tune.add_argument("--device", default=default_device, help=f"torch device (default {default_device})")
+    tune.add_argument("--device", default=None, help=DEVICE_HELP)
     tune.add_argument(
         "--dtype",
-        choices=sorted(DTYPES),
+        choices=DTYPES,
         default=None,
         help="weights and optimiser state (default fp32; LoRA base: bf16 on CUDA)",
     )
     tune.add_argument(
         "--compute-dtype",
-        choices=sorted(DTYPES),
+        choices=DTYPES,
         default=None,
         help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
     )
@@ -332,13 +334,30 @@ def _server_url(args: argparse.Namespace) -> str:
     return str(args.url or os.environ.get("KVSTITCH_URL", "http://127.0.0.1:8000"))
 
 
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a --dtype name stands for (None: the command's default)."""
+    import torch
+
+    return getattr(torch, name) if name else None
+
+
+def _on_device(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --device given: cuda when available, else cpu."""
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
 def _verify(args: argparse.Namespace) -> int:
     from service.engine.engine import StitchEngine
     from service.engine.gate import run_gate
     from service.engine.model import UnsupportedModelError, load_model
 
+    args = _on_device(args)
     try:
-        model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype or ""))
+        model = load_model(args.model, device=args.device, dtype=_dtype(args.dtype))
     except (UnsupportedModelError, OSError, ValueError) as exc:
         print(f"error: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -373,13 +392,13 @@ def _import_gguf(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from service.quality.commands import run_eval
 
-    return run_eval(args, DTYPES.get(args.dtype or ""))
+    return run_eval(_on_device(args), _dtype(args.dtype))
 
 
 def _finetune(args: argparse.Namespace) -> int:
     from service.commands.finetune import run_finetune
 
-    return run_finetune(args, DTYPES.get(args.dtype or ""), DTYPES.get(args.compute_dtype or ""))
+    return run_finetune(_on_device(args), _dtype(args.dtype), _dtype(args.compute_dtype))
 
 
 def _make_qa(args: argparse.Namespace) -> int:

@@ -210,7 +210,11 @@ class Settings(BaseSettings):
         32_000, ge=0, description="Characters of all earlier messages of a conversation together."
     )
     retrieval_history_turns: int = Field(
-        1, ge=0, le=16, description="Earlier user turns embedded with the question for retrieval (0 = none)."
+        1,
+        ge=0,
+        le=16,
+        description="Earlier user turns searched with the question, beside the question alone (two searches, "
+        "fused; 0 = the question alone).",
     )
     model_aliases: str = Field(
         "", description="Comma-separated names /v1 also answers to, besides the served model's (e.g. gpt-4o-mini)."

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import get_args
 
 from service.cli import build_parser
 from service.formats.extract import EXTENSIONS, Kind
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
@@ -56,3 +61,19 @@ def test_the_ingest_help_names_every_kind_a_folder_walk_reads() -> None:
     summary = next(c.help for c in subparsers._choices_actions if c.dest == "ingest")
     assert summary == "ingest text, Markdown, HTML and PDF files and folders, via a server or embedded"
     assert set(get_args(Kind)) == {"text", "markdown", "html", "pdf"}  # the four kinds the summary names
+
+
+def test_the_client_commands_start_without_torch() -> None:
+    """ask, documents, ingest and cancel only talk HTTP: a run of each (here against a closed port) loads no torch,
+    so they start in a fraction of a second."""
+    script = (
+        "import sys\n"
+        "from service.cli import main\n"
+        "for argv in (['ask', 'q'], ['documents'], ['ingest', 'README.md'], ['cancel', 'j']):\n"
+        "    assert main([*argv, '--url', 'http://127.0.0.1:9']) != 0, argv\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'qdrant_client') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

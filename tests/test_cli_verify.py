@@ -34,9 +34,9 @@ def test_verify_passes_on_each_tiny_model(
     assert _final_diff(out) < 1e-4
 
 
-def _off_by_one(mode: str, lengths: list[int], chunk_start: int = 0) -> StitchPlan:
-    plan = plan_positions(mode, lengths, chunk_start)
-    return StitchPlan(plan.mode, plan.lengths, plan.slots, tuple(s + 1 for s in plan.starts))
+def _off_by_one(mode: str, lengths: list[int], chunk_start: int = 0, temperature: float = 1.0) -> StitchPlan:
+    plan = plan_positions(mode, lengths, chunk_start, temperature)
+    return StitchPlan(plan.mode, plan.lengths, plan.slots, tuple(s + 1 for s in plan.starts), plan.key_scales)
 
 
 def test_verify_fails_when_positions_are_off_by_one(

@@ -1,10 +1,10 @@
 """Retrieval for many concurrent questions: one embedding batch and one Qdrant batch query per round.
 
-Each request thread calls `retrieve(text, top_k)` and blocks. One retrieval thread takes every question waiting
-at that moment, embeds them in one batch and searches them in one batched query, then wakes each caller with its
-hits. Nothing waits for a batch to fill: a lone question goes at once (no added latency at one client), and
-under load the questions that arrive while a round runs form the next round. Retrieval never runs on the engine
-loop, so it overlaps the GPU's work.
+Each request thread calls `retrieve(text, top_k)` (or `retrieve_many` for a conversation's two searches) and
+blocks. One retrieval thread takes every question waiting at that moment, embeds them in one batch and searches
+them in one batched query, then wakes each caller with its hits. Nothing waits for a batch to fill: a lone question
+goes at once (no added latency at one client), and under load the questions that arrive while a round runs form
+the next round. Retrieval never runs on the engine loop, so it overlaps the GPU's work.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class RetrievalBatcher:
         self._embed = embed
         self._search = search
         self.max_batch = max_batch
-        self._waiting: queue.Queue[_Pending | None] = queue.Queue()
+        # One item per caller: a caller's questions are queued together, so they always share a round.
+        self._waiting: queue.Queue[list[_Pending] | None] = queue.Queue()
         self.rounds = 0
         self.largest_round = 0
         self._stats = RetrievalStats()  # replaced whole after each round, so a reader never sees half an update
@@ -72,9 +73,15 @@ class RetrievalBatcher:
 
     def retrieve(self, text: str, top_k: int, options: SearchOptions = PLAIN_SEARCH) -> list[RetrievedChunk]:
         """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
-        pending = _Pending(text, top_k, options)
-        self._waiting.put(pending)
-        return pending.result.result()
+        return self.retrieve_many([text], top_k, options)[0]
+
+    def retrieve_many(
+        self, texts: Sequence[str], top_k: int, options: SearchOptions = PLAIN_SEARCH
+    ) -> list[list[RetrievedChunk]]:
+        """The top-k chunks for each text, searched in one round (one embedding batch, one Qdrant call)."""
+        group = [_Pending(text, top_k, options) for text in texts]
+        self._waiting.put(group)
+        return [pending.result.result() for pending in group]
 
     def stats(self) -> RetrievalStats:
         return self._stats
@@ -85,9 +92,9 @@ class RetrievalBatcher:
 
     def _run(self) -> None:
         while (first := self._waiting.get()) is not None:
-            batch = [first]
+            batch = list(first)
             closing = False
-            while len(batch) < self.max_batch:
+            while len(batch) < self.max_batch:  # a group may take a round past max_batch by one question
                 try:
                     more = self._waiting.get_nowait()
                 except queue.Empty:
@@ -95,7 +102,7 @@ class RetrievalBatcher:
                 if more is None:
                     closing = True
                     break
-                batch.append(more)
+                batch.extend(more)
             self._round(batch)
             if closing:
                 return

@@ -68,16 +68,19 @@ class Reranker:
 
 
 class RerankedSearch:
-    """A search (text, top_k, options) → hits that fetches `candidates` hits (at least top_k), has the reranker
-    reorder them and returns the first top_k."""
+    """A search of several texts at once (texts, top_k, options) → hits of each, that fetches `candidates` hits
+    (at least top_k) for each text, has the reranker reorder them by that text and keeps the first top_k."""
 
-    def __init__(self, search: Any, reranker: Reranker, candidates: int = DEFAULT_CANDIDATES) -> None:
+    def __init__(self, search_many: Any, reranker: Reranker, candidates: int = DEFAULT_CANDIDATES) -> None:
         if not 1 <= candidates <= MAX_CANDIDATES:
             raise ValueError(f"candidates must be in 1..{MAX_CANDIDATES}, got {candidates}")
-        self._search = search
+        self._search_many = search_many
         self.reranker = reranker
         self.candidates = candidates
 
     def __call__(self, text: str, top_k: int, options: SearchOptions) -> list[RetrievedChunk]:
-        hits: list[RetrievedChunk] = self._search(text, max(top_k, self.candidates), options)
-        return self.reranker.rerank(text, hits)[:top_k]
+        return self.many([text], top_k, options)[0]
+
+    def many(self, texts: Sequence[str], top_k: int, options: SearchOptions) -> list[list[RetrievedChunk]]:
+        found: list[list[RetrievedChunk]] = self._search_many(texts, max(top_k, self.candidates), options)
+        return [self.reranker.rerank(text, hits)[:top_k] for text, hits in zip(texts, found, strict=True)]

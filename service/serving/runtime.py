@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self
@@ -130,11 +130,16 @@ class Runtime:
     def search(self, text: str, top_k: int, options: SearchOptions = PLAIN_SEARCH) -> list[RetrievedChunk]:
         """A question's top-k chunks: the batched search, reordered by the reranker where one is set (blocks: call
         it from a worker thread)."""
+        return self.search_many([text], top_k, options)[0]
+
+    def search_many(
+        self, texts: Sequence[str], top_k: int, options: SearchOptions = PLAIN_SEARCH
+    ) -> list[list[RetrievedChunk]]:
+        """`search` for each text, in one batched round; the reranker reorders each ranking by its own text."""
         if self.reranker is None:
-            return self.retrieval.retrieve(text, top_k, options)
-        return RerankedSearch(self.retrieval.retrieve, self.reranker, self.settings.rerank_candidates)(
-            text, top_k, options
-        )
+            return self.retrieval.retrieve_many(texts, top_k, options)
+        reranked = RerankedSearch(self.retrieval.retrieve_many, self.reranker, self.settings.rerank_candidates)
+        return reranked.many(texts, top_k, options)
 
     @property
     def limits(self) -> DocumentLimits:

@@ -52,6 +52,7 @@ from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
 from service.retrieval.collection import SearchOptions
 from service.retrieval.embedder import Embedder
+from service.retrieval.fusion import conversation_queries
 from service.serving.answer_session import AnswerSession, source
 from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
@@ -131,7 +132,7 @@ class Server:
             runtime.loop.on_step = self.metrics.batch_size.observe
             policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
             self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
-            self.answerer = Answerer(runtime.engine, runtime.store, runtime.search)
+            self.answerer = Answerer(runtime.engine, runtime.store, runtime.search_many)
             self._start_worker(runtime)
             if self.settings.gc_freeze:
                 log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
@@ -263,7 +264,7 @@ class Server:
         return Question(
             text=request.question,
             history=request.history,
-            search_text=self._search_text(request),
+            search_texts=self._search_texts(request),
             search=SearchOptions(filter=request.filter),
             top_k=request.top_k,
             mode=mode,
@@ -272,12 +273,14 @@ class Server:
             recompute=self._recompute(request) if mode is GenerationMode.TURBO else NO_RECOMPUTE,
         )
 
-    def _search_text(self, request: AnswerRequest) -> str:
-        """What retrieval embeds: the question, after the last `retrieval_history_turns` earlier user turns (a
-        follow-up such as "and who holds its copyright?" names its subject only in the turn before)."""
+    def _search_texts(self, request: AnswerRequest) -> tuple[str, ...]:
+        """What retrieval searches: the question alone and, in a conversation, the question after the last
+        `retrieval_history_turns` earlier user turns (a follow-up such as "and who holds its copyright?" names its
+        subject only in the turn before; one that changes topic must not be pulled back to it): two searches,
+        fused."""
         turns = self.settings.retrieval_history_turns
         earlier = [m.text for m in request.history if m.role == "user"][-turns:] if turns else []
-        return "\n".join([*earlier, request.question])
+        return conversation_queries(request.question, earlier)
 
     def _recompute(self, request: AnswerRequest) -> RecomputeSpec:
         """The request's recompute spec, or the deployment's default (`KVSTITCH_RECOMPUTE`, checked at start-up);

@@ -28,6 +28,7 @@ from service.facade.types import ChatMessage, DoneEvent, Logprob, TokenChoice
 from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
+from service.retrieval.fusion import reciprocal_rank_fusion
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class Question:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     recompute: RecomputeSpec = NO_RECOMPUTE  # part of the stitched context recomputed before the question (turbo)
     history: tuple[ChatMessage, ...] = ()  # earlier messages, oldest first; they go between chunks and question
-    search_text: str = ""  # what retrieval embeds (the question and earlier user turns); empty: the question
+    # What retrieval searches, each text on its own, the rankings fused (`service.retrieval.fusion`); empty: the
+    # question alone. A conversation's: the question alone, and the question after its earlier user turns.
+    search_texts: tuple[str, ...] = ()
     search: SearchOptions = PLAIN_SEARCH  # the request's metadata filter (and hybrid on/off)
     ids: TokenIds = ()  # the prompt's suffix (conversation and question) as token ids, set once by `prepare`
 
@@ -82,9 +85,9 @@ def fit_blocks(
     return kept
 
 
-# The top-k chunks for a question's text and search options (the runtime's `RetrievalBatcher.retrieve`);
-# `UnavailableError` when Qdrant is away.
-Search = Callable[[str, int, SearchOptions], list[RetrievedChunk]]
+# The top-k chunks for each of a question's texts, with its search options, searched together (the runtime's
+# `search_many`); `UnavailableError` when Qdrant is away.
+Search = Callable[[Sequence[str], int, SearchOptions], list[list[RetrievedChunk]]]
 
 
 class Answerer:
@@ -96,9 +99,11 @@ class Answerer:
         self.search = search
 
     def retrieve(self, question: Question) -> Retrieval:
-        """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away."""
+        """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away. Several
+        search texts (a conversation's) are searched in one round and their rankings fused."""
         start = time.perf_counter()
-        hits = self.search(question.search_text or question.text, question.top_k, question.search)
+        rankings = self.search(question.search_texts or (question.text,), question.top_k, question.search)
+        hits = rankings[0] if len(rankings) == 1 else reciprocal_rank_fusion(rankings, question.top_k)
         kept = self._fit(hits, question)
         return Retrieval(kept, len(hits) - len(kept), (time.perf_counter() - start) * 1e3)
 

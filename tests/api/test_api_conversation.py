@@ -78,11 +78,12 @@ def test_retrieval_uses_the_user_turn_before_the_question(chat: TestClient) -> N
     finally:
         settings.retrieval_history_turns = 1
 
-    def score(result: dict[str, Any], doc: str) -> float:
-        return float(next(c["score"] for c in result["chunks"] if c["doc_id"] == doc))
+    def rank(result: dict[str, Any], doc: str) -> int:
+        return [c["doc_id"] for c in result["chunks"]].index(doc)
 
-    assert followed["chunks"][0]["doc_id"] == "volcano"
-    assert score(followed, "volcano") > score(alone, "volcano") + 0.1
+    # The search with the turn ranks "volcano" first; fused with the question's own ranking it stays in the first
+    # two (the other first place), above where the vague question alone put it.
+    assert rank(alone, "volcano") == 2 and rank(followed, "volcano") <= 1
     assert [c["id"] for c in ignored["chunks"]] == [c["id"] for c in alone["chunks"]]
 
 

@@ -128,3 +128,15 @@ def test_stats_split_each_questions_time_into_wait_embed_and_search() -> None:
     assert 5 * 0.1 <= stats.search_s < 5 * 0.1 + 0.15  # the five's search, counted for each of them
     assert 5 * 0.2 <= stats.wait_s < 5 * 0.2 + 0.5  # the five waited for round 1; "a" waited for nothing
     assert stats.seconds() == {"wait": stats.wait_s, "embed": stats.embed_s, "search": stats.search_s}
+
+
+def test_a_conversations_texts_share_one_round_and_each_gets_its_own_hits() -> None:
+    backend = SlowBackend()
+    backend.release.set()
+    batcher = RetrievalBatcher(backend.embed, backend.search, max_batch=1)  # one caller's group is never split
+
+    found = batcher.retrieve_many(["q", "earlier\nq"], 2)
+    batcher.close()
+
+    assert backend.embed_batches == [["q", "earlier\nq"]] and batcher.rounds == 1
+    assert [[c.id for c in hits] for hits in found] == [["len1-0", "len1-1"], ["len9-0", "len9-1"]]

@@ -3,6 +3,7 @@ top_k), orders them by `CrossEncoder.predict`'s scores and keeps top_k; bad fold
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SearchLog:
-    """A search over `TEXTS` in their given order that records the top_k it was asked for."""
+    """A search of several texts, each over `TEXTS` in their given order, that records the top_k it was asked for."""
 
     def __init__(self) -> None:
         self.asked: list[int] = []
 
-    def __call__(self, text: str, top_k: int, options: SearchOptions) -> list[RetrievedChunk]:
+    def __call__(self, texts: Sequence[str], top_k: int, options: SearchOptions) -> list[list[RetrievedChunk]]:
         self.asked.append(top_k)
-        return [hit(rank) for rank in range(min(top_k, len(TEXTS)))]
+        return [[hit(rank) for rank in range(min(top_k, len(TEXTS)))] for _ in texts]
 
 
 @pytest.mark.parametrize(("candidates", "top_k"), [(8, 3), (4, 6), (20, 5)])
@@ -66,3 +67,14 @@ def test_bad_folders_and_bounds_are_refused(model_dir: Path, tmp_path: Path) -> 
     for bad in (0, MAX_CANDIDATES + 1):
         with pytest.raises(ValueError, match="candidates"):
             RerankedSearch(SearchLog(), Reranker(model_dir), bad)
+
+
+def test_each_ranking_of_a_conversation_is_reordered_by_its_own_text(model_dir: Path) -> None:
+    reranker = Reranker(model_dir)
+    texts = [QUESTION, f"where do rivers end?\n{QUESTION}"]
+
+    found = RerankedSearch(SearchLog(), reranker, 6).many(texts, 3, PLAIN_SEARCH)
+
+    for text, hits in zip(texts, found, strict=True):
+        assert [h.index for h in hits] == [h.index for h in reranker.rerank(text, [hit(r) for r in range(6)])][:3]
+    assert [h.index for h in found[0]] != [h.index for h in found[1]]  # the two texts order the candidates apart
