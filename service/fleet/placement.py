@@ -5,6 +5,8 @@ hashes and a stream); `poll` applies the change stream from where the view left 
 is older than the TTL or that retired. A view that finds the stream trimmed past its position (it fell behind) loads
 again. `start` runs the polls on a thread of their own; routing reads the view under its lock.
 
+Liveness is judged by Redis's clock, as heartbeats are stamped (`clock` replaces it in tests).
+
 An engine whose key space (model fingerprint, template version, dtype, stored form) differs from the gateway's
 computes other keys for the same chunks: its placement would never match, a silent miss. Its moves are counted
 (`stats().mismatched_moves`, exported as `kvstitch_fleet_mismatched_moves`), the first one is logged with the fields
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from service.fleet.tier_events import (
     decode_moves,
     key_space_of,
     parse_held_field,
+    redis_time,
 )
 from service.kvcache.keys import KeySpace
 from service.kvcache.tiers import Tier, TierChange, TierMove
@@ -87,7 +89,7 @@ class PlacementView:
         prefix: str,
         space: KeySpace,
         ttl_s: float = DEFAULT_TTL_S,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.keys = FleetKeys.under(prefix)
         self.space = space
@@ -211,7 +213,8 @@ class PlacementView:
 
     def _live_engines(self) -> dict[str, float]:
         """Engine id -> last beat, of the engines that beat within the TTL (the others' entries are removed)."""
-        horizon = self._clock() - self.ttl_s
+        now = self._clock() if self._clock is not None else redis_time(self._redis)
+        horizon = now - self.ttl_s
         self._redis.zremrangebyscore(self.keys.engines, "-inf", f"({horizon!r}")
         return {str(e): float(s) for e, s in self._redis.zrange(self.keys.engines, 0, -1, withscores=True)}
 

@@ -22,7 +22,8 @@ the others, without a read-modify-write on the server.
 
 Bounded: `engine:{id}` and `held:{id}` expire `ttl_s` after the engine's last heartbeat, so Redis forgets a dead
 engine by itself, and views drop an engine whose heartbeat is older than `ttl_s`. An engine that stops cleanly
-retires at once (`close`).
+retires at once (`close`). Heartbeats are stamped with Redis's clock (`TIME`), which the views compare with too, so
+hosts whose clocks drift apart do not drop each other.
 
 The publisher is the store's `TierListener`: a move is put in a dict (the last move per block wins) under a lock,
 nothing else happens on the engine thread; a thread of its own writes the batch every `flush_interval_s` and beats.
@@ -115,6 +116,12 @@ def decode_moves(text: str) -> list[TierMove]:
         raise ValueError(f"malformed tier moves: {text[:200]!r}") from err
 
 
+def redis_time(client: Any) -> float:
+    """The Redis server's clock (Unix seconds): the one clock heartbeats are stamped and judged by."""
+    seconds, micros = client.time()
+    return float(seconds) + float(micros) / 1e6
+
+
 def key_space_fields(space: KeySpace) -> dict[str, str]:
     return {**dataclasses.asdict(space), "digest": space.digest()}
 
@@ -198,7 +205,7 @@ class TierPublisher:
         """Refresh the heartbeat and the TTLs; announce the whole placement first when Redis does not know it."""
         if not self._announced or not self._redis.exists(self.keys.engine(self.engine_id)):
             self.announce()
-        now = time.time()
+        now = redis_time(self._redis)
         pipe = self._redis.pipeline(transaction=True)
         pipe.zadd(self.keys.engines, {self.engine_id: now})
         pipe.hset(self.keys.engine(self.engine_id), "beat", repr(now))
@@ -215,8 +222,9 @@ class TierPublisher:
         pipe.delete(self.keys.held(self.engine_id))
         for chunk in _chunks(list(held.items()), 10_000):
             pipe.hset(self.keys.held(self.engine_id), mapping=dict(chunk))
-        pipe.hset(self.keys.engine(self.engine_id), mapping={**key_space_fields(self.space), "beat": repr(time.time())})
-        pipe.zadd(self.keys.engines, {self.engine_id: time.time()})
+        now = redis_time(self._redis)
+        pipe.hset(self.keys.engine(self.engine_id), mapping={**key_space_fields(self.space), "beat": repr(now)})
+        pipe.zadd(self.keys.engines, {self.engine_id: now})
         self._add_event(pipe, EventKind.RESET)
         for key in (self.keys.engine(self.engine_id), self.keys.held(self.engine_id)):
             pipe.expire(key, max(1, round(self.ttl_s)))

@@ -18,6 +18,8 @@ from service.kvcache.keys import KeySpace
 from service.kvcache.store import KVStore
 from service.kvcache.tiers import Tier, TierChange, TierMove
 from service.metrics import Metrics
+from service.serving.runtime import open_tier_publisher
+from service.settings import Settings
 
 TTL_S = 30.0
 
@@ -39,7 +41,7 @@ class Fleet:
         self.publishers.append(publisher)
         return store, publisher
 
-    def view(self, space: KeySpace, clock: Callable[[], float] = time.time) -> PlacementView:
+    def view(self, space: KeySpace, clock: Callable[[], float] | None = None) -> PlacementView:
         self.views.append(PlacementView(self.url, self.prefix, space, ttl_s=TTL_S, clock=clock))
         self.views[-1].load()
         return self.views[-1]
@@ -184,3 +186,24 @@ def test_an_engine_in_another_key_space_is_reported_and_never_routed_to(
     decision = route([ChunkRef(k, 24) for k in keys], view.tiers(keys), {"e1": 0, "e2": 0})
     assert (decision.engine, decision.cost) == ("e1", 24.0)  # with e2's claims believed, e2 would cost 0
     assert fleet.view(store.key_space).stats().mismatched_moves == {"e2": 2}  # a reload counts its held blocks
+
+
+def test_the_runtime_publishes_only_when_an_engine_id_is_set(fleet: Fleet, tmp_path: Path) -> None:
+    store = open_store(tmp_path / "runtime", gpu_blocks=2, host_blocks=1)
+    fleet.stores.append(store)
+    settings = Settings(redis_url=fleet.url, redis_prefix=fleet.prefix, data_dir=tmp_path / "data")
+    assert open_tier_publisher(settings, store) is None
+    with pytest.raises(ValueError, match="redis_url"):
+        Settings(engine_id="gpu-0", data_dir=tmp_path / "data")
+
+    publisher = open_tier_publisher(settings.model_copy(update={"engine_id": "gpu-0"}), store)
+    assert publisher is not None
+    fleet.publishers.append(publisher)
+    store.fetch([chunk(0)])
+    view = fleet.view(store.key_space)
+    deadline = time.monotonic() + 5.0
+    while view.tier_of("gpu-0", store.key_of(chunk(0))) is not Tier.GPU and time.monotonic() < deadline:
+        view.poll(block_ms=50)
+
+    assert view.engines() == ["gpu-0"]
+    assert view.tier_of("gpu-0", store.key_of(chunk(0))) is Tier.GPU

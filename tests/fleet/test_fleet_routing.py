@@ -16,6 +16,7 @@ from service.fleet.routing import (
     route,
 )
 from service.kvcache.tiers import Tier
+from service.metrics import Metrics
 
 CHUNKS = [ChunkRef(f"k{i}", 512) for i in range(4)]
 G, H, D, M = Tier.GPU, Tier.HOST, Tier.DISK, Tier.MISS
@@ -90,3 +91,22 @@ def test_questions_no_engine_holds_spread_evenly_and_stick_to_their_first_chunk(
 def test_no_engine_is_an_error() -> None:
     with pytest.raises(ValueError, match="no engine"):
         route(CHUNKS, {}, {})
+
+
+def test_the_metrics_count_chunks_by_tier_and_decision_and_the_cost_chosen_against_the_best() -> None:
+    metrics = Metrics()
+    placement = {"hot": [G, G, H, M], "cold": [M, M, M, M]}
+    metrics.observe_route(route(CHUNKS, placement, {"hot": 0, "cold": 0}))
+    long_chunks = [ChunkRef(f"k{i}", 4096) for i in range(4)]
+    metrics.observe_route(route(long_chunks, placement, {"hot": 40, "cold": 0}))  # unbalanced: to the cold engine
+
+    def sample(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert sample("kvstitch_route_chunks_total", reason="cost", tier="gpu") == 2
+    assert sample("kvstitch_route_chunks_total", reason="cost", tier="host") == 1
+    assert sample("kvstitch_route_chunks_total", reason="balance", tier="miss") == 4
+    first = 512 * 0.05 + 512  # hot: a host hit and a miss, no load
+    assert sample("kvstitch_route_cost_tokens_total", kind="chosen") == pytest.approx(first + 4 * 4096)
+    hot_when_busy = 4096 * 0.05 + 4096 + 40 * LOAD_COST_TOKENS
+    assert sample("kvstitch_route_cost_tokens_total", kind="best") == pytest.approx(first + hot_when_busy)
