@@ -101,6 +101,7 @@ class PlacementView:
         self._engines: dict[str, EnginePlacement] = {}
         self._mismatched: Counter[str] = Counter()
         self._last_id = NO_ID
+        self._seen = 0  # stream entries ever added up to `_last_id`
         self._reloads = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,15 +135,14 @@ class PlacementView:
     def load(self) -> None:
         """Rebuild the whole view: the stream position first, then every live engine's hashes (see the module
         docstring of `tier_events` for why that order loses nothing)."""
-        newest = self._redis.xrevrange(self.keys.events, "+", "-", count=1)
-        last_id = newest[0][0] if newest else NO_ID
+        last_id, seen = self._stream_position()
         engines = {}
         for engine_id, beat in self._live_engines().items():
             placement = self._read_engine(engine_id, beat)
             if placement is not None:
                 engines[engine_id] = placement
         with self._lock:
-            self._engines, self._last_id = engines, last_id
+            self._engines, self._last_id, self._seen = engines, last_id, seen
             self._reloads += 1
 
     def poll(self, block_ms: int | None = None) -> int:
@@ -156,18 +156,28 @@ class PlacementView:
         entries = read[0][1] if read else []
         for entry_id, fields in entries:
             self._apply(fields)
-            self._last_id = entry_id
+            self._last_id, self._seen = entry_id, self._seen + 1
         self._refresh_engines()
         return len(entries)
 
-    def _fell_behind(self) -> bool:
-        if self._last_id == NO_ID:
-            return False
+    def _stream_position(self) -> tuple[str, int]:
+        """The stream's last id and how many entries were ever added to it, from one snapshot ("0-0", 0: none)."""
         try:
             info = self._redis.xinfo_stream(self.keys.events)
-        except redis.ResponseError:  # no stream yet
-            return False
-        return _id_after(str(info.get("max-deleted-entry-id", NO_ID)), self._last_id)
+        except redis.ResponseError:  # no stream (yet, or any more)
+            return NO_ID, 0
+        return str(info["last-generated-id"]), int(info["entries-added"])
+
+    def _fell_behind(self) -> bool:
+        """Whether entries this view has not read were trimmed: the stream keeps the newest `length` of the entries
+        ever added and the view has read the first `seen`, so it misses some when more than `length` are unread.
+        Fewer added than read means the stream was deleted and made again."""
+        try:
+            info = self._redis.xinfo_stream(self.keys.events)
+        except redis.ResponseError:
+            return self._seen > 0
+        added, length = int(info["entries-added"]), int(info["length"])
+        return added < self._seen or added - self._seen > length
 
     def _apply(self, fields: dict[str, str]) -> None:
         engine_id, kind = fields.get("engine", ""), fields.get("kind", "")
@@ -275,10 +285,3 @@ class PlacementView:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         self._redis.close()
-
-
-def _id_after(a: str, b: str) -> bool:
-    """Whether stream id `a` comes after `b`."""
-    ams, _, aseq = a.partition("-")
-    bms, _, bseq = b.partition("-")
-    return (int(ams), int(aseq or 0)) > (int(bms), int(bseq or 0))

@@ -207,3 +207,33 @@ def test_the_runtime_publishes_only_when_an_engine_id_is_set(fleet: Fleet, tmp_p
 
     assert view.engines() == ["gpu-0"]
     assert view.tier_of("gpu-0", store.key_of(chunk(0))) is Tier.GPU
+
+
+def test_a_view_that_fell_behind_a_trimmed_stream_loads_again(fleet: Fleet, redis_url: str) -> None:
+    store, publisher = fleet.engine("e1")
+    publisher.beat()
+    view = fleet.view(store.key_space)
+    store.fetch([chunk(0), chunk(1)])
+    publish(store, publisher)
+    client = redis.Redis.from_url(redis_url)
+    client.xtrim(FleetKeys.under(fleet.prefix).events, maxlen=0, approximate=False)  # moves the view never read
+    client.close()
+
+    assert view.poll() == 0
+    keys = [store.key_of(chunk(0)), store.key_of(chunk(1))]
+    assert view.tiers(keys) == {"e1": [Tier.GPU, Tier.GPU]}  # from the engine's hash
+    assert view.stats().reloads == 2
+
+
+def test_moves_that_could_not_be_written_stay_queued(tmp_path: Path) -> None:
+    space = KeySpace("fp-test", "tpl-1", "float32")
+    publisher = TierPublisher("redis://127.0.0.1:1/0", "nowhere", "e1", space, list)  # nothing listens on port 1
+    try:
+        publisher(TierMove(TierChange.ADD, Tier.GPU, "a" * 32, 24))
+        publisher(TierMove(TierChange.ADD, Tier.HOST, "a" * 32, 24))
+        publisher(TierMove(TierChange.EVICT, Tier.GPU, "a" * 32))  # the last move per (tier, block) wins
+        with pytest.raises(redis.ConnectionError):
+            publisher.flush()
+        assert publisher.pending == 2
+    finally:
+        publisher.close(retire=False)
