@@ -57,7 +57,7 @@ CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 DEFAULT_READ_THREADS = 4
 KEY_CACHE_SIZE = 1 << 16
 # The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
-# stall the start of publishing, and routing gains most from the memory tiers anyway.
+# stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
 DISK_CONTENTS_LIMIT = 100_000
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
@@ -328,11 +328,12 @@ class KVStore:
             self.gpu.listener = self.host.listener = self.disk.listener = listener
 
     def tier_contents(self, disk_limit: int = DISK_CONTENTS_LIMIT) -> list[TierMove]:
-        """Every block held now, as `add` moves: the GPU tier, the host pool, and the disk tier's blocks (at most
-        `disk_limit`, least recently used first). What a publisher announces when it starts or lost its state."""
+        """Every block held now, as `add` moves: the GPU tier, the host pool, and the disk tier's `disk_limit` most
+        recently used blocks. What a publisher announces when it starts or lost its state."""
         with self._lock:
             memory = [(Tier.GPU, held) for held in self.gpu.held()] + [(Tier.HOST, held) for held in self.host.held()]
-        disk = [(Tier.DISK, (e.key, e.tokens)) for e in self.disk.index.lru(disk_limit)] if disk_limit > 0 else []
+        newest = self.disk.index.lru(disk_limit, newest_first=True)
+        disk = [(Tier.DISK, (e.key, e.tokens)) for e in newest]
         return [TierMove(TierChange.ADD, tier, key, tokens) for tier, (key, tokens) in memory + disk]
 
     # ---- housekeeping ------------------------------------------------------------------------------------

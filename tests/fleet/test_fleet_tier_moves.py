@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -78,3 +79,16 @@ def test_a_store_without_a_listener_tells_no_one_until_given_one(tmp_path: Path,
 
     c0, c1, c2 = (store.key_of(chunk(n)) for n in range(3))
     assert replay(recorder.moves) == {c0: {Tier.HOST}, c1: {Tier.GPU, Tier.DISK}, c2: {Tier.GPU, Tier.DISK}}
+
+
+def test_the_contents_list_the_newest_disk_blocks_when_limited(store: KVStore) -> None:
+    store.fetch([chunk(0)])
+    store.flush()
+    time.sleep(0.01)  # the index orders by last use: c1 is written later
+    store.fetch([chunk(1)])
+    store.flush()
+
+    disk = [m.key for m in store.tier_contents(disk_limit=1) if m.tier is Tier.DISK]
+
+    assert disk == [store.key_of(chunk(1))]
+    assert [m.tier for m in store.tier_contents(disk_limit=0)] == [Tier.GPU, Tier.GPU]
