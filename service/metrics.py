@@ -23,7 +23,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from service.fleet.placement import PlacementStats
+from service.fleet.routing import RouteDecision, RouteReason
 from service.kvcache.store import StoreStats
+from service.kvcache.tiers import Tier
 from service.retrieval.batcher import RetrievalStats
 from service.serving.gc_pauses import PAUSE_BUCKETS, GcPauses
 
@@ -146,6 +149,20 @@ class Metrics:
         self.ingest_pending = Gauge(
             "kvstitch_ingest_pending", "Ingest jobs queued or running, not yet acked (stream backlog)", registry=r
         )
+        self.route_chunks = Counter(
+            "kvstitch_route_chunks",
+            "Chunks of routed questions by the tier the chosen engine held them in, and why it was chosen (cost or "
+            "balance)",
+            ["reason", "tier"],
+            registry=r,
+        )
+        self.route_cost = Counter(
+            "kvstitch_route_cost_tokens",
+            "Routing cost (precompute-token equivalents) of the chosen engine and of the cheapest one: their ratio is "
+            "what balancing cost",
+            ["kind"],
+            registry=r,
+        )
         # Every label value shows from the start (at 0), so rates and ratios exist before the first event.
         for status in INGEST_STATUSES:
             self.ingest_jobs.labels(status)
@@ -153,6 +170,11 @@ class Metrics:
             self.ingest_chunks.labels(kv)
         for outcome in SHADOW_OUTCOMES:
             self.shadow_answers.labels(outcome)
+        for reason in RouteReason:
+            for tier in Tier:
+                self.route_chunks.labels(reason.value, tier.value)
+        for kind in ("chosen", "best"):
+            self.route_cost.labels(kind)
 
     # ---- answers --------------------------------------------------------------------------------------------
 
@@ -206,6 +228,14 @@ class Metrics:
         if kl is not None:
             self.shadow_kl.labels(positions, recompute, "first_token").observe(kl)
 
+    # ---- routing (a gateway in front of several engines) ----------------------------------------------------
+
+    def observe_route(self, decision: RouteDecision) -> None:
+        for tier in decision.tiers:
+            self.route_chunks.labels(decision.reason.value, tier.value).inc()
+        self.route_cost.labels("chosen").inc(decision.cost)
+        self.route_cost.labels("best").inc(decision.best_cost)
+
     # ---- ingestion ------------------------------------------------------------------------------------------
 
     def ingest_finished(self, status: str, counts: ChunkCounts | None) -> None:
@@ -252,6 +282,11 @@ class Metrics:
     def watch_store(self, stats: Callable[[], StoreStats]) -> None:
         """Report the KV store's tier usage, hits, evictions and corrupt files at every scrape."""
         self.registry.register(_StoreCollector(stats))
+
+    def watch_placement(self, stats: Callable[[], PlacementStats]) -> None:
+        """The gateway's view of the fleet at every scrape: engines, their blocks per tier, and the tier moves of
+        engines whose key space differs from the gateway's (ignored for routing)."""
+        self.registry.register(_PlacementCollector(stats))
 
     def watch_gc(self, pauses: GcPauses) -> None:
         """Report the garbage collector's pauses (every collection, by generation) at every scrape."""
@@ -306,6 +341,32 @@ class _GcCollector(Collector):
             buckets = [(str(bound), n) for bound, n in zip(PAUSE_BUCKETS, pauses.bucket_counts, strict=True)]
             family.add_metric([str(generation)], [*buckets, ("+Inf", pauses.count)], pauses.seconds)
         yield family
+
+
+class _PlacementCollector(Collector):
+    def __init__(self, stats: Callable[[], PlacementStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        yield GaugeMetricFamily("kvstitch_fleet_engines", "Engines in the routing view", value=stats.engines)
+        blocks = GaugeMetricFamily(
+            "kvstitch_fleet_blocks", "Blocks the routing view places on engines, by tier", labels=["tier"]
+        )
+        for tier, n in stats.blocks.items():
+            blocks.add_metric([tier.value], n)
+        mismatched = CounterMetricFamily(
+            "kvstitch_fleet_mismatched_moves",
+            "Tier moves of engines whose key space (model fingerprint, template, dtype, stored form) differs from the "
+            "gateway's: ignored, each a cache miss routing could not avoid",
+            labels=["engine"],
+        )
+        for engine, n in stats.mismatched_moves.items():
+            mismatched.add_metric([engine], n)
+        yield from (blocks, mismatched)
+        yield CounterMetricFamily(
+            "kvstitch_fleet_view_reloads", "Full loads of the routing view from Redis", value=stats.reloads
+        )
 
 
 class _StoreCollector(Collector):

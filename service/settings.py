@@ -49,6 +49,15 @@ class Settings(BaseSettings):
     redis_prefix: str = Field(
         "kvstitch", min_length=1, description="Prefix of every Redis key, so deployments can share one Redis."
     )
+    engine_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="Publish this engine's KV tier changes to Redis under this id, for a gateway's chunk-aware "
+        "routing; unset = nothing published. Needs KVSTITCH_REDIS_URL.",
+    )
+    fleet_ttl_s: float = Field(
+        15.0, gt=0, description="An engine that has not beaten its heartbeat in Redis for this long leaves routing."
+    )
     qdrant_url: str | None = Field(None, description="Qdrant server; unset = embedded Qdrant under DATA_DIR/qdrant.")
     qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
     collection: str = Field("kvstitch_chunks", min_length=1, description="Qdrant collection name.")
@@ -280,6 +289,8 @@ class Settings(BaseSettings):
     def _check_consistency(self) -> Settings:
         if self.chunk_overlap > self.chunk_size // 2:
             raise ValueError(f"chunk_overlap must be at most chunk_size // 2 = {self.chunk_size // 2}")
+        if self.engine_id is not None and self.redis_url is None:
+            raise ValueError("engine_id publishes tier changes to Redis: set redis_url too")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         if self.doc_lock_ttl_ms is not None and self.doc_lock_ttl_ms > self.job_claim_idle_ms:

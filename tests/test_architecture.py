@@ -13,7 +13,14 @@ ENTRY_POINTS = ("service/cli.py", "service/__main__.py", "service/commands/")
 # What the HTTP layer may import of the rest of the service: the facade package alone (its protocol, its plain
 # value types, its errors).
 HTTP_ALLOWED = ("service.api", "service.facade")
-CORE = ("service/engine/", "service/kvcache/", "service/retrieval/", "service/jobs/", "service/formats/")
+CORE = (
+    "service/engine/",
+    "service/kvcache/",
+    "service/retrieval/",
+    "service/jobs/",
+    "service/formats/",
+    "service/fleet/",
+)
 
 
 def imports_of(path: Path) -> set[str]:

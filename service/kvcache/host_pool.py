@@ -17,7 +17,7 @@ import bisect
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +142,7 @@ class HostPool:
         self._buffer = _aligned_buffer(self._free.capacity, alignment, self.pinned)
         self._slots: OrderedDict[str, HostSlot] = OrderedDict()
         self.evictions = 0
+        self.on_evict: Callable[[str], None] | None = None  # told of each block LRU pressure evicts
 
     @property
     def capacity_bytes(self) -> int:
@@ -233,6 +234,8 @@ class HostPool:
         log.debug("host pool full: evicting block %s", key)
         self.discard(key)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
         return True
 
 

@@ -65,7 +65,9 @@ class KVIndex(Protocol):
         """Keys of the blocks stored before `when` (a Unix time)."""
         ...
 
-    def lru(self, limit: int) -> list[IndexEntry]: ...
+    def lru(self, limit: int, newest_first: bool = False) -> list[IndexEntry]:
+        """Up to `limit` entries, least recently used first (most recently used first with `newest_first`)."""
+        ...
 
     def total_bytes(self) -> int: ...
 
@@ -149,10 +151,11 @@ class RedisIndex:
             pipe.hget(self._entry_key(key), "created")
         return [key for key, created in zip(keys, pipe.execute(), strict=True) if _float(created) < when]
 
-    def lru(self, limit: int) -> list[IndexEntry]:
+    def lru(self, limit: int, newest_first: bool = False) -> list[IndexEntry]:
         if limit <= 0:
             return []
-        keys = [str(k) for k in self._redis.zrange(self._lru_key, 0, limit - 1)]
+        ordered = self._redis.zrevrange if newest_first else self._redis.zrange
+        keys = [str(k) for k in ordered(self._lru_key, 0, limit - 1)]
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(self._entry_key(key))
@@ -268,8 +271,9 @@ class SqliteIndex:
     def created_before(self, when: float) -> list[str]:
         return [str(row[0]) for row in self._query("SELECT key FROM blocks WHERE created < ? ORDER BY key", (when,))]
 
-    def lru(self, limit: int) -> list[IndexEntry]:
-        rows = self._query(f"SELECT {_COLUMNS} FROM blocks ORDER BY last_used, key LIMIT ?", (max(limit, 0),))
+    def lru(self, limit: int, newest_first: bool = False) -> list[IndexEntry]:
+        order = "last_used DESC, key DESC" if newest_first else "last_used, key"
+        rows = self._query(f"SELECT {_COLUMNS} FROM blocks ORDER BY {order} LIMIT ?", (max(limit, 0),))
         return [_entry_from_row(row) for row in rows]
 
     def total_bytes(self) -> int:

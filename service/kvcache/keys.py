@@ -7,11 +7,13 @@ length-prefixed encoding; Python's `hash()` is salted per process and is never u
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -145,6 +147,28 @@ def _parameters_identity(state: dict[str, torch.Tensor]) -> str:
 
 
 # ---- block key ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Everything `block_key` folds in besides the token ids: two processes whose key spaces differ compute different
+    keys for the same chunk, so one's keys mean nothing to the other (a router must not compare them)."""
+
+    fingerprint: str
+    template_version: str
+    dtype: str
+    stored: str = "native"
+
+    def digest(self) -> str:
+        """A short stable id of the key space, carried by every tier event."""
+        digest = hashlib.sha256()
+        for value in (f"kvstitch-key-space/{BLOCK_KEY_VERSION}", *dataclasses.astuple(self)):
+            _add_field(digest, value)
+        return digest.hexdigest()[:BLOCK_KEY_HEX_CHARS]
+
+    def differences(self, other: KeySpace) -> list[str]:
+        """The names of the fields that differ, for a log line that says why keys do not match."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
 def block_key(

@@ -43,10 +43,10 @@ from service.kvcache.device import CopyEvent
 from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, QuantBlock
 from service.kvcache.host_pool import HostPool, HostSlot
 from service.kvcache.index import INDEX_ERRORS, KVIndex
-from service.kvcache.keys import block_key
+from service.kvcache.keys import KeySpace, block_key, dtype_name
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_batches
 from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
-from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier
+from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier, TierChange, TierListener, TierMove
 from service.kvcache.writeback import WriteBack
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 # requests in flight to reach its bandwidth.
 DEFAULT_READ_THREADS = 4
 KEY_CACHE_SIZE = 1 << 16
+# The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
+# stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
+DISK_CONTENTS_LIMIT = 100_000
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
 
@@ -164,7 +167,8 @@ class KVStore:
     cold read gains depends on the drive. Turn it on where a cold fetch measures faster with it. `disk_format`
     "int8" or "fp8" stores block files in an 8-bit form (`quant.py`: half the bytes to read, pin and copy;
     dequantised on the device after the copy), under keys of their own; "native" (the default) stores the compute
-    dtype's bytes, bit-exact.
+    dtype's bytes, bit-exact. `tier_listener` is told of every block entering or leaving a tier (`tiers.TierMove`):
+    how an engine publishes its placement for routing; None (the default) tells no one.
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class KVStore:
         max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
         direct_io: bool = False,
         disk_format: DiskFormat = "native",
+        tier_listener: TierListener | None = None,
     ) -> None:
         if max_precompute_tokens <= 0:
             raise ValueError("max_precompute_tokens must be positive")
@@ -191,10 +196,12 @@ class KVStore:
         self.max_precompute_tokens = max_precompute_tokens
         self.precompute = precompute
         self.layer_groups = layer_groups
-        self.gpu = GpuTier(budgets.gpu_bytes)
+        self.gpu = GpuTier(budgets.gpu_bytes, tier_listener)
         pool = HostPool(budgets.host_bytes, pinned=device.uses_cuda(self.target))
-        self.host = HostTier(pool, self.target, device.new_copy_stream(self.target))
-        self.disk = DiskTier(Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io, disk_format)
+        self.host = HostTier(pool, self.target, device.new_copy_stream(self.target), tier_listener)
+        self.disk = DiskTier(
+            Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io, disk_format, tier_listener
+        )
         self.disk_format = disk_format
         self._writeback = WriteBack(self.disk, self.target)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
@@ -207,6 +214,11 @@ class KVStore:
         self._corrupt = 0
         self._put_blocks = 0  # blocks and bytes `put` wrote (ingestion); the write-back counts its own
         self._put_bytes = 0
+
+    @property
+    def key_space(self) -> KeySpace:
+        """What this store's keys are computed in (a router compares it with its own)."""
+        return KeySpace(self.fingerprint, self.template_version, dtype_name(self.spec.dtype), self.disk_format)
 
     def key_of(self, token_ids: Sequence[int]) -> str:
         return self._cached_key(tuple(map(int, token_ids)))
@@ -307,6 +319,22 @@ class KVStore:
                 self._put_bytes += size
             written += size
         return written
+
+    # ---- placement ---------------------------------------------------------------------------------------
+
+    def set_tier_listener(self, listener: TierListener | None) -> None:
+        """Tell `listener` of every block entering or leaving a tier from now on (None: no one)."""
+        with self._lock:
+            self.gpu.listener = self.host.listener = self.disk.listener = listener
+
+    def tier_contents(self, disk_limit: int = DISK_CONTENTS_LIMIT) -> list[TierMove]:
+        """Every block held now, as `add` moves: the GPU tier, the host pool, and the disk tier's `disk_limit` most
+        recently used blocks. What a publisher announces when it starts or lost its state."""
+        with self._lock:
+            memory = [(Tier.GPU, held) for held in self.gpu.held()] + [(Tier.HOST, held) for held in self.host.held()]
+        newest = self.disk.index.lru(disk_limit, newest_first=True)
+        disk = [(Tier.DISK, (e.key, e.tokens)) for e in newest]
+        return [TierMove(TierChange.ADD, tier, key, tokens) for tier, (key, tokens) in memory + disk]
 
     # ---- housekeeping ------------------------------------------------------------------------------------
 

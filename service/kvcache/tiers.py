@@ -3,6 +3,10 @@
 Each tier owns its own budget and LRU order and knows nothing of the others; `KVStore` moves blocks between
 them (promotion on a hit, demotion on pressure). Tiers are not thread-safe on their own except `DiskTier`,
 whose state lives in the (process- and thread-safe) index and the files.
+
+Every tier tells an optional `TierListener` of each block that enters or leaves it (`TierMove`), whatever caused
+it: promotion, LRU pressure, a corrupt file, a removal. That is the port a fleet's router learns placement through
+(`service/fleet/`): the tiers never know who listens, and with no listener (the default) they do nothing more.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -48,6 +53,30 @@ class Tier(StrEnum):
     MISS = "miss"
 
 
+class TierChange(StrEnum):
+    ADD = "add"
+    EVICT = "evict"
+
+
+@dataclass(frozen=True, slots=True)
+class TierMove:
+    """A block entered (`add`) or left (`evict`) one tier; `tokens` is its token count (0 on an eviction)."""
+
+    change: TierChange
+    tier: Tier
+    key: str
+    tokens: int = 0
+
+
+# Called on the thread that moved the block (the engine's, or the disk writer's): it must be quick and thread-safe.
+TierListener = Callable[[TierMove], None]
+
+
+def _tell(listener: TierListener | None, change: TierChange, tier: Tier, key: str, tokens: int = 0) -> None:
+    if listener is not None:
+        listener(TierMove(change, tier, key, tokens))
+
+
 # ---- device ------------------------------------------------------------------------------------------------
 
 
@@ -66,10 +95,11 @@ class GpuTier:
     held, and no reader's memory is handed to another block under it.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, listener: TierListener | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError("the GPU tier budget must be >= 0")
         self.budget_bytes = budget_bytes
+        self.listener = listener
         self.used_bytes = 0
         self.evictions = 0
         self._blocks: OrderedDict[str, KVBlock] = OrderedDict()
@@ -87,6 +117,10 @@ class GpuTier:
     def peek(self, key: str) -> KVBlock | None:
         """The block without changing its LRU position."""
         return self._blocks.get(key)
+
+    def held(self) -> list[tuple[str, int]]:
+        """(key, token count) of every block held, least recently used first."""
+        return [(key, block.num_tokens) for key, block in self._blocks.items()]
 
     def get(self, key: str) -> KVBlock | None:
         """The block, now the most recently used; None when absent."""
@@ -130,6 +164,7 @@ class GpuTier:
         self.used_bytes += size
         if arriving is not None:
             self._arriving[key] = arriving
+        _tell(self.listener, TierChange.ADD, Tier.GPU, key, block.num_tokens)
         return evicted
 
     def discard(self, key: str) -> bool:
@@ -179,6 +214,7 @@ class GpuTier:
     def _drop(self, key: str, block: KVBlock) -> None:
         self.used_bytes -= block.nbytes()
         self._arriving.pop(key, None)
+        _tell(self.listener, TierChange.EVICT, Tier.GPU, key)
 
 
 # ---- host --------------------------------------------------------------------------------------------------
@@ -191,10 +227,17 @@ class HostTier:
     is ordered without extra waits; every slot remembers its last copy so the pool waits before reuse.
     """
 
-    def __init__(self, pool: HostPool, target: torch.device, stream: CopyStream | None) -> None:
+    def __init__(
+        self, pool: HostPool, target: torch.device, stream: CopyStream | None, listener: TierListener | None = None
+    ) -> None:
         self.pool = pool
         self.target = target
         self.stream = stream
+        self.listener = listener
+        pool.on_evict = self._evicted  # LRU pressure evicts inside the pool
+
+    def _evicted(self, key: str) -> None:
+        _tell(self.listener, TierChange.EVICT, Tier.HOST, key)
 
     @property
     def enabled(self) -> bool:
@@ -221,11 +264,14 @@ class HostTier:
         failed.
         """
         if fmt == "native":
-            return self.pool.reserve(key, token_ids, dtype, shape, busy=True)
-        nbytes = quant.payload_nbytes(fmt, shape)
-        slot = self.pool.reserve(key, token_ids, torch.uint8, (nbytes,), busy=True)
+            slot = self.pool.reserve(key, token_ids, dtype, shape, busy=True)
+        else:
+            nbytes = quant.payload_nbytes(fmt, shape)
+            slot = self.pool.reserve(key, token_ids, torch.uint8, (nbytes,), busy=True)
+            if slot is not None:
+                slot.fmt, slot.kv_shape, slot.compute_dtype = fmt, shape, dtype
         if slot is not None:
-            slot.fmt, slot.kv_shape, slot.compute_dtype = fmt, shape, dtype
+            _tell(self.listener, TierChange.ADD, Tier.HOST, key, len(token_ids))
         return slot
 
     def filled(self, slot: HostSlot) -> None:
@@ -274,10 +320,19 @@ class HostTier:
         if slot is None:
             return False
         slot.pending = device.copy_to_host(block.kv, self.pool.view(slot), self.stream)
+        _tell(self.listener, TierChange.ADD, Tier.HOST, key, block.num_tokens)
         return True
 
+    def held(self) -> list[tuple[str, int]]:
+        """(key, token count) of every block in the pool, least recently used first."""
+        slots = (self.pool.peek(key) for key in self.pool.keys_by_age())
+        return [(slot.key, len(slot.token_ids)) for slot in slots if slot is not None]
+
     def discard(self, key: str) -> bool:
-        return self.pool.discard(key)
+        dropped = self.pool.discard(key)
+        if dropped:
+            _tell(self.listener, TierChange.EVICT, Tier.HOST, key)
+        return dropped
 
 
 def _dequantizer(slot: HostSlot) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -310,9 +365,11 @@ class DiskTier:
         budget_bytes: int,
         direct_io: bool = False,
         fmt: quant.DiskFormat = "native",
+        listener: TierListener | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError("the disk tier budget must be >= 0")
+        self.listener = listener
         if fmt not in quant.DISK_FORMATS:
             raise ValueError(f"unknown disk format {fmt!r}; one of {', '.join(quant.DISK_FORMATS)}")
         self.fmt = fmt
@@ -363,7 +420,8 @@ class DiskTier:
             raise
         except MissingBlockError:
             log.warning("KV block %s is indexed but its file is gone; dropping the entry", key)
-            self.index.remove(key)
+            if self.index.remove(key):
+                _tell(self.listener, TierChange.EVICT, Tier.DISK, key)
             raise
 
     def wants(self, key: str, nbytes: int) -> bool:
@@ -390,6 +448,7 @@ class DiskTier:
         except BaseException:
             self._drop_unindexed(path, key)
             raise
+        _tell(self.listener, TierChange.ADD, Tier.DISK, key, block.num_tokens)
         self.enforce_budget(keep=key)  # the header may have pushed it a page past
         return size
 
@@ -419,8 +478,10 @@ class DiskTier:
             self.index.touch(key, now)
 
     def remove(self, key: str) -> None:
-        self.index.remove(key)
+        listed = self.index.remove(key)
         self.path_of(key).unlink(missing_ok=True)
+        if listed:
+            _tell(self.listener, TierChange.EVICT, Tier.DISK, key)
 
     def enforce_budget(self, keep: str | None = None, limit: int | None = None) -> int:
         """Evict least recently used blocks (never `keep`) until the total is within `limit` (default: the

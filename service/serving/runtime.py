@@ -29,6 +29,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import BatchingOptions, build_scheduler
+from service.fleet.tier_events import TierPublisher
 from service.jobs.documents import DocumentLimits, job_documents
 from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
 from service.jobs.queue import JobQueue, RedisStreamQueue
@@ -122,6 +123,7 @@ class Runtime:
     question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
     reranker: Reranker | None = None  # the cross-encoder that reorders retrieved candidates, where one is set
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
+    tier_publisher: TierPublisher | None = None  # the store's tier changes to Redis, where `engine_id` is set
     blocks_swept: int = 0  # KV blocks the start-up sweep released (`sweep_dead_jobs`)
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
@@ -238,6 +240,8 @@ class Runtime:
         self._safely(self.queue.close)  # after the worker: it still hands its job back through the queue
         for close in (self.loop.close, self._release_pool, self.retrieval.close, self._close_question_embedder):
             self._safely(close)
+        if self.tier_publisher is not None:  # before the store: its last moves are flushed, the engine retired
+            self._safely(self.tier_publisher.close)
         for close in (self.jobs.close, self.order.close, self.store.close):
             self._safely(close)
         for close in (self.index.close, self.collection.close):
@@ -315,6 +319,25 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
     if trimmed:
         log.info("KV disk tier trimmed to its %d MiB budget at start: %d blocks gone", settings.disk_cache_mb, trimmed)
     return store
+
+
+def open_tier_publisher(settings: Settings, store: KVStore) -> TierPublisher | None:
+    """With `engine_id` set: the store's tier changes published to Redis (started), for a gateway's routing; None
+    otherwise, and then nothing of the fleet touches Redis."""
+    if settings.engine_id is None or settings.redis_url is None:
+        return None
+    publisher = TierPublisher(
+        settings.redis_url,
+        settings.redis_prefix,
+        settings.engine_id,
+        store.key_space,
+        store.tier_contents,
+        ttl_s=settings.fleet_ttl_s,
+    )
+    store.set_tier_listener(publisher)
+    publisher.start()
+    log.info("publishing KV tier changes to Redis as engine %s", settings.engine_id)
+    return publisher
 
 
 def open_jobs(settings: Settings) -> tuple[JobQueue, JobStatusStore, DocumentOrder]:
@@ -439,6 +462,7 @@ def _open_components(
     precompute = loop.bind(engine.precompute)
     index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")
     store = open_store(settings, engine, index, precompute)
+    tier_publisher = open_tier_publisher(settings, store)
     embedder = embedder or Embedder(settings.embedding_model, device=settings.embedding_device)
     reranker = open_reranker(settings, embedder) if answers else None  # a bad folder fails before Qdrant opens
     collection = open_collection(settings, embedder.dimension)
@@ -465,6 +489,7 @@ def _open_components(
         question_embedder,
         reranker,
         blocks_swept=blocks_swept,
+        tier_publisher=tier_publisher,
     )
 
 

@@ -88,6 +88,15 @@ def test_lru_lists_least_recently_used_first(index: KVIndex) -> None:
     assert sorted(index.keys()) == sorted(entry(n).key for n in (1, 2, 3))
 
 
+def test_lru_lists_most_recently_used_first_when_asked(index: KVIndex) -> None:
+    for n, used in [(1, 30.0), (2, 10.0), (3, 20.0)]:
+        index.put(entry(n, last_used=used))
+
+    assert [e.key for e in index.lru(2, newest_first=True)] == [entry(1).key, entry(3).key]
+    assert [e.tokens for e in index.lru(10, newest_first=True)] == [2, 4, 3]
+    assert index.lru(0, newest_first=True) == []
+
+
 def test_touch_never_moves_last_use_backwards(index: KVIndex) -> None:
     index.put(entry(1, last_used=50.0))
     index.touch(entry(1).key, 20.0)
