@@ -174,6 +174,7 @@ class GpuTier:
             return False
         if key in self._pins:
             self._discarded[key] = block
+            _tell(self.listener, TierChange.EVICT, Tier.GPU, key)  # no new reader can have it from now on
             return True
         self._drop(key, block)
         return True
@@ -201,7 +202,7 @@ class GpuTier:
         block = discarded if discarded is not None else self._blocks[key]
         self._pinned_bytes -= block.nbytes()
         if discarded is not None:
-            self._drop(key, block)
+            self._drop(key, block, told=True)
 
     def pins(self, key: str) -> int:
         """How many readers hold the block in place."""
@@ -211,10 +212,11 @@ class GpuTier:
     def pinned_bytes(self) -> int:
         return self._pinned_bytes
 
-    def _drop(self, key: str, block: KVBlock) -> None:
+    def _drop(self, key: str, block: KVBlock, told: bool = False) -> None:
         self.used_bytes -= block.nbytes()
         self._arriving.pop(key, None)
-        _tell(self.listener, TierChange.EVICT, Tier.GPU, key)
+        if not told:
+            _tell(self.listener, TierChange.EVICT, Tier.GPU, key)
 
 
 # ---- host --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from service.kvcache.fileformat import CorruptBlockError, MissingBlockError, blo
 from service.kvcache.host_pool import HostPool
 from service.kvcache.index import KVIndex
 from service.kvcache.keys import block_key
-from service.kvcache.tiers import DiskTier, GpuTier, HostTier
+from service.kvcache.tiers import DiskTier, GpuTier, HostTier, TierChange, TierMove
 
 FP = "d" * 64
 
@@ -82,11 +82,13 @@ def test_gpu_tier_never_evicts_a_pinned_block(make_block: BlockFactory) -> None:
 def test_a_pinned_block_discarded_keeps_its_bytes_until_the_last_reader_is_done(make_block: BlockFactory) -> None:
     a, b = make_block(BASE_SPEC, num_tokens=10, seed=1), make_block(BASE_SPEC, num_tokens=10, seed=2)
     size = a.nbytes()
-    tier = GpuTier(budget_bytes=2 * size)
+    moves: list[TierMove] = []
+    tier = GpuTier(budget_bytes=2 * size, listener=moves.append)
     tier.put("a", a)
     tier.pin("a")
     tier.pin("a")  # two readers
     assert tier.discard("a")
+    assert [(m.change, m.key) for m in moves] == [(TierChange.ADD, "a"), (TierChange.EVICT, "a")]  # told at once
     assert "a" not in tier and tier.get("a") is None  # no new reader finds it
     assert tier.used_bytes == size  # but its bytes stay counted under its readers
     assert tier.put("a", b) == [("a", b)]  # and its key is not rewritten while they read it
@@ -94,6 +96,7 @@ def test_a_pinned_block_discarded_keeps_its_bytes_until_the_last_reader_is_done(
     assert tier.used_bytes == size and tier.pinned_bytes == size
     tier.unpin("a")
     assert tier.used_bytes == 0 and tier.pinned_bytes == 0
+    assert len(moves) == 2  # the last unpin frees the bytes without telling the eviction twice
     assert tier.put("a", b) == [] and tier.get("a") is b  # after the last reader it can come back
 
 
