@@ -25,6 +25,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from service.devtools.tiny_model import LLAMA3_SCALING
 from service.engine import segment_launch
 from service.engine.attention import attend_causal_end
 from service.engine.engine import StitchEngine
@@ -49,15 +50,7 @@ SCALE = HEAD_DIM**-0.5
 def _config(rope: str) -> PretrainedConfig:
     common = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
     if rope == "llama3":
-        scaling = {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        return LlamaConfig(**common, rope_scaling=scaling)
+        return LlamaConfig(**common, rope_scaling=dict(LLAMA3_SCALING))
     if rope == "linear":
         return LlamaConfig(**common, rope_scaling={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     if rope == "yarn":

@@ -71,6 +71,17 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     )
 
 
+# Llama-3.1's scaled RoPE, at a tiny model's scale (original context 64, so positions past it are rescaled).
+LLAMA3_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 def _config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float) -> PretrainedConfig:
     common: dict[str, Any] = {
         "vocab_size": len(tokenizer),
@@ -87,15 +98,7 @@ def _config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float) -> P
         "tie_word_embeddings": False,
     }
     if arch == "llama":
-        scaling = {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        return LlamaConfig(**common, rope_scaling=scaling)
+        return LlamaConfig(**common, rope_scaling=dict(LLAMA3_SCALING))
     if arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
