@@ -19,11 +19,10 @@ copied into the captured one (`copy_from`, then `SegmentAttention.refresh`).
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from service.engine.fused_stitch import triton_available
@@ -114,28 +113,35 @@ class SegmentPlan:
         (None: enough for about _TARGET_PROGRAMS programs); `capacity`: padded to these sizes (ValueError when
         the batch does not fit)."""
         host = _HostPlan(batch, group)
-        host.add_chunks(pieces if pieces is not None else _auto_pieces(batch, group, kv_heads))
+        host.add_chunks(pieces, kv_heads)
         host.add_tails()
+        row_parts, row_ptr = host.row_parts()
         if capacity is not None:
             host.pad(capacity)
-        tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        flat = [i for parts in host.row_parts for i in parts]
-        row_ptr = [0]
-        for parts in host.row_parts:
-            row_ptr.append(row_ptr[-1] + len(parts))
-        if capacity is not None:
-            flat += [0] * (capacity.pairs - len(flat))
+            row_ptr = _padded(row_ptr, capacity.rows + 1, int(row_ptr[-1]))
+            row_parts = _padded(row_parts, capacity.pairs)
+        if row_parts.size == 0:
+            row_parts = np.zeros(1, dtype=np.int64)
+        chunk_widths, tail_widths = sorted(host.chunk_tiles), sorted(host.tail_tiles)
+        parts = [host.q_rows, host.q_positions, host.pair_q, host.pair_visible, row_ptr, row_parts, host.row_tail]
+        parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
+        parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
+        # One copy to the device for the whole plan; every field is a view of it.
+        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        views = list(torch.split(flat, [p.size for p in parts]))
+        fixed, tiles = views[:7], views[7:]
+        launches = [Launch(t.view(-1, TILE_COLUMNS), w) for t, w in zip(tiles, chunk_widths + tail_widths, strict=True)]
         return cls(
-            q_rows=tensor(host.q_rows).to(device),
-            q_positions=tensor(host.q_positions).to(device),
-            pair_q=tensor(host.pair_q).to(device),
-            pair_visible=tensor(host.pair_visible).to(device),
-            chunks=_launches(host.chunk_tiles, device),
-            tails=_launches(host.tail_tiles, device),
-            row_ptr=tensor(row_ptr).to(device),
-            row_parts=tensor(flat or [0]).to(device),
-            row_tail=tensor(host.row_tail).to(device),
-            pairs=len(host.pair_q),
+            q_rows=fixed[0],
+            q_positions=fixed[1],
+            pair_q=fixed[2],
+            pair_visible=fixed[3],
+            chunks=tuple(launches[: len(chunk_widths)]),
+            tails=tuple(launches[len(chunk_widths) :]),
+            row_ptr=fixed[4],
+            row_parts=fixed[5],
+            row_tail=fixed[6],
+            pairs=host.pair_q.size,  # the capacity's, when padded: the partial buffers are sized by it
             reach=batch.reach(),
         )
 
@@ -155,94 +161,145 @@ class SegmentPlan:
 
 
 class _HostPlan:
-    """The plan's lists, built on the host: query entries, pairs, tiles and each row's partials."""
+    """The plan's arrays, built on the host with array operations (a Python loop over every (row, segment) pair
+    took milliseconds at a few hundred answers, on the critical path of every step): query entries, pairs, tiles
+    and each row's partials. Order is part of the contract: entries by row then segment, chunks in the order
+    they are first read, readers of a chunk in entry order, then one tail group per request in request order."""
 
     def __init__(self, batch: SegmentBatch, group: int) -> None:
         self.batch = batch
         self.group = group
-        self.q_rows: list[int] = []
-        self.q_positions: list[int] = []
-        self.pair_q: list[int] = []
-        self.pair_visible: list[int] = []
-        self.row_parts: list[list[int]] = [[] for _ in batch.rows]
-        self.row_tail: list[int] = [0] * len(batch.rows)
+        self.rows = len(batch.rows)
+        self.positions = np.asarray(batch.positions, dtype=np.int64)
+        self.q_rows = np.zeros(0, dtype=np.int64)
+        self.q_positions = np.zeros(0, dtype=np.int64)
+        self.pair_q = np.zeros(0, dtype=np.int64)
+        self.pair_visible = np.zeros(0, dtype=np.int64)
+        self.pair_row = np.zeros(0, dtype=np.int64)  # the row each chunk pair is merged into
+        self.row_tail = np.zeros(self.rows, dtype=np.int64)
         # Tiles by the query items they hold: a group of few readers is not padded to the widest group's block.
-        self.chunk_tiles: dict[int, list[list[int]]] = {}
-        self.tail_tiles: dict[int, list[list[int]]] = {}
+        self.chunk_tiles: dict[int, np.ndarray] = {}
+        self.tail_tiles: dict[int, np.ndarray] = {}
+
+    def add_chunks(self, pieces: int | None, kv_heads: int) -> None:
+        """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece (`pieces`
+        per chunk; None: `_auto_pieces`)."""
+        batch = self.batch
+        counts = np.fromiter((len(r.segments) for r in batch.requests), np.int64, len(batch.requests))
+        seg_chunk = np.fromiter((s.chunk for r in batch.requests for s in r.segments), np.int64, int(counts.sum()))
+        seg_offset = np.fromiter((s.offset for r in batch.requests for s in r.segments), np.int64, seg_chunk.size)
+        ranges = np.array([(c.start, c.length, c.base) for c in batch.chunks], dtype=np.int64).reshape(-1, 3)
+        rows = np.asarray(batch.rows, dtype=np.int64)
+        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))[rows]  # each row's first segment
+        entry_row = _expand(counts[rows])
+        segment = first_segment[entry_row] + _within(counts[rows])
+        chunk = seg_chunk[segment]
+        self.q_rows = entry_row
+        self.q_positions = self.positions[entry_row] - seg_offset[segment] + ranges[chunk, 2]
+        if chunk.size == 0:
+            return
+        # Chunks in the order they are first read; each chunk's readers (entries) in entry order.
+        ids, first_read = np.unique(chunk, return_index=True)
+        ordered = ids[np.argsort(first_read)]
+        rank = np.zeros(ranges.shape[0], dtype=np.int64)
+        rank[ordered] = np.arange(ordered.size)
+        readers_by_chunk = np.argsort(rank[chunk], kind="stable")
+        readers = np.bincount(rank[chunk], minlength=ordered.size)
+        if pieces is None:
+            pieces = _auto_pieces(readers, ranges[ordered, 1], self.group, kv_heads)
+        lengths = ranges[ordered, 1]
+        cuts = np.maximum(1, np.minimum(pieces, lengths))  # pieces per chunk, none empty (`_cut`)
+        group_chunk = _expand(cuts)
+        piece = _within(cuts)
+        whole = lengths[group_chunk]
+        first = whole * piece // cuts[group_chunk]
+        size = whole * (piece + 1) // cuts[group_chunk] - first
+        group_readers = readers[group_chunk]
+        pair_group = _expand(group_readers)
+        reader_start = np.concatenate(([0], np.cumsum(readers)[:-1]))
+        self.pair_q = readers_by_chunk[reader_start[group_chunk][pair_group] + _within(group_readers)]
+        self.pair_visible = size[pair_group]
+        self.pair_row = entry_row[self.pair_q]
+        first_pair = np.concatenate(([0], np.cumsum(group_readers)[:-1]))
+        starts = ranges[ordered, 0][group_chunk] + first
+        self.chunk_tiles = self._tiles(starts, size, first_pair, group_readers)
+
+    def add_tails(self) -> None:
+        """A group per request: its rows, rotated to their own positions, each seeing its causal prefix."""
+        batch = self.batch
+        if self.rows == 0:
+            return
+        visible = np.asarray(batch.tail_visible(), dtype=np.int64)
+        owner = np.asarray(batch.rows, dtype=np.int64)
+        by_request = np.argsort(owner, kind="stable")  # rows grouped by request, in request then row order
+        entries, pairs = self.q_rows.size, self.pair_q.size
+        self.q_rows = np.concatenate((self.q_rows, by_request))
+        self.q_positions = np.concatenate((self.q_positions, self.positions[by_request]))
+        self.pair_q = np.concatenate((self.pair_q, entries + np.arange(self.rows)))
+        self.pair_visible = np.concatenate((self.pair_visible, visible[by_request]))
+        self.row_tail[by_request] = pairs + np.arange(self.rows)
+        requests, first_row, rows_of = np.unique(owner[by_request], return_index=True, return_counts=True)
+        seen = np.maximum.reduceat(visible[by_request], first_row)
+        starts = np.array([batch.requests[r].tail.start for r in requests], dtype=np.int64)
+        self.tail_tiles = self._tiles(starts, seen, pairs + first_row, rows_of)
+
+    def _tiles(
+        self, starts: np.ndarray, lengths: np.ndarray, first_pairs: np.ndarray, readers: np.ndarray
+    ) -> dict[int, np.ndarray]:
+        """Tile rows [start, length, first pair, pairs, block] per group of pairs, by the width (query items) of
+        the blocks that cover each group's items; groups in order within a width."""
+        items = readers * self.group
+        width = _block_m(items)
+        blocks = -(-items // width)
+        tile_group = _expand(blocks)
+        rows = np.stack(
+            (starts[tile_group], lengths[tile_group], first_pairs[tile_group], readers[tile_group], _within(blocks)),
+            axis=1,
+        )
+        tile_width = width[tile_group]
+        return {int(w): rows[tile_width == w] for w in np.unique(tile_width)}
+
+    def row_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's chunk pairs, in pair order, flat, and the row pointer into them ([rows + 1])."""
+        flat = np.argsort(self.pair_row, kind="stable")
+        counts = np.bincount(self.pair_row, minlength=self.rows)
+        return flat, np.concatenate(([0], np.cumsum(counts)))
 
     def pad(self, capacity: PlanCapacity) -> None:
-        """Pad every list to `capacity`, with a tile list of each width (dead tiles hold no pair)."""
-        sizes = {"rows": len(self.row_tail), "entries": len(self.q_rows), "pairs": len(self.pair_q)}
+        """Pad every array to `capacity`, with a tile list of each width (dead tiles hold no pair)."""
+        sizes = {"rows": self.rows, "entries": self.q_rows.size, "pairs": self.pair_q.size}
         for tiles, name in ((self.chunk_tiles, "chunk_tiles"), (self.tail_tiles, "tail_tiles")):
             sizes[name] = max((len(rows) for rows in tiles.values()), default=0)
         over = [f"{name} {n} > {getattr(capacity, name)}" for name, n in sizes.items() if n > getattr(capacity, name)]
         if over:
             raise ValueError(f"the batch exceeds the plan's capacity: {', '.join(over)}")
-        self.row_parts += [[] for _ in range(capacity.rows - len(self.row_parts))]
-        self.row_tail += [-1] * (capacity.rows - len(self.row_tail))
-        self.q_rows += [0] * (capacity.entries - len(self.q_rows))
-        self.q_positions += [0] * (capacity.entries - len(self.q_positions))
-        self.pair_q += [0] * (capacity.pairs - len(self.pair_q))
-        self.pair_visible += [0] * (capacity.pairs - len(self.pair_visible))
+        self.row_tail = _padded(self.row_tail, capacity.rows, -1)
+        self.q_rows = _padded(self.q_rows, capacity.entries)
+        self.q_positions = _padded(self.q_positions, capacity.entries)
+        self.pair_q = _padded(self.pair_q, capacity.pairs)
+        self.pair_visible = _padded(self.pair_visible, capacity.pairs)
+        self.rows = capacity.rows
         for tiles, count in ((self.chunk_tiles, capacity.chunk_tiles), (self.tail_tiles, capacity.tail_tiles)):
             for width in _widths():
-                rows = tiles.setdefault(width, [])
-                rows += [[0] * TILE_COLUMNS for _ in range(count - len(rows))]
+                rows = tiles.get(width, np.zeros((0, TILE_COLUMNS), dtype=np.int64))
+                tiles[width] = np.concatenate((rows, np.zeros((count - len(rows), TILE_COLUMNS), dtype=np.int64)))
 
-    def _entry(self, row: int, position: int) -> int:
-        self.q_rows.append(row)
-        self.q_positions.append(position)
-        return len(self.q_rows) - 1
 
-    def add_chunks(self, pieces: int) -> None:
-        """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece."""
-        batch = self.batch
-        readers: dict[int, list[tuple[int, int]]] = {}
-        for row, request in enumerate(batch.rows):
-            for segment in batch.requests[request].segments:
-                chunk = batch.chunks[segment.chunk]
-                entry = self._entry(row, batch.positions[row] - segment.offset + chunk.base)
-                readers.setdefault(segment.chunk, []).append((entry, row))
-        for chunk_id, group in readers.items():
-            chunk = batch.chunks[chunk_id]
-            for first, length in _cut(chunk.length, pieces):
-                self._add_group(self.chunk_tiles, chunk.start + first, length, group, None)
+def _expand(counts: np.ndarray) -> np.ndarray:
+    """i repeated counts[i] times, for every i: [0, 0, 1, 2, 2, 2] for counts [2, 1, 3]."""
+    return np.repeat(np.arange(counts.size, dtype=np.int64), counts)
 
-    def add_tails(self) -> None:
-        """A group per request: its rows, rotated to their own positions, each seeing its causal prefix."""
-        batch = self.batch
-        visible = batch.tail_visible()
-        rows_of: list[list[int]] = [[] for _ in batch.requests]
-        for row, owner in enumerate(batch.rows):
-            rows_of[owner].append(row)
-        for request, rows in zip(batch.requests, rows_of, strict=True):
-            if rows:
-                group = [(self._entry(row, batch.positions[row]), row) for row in rows]
-                seen = [visible[row] for row in rows]
-                self._add_group(self.tail_tiles, request.tail.start, max(seen), group, seen)
 
-    def _add_group(
-        self,
-        tiles: dict[int, list[list[int]]],
-        start: int,
-        length: int,
-        readers: Sequence[tuple[int, int]],
-        seen: Sequence[int] | None,
-    ) -> None:
-        """Pairs of `readers` (entry, row) over keys start .. start + length (row i sees seen[i] of them, or all;
-        `seen` given means these are tail pairs), and the tiles that cover their query items."""
-        first = len(self.pair_q)
-        for i, (entry, row) in enumerate(readers):
-            self.pair_q.append(entry)
-            self.pair_visible.append(length if seen is None else seen[i])
-            if seen is None:
-                self.row_parts[row].append(first + i)
-            else:
-                self.row_tail[row] = first + i
-        items = len(readers) * self.group
-        block_m = _block_m(items)
-        for block in range(-(-items // block_m)):
-            tiles.setdefault(block_m, []).append([start, length, first, len(readers), block])
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0 .. counts[i] - 1 for every i, concatenated: [0, 1, 0, 0, 1, 2] for counts [2, 1, 3]."""
+    starts = np.cumsum(counts) - counts
+    within: np.ndarray = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+    return within
+
+
+def _padded(values: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
+    padded: np.ndarray = np.concatenate((values, np.full(size - values.size, fill, dtype=np.int64)))
+    return padded
 
 
 def _widths() -> list[int]:
@@ -250,35 +307,19 @@ def _widths() -> list[int]:
     return [1 << k for k in range(_MIN_BLOCK_M.bit_length() - 1, MAX_BLOCK_M.bit_length())]
 
 
-def _block_m(items: int) -> int:
-    return min(MAX_BLOCK_M, max(_MIN_BLOCK_M, 1 << max(items - 1, 0).bit_length()))
+def _block_m(items: np.ndarray) -> np.ndarray:
+    """The tile width for groups of `items` query items: the next power of two, within _MIN_BLOCK_M..MAX_BLOCK_M."""
+    power = np.left_shift(1, np.ceil(np.log2(np.maximum(items, 1))).astype(np.int64))
+    width: np.ndarray = np.minimum(MAX_BLOCK_M, np.maximum(_MIN_BLOCK_M, power))
+    return width
 
 
-def _cut(length: int, pieces: int) -> list[tuple[int, int]]:
-    """(first, length) of `pieces` near-equal ranges of a chunk (fewer for a short chunk; none empty)."""
-    n = max(1, min(pieces, length))
-    edges = [length * i // n for i in range(n + 1)]
-    return [(a, b - a) for a, b in itertools.pairwise(edges) if b > a]
-
-
-def _auto_pieces(batch: SegmentBatch, group: int, kv_heads: int) -> int:
-    """Pieces per chunk so that the chunk programs reach about _TARGET_PROGRAMS, no piece under _MIN_PIECE."""
-    readers: dict[int, int] = {}
-    for request in batch.rows:
-        for segment in batch.requests[request].segments:
-            readers[segment.chunk] = readers.get(segment.chunk, 0) + 1
-    if not readers:
-        return 1
-    programs = kv_heads * sum(-(-n * group // _block_m(n * group)) for n in readers.values())
-    longest = max(batch.chunks[c].length for c in readers)
-    return max(1, min(-(-_TARGET_PROGRAMS // programs), longest // _MIN_PIECE))
-
-
-def _launches(tiles: dict[int, list[list[int]]], device: torch.device) -> tuple[Launch, ...]:
-    return tuple(
-        Launch(torch.tensor(rows, dtype=torch.int64).view(-1, TILE_COLUMNS).to(device), block_m)
-        for block_m, rows in sorted(tiles.items())
-    )
+def _auto_pieces(readers: np.ndarray, lengths: np.ndarray, group: int, kv_heads: int) -> int:
+    """Pieces per chunk so that the chunk programs reach about _TARGET_PROGRAMS, no piece under _MIN_PIECE
+    (`readers` and `lengths`: per chunk read)."""
+    items = readers * group
+    programs = kv_heads * int((-(-items // _block_m(items))).sum())
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), int(lengths.max()) // _MIN_PIECE))
 
 
 class SegmentAttention:
