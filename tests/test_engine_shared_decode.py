@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows, ExtendRows
+from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows, ExtendRows, batch_attention
 from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.forward import LayerAttend
-from service.engine.gate import synthetic_ids
+from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool
 from service.engine.segment_attention import ChunkRange
@@ -250,11 +250,10 @@ class _RotateItself:
     """A `LayerAttend` that rotates q to the step's positions and runs the loop attention: the plumbing's check."""
 
     def __init__(self, engine: StitchEngine, rows: DecodeRows) -> None:
-        self.engine, self.rows, self.layers = engine, rows, []
+        self.engine, self.rows = engine, rows
+        self.layers: list[int] = []
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
-        from service.engine.batch_decode import batch_attention
-
         self.layers.append(layer)
         q_rot = self.engine.forward.rotary.rotate(q.transpose(0, 1), self.rows.positions).transpose(0, 1)
         return batch_attention(LOOP, self.rows, kv.shape[2])(q_rot, kv[0], kv[1], scale)
@@ -267,10 +266,9 @@ def test_a_layer_attend_gets_every_layer_and_the_unrotated_queries(
     writes the same K/V, and is called once per layer in order."""
     engine = get_engine("qwen2", "cpu")
     pools = [nan_pool(engine, 64), nan_pool(engine, 64)]
-    gen = torch.Generator().manual_seed(3)
+    filled = torch.randn(pools[0].data.shape, generator=torch.Generator().manual_seed(3))
     for pool in pools:
-        pool.allocate(64)
-        pool.data.copy_(torch.randn(pool.data.shape, generator=gen) if pool is pools[0] else pools[0].data)
+        pool.data.copy_(filled)
     rows = DecodeRows.build([5, 17], [30, 12], [(0, 20), (30, 9)], engine.spec.device)
     plain = BatchDecoder(engine.forward, pools[0], LOOP).step(rows)
     attend = _RotateItself(engine, rows)
@@ -298,7 +296,7 @@ def test_a_layer_attend_gets_every_layer_and_the_unrotated_queries(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_gpu_shared_kernels_decode_the_copy_paths_tokens(get_engine: Callable[[str, str], StitchEngine]) -> None:
     """On CUDA (bf16) the Triton segment kernels run the shared path; its tokens follow the copy path's where the
-    copy path's top-2 gap exceeds the bf16 tolerance."""
+    copy path's top-2 gap is over twice the bf16 tolerance (the rule of test_engine_cuda_graph.py)."""
     engine = get_engine("llama", "cuda")
     assert segment_kernels_apply(engine.spec.device)
     s = setup(engine)
@@ -306,9 +304,9 @@ def test_gpu_shared_kernels_decode_the_copy_paths_tokens(get_engine: Callable[[s
     run = shared_path(engine, s, MODES["mixed"], nan_arena(engine, sum(b.num_tokens for b in s.chunks)))
     got_tokens, got_logits = run.trace
     for got, want, step_tokens, want_step in zip(got_logits, want_logits, got_tokens, want_tokens, strict=True):
-        assert torch.isfinite(got).all() and float((got - want).abs().max()) <= 5e-2
+        assert torch.isfinite(got).all() and float((got - want).abs().max()) <= BF16_TOLERANCE
         top2 = want.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.1
-        assert all(g == w for g, w, c in zip(step_tokens, want_step, clear.tolist(), strict=True) if c)
-        if not all(g == w for g, w in zip(step_tokens, want_step, strict=True)):
+        clear = ((top2[:, 0] - top2[:, 1]) > 2 * BF16_TOLERANCE).tolist()
+        assert all(g == w for g, w, c in zip(step_tokens, want_step, clear, strict=True) if c)
+        if step_tokens != want_step:
             break  # a near tie went the other way: the histories differ from here
