@@ -22,7 +22,7 @@ from service.engine.forward import LayerAttend
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool
-from service.engine.segment_attention import ChunkRange
+from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.segment_launch import segment_kernels_apply
 from service.engine.shared_decode import (
     SharedDecoder,
@@ -117,7 +117,9 @@ class SharedRun:
     tail_slots: list[int]
 
 
-def shared_path(engine: StitchEngine, s: Setup, modes: Sequence[str], arena: ChunkArena) -> SharedRun:
+def shared_path(
+    engine: StitchEngine, s: Setup, modes: Sequence[str], arena: ChunkArena, context: ContextScaling | None = None
+) -> SharedRun:
     """Prefix-only slabs, chunks pinned in the arena, the questions prefilled and the answers decoded through
     segment attention; the pins released at the end."""
     pool = nan_pool(engine, 1500)
@@ -133,7 +135,7 @@ def shared_path(engine: StitchEngine, s: Setup, modes: Sequence[str], arena: Chu
         place_prefix(pool, slab, prefix, engine.forward.rotary)
         requests.append((question, plan.question_start, slab.start, prefix.num_tokens))
         reads.append(placements(plan, ranges))
-    shared = SharedDecoder(BatchDecoder(engine.forward, pool, LOOP), arena)
+    shared = SharedDecoder(BatchDecoder(engine.forward, pool, LOOP), arena, context)
     first = shared.extend(ExtendRows.build(requests, engine.spec.device), extend_batch(requests, reads))
     spans = [(start, live + len(ids)) for ids, _, start, live in requests]
     positions = [p + len(ids) for ids, p, _, _ in requests]
@@ -175,6 +177,23 @@ def test_shared_chunks_decode_the_copy_paths_tokens(
     per_token = engine.spec.kv_bytes_per_token()
     assert run.pool.used_bytes == sum(run.tail_slots) * per_token  # a running answer holds its tail only
     assert run.pool.used_bytes + arena.used_bytes < copy_bytes
+
+
+def test_a_context_temperature_is_the_stitched_paths(get_engine: Callable[[str, str], StitchEngine]) -> None:
+    """APE's temperature T: the copy path divides the chunks' keys by T at the stitch, the shared path the chunks'
+    scores in the attention (`ContextScaling`); the same tokens and logits, and not those of T = 1."""
+    engine = get_engine("qwen2", "cpu")
+    s = setup(engine)
+    plain = shared_path(engine, s, MODES["mixed"], nan_arena(engine, 400)).trace[1]
+    engine.context_temperature = 0.6
+    try:
+        (want_tokens, want_logits), _ = copy_path(engine, s, MODES["mixed"])
+    finally:
+        engine.context_temperature = 1.0
+    run = shared_path(engine, s, MODES["mixed"], nan_arena(engine, 400), ContextScaling(temperature=0.6))
+    assert run.trace[0] == want_tokens
+    assert max(float((g - w).abs().max()) for g, w in zip(run.trace[1], want_logits, strict=True)) <= 1e-4
+    assert float((plain[0] - want_logits[0]).abs().max()) > 1e-2
 
 
 def test_a_shared_chunk_is_one_range_read_by_both_requests(get_engine: Callable[[str, str], StitchEngine]) -> None:
