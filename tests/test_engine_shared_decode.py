@@ -118,10 +118,15 @@ class SharedRun:
 
 
 def shared_path(
-    engine: StitchEngine, s: Setup, modes: Sequence[str], arena: ChunkArena, context: ContextScaling | None = None
+    engine: StitchEngine,
+    s: Setup,
+    modes: Sequence[str],
+    arena: ChunkArena,
+    context: ContextScaling | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> SharedRun:
     """Prefix-only slabs, chunks pinned in the arena, the questions prefilled and the answers decoded through
-    segment attention; the pins released at the end."""
+    segment attention (`meanwhile` called between the prefill and the first step); the pins released at the end."""
     pool = nan_pool(engine, 1500)
     prefix = engine.prefix_block
     requests, reads, tails, pinned = [], [], [], []
@@ -139,6 +144,8 @@ def shared_path(
     first = shared.extend(ExtendRows.build(requests, engine.spec.device), extend_batch(requests, reads))
     spans = [(start, live + len(ids)) for ids, _, start, live in requests]
     positions = [p + len(ids) for ids, p, _, _ in requests]
+    if meanwhile is not None:
+        meanwhile()
 
     def step(ids: list[int], at: list[int], live: list[tuple[int, int]]) -> torch.Tensor:
         rows = DecodeRows.build(ids, at, live, engine.spec.device)
@@ -156,8 +163,9 @@ def test_shared_chunks_decode_the_copy_paths_tokens(
     get_engine: Callable[[str, str], StitchEngine], arch: str, modes: str
 ) -> None:
     """Question prefill then STEPS decode steps: the same greedy tokens as the copy path, logits within 1e-4, all
-    finite though every unwritten slot of both pools and of the arena (an evicted chunk's range too) is NaN; the
-    arena holds each chunk once, the pool only the tails, and no pin outlives the run."""
+    finite though every unwritten slot of both pools and of the arena (an evicted chunk's range too) is NaN; a
+    chunk asked for mid-answer is refused rather than evicting one being read; the arena holds each chunk once,
+    the pool only the tails, and no pin outlives the run."""
     engine = get_engine(arch, "cpu")
     s = setup(engine)
     (want_tokens, want_logits), copy_bytes = copy_path(engine, s, MODES[modes])
@@ -165,7 +173,12 @@ def test_shared_chunks_decode_the_copy_paths_tokens(
     held = sum(s.chunks[c].num_tokens for c in read)
     arena = nan_arena(engine, held + s.chunks[4].num_tokens - 1)  # room for all but chunk 4
     arena.release(arena.acquire([s.chunks[4]], engine.kv_version))
-    run = shared_path(engine, s, MODES[modes], arena)
+
+    def evict_a_pinned_chunk() -> None:  # chunk 4 again, mid-answer: only evicting a pinned chunk would make room
+        with pytest.raises(ArenaFullError):
+            arena.acquire([s.chunks[4]], engine.kv_version)
+
+    run = shared_path(engine, s, MODES[modes], arena, meanwhile=evict_a_pinned_chunk)
     got_tokens, got_logits = run.trace
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits, strict=True):
