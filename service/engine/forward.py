@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,22 @@ from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
 from service.engine.model import LoadedModel
 from service.engine.rotary import Rotary
+
+
+@runtime_checkable
+class LayerAttend(Protocol):
+    """An attention `layers_static` calls with the layer index and the UNROTATED queries, instead of a
+    `StaticAttend` (rotated queries, the pool layer's keys and values).
+
+    Segment attention (`shared_decode.py`) needs both: its chunks live in an arena outside the pool, one tensor per
+    layer, with keys at local positions, so it rotates each query per chunk itself. `layers_static` checks for this
+    protocol once per call, so every existing attend runs unchanged and pays nothing per layer.
+    """
+
+    def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention [T, Hq, D] of the unrotated q [T, Hq, D] (unit stride on D) of layer `layer`; `kv` is the
+        pool's layer [2, Hkv, slots, D], the new tokens' keys (rotated) and values already written."""
+        ...
 
 
 class LeanForward:
@@ -185,14 +201,17 @@ class LeanForward:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        attend: StaticAttend,
+        attend: StaticAttend | LayerAttend,
         layers: tuple[int, int],
     ) -> torch.Tensor:
         """`hidden` [T, hidden] through layers [first, end) of `forward_static` (the same kernels in the same
-        order, so a prefill run as several layer-range segments computes the very same numbers)."""
+        order, so a prefill run as several layer-range segments computes the very same numbers). A `LayerAttend`
+        gets the unrotated queries: only the keys are rotated then (the same elementwise arithmetic)."""
         s = self.spec
         nq, nkv, d, half = s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim // 2
         tokens = hidden.shape[0]
+        layer_attend, static_attend = (attend, None) if isinstance(attend, LayerAttend) else (None, attend)
+        first = nq if layer_attend is not None else 0  # the first head rotated: q's, or only k's
         cos, sin = self.rotary.cos_sin(positions)
         # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one roll, no neg + cat per layer.
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
@@ -202,12 +221,16 @@ class LeanForward:
             fused = self._decode_weights(index)
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
             qkv = qkv.view(tokens, nq + 2 * nkv, d)
-            qk = qkv[:, : nq + nkv].float()
+            qk = qkv[:, first : nq + nkv].float()
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), signed_sin).to(hidden.dtype)
             keys, values = data[index, KEYS], data[index, VALUES]
-            keys.index_copy_(1, slots, qk[:, nq:].transpose(0, 1))
+            keys.index_copy_(1, slots, qk[:, nq - first :].transpose(0, 1))
             values.index_copy_(1, slots, qkv[:, nq + nkv :].transpose(0, 1))
-            out = attend(qk[:, :nq], keys, values, layer.self_attn.scaling)
+            if layer_attend is not None:
+                out = layer_attend.attend_layer(index, qkv[:, :nq], data[index], layer.self_attn.scaling)
+            else:
+                assert static_attend is not None
+                out = static_attend(qk[:, :nq], keys, values, layer.self_attn.scaling)
             hidden = _linear_plus(layer.self_attn.o_proj, out.reshape(tokens, -1), hidden)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias)

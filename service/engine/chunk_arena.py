@@ -1,0 +1,157 @@
+"""One physical copy of every chunk's KV, shared read-only by every running answer (segment attention reads it).
+
+The arena is one preallocated tensor `[layers, 2, kv_heads, slots, head_dim]`, sized once in bytes, carved by the
+`KVPool` allocator (first fit, coalescing, freed ranges poisoned): a chunk is one contiguous range, which is all a
+`ChunkRange` of segment attention names. Keys are rotated once, at LOCAL positions base .. base + L - 1, through
+the model's own rotary (fp32, cast once), values kept as they are; segment attention rotates each query by the
+chunk's offset in its request instead, so the same copy serves a chunk at any position in any request.
+
+Chunks are keyed by (KV version, token ids), never by Python's `hash()`. A request pins the chunks it reads
+(`acquire`) and unpins them when it ends (`release`); a full arena evicts the least recently used UNPINNED chunks
+and refuses (`ArenaFullError`, a `PoolExhaustedError`: the request waits) when pinned chunks leave no room, so a
+chunk is never freed or rewritten while someone reads it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.kv_layout import KEYS, VALUES, KVBlock, ModelSpec, TokenIds, check_block
+from service.engine.kv_pool import KVPool, Poison, PoolExhaustedError, Slab
+from service.engine.rotary import Rotary
+from service.engine.segment_attention import ChunkRange
+
+
+class ArenaFullError(PoolExhaustedError):
+    """Pinned chunks leave no free range for a chunk (the request should wait for answers to end)."""
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """What a chunk's arena copy depends on: the KV version (template, chunk context) and its token ids."""
+
+    version: str
+    token_ids: TokenIds
+
+
+@dataclass
+class _Entry:
+    slab: Slab
+    pins: int = 0
+
+
+class ChunkArena:
+    """Chunks held once at local positions `base ..`, pinned by their readers, evicted LRU when unpinned."""
+
+    def __init__(
+        self, spec: ModelSpec, rotary: Rotary, budget_bytes: int, base: int = 0, poison: Poison | str = Poison.ZERO
+    ) -> None:
+        self.spec = spec
+        self.base = base
+        self._rotary = rotary
+        self._pool = KVPool(spec, budget_bytes, poison)
+        # Least recently acquired first: eviction walks from the front, skipping pinned chunks.
+        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._by_start: dict[int, ChunkKey] = {}
+        self.evictions = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The arena tensor `[layers, 2, kv_heads, slots, head_dim]` (segment attention reads layer by layer)."""
+        return self._pool.data
+
+    # ---- pins ---------------------------------------------------------------------------------------------
+
+    def acquire(self, blocks: Sequence[KVBlock], version: str) -> tuple[ChunkRange, ...]:
+        """Pin every block's chunk (placing the missing ones), in order; raises `ArenaFullError`, having pinned
+        nothing, when pinned chunks leave no room for a missing one."""
+        ranges: list[ChunkRange] = []
+        try:
+            for block in blocks:
+                ranges.append(self._pin(ChunkKey(version, block.token_ids), block))
+        except ArenaFullError:
+            self.release(ranges)
+            raise
+        return tuple(ranges)
+
+    def release(self, ranges: Sequence[ChunkRange]) -> None:
+        """Unpin chunks `acquire` returned (each range once per time it was returned)."""
+        for chunk in ranges:
+            key = self._by_start.get(chunk.start)
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None or entry.slab.size != chunk.length or entry.pins == 0:
+                raise ValueError(f"{chunk} is not a pinned chunk of this arena")
+            entry.pins -= 1
+
+    def _pin(self, key: ChunkKey, block: KVBlock) -> ChunkRange:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(self._place(block))
+            self._entries[key] = entry
+            self._by_start[entry.slab.start] = key
+        self._entries.move_to_end(key)
+        entry.pins += 1
+        return ChunkRange(entry.slab.start, entry.slab.size, self.base)
+
+    # ---- placement and eviction ---------------------------------------------------------------------------
+
+    def _place(self, block: KVBlock) -> Slab:
+        """A range holding the block's keys rotated at base .. and its values (evicting unpinned chunks)."""
+        check_block(self.spec, block)
+        slab = self._allocate(block.num_tokens)
+        device = self.data.device
+        kv = block.kv.to(device, non_blocking=True)
+        positions = torch.arange(self.base, self.base + block.num_tokens, device=device)
+        with torch.inference_mode():
+            view = self._pool.view(slab)
+            view[:, KEYS].copy_(self._rotary.rotate(kv[:, KEYS], positions))
+            view[:, VALUES].copy_(kv[:, VALUES])
+        return slab
+
+    def _allocate(self, tokens: int) -> Slab:
+        while not self._pool.can_allocate(tokens):
+            victim = next((k for k, e in self._entries.items() if e.pins == 0), None)
+            if victim is None:
+                raise ArenaFullError(
+                    f"pinned chunks fill the arena: no free range of {tokens} slots "
+                    f"({self.pinned_chunks} pinned, largest free {self._pool.largest_free})"
+                )
+            self._evict(victim)
+        return self._pool.allocate(tokens)
+
+    def _evict(self, key: ChunkKey) -> None:
+        entry = self._entries.pop(key)
+        del self._by_start[entry.slab.start]
+        self._pool.free(entry.slab)  # poisons the range: a stale reader would see NaN (tests) or zeros
+        self.evictions += 1
+
+    # ---- what it holds ------------------------------------------------------------------------------------
+
+    def pins(self, version: str, token_ids: Sequence[int]) -> int | None:
+        """The chunk's pin count, or None when the arena does not hold it."""
+        entry = self._entries.get(ChunkKey(version, tuple(token_ids)))
+        return None if entry is None else entry.pins
+
+    @property
+    def chunks(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pinned_chunks(self) -> int:
+        return sum(1 for e in self._entries.values() if e.pins)
+
+    @property
+    def used_slots(self) -> int:
+        return self._pool.used_slots
+
+    @property
+    def used_bytes(self) -> int:
+        return self._pool.used_bytes
+
+    @property
+    def slots(self) -> int:
+        return self._pool.slots
