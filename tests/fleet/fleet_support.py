@@ -7,25 +7,13 @@ from pathlib import Path
 
 import torch
 
-from service.engine.kv_layout import KVBlock, ModelSpec, TokenIds, block_shape
+from service.devtools.tiny_spec import TINY_SPEC
+from service.engine.kv_layout import KVBlock, TokenIds, block_shape
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import TierListener
 
-SPEC = ModelSpec(
-    model_type="llama",
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    hidden_size=64,
-    vocab_size=384,
-    rope_type="default",
-    max_positions=4096,
-    sliding_window=None,
-    dtype=torch.float32,
-    device=torch.device("cpu"),
-)
+SPEC = TINY_SPEC
 BLOCK_TOKENS = 24
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK_TOKENS  # layers x (k, v) x kv heads x head dim x fp32 bytes x tokens
 

@@ -7,25 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from service.devtools.tiny_spec import TINY_SPEC
 from service.engine.kv_layout import KVBlock, ModelSpec
 
 if TYPE_CHECKING:  # a runtime import would pull Redis into the file-format tests' writer processes
     from service.kvcache.index import KVIndex
 
-BASE_SPEC = ModelSpec(
-    model_type="llama",
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    hidden_size=64,
-    vocab_size=384,
-    rope_type="default",
-    max_positions=4096,
-    sliding_window=None,
-    dtype=torch.float32,
-    device=torch.device("cpu"),
-)
+BASE_SPEC = TINY_SPEC
 
 SpecFactory = Callable[..., ModelSpec]
 BlockFactory = Callable[..., KVBlock]
