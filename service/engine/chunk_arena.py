@@ -129,6 +129,12 @@ class ChunkArena:
         self._pool.free(entry.slab)  # poisons the range: a stale reader would see NaN (tests) or zeros
         self.evictions += 1
 
+    def close(self) -> None:
+        """Drop the arena's memory (its owner is closing); nothing may be acquired or read afterwards."""
+        self._entries.clear()
+        self._by_start.clear()
+        self._pool.release()
+
     # ---- what it holds ------------------------------------------------------------------------------------
 
     def pins(self, version: str, token_ids: Sequence[int]) -> int | None:
