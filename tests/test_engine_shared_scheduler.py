@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ChunkArena
@@ -26,6 +27,8 @@ from service.engine.scheduler import Scheduler
 from service.kvcache.index import SqliteIndex
 from service.kvcache.store import KVStore, TierBudgets
 from service.serving.kv_source import StoreChunks, kv_store_for
+from service.serving.runtime import open_arena
+from service.settings import MIB, Settings
 
 LENGTHS = (30, 17, 41, 12, 25)  # the corpus: chunk i has LENGTHS[i] tokens (its block, the template's wrapper too)
 
@@ -269,3 +272,20 @@ def test_requests_the_arena_cannot_serve_keep_the_copy_path(get_engine: Callable
     drain(scheduler)
     assert run.outcomes() == want
     assert_nothing_pinned(scheduler)
+
+
+def test_the_setting_is_validated_and_the_arena_sized_from_the_pool(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    """`shared_chunks` is off unless set to on (anything else refused); on, the arena is `shared_arena_mb`, or
+    else half of the pool's budget with the pool keeping the other half; off, no arena and the whole pool."""
+    engine = get_engine("qwen2", "cpu")
+    assert Settings().shared_chunks == "off"
+    with pytest.raises(ValidationError):
+        Settings(shared_chunks="maybe")
+    assert open_arena(Settings(), engine, 64) == (64, None)
+    pool_mib, arena = open_arena(Settings(shared_chunks="on"), engine, 64)
+    assert pool_mib == 32 and arena is not None and arena.base == engine.chunk_start
+    assert arena.slots == (32 * MIB) // engine.spec.kv_bytes_per_token()
+    pool_mib, arena = open_arena(Settings(shared_chunks="on", shared_arena_mb=8), engine, 64)
+    assert pool_mib == 64 and arena is not None and arena.slots == (8 * MIB) // engine.spec.kv_bytes_per_token()
