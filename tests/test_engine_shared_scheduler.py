@@ -289,3 +289,26 @@ def test_the_setting_is_validated_and_the_arena_sized_from_the_pool(
     assert arena.slots == (32 * MIB) // engine.spec.kv_bytes_per_token()
     pool_mib, arena = open_arena(Settings(shared_chunks="on", shared_arena_mb=8), engine, 64)
     assert pool_mib == 64 and arena is not None and arena.slots == (8 * MIB) // engine.spec.kv_bytes_per_token()
+
+
+def test_a_context_temperature_gives_the_copy_paths_tokens_in_both_kinds_of_rows(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    """APE's temperature: shared rows scale their chunks' scores in the attention, copy-path rows (naive here, its
+    slab its whole context) are left as they are; every request's tokens are the copy path's under the same T."""
+    engine = get_engine("qwen2", "cpu")
+    asks = ASKS[:4]
+    engine.context_temperature = 0.6
+    try:
+        want = copy_path(engine, asks)
+        scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, arena=nan_arena(engine, 400))
+        run = Run(engine, asks)
+        for request in run.requests:
+            scheduler.add(request)
+        drain(scheduler)
+    finally:
+        engine.context_temperature = 1.0
+    assert run.outcomes() == want
+    assert [r.tail_tokens is not None for r in run.requests] == [True, True, True, False]
+    assert want[:3] != copy_path(engine, asks[:3])  # the temperature changed the turbo answers
+    assert_nothing_pinned(scheduler)
