@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from service.engine.batch_request import BatchRequest
-from service.engine.chunk_arena import ChunkArena
+from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_pool import KVPool
@@ -232,26 +232,49 @@ def test_cancelled_and_failed_requests_give_their_pins_back(
     assert_nothing_pinned(scheduler)
 
 
+@pytest.mark.parametrize("refused_by", ["room check", "acquire"])
 def test_a_request_whose_chunks_do_not_fit_the_arena_now_waits_then_runs(
-    get_engine: Callable[[str, str], StitchEngine],
+    get_engine: Callable[[str, str], StitchEngine], store: KVStore, refused_by: str
 ) -> None:
     """An arena holding chunks 0, 1, 2 and no more: a request reading chunks 3 and 4 waits at the head of the line
-    (and a request behind it too: first come, first served) while the first runs, then runs as on the copy path."""
-    engine = get_engine("mistral", "cpu")
+    (and a request behind it too: first come, first served) while the first runs, then runs as on the copy path.
+    Refused by the room check, it fetched nothing; refused by `acquire` itself (the check passed, as it may where
+    the arena is fragmented), its slab and its device-tier pins were given back and its KV dropped."""
+    engine = get_engine("qwen2", "cpu")
     asks = (Ask((0, 1, 2), max_new=6, seed=1), Ask((3, 4), max_new=5, seed=2), Ask((0,), max_new=4, seed=3))
     want = copy_path(engine, asks)
     arena = nan_arena(engine, sum(block_sizes(engine)[:3]))
-    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, arena=arena)
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, kv_source=StoreChunks(store), arena=arena)
+    assert scheduler.shared is not None
+    refusals: list[BatchRequest] = []
+    if refused_by == "acquire":
+        scheduler.shared.may_fit = lambda request: True  # type: ignore[method-assign]
+        place = scheduler.shared.place
+
+        def counted_place(request: BatchRequest) -> None:
+            try:
+                place(request)
+            except ArenaFullError:
+                refusals.append(request)
+                raise
+
+        scheduler.shared.place = counted_place  # type: ignore[method-assign]
     run = Run(engine, asks)
     for request in run.requests:
         scheduler.add(request)
     scheduler.step()
-    assert list(scheduler.running) == run.requests[:1]
+    pinned = store.gpu.pinned_bytes
+    assert list(scheduler.running) == run.requests[:1] and pinned > 0
     assert list(scheduler.waiting) == run.requests[1:] and run.requests[1].slab is None
+    assert run.requests[1].chunk_kv is None and run.requests[1].fetch is None
     assert scheduler.pool.used_slots == run.requests[0].slab_tokens  # the waiting request holds no slab
+    assert arena.pinned_chunks == 3
+    scheduler.step()
+    assert store.gpu.pinned_bytes == pinned  # only the running request's blocks, however often the other tried
+    assert refusals == ([run.requests[1]] * 2 if refused_by == "acquire" else [])
     drain(scheduler)
     assert run.outcomes() == want
-    assert arena.evictions >= 2
+    assert arena.evictions >= 2 and store.gpu.pinned_bytes == 0
     assert_nothing_pinned(scheduler)
 
 

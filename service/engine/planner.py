@@ -205,12 +205,15 @@ class Planner:
         """Give the request its slab and its chunk KV (and, shared, its chunks' arena ranges); the error when the KV
         could not be had (its slab, which no step has written, goes straight back to the pool). Raises
         `ArenaFullError`, having reserved nothing, when the arena has no room for its chunks now."""
+        shared = self.shared if request.tail_tokens is not None else None
+        if shared is not None and not shared.may_fit(request):
+            raise ArenaFullError("pinned chunks leave the arena no room for the request's chunks")
         request.slab = self.pool.allocate(request.slab_tokens)
         request.kv = self.pool.buffer(request.slab)
         try:
             self._fetch(request)
-            if self.shared is not None and request.tail_tokens is not None:
-                self.shared.place(request)
+            if shared is not None:
+                shared.place(request)
         except ArenaFullError:
             self._unreserve(request)
             if request.fetch is not None:  # fetched again when it is next tried: no block held while it waits

@@ -56,6 +56,11 @@ class SharedChunks:
         """Slots a shared request's slab holds: prefix, question and answer budget (its chunks live in the arena)."""
         return len(request.prompt.prefix) + len(request.prompt.question) + request.sampling.max_new_tokens
 
+    def may_fit(self, request: BatchRequest) -> bool:
+        """Whether the arena could take the request's chunks now (checked before its KV is fetched, so a request
+        waiting for room fetches nothing)."""
+        return self.arena.may_hold(self.engine.kv_version, request.prompt.blocks)
+
     def place(self, request: BatchRequest) -> None:
         """Pin the request's chunks in the arena (`ArenaFullError`, pinning nothing, when pinned chunks leave no
         room) and put the prefix in its slab. Its chunk KV must be on the device (fetched or given)."""
