@@ -235,7 +235,9 @@ class Planner:
 
     def release_chunks(self, request: BatchRequest) -> None:
         """Give back what a shared request pins: its arena ranges and its fetch's device-tier blocks (every end
-        of a request comes here; a second call finds nothing)."""
+        of a request comes here; a second call finds nothing). At once, unlike a slab (`InFlight.release`): a step
+        still running reads the ranges, never writes them, and whatever reuses them next (an arena placement, the
+        poison of an eviction) is queued on the same stream after that step."""
         if self.shared is None:
             return
         self.shared.release(request)
