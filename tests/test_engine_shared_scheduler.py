@@ -22,6 +22,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
+from service.engine.recompute_spec import parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
 from service.kvcache.index import SqliteIndex
@@ -43,6 +44,7 @@ class Ask:
     max_new: int = 8
     question: int = 7
     seed: int = 0
+    recompute: str = "none"
 
 
 # Chunks 0 and 2 are read by four requests; a naive request and a composite one run beside them.
@@ -69,6 +71,7 @@ class Run:
                 ask.mode,
                 ask.positions,
                 on_text=deltas.append,
+                recompute=parse_recompute(ask.recompute),
             )
             for ask, deltas in zip(asks, self.deltas, strict=True)
         ]
@@ -282,18 +285,25 @@ def test_requests_the_arena_cannot_serve_keep_the_copy_path(get_engine: Callable
     """Chunks larger than the whole arena, naive requests and recompute keep their whole context in their slab
     (no arena range); the tokens are still the copy path's."""
     engine = get_engine("qwen2", "cpu")
-    asks = (Ask((0, 1, 2), max_new=5, seed=1), Ask((3,), max_new=5, seed=2), Ask((4,), mode="naive", max_new=4))
+    asks = (
+        Ask((0, 1, 2), max_new=5, seed=1),
+        Ask((3,), max_new=5, seed=2),
+        Ask((4,), mode="naive", max_new=4),
+        Ask((3,), max_new=6, seed=4, recompute="prefix:4"),
+    )
     want = copy_path(engine, asks)
     arena = nan_arena(engine, block_sizes(engine)[3])  # holds chunk 3 only
     scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, arena=arena)
     run = Run(engine, asks)
     for request in run.requests:
         scheduler.add(request)
-    assert [r.tail_tokens is not None for r in run.requests] == [False, True, False]
+    assert [r.tail_tokens is not None for r in run.requests] == [False, True, False, False]
     scheduler.step()
-    assert run.requests[0].reads == () and run.requests[1].reads != ()
+    assert run.requests[0].reads == () and run.requests[1].reads != () and run.requests[3].reads == ()
+    assert run.requests[3].slab is not None and run.requests[3].slab.size == run.requests[3].tokens_needed
     drain(scheduler)
     assert run.outcomes() == want
+    assert run.requests[3].result.recomputed_tokens > 0
     assert_nothing_pinned(scheduler)
 
 
