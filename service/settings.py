@@ -208,6 +208,18 @@ class Settings(BaseSettings):
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )
+    shared_chunks: Literal["off", "on"] = Field(
+        "off",
+        description="on: turbo answers without recompute read their chunks from one shared chunk arena (each chunk "
+        "held once, RoPE applied in the attention), their KV pool slab holding only prefix, question and answer. "
+        "Eager only for now: with it on, the scheduler runs its batched steps without CUDA graphs.",
+    )
+    shared_arena_mb: int | None = Field(
+        None,
+        ge=1,
+        description="Chunk arena of SHARED_CHUNKS=on (MiB); unset = half of the KV pool's budget, the pool keeping "
+        "the other half (the two fit the memory the pool alone was given).",
+    )
     max_question_chars: int = Field(4000, ge=1, description="Longest question accepted.")
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request gives none.")

@@ -16,6 +16,8 @@ from service.engine.kv_pool import Slab
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import Sampler, SamplingParams
+from service.engine.segment_attention import ChunkRange
+from service.engine.shared_decode import Placement
 from service.engine.stitch import BlockReady, PositionMode
 
 TextSink = Callable[[str], None]
@@ -73,6 +75,11 @@ class BatchRequest:
         # State the scheduler keeps while the request runs.
         self.slab: Slab | None = None
         self.kv: KVBuffer | None = None  # over the slab
+        # Shared-chunk mode (`shared_chunks.py`): set at `add` for a request that reads its chunks from the arena.
+        self.tail_tokens: int | None = None  # its slab's size: prefix, question, answer budget
+        self.arena_ranges: tuple[ChunkRange, ...] = ()  # the chunks it pins while it runs
+        self.reads: tuple[Placement, ...] = ()  # each chunk's range and offset (empty: its slab holds its context)
+        self.question_start = 0  # position of its question's first token
         self.sampler: Sampler | None = None
         self.detok: IncrementalDetokenizer | None = None
         self.last_token = -1  # the token the next decode step feeds
@@ -84,6 +91,11 @@ class BatchRequest:
     def tokens_needed(self) -> int:
         """Slots the request's slab holds: the joined prompt and the answer budget."""
         return self.result.prompt_tokens + self.sampling.max_new_tokens
+
+    @property
+    def slab_tokens(self) -> int:
+        """Slots its slab takes: its tail where it reads shared chunks, else `tokens_needed`."""
+        return self.tokens_needed if self.tail_tokens is None else self.tail_tokens
 
     @property
     def finished(self) -> bool:

@@ -129,7 +129,22 @@ class ChunkArena:
         self._pool.free(entry.slab)  # poisons the range: a stale reader would see NaN (tests) or zeros
         self.evictions += 1
 
+    def close(self) -> None:
+        """Drop the arena's memory (its owner is closing); nothing may be acquired or read afterwards."""
+        self._entries.clear()
+        self._by_start.clear()
+        self._pool.release()
+
     # ---- what it holds ------------------------------------------------------------------------------------
+
+    def may_hold(self, version: str, blocks: Sequence[Sequence[int]]) -> bool:
+        """Whether `acquire` of chunks with these token ids could succeed now: the missing ones fit the free slots
+        and those of unpinned chunks they do not include (a cheap check before fetching their KV; fragmentation
+        aside, which `acquire` alone decides)."""
+        wanted = {ChunkKey(version, tuple(ids)) for ids in blocks}
+        missing = sum(len(key.token_ids) for key in wanted if key not in self._entries)
+        evictable = sum(e.slab.size for key, e in self._entries.items() if e.pins == 0 and key not in wanted)
+        return missing <= self.slots - self.used_slots + evictable
 
     def pins(self, version: str, token_ids: Sequence[int]) -> int | None:
         """The chunk's pin count, or None when the arena does not hold it."""

@@ -7,7 +7,7 @@ scheduler never reaches the store through the request or the use case that made 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from service.engine.kv_layout import KVBlock
 from service.engine.stitch import BlockReady
@@ -28,3 +28,13 @@ class ChunkSource(Protocol):
     def fetch(self, blocks: Sequence[Sequence[int]]) -> ChunkFetch:
         """The KV of every block, from whichever tier holds it (misses computed); copies may still be landing."""
         ...
+
+
+@runtime_checkable
+class PinningChunkSource(Protocol):
+    """A source whose device-resident blocks a request can hold in place while it runs (the KV store's GPU tier):
+    `fetch(blocks, pin=True)` pins them, `release(fetched)` unpins them (once; a second call does nothing)."""
+
+    def fetch(self, blocks: Sequence[Sequence[int]], pin: bool = False) -> ChunkFetch: ...
+
+    def release(self, fetched: ChunkFetch) -> None: ...

@@ -123,6 +123,7 @@ class OutputProcessor:
     def finish(self, request: BatchRequest, reason: str) -> None:
         """End a request wherever it is: free its slab, flush its text, report it."""
         self.planner.remove(request)
+        self.planner.release_chunks(request)
         if request.slab is not None:
             self.release(request.slab)
             request.slab, request.kv = None, None

@@ -14,6 +14,11 @@ priority lane: one is admitted only while no other request waits and the batch h
 main line cannot be admitted (no room in the batch or the pool), every shadow admitted is preempted (`preempted`:
 ended, its slab freed, not run again), so a request never waits longer for a shadow than the step already launched.
 A running naive shadow's prompt chunks also go after every other request's.
+
+Shared-chunk mode (`shared`, `shared_chunks.py`): a request reading its chunks from the arena reserves a slab of
+its tail only, has its chunk KV fetched pinned (where the source pins) and its chunks pinned in the arena at
+admission; when pinned chunks leave the arena no room it waits at the head of the line, as for a full pool.
+Every end of a request gives both pins back (`release_chunks`).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.engine.batch_request import BatchRequest, RequestStatus
-from service.engine.chunk_source import ChunkSource
+from service.engine.chunk_arena import ArenaFullError
+from service.engine.chunk_source import ChunkSource, PinningChunkSource
 from service.engine.engine import GenerationMode, StitchEngine, check_request
 from service.engine.kv_pool import KVPool
+from service.engine.shared_chunks import SharedChunks
 
 
 class QueueFullError(RuntimeError):
@@ -51,6 +58,7 @@ class AdmissionPlan:
     together: list[BatchRequest] = field(default_factory=list)  # turbo questions in one batched forward
     riding: list[BatchRequest] = field(default_factory=list)  # turbo questions in this step's decode forward
     failed: list[tuple[BatchRequest, BaseException]] = field(default_factory=list)  # their KV could not be had
+    shared: list[BatchRequest] = field(default_factory=list)  # questions prefilled over the chunk arena
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Planner:
         prefill_chunk: int,
         batch_prefill_min: int,
         prefill_with_decode: bool,
+        shared: SharedChunks | None = None,
     ) -> None:
         if prefill_chunk < 0 or batch_prefill_min < 0:
             raise ValueError("prefill_chunk and batch_prefill_min must be >= 0")
@@ -94,6 +103,7 @@ class Planner:
         self.prefill_chunk = prefill_chunk
         self.batch_prefill_min = batch_prefill_min
         self.prefill_with_decode = prefill_with_decode
+        self.shared = shared
         self.max_tokens = pool.slots - pool.used_slots  # what one request may ever hold (the graphs keep a slot)
         self.waiting: deque[BatchRequest] = deque()
         self.prefilling: deque[BatchRequest] = deque()  # admitted naive requests whose prompt goes in by chunks
@@ -106,6 +116,8 @@ class Planner:
         need = request.tokens_needed
         if need > self.engine.spec.max_context:
             raise ValueError(f"sequence of {need} tokens exceeds the model's context of {self.engine.spec.max_context}")
+        if self.shared is not None and self.shared.applies(request):
+            request.tail_tokens = need = self.shared.tail_tokens(request)
         if need > self.max_tokens:
             raise ValueError(f"a request of {need} tokens can never fit a KV pool of {self.max_tokens}")
         if request.shadow:
@@ -157,12 +169,17 @@ class Planner:
                 break
             while line:
                 request = line[0]
-                if not self._admissible(request, len(admitted)):
+                if not self._admissible(request, len(admitted) + len(plan.shared)):
                     break
+                try:
+                    error = self._reserve(request)
+                except ArenaFullError:
+                    break  # pinned chunks fill the arena: it waits at the head of the line, as for a full pool
                 line.popleft()
-                error = self._reserve(request)
                 if error is not None:
                     plan.failed.append((request, error))
+                elif request.tail_tokens is not None:
+                    plan.shared.append(request)
                 elif self._chunked(request):
                     self.prefilling.append(request)
                 else:
@@ -182,29 +199,62 @@ class Planner:
         """Whether `request` can be admitted now, beside `admitted` others admitted in this step: the batch has a
         row and the pool a slab for it."""
         batch = len(self.running) + len(self.prefilling) + admitted
-        return batch < self.max_batch and self.pool.can_allocate(request.tokens_needed)
+        return batch < self.max_batch and self.pool.can_allocate(request.slab_tokens)
 
     def _reserve(self, request: BatchRequest) -> BaseException | None:
-        """Give the request its slab and its chunk KV; the error when the KV could not be had (its slab, which no
-        step has written, goes straight back to the pool)."""
-        request.queue_ms = (time.perf_counter() - request.added_at) * 1e3
-        request.status = RequestStatus.RUNNING
-        request.slab = self.pool.allocate(request.tokens_needed)
+        """Give the request its slab and its chunk KV (and, shared, its chunks' arena ranges); the error when the KV
+        could not be had (its slab, which no step has written, goes straight back to the pool). Raises
+        `ArenaFullError`, having reserved nothing, when the arena has no room for its chunks now."""
+        shared = self.shared if request.tail_tokens is not None else None
+        if shared is not None and not shared.may_fit(request):
+            raise ArenaFullError("pinned chunks leave the arena no room for the request's chunks")
+        request.slab = self.pool.allocate(request.slab_tokens)
         request.kv = self.pool.buffer(request.slab)
         try:
             self._fetch(request)
+            if shared is not None:
+                shared.place(request)
+        except ArenaFullError:
+            self._unreserve(request)
+            if request.fetch is not None:  # fetched again when it is next tried: no block held while it waits
+                request.chunk_kv, request.chunk_ready, request.fetch = None, None, None
+            raise
         except Exception as err:  # one request's failure (its KV index away, say) must not take the batch down
-            self.pool.free(request.slab)
-            request.slab, request.kv = None, None
+            self._unreserve(request)
             return err
+        request.queue_ms = (time.perf_counter() - request.added_at) * 1e3
+        request.status = RequestStatus.RUNNING
         return None
+
+    def _unreserve(self, request: BatchRequest) -> None:
+        """Undo an admission that no step has run: the slab back to the pool, the pins given back."""
+        assert request.slab is not None
+        self.pool.free(request.slab)
+        request.slab, request.kv = None, None
+        self.release_chunks(request)
+
+    def release_chunks(self, request: BatchRequest) -> None:
+        """Give back what a shared request pins: its arena ranges and its fetch's device-tier blocks (every end
+        of a request comes here; a second call finds nothing). At once, unlike a slab (`InFlight.release`): a step
+        still running reads the ranges, never writes them, and whatever reuses them next (an arena placement, the
+        poison of an eviction) is queued on the same stream after that step."""
+        if self.shared is None:
+            return
+        self.shared.release(request)
+        if request.fetch is not None and isinstance(self.kv_source, PinningChunkSource):
+            self.kv_source.release(request.fetch)
 
     def _fetch(self, request: BatchRequest) -> None:
         """The chunks' KV from the source's tiers, at admission, so blocks occupy device memory only once the
-        request runs; copies may still land after this returns (the stitch waits for each block)."""
+        request runs; copies may still land after this returns (the stitch waits for each block). A shared
+        request's device-tier blocks are pinned where the source can (released with its arena ranges)."""
         if self.kv_source is None or request.mode is not GenerationMode.TURBO or request.chunk_kv is not None:
             return
-        fetched = self.kv_source.fetch(request.prompt.blocks)
+        source = self.kv_source
+        if request.tail_tokens is not None and isinstance(source, PinningChunkSource):
+            fetched = source.fetch(request.prompt.blocks, pin=True)
+        else:
+            fetched = source.fetch(request.prompt.blocks)
         request.fetch = fetched
         request.chunk_kv = fetched.blocks
         request.chunk_ready = check_request(self.engine, request.prompt, fetched.blocks, fetched.ready or None)
@@ -227,6 +277,8 @@ class Planner:
         before the step: a chunk is timed synchronously, so a question riding in the step would wait for it,
         where prefilled apart its first token is read before it."""
         if not (questions and self.prefill_with_decode and self.shapes.batched and self.batch_prefill_min > 0):
+            return False
+        if self.shared is not None:  # the mixed forward reads slabs only; shared mode's step is the segment one
             return False
         return bool(self.running) and not self.prefilling and self.shapes.mixes(len(self.running), questions)
 

@@ -6,7 +6,9 @@ request that has ended by then.
 
 What it runs: an admitted request prefilled alone (`SlabPrefill.prefill_alone`), turbo questions stitched and
 prefilled in one batched forward, or held to ride in the decode step's forward; the naive prompts' chunks; then
-one batched decode step over the running requests (through its CUDA graphs where captured).
+one batched decode step over the running requests (through its CUDA graphs where captured). In shared-chunk
+mode (`shared`) shared requests' questions are prefilled together over the chunk arena, and every decode step runs
+through segment attention (`SharedChunks.step`), eagerly.
 
 Overlapped (`overlap`, on by default on CUDA): a step is launched before the previous step's picks reach the host,
 its rows fed from the picks still on the device, and the previous step is read while the GPU runs this one, so
@@ -33,6 +35,7 @@ from service.engine.inflight import InFlight, PendingPicks, copy_to_host
 from service.engine.output import Failed, Started, StepOutput, Tokens
 from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
 from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
+from service.engine.shared_chunks import SharedChunks
 from service.engine.slab_prefill import SlabPrefill
 
 log = logging.getLogger(__name__)
@@ -53,8 +56,10 @@ class StepRunner:
         graphs: BatchGraphs | None,
         overlap: bool,
         overlap_admissions: bool,
+        shared: SharedChunks | None = None,
     ) -> None:
         self.engine = engine
+        self.shared = shared
         self.planner = planner
         self.decoder = decoder
         self.slabs = slabs
@@ -80,6 +85,8 @@ class StepRunner:
     def admit(self, plan: AdmissionPlan) -> Outputs:
         for request in plan.alone:
             yield from self._prefill_alone(request)
+        if plan.shared:
+            yield from self._prefill_shared(plan.shared)
         if plan.riding:
             self._question_watch = watch = self._watch()
             stitched = yield from self._stitched(plan.riding, watch)
@@ -97,6 +104,20 @@ class StepRunner:
             yield Failed([request], err)
             return
         yield from self._first_tokens([request], logits.unsqueeze(0), watch)
+
+    def _prefill_shared(self, group: list[BatchRequest]) -> Outputs:
+        """Shared requests' questions in one forward over the chunk arena (their prefixes are in their slabs)."""
+        assert self.shared is not None
+        watch = self._watch()
+        try:
+            logits = self.shared.extend(group)
+        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
+            log.exception("shared question prefill of %d requests failed", len(group))
+            yield Failed(group, err)
+            return
+        watch.lap(_set_stage(group, "prefill_ms"))
+        self.prefilled_together += len(group)
+        yield from self._first_tokens(group, logits, watch)
 
     def _watch(self) -> Stopwatch:
         """Times an admission's stages: deferred where steps overlap on CUDA (settled at the first token), so
@@ -361,7 +382,10 @@ class StepRunner:
         """The decode step proper: each request's last token (or, with `feed`, the previous step's pick still on
         the device) through the step's graph (or eagerly)."""
         ids, positions, spans = _rows(batch)
-        if self.graphs is not None:
+        if self.shared is not None:
+            rows = DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed)
+            logits = self.shared.step(batch, rows, positions, spans)
+        elif self.graphs is not None:
             logits = self.graphs.step(ids, positions, spans, feed)
         else:
             logits = self.decoder.step(DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed))

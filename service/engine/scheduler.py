@@ -20,12 +20,14 @@ from service.engine import batching_defaults
 from service.engine.batch_decode import BatchDecoder
 from service.engine.batch_graph import BatchGraphs
 from service.engine.batch_request import BatchRequest
+from service.engine.chunk_arena import ChunkArena
 from service.engine.chunk_source import ChunkSource
 from service.engine.engine import StitchEngine
 from service.engine.kv_pool import KVPool
 from service.engine.output import Failed, OutputProcessor, StepOutput
 from service.engine.planner import Planner, QueueFullError
 from service.engine.runner import STEP_PHASES, StepRunner
+from service.engine.shared_chunks import SharedChunks
 from service.engine.slab_prefill import SlabPrefill
 
 DEFAULT_MAX_BATCH = batching_defaults.MAX_BATCH
@@ -49,6 +51,7 @@ class Scheduler:
         overlap: bool = False,
         overlap_admissions: bool = True,
         kv_source: ChunkSource | None = None,
+        arena: ChunkArena | None = None,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive prompt longer than this many tokens goes in by chunks, at most this many tokens
@@ -64,8 +67,13 @@ class Scheduler:
         `overlap_admissions` (with `overlap`): admitted requests' first tokens stay on the device too, fed to the
         next step and read while it runs; False reads each at its admission.
         `kv_source`: where an admitted turbo request without chunk KV gets it (the KV store's tiers); None: the
-        engine computes it (offline use, tests)."""
+        engine computes it (offline use, tests).
+        `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
+        it, every batched step runs eagerly (no CUDA graphs) and no question rides in a decode step."""
+        if arena is not None:
+            cuda_graphs, prefill_with_decode = False, False
         decoder = BatchDecoder(engine.forward, pool, attention)
+        shared = SharedChunks(engine, decoder, arena) if arena is not None else None
         # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
         graphs = BatchGraphs(decoder, 2 * max_batch) if cuda_graphs else None
         mixed_picks = 2 * max_batch if prefill_with_decode else 0
@@ -82,8 +90,9 @@ class Scheduler:
             prefill_chunk,
             batch_prefill_min,
             prefill_with_decode,
+            shared,
         )
-        self.runner = StepRunner(engine, self.planner, decoder, slabs, graphs, overlap, overlap_admissions)
+        self.runner = StepRunner(engine, self.planner, decoder, slabs, graphs, overlap, overlap_admissions, shared)
         self.output = OutputProcessor(self.planner, self.runner.inflight.release, engine.eos_ids())
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -200,6 +209,10 @@ class Scheduler:
     def prefill_with_decode(self, on: bool) -> None:
         """Benchmarks pair passes with and without it in one server."""
         self.planner.prefill_with_decode = on
+
+    @property
+    def shared(self) -> SharedChunks | None:
+        return self.planner.shared
 
     @property
     def decoder(self) -> BatchDecoder:

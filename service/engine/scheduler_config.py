@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.engine import batching_defaults
+from service.engine.chunk_arena import ChunkArena
 from service.engine.chunk_source import ChunkSource
 from service.engine.engine import StitchEngine
 from service.engine.extend_graph import TOKEN_BUCKETS
@@ -45,9 +46,11 @@ def build_scheduler(
     options: BatchingOptions,
     max_waiting: int | None = None,
     kv_source: ChunkSource | None = None,
+    arena: ChunkArena | None = None,
 ) -> Scheduler:
     """The scheduler over `pool` with `options`, its CUDA graphs, mixed steps and overlap chosen as served;
-    `kv_source`: where admitted turbo requests get their chunk KV (None: the engine computes it)."""
+    `kv_source`: where admitted turbo requests get their chunk KV (None: the engine computes it); `arena`: the
+    shared-chunk mode's chunk arena (its steps run eagerly: no CUDA graphs, no question riding in a step)."""
     on_cuda = graphs_on(engine)
     return Scheduler(
         engine,
@@ -60,6 +63,7 @@ def build_scheduler(
         prefill_with_decode=_unset_is(options.prefill_with_decode, on_cuda),
         overlap=_unset_is(options.overlap, on_cuda),
         kv_source=kv_source,
+        arena=arena,
     )
 
 
@@ -74,6 +78,8 @@ def release(scheduler: Scheduler) -> None:
         if graphs is not None:
             graphs.close()
     scheduler.pool.release()
+    if scheduler.shared is not None:
+        scheduler.shared.arena.close()
 
 
 def _unset_is(setting: bool | None, default: bool) -> bool:

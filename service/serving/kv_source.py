@@ -14,6 +14,7 @@ from pathlib import Path
 
 import redis
 
+from service.engine.chunk_source import ChunkFetch
 from service.engine.engine import StitchEngine
 from service.errors import UnavailableError
 from service.kvcache.index import KVIndex
@@ -61,8 +62,14 @@ class StoreChunks:
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
-    def fetch(self, blocks: Sequence[Sequence[int]]) -> FetchResult:
+    def fetch(self, blocks: Sequence[Sequence[int]], pin: bool = False) -> FetchResult:
+        """`pin`: the GPU tier's blocks stay in place until `release` (shared-chunk mode pins what it reads)."""
         try:
-            return self.store.fetch(blocks, overlap=True)
+            return self.store.fetch(blocks, overlap=True, pin=pin)
         except (redis.RedisError, ConnectionError, TimeoutError) as err:
             raise UnavailableError("the KV index", err) from err
+
+    def release(self, fetched: ChunkFetch) -> None:
+        """Unpin what a pinned `fetch` held."""
+        if isinstance(fetched, FetchResult):
+            self.store.release(fetched)

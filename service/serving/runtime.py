@@ -23,6 +23,7 @@ from typing import Any, Protocol, Self
 
 import torch
 
+from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
 from service.engine.kv_pool import KVPool
@@ -190,15 +191,18 @@ class Runtime:
         """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
         device = self.engine.spec.device
         mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
+        mib, arena = open_arena(self.settings, self.engine, mib)
         pool = KVPool.from_mib(self.engine.spec, mib)
         scheduler = build_scheduler(
-            self.engine, pool, batching_options(self.settings), kv_source=StoreChunks(self.store)
+            self.engine, pool, batching_options(self.settings), kv_source=StoreChunks(self.store), arena=arena
         )
         self.loop.serve_answers(scheduler)
         self.loop.call(lambda: self._warm_batch_graphs(scheduler))
         log.info(
             "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
         )
+        if arena is not None:
+            log.info("shared chunks on (eager steps): a chunk arena of %d slots", arena.slots)
         return scheduler
 
     def _warm_batch_graphs(self, scheduler: Scheduler) -> None:
@@ -269,6 +273,8 @@ class Runtime:
         scheduler, self.loop.scheduler = self.loop.scheduler, None
         if scheduler is not None:
             scheduler.pool.release()
+            if scheduler.shared is not None:
+                scheduler.shared.arena.close()
 
     @staticmethod
     def _safely(close: Callable[[], Any]) -> None:
@@ -491,6 +497,18 @@ def _open_components(
         blocks_swept=blocks_swept,
         tier_publisher=tier_publisher,
     )
+
+
+def open_arena(settings: Settings, engine: StitchEngine, pool_mib: int) -> tuple[int, ChunkArena | None]:
+    """The KV pool's MiB and, with `shared_chunks` on, the chunk arena: `shared_arena_mb`, or else half of the
+    pool's budget (the pool keeping the other half, so turning the mode on asks for no more memory)."""
+    if settings.shared_chunks != "on":
+        return pool_mib, None
+    arena_mib = settings.shared_arena_mb or pool_mib // 2
+    if settings.shared_arena_mb is None:
+        pool_mib -= arena_mib
+    arena = ChunkArena(engine.spec, engine.forward.rotary, arena_mib * MIB, base=engine.chunk_start)
+    return pool_mib, arena
 
 
 def batching_options(settings: Settings) -> BatchingOptions:

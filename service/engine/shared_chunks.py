@@ -1,0 +1,120 @@
+"""The scheduler's shared-chunk mode (`KVSTITCH_SHARED_CHUNKS=on`): turbo answers read their chunks from one
+`ChunkArena` instead of a stitched copy in their own slab.
+
+Which requests: turbo ones without recompute (recomputed tokens are per-request) whose chunks can ever fit the
+arena; naive requests, recompute and shadows keep the copy path. A shared request's slab holds its tail only:
+the template prefix at 0 .. P-1, its question at the plan's `question_start`, its answer budget after.
+
+One forward for both kinds: every decode step runs through `SharedDecoder.step`, a copy-path row being a
+request with no segments whose whole context is its tail (its slab, stitched as before), which segment
+attention supports. That keeps one batched step, one pick and one overlap record per step, where separate
+forwards for the two kinds would split every step (and its feed of unread picks) in two.
+
+Eager only for now: the scheduler captures no CUDA graphs in this mode (the segment plan changes every step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
+from service.engine.batch_request import BatchRequest
+from service.engine.chunk_arena import ChunkArena
+from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.extend_graph import ExtendRequest
+from service.engine.kv_layout import KVBlock
+from service.engine.segment_attention import ContextScaling
+from service.engine.shared_decode import SharedDecoder, decode_batch, extend_batch, place_prefix, placements
+
+
+class SharedChunks:
+    """Places shared requests' chunks in the arena and runs their question prefill and every decode step."""
+
+    def __init__(self, engine: StitchEngine, decoder: BatchDecoder, arena: ChunkArena) -> None:
+        self.engine = engine
+        self.arena = arena
+        context = ContextScaling(temperature=engine.context_temperature)
+        self.decoder = SharedDecoder(decoder, arena, context)
+
+    # ---- admission --------------------------------------------------------------------------------------
+
+    def applies(self, request: BatchRequest) -> bool:
+        """Whether `request` reads its chunks from the arena: turbo, nothing recomputed, a question to prefill,
+        not a shadow, and chunks the arena can ever hold at once (unpinned chunks are evicted to make room)."""
+        prompt = request.prompt
+        return (
+            request.mode is GenerationMode.TURBO
+            and not request.recompute.active
+            and not request.shadow
+            and bool(prompt.question)
+            and sum(len(b) for b in prompt.blocks) <= self.arena.slots
+        )
+
+    def tail_tokens(self, request: BatchRequest) -> int:
+        """Slots a shared request's slab holds: prefix, question and answer budget (its chunks live in the arena)."""
+        return len(request.prompt.prefix) + len(request.prompt.question) + request.sampling.max_new_tokens
+
+    def may_fit(self, request: BatchRequest) -> bool:
+        """Whether the arena could take the request's chunks now (checked before its KV is fetched, so a request
+        waiting for room fetches nothing)."""
+        return self.arena.may_hold(self.engine.kv_version, request.prompt.blocks)
+
+    def place(self, request: BatchRequest) -> None:
+        """Pin the request's chunks in the arena (`ArenaFullError`, pinning nothing, when pinned chunks leave no
+        room) and put the prefix in its slab. Its chunk KV must be on the device (fetched or given)."""
+        assert request.slab is not None
+        blocks = self._blocks(request)
+        for ready in request.chunk_ready or ():
+            if ready is not None:
+                ready()  # the stream waits for the block's copy before the arena copies it
+        engine = self.engine
+        ranges = self.arena.acquire(blocks, engine.kv_version)
+        plan = engine.plan(request.positions, [engine.prefix_block, *blocks])
+        request.arena_ranges = ranges
+        request.reads = placements(plan, ranges)
+        request.question_start = plan.question_start
+        request.kv = place_prefix(self.decoder.decoder.pool, request.slab, engine.prefix_block, engine.forward.rotary)
+
+    def release(self, request: BatchRequest) -> None:
+        """Unpin the request's chunks (once: a second call finds nothing)."""
+        ranges, request.arena_ranges, request.reads = request.arena_ranges, (), ()
+        if ranges:
+            self.arena.release(ranges)
+
+    def _blocks(self, request: BatchRequest) -> Sequence[KVBlock]:
+        """The chunks' KV as fetched at admission, or computed (and kept, should the request wait) when none was
+        given (offline use, tests)."""
+        if request.chunk_kv is None:
+            blocks = request.prompt.blocks
+            request.chunk_kv = self.engine.precompute(blocks) if blocks else []
+        return request.chunk_kv
+
+    # ---- the forwards -----------------------------------------------------------------------------------
+
+    def extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
+        """Every request's question after its prefix, at its `question_start`, in one forward over the arena;
+        logits [len(group), vocab] of each one's last question token."""
+        entries: list[ExtendRequest] = []
+        for request in group:
+            ids, buffer = list(request.prompt.question), request.buffer
+            buffer.reserve(len(ids))
+            assert request.slab is not None
+            entries.append((ids, request.question_start, request.slab.start, buffer.length))
+        rows = ExtendRows.build(entries, self.engine.spec.device)
+        logits = self.decoder.extend(rows, extend_batch(entries, [r.reads for r in group]))
+        for request, (new, start, _, _) in zip(group, entries, strict=True):
+            request.buffer.commit(len(new), start + len(new))
+        return logits
+
+    def step(
+        self,
+        batch: Sequence[BatchRequest],
+        rows: DecodeRows,
+        positions: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+    ) -> torch.Tensor:
+        """One decode step over `batch` (its `rows`, built from `positions` and `spans`): shared rows read their
+        chunks from the arena, copy-path rows (no segments) their slab alone."""
+        return self.decoder.step(rows, decode_batch(positions, spans, [r.reads for r in batch]))
