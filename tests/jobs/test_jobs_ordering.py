@@ -131,9 +131,11 @@ def test_a_dead_workers_document_lock_is_free_by_the_time_its_job_is_claimed(
         with order.hold("doc"):
             got.set()
 
-    threading.Thread(target=take, daemon=True).start()
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
     assert got.wait(10), "the dead worker's lock still held the document after 10 s"
     assert time.monotonic() - killed < 1.5
+    taker.join(5)  # its release must finish before the connection closes under it
     order.close()
 
 
