@@ -79,7 +79,6 @@ class BatchRequest:
         self.tail_tokens: int | None = None  # its slab's size: prefix, question, answer budget
         self.arena_ranges: tuple[ChunkRange, ...] = ()  # the chunks it pins while it runs
         self.reads: tuple[Placement, ...] = ()  # each chunk's range and offset (empty: its slab holds its context)
-        self.question_start = 0  # position of its question's first token
         self.sampler: Sampler | None = None
         self.detok: IncrementalDetokenizer | None = None
         self.last_token = -1  # the token the next decode step feeds

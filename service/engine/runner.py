@@ -105,20 +105,6 @@ class StepRunner:
             return
         yield from self._first_tokens([request], logits.unsqueeze(0), watch)
 
-    def _prefill_shared(self, group: list[BatchRequest]) -> Outputs:
-        """Shared requests' questions in one forward over the chunk arena (their prefixes are in their slabs)."""
-        assert self.shared is not None
-        watch = self._watch()
-        try:
-            logits = self.shared.extend(group)
-        except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
-            log.exception("shared question prefill of %d requests failed", len(group))
-            yield Failed(group, err)
-            return
-        watch.lap(_set_stage(group, "prefill_ms"))
-        self.prefilled_together += len(group)
-        yield from self._first_tokens(group, logits, watch)
-
     def _watch(self) -> Stopwatch:
         """Times an admission's stages: deferred where steps overlap on CUDA (settled at the first token), so
         timing a stitch never stalls the GPU."""
@@ -139,17 +125,33 @@ class StepRunner:
 
     def _prefill_stitched(self, stitched: list[BatchRequest], watch: Stopwatch) -> Outputs:
         """The questions of requests stitched into their slabs, prefilled in one batched forward."""
-        if not stitched:
+        yield from self._prefill_together(stitched, self.slabs.extend, "batched", watch)
+
+    def _prefill_shared(self, group: list[BatchRequest]) -> Outputs:
+        """Shared requests' questions in one forward over the chunk arena (their prefixes are in their slabs)."""
+        assert self.shared is not None
+        yield from self._prefill_together(group, self.shared.extend, "shared", self._watch())
+
+    def _prefill_together(
+        self,
+        group: list[BatchRequest],
+        extend: Callable[[list[BatchRequest]], torch.Tensor],
+        kind: str,
+        watch: Stopwatch,
+    ) -> Outputs:
+        """The questions of `group` through one forward (`extend`: logits [len(group), vocab]), then their first
+        tokens; a failed forward fails them all."""
+        if not group:
             return
         try:
-            logits = self.slabs.extend(stitched)
+            logits = extend(group)
         except Exception as err:  # the forward failed for all of them: their slabs' state is unknown
-            log.exception("batched question prefill of %d requests failed", len(stitched))
-            yield Failed(stitched, err)
+            log.exception("%s question prefill of %d requests failed", kind, len(group))
+            yield Failed(group, err)
             return
-        watch.lap(_set_stage(stitched, "prefill_ms"))
-        self.prefilled_together += len(stitched)
-        yield from self._first_tokens(stitched, logits, watch)
+        watch.lap(_set_stage(group, "prefill_ms"))
+        self.prefilled_together += len(group)
+        yield from self._first_tokens(group, logits, watch)
 
     def _first_tokens(self, group: list[BatchRequest], logits: torch.Tensor, watch: Stopwatch | None) -> Outputs:
         """The first tokens of requests prefilled together (logits [len(group), vocab]). Overlapped (and none asks

@@ -23,10 +23,10 @@ from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.extend_graph import ExtendRequest
 from service.engine.kv_layout import KVBlock
 from service.engine.segment_attention import ContextScaling
 from service.engine.shared_decode import SharedDecoder, decode_batch, extend_batch, place_prefix, placements
+from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 
 
 class SharedChunks:
@@ -74,8 +74,9 @@ class SharedChunks:
         plan = engine.plan(request.positions, [engine.prefix_block, *blocks])
         request.arena_ranges = ranges
         request.reads = placements(plan, ranges)
-        request.question_start = plan.question_start
         request.kv = place_prefix(self.decoder.decoder.pool, request.slab, engine.prefix_block, engine.forward.rotary)
+        # The question goes at its true index, after the chunks the slab does not hold.
+        request.kv.truncate(request.kv.length, plan.question_start)
 
     def release(self, request: BatchRequest) -> None:
         """Unpin the request's chunks (once: a second call finds nothing)."""
@@ -94,18 +95,13 @@ class SharedChunks:
     # ---- the forwards -----------------------------------------------------------------------------------
 
     def extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
-        """Every request's question after its prefix, at its `question_start`, in one forward over the arena;
-        logits [len(group), vocab] of each one's last question token."""
-        entries: list[ExtendRequest] = []
-        for request in group:
-            ids, buffer = list(request.prompt.question), request.buffer
-            buffer.reserve(len(ids))
-            assert request.slab is not None
-            entries.append((ids, request.question_start, request.slab.start, buffer.length))
+        """Every request's question after its prefix, at its true index (the buffer's next position), in one
+        forward over the arena; logits [len(group), vocab] of each one's last question token."""
+        tokens = [list(request.prompt.question) for request in group]
+        entries = reserve_new_tokens(group, tokens)
         rows = ExtendRows.build(entries, self.engine.spec.device)
         logits = self.decoder.extend(rows, extend_batch(entries, [r.reads for r in group]))
-        for request, (new, start, _, _) in zip(group, entries, strict=True):
-            request.buffer.commit(len(new), start + len(new))
+        commit_new_tokens(group, tokens)
         return logits
 
     def step(

@@ -93,12 +93,12 @@ class SlabPrefill:
         """Each request's new tokens (default: its question) after its live slots, one batched forward; logits
         [len(group), vocab] of each one's last new token."""
         tokens = new_ids if new_ids is not None else [list(r.prompt.question) for r in group]
-        entries = _reserve(group, tokens)
+        entries = reserve_new_tokens(group, tokens)
         if self.extend_graphs is not None:
             logits = self.extend_graphs.extend(entries)
         else:
             logits = self.decoder.extend(ExtendRows.build(entries, self.engine.spec.device))
-        _commit(group, tokens)
+        commit_new_tokens(group, tokens)
         return logits
 
     def mixes(self, batch: int, questions: Sequence[BatchRequest]) -> bool:
@@ -113,7 +113,7 @@ class SlabPrefill:
         device) with `questions` prefilled in its forward (`BatchDecoder.mixed`); logits [B + Q, vocab]: the
         decode rows', then each question's last token's. The decode rows' slots are the caller's to reserve."""
         tokens = [list(r.prompt.question) for r in questions]
-        entries = _reserve(questions, tokens)
+        entries = reserve_new_tokens(questions, tokens)
         if self.mixed_graphs is not None:
             logits = self.mixed_graphs.step(decode, feed, entries)
         else:
@@ -121,7 +121,7 @@ class SlabPrefill:
             ids, positions, spans, _ = decode
             rows = DecodeRows.build(ids, positions, spans, device, feed)
             logits = self.decoder.mixed(rows, ExtendRows.build(entries, device))
-        _commit(questions, tokens)
+        commit_new_tokens(questions, tokens)
         return logits
 
     def chunk_alone(self, request: BatchRequest, ids: Sequence[int], first: int) -> torch.Tensor:
@@ -165,7 +165,7 @@ class SlabPrefill:
         return logits
 
 
-def _reserve(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> list[ExtendRequest]:
+def reserve_new_tokens(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> list[ExtendRequest]:
     """Room for each request's new tokens after its live slots: the extend's (ids, first position, slab start,
     live slots before) per request."""
     entries: list[ExtendRequest] = []
@@ -177,6 +177,7 @@ def _reserve(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> list
     return entries
 
 
-def _commit(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> None:
+def commit_new_tokens(group: Sequence[BatchRequest], tokens: Sequence[list[int]]) -> None:
+    """The new tokens reserved by `reserve_new_tokens` written: live, and the next position past them."""
     for request, ids in zip(group, tokens, strict=True):
         request.buffer.commit(len(ids), request.buffer.next_position + len(ids))
