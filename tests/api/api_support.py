@@ -8,8 +8,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
+import pytest
 
 from service.commands.ask import sse_events
+from service.engine.batch_request import BatchRequest
+from service.engine.scheduler import Scheduler
 
 DOCS = [
     {
@@ -51,3 +54,16 @@ def ask_events(client: httpx.Client, **body: Any) -> list[tuple[str, dict[str, A
         assert reply.status_code == 200, reply.read()
         assert reply.headers["content-type"].startswith("text/event-stream")
         return list(sse(reply.iter_lines()))
+
+
+def record_added(monkeypatch: pytest.MonkeyPatch, scheduler: Scheduler) -> list[BatchRequest]:
+    """Every request handed to `scheduler` from now on, in order (each still goes to the scheduler)."""
+    added: list[BatchRequest] = []
+    add = scheduler.add
+
+    def recording_add(request: BatchRequest) -> None:
+        added.append(request)
+        add(request)
+
+    monkeypatch.setattr(scheduler, "add", recording_add)
+    return added

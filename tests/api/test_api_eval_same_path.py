@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from api_support import QUESTION, ingest
+from api_support import QUESTION, ingest, record_added
 from app_server import MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
 
@@ -63,14 +63,7 @@ def test_eval_and_the_server_give_the_same_greedy_tokens(make_app: MakeApp, monk
         runtime = server_of(app).runtime
         assert runtime is not None and runtime.loop.scheduler is not None
         scheduler = runtime.loop.scheduler
-        added: list[BatchRequest] = []
-        add = scheduler.add
-
-        def recording_add(request: BatchRequest) -> None:
-            added.append(request)
-            add(request)
-
-        monkeypatch.setattr(scheduler, "add", recording_add)
+        added = record_added(monkeypatch, scheduler)
         answers: dict[tuple[str, str], list[int]] = {}
         for mode, positions in (("turbo", "reordered"), ("turbo", "composite"), ("naive", "reordered")):
             served, answer = _served(client, added, mode, positions)

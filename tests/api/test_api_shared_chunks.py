@@ -6,11 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from api_support import QUESTION, ingest
+from api_support import QUESTION, ingest, record_added
 from app_server import MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
-
-from service.engine.batch_request import BatchRequest
 
 ASKS = (("turbo", "reordered"), ("turbo", "composite"), ("naive", "reordered"))
 
@@ -26,14 +24,7 @@ def answers(make_app: MakeApp, monkeypatch: pytest.MonkeyPatch, shared: str) -> 
         assert runtime is not None and runtime.loop.scheduler is not None
         scheduler = runtime.loop.scheduler
         assert (scheduler.shared is not None) is (shared == "on")
-        added: list[BatchRequest] = []
-        add = scheduler.add
-
-        def recording_add(request: BatchRequest) -> None:
-            added.append(request)
-            add(request)
-
-        monkeypatch.setattr(scheduler, "add", recording_add)
+        added = record_added(monkeypatch, scheduler)
         for mode, positions in ASKS:
             body = {"question": QUESTION, "stream": False, "top_k": 2, "max_new_tokens": 12}
             reply = client.post("/ask", json={**body, "mode": mode, "positions": positions})
