@@ -19,6 +19,9 @@ from service.search_filter import KEY_PATTERN as FILTER_KEY
 from service.search_filter import MAX_KEY_CHARS as MAX_FILTER_KEY_CHARS
 
 MIB = 1 << 20
+# The context temperature's bounds (the setting's and `kvstitch eval`'s): past them a context is all but ignored or
+# all but argmaxed.
+CONTEXT_TEMPERATURE_RANGE = (0.25, 4.0)
 
 
 class Settings(BaseSettings):
@@ -96,8 +99,8 @@ class Settings(BaseSettings):
     )
     context_temperature: float = Field(
         1.0,
-        ge=0.25,
-        le=4.0,
+        ge=CONTEXT_TEMPERATURE_RANGE[0],
+        le=CONTEXT_TEMPERATURE_RANGE[1],
         description="APE attention temperature on chunk keys for turbo answers (< 1 sharpens; 1 = off; "
         "docs/quality.md).",
     )

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from service.settings import CONTEXT_TEMPERATURE_RANGE
+
 if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
     from service.engine.engine import StitchEngine
     from service.quality.eval import AnswerSink, EvalReport, Variant
@@ -24,8 +26,6 @@ if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
 # its answer would be scored on its first sentence. The corpus form defaults to none (it measures what /ask serves).
 DEFAULT_INSTRUCTION = "Answer with a short phrase copied from the documents, without explanation."
 MAX_INSTRUCTION_CHARS = 2000
-# The bounds of KVSTITCH_CONTEXT_TEMPERATURE: past them a context is all but ignored or all but argmaxed.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.25, 4.0
 
 
 def _error(message: str) -> int:
@@ -34,8 +34,9 @@ def _error(message: str) -> int:
 
 
 def _temperature(value: float) -> float:
-    if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
-        raise ValueError(f"--context-temperature {value:g} is outside {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
+    low, high = CONTEXT_TEMPERATURE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"--context-temperature {value:g} is outside {low:g}..{high:g}")
     return value
 
 
