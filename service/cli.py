@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CHUNK_CONTEXT,
         help=f"what chunks are precomputed after, as KVSTITCH_CHUNK_CONTEXT (default {DEFAULT_CHUNK_CONTEXT})",
     )
+    verify.add_argument(
+        "--kv-path",
+        choices=("copy", "shared"),
+        default="copy",
+        help="shared: also check the zero-copy path (shared chunk arena, as KVSTITCH_SHARED_CHUNKS=on) against the "
+        "reference, to the same tolerance (default copy)",
+    )
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random-weight model folder (tests, offline demo)")
     tiny.add_argument("out_dir", help="folder to write the model and tokenizer to (created)")
@@ -353,6 +360,7 @@ def _on_device(args: argparse.Namespace) -> argparse.Namespace:
 def _verify(args: argparse.Namespace) -> int:
     from service.engine.engine import StitchEngine
     from service.engine.gate import run_gate
+    from service.engine.kv_path import choose_kv_path
     from service.engine.model import UnsupportedModelError, load_model
 
     args = _on_device(args)
@@ -362,17 +370,27 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"error: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
     engine = StitchEngine(model, chunk_context=args.chunk_context)
-    result = run_gate(engine, tolerance=args.tolerance, seed=args.seed)
-    for case in result.cases:
-        order = ",".join(str(i) for i in case.order)
-        print(f"order={order} positions={case.positions.value} max_abs_logit_diff={case.max_abs_logit_diff:.3e}")
-    verdict = "pass" if result.passed else "FAIL"
+    shared = args.kv_path == "shared"
+    if shared:
+        path = choose_kv_path(True, model.spec)
+        if not path.shared:
+            print(f"gate FAIL: the shared path cannot run here: {path.detail}")
+            return 1
+    result = run_gate(engine, tolerance=args.tolerance, seed=args.seed, shared=shared)
+    for path_name, cases in (("copy", result.cases), ("shared", result.shared_cases)):
+        for case in cases:
+            order = ",".join(str(i) for i in case.order)
+            diff = case.max_abs_logit_diff
+            print(f"path={path_name} order={order} positions={case.positions.value} max_abs_logit_diff={diff:.3e}")
+    passed = result.passed and result.shared_passed is not False
     print(
-        f"gate {verdict}: tolerance={result.tolerance:.1e} largest_logit={result.logit_scale:.2f} "
+        f"gate {'pass' if passed else 'FAIL'}: tolerance={result.tolerance:.1e} largest_logit={result.logit_scale:.2f} "
         f"dtype={model.spec.dtype} device={model.spec.device}"
     )
     print(f"max_abs_logit_diff={result.max_abs_logit_diff:.6e}")
-    return 0 if result.passed else 1
+    if result.shared_max_abs_logit_diff is not None:
+        print(f"zero_copy_max_abs_logit_diff={result.shared_max_abs_logit_diff:.6e}")
+    return 0 if passed else 1
 
 
 def _tiny_model(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from service.engine.arena_stats import ArenaStats
 from service.fleet.placement import PlacementStats
 from service.fleet.routing import RouteDecision, RouteReason
 from service.kvcache.store import StoreStats
@@ -124,6 +125,16 @@ class Metrics:
         self.gate_diff = Gauge(
             "kvstitch_gate_max_abs_logit_diff", "Largest logit difference of the startup gate", registry=r
         )
+        self.gate_zero_copy_diff = Gauge(
+            "kvstitch_gate_zero_copy_max_abs_logit_diff",
+            "Largest logit difference of the startup gate's zero-copy (shared chunk) cases, where checked",
+            registry=r,
+        )
+        # One series at 1: the path chosen at start and why (on, off, device, triton, head_dim, gate).
+        self.kv_path = Gauge(
+            "kvstitch_kv_path", "KV path serving turbo answers, chosen at start (1 on the chosen mode and reason)",
+            ["mode", "reason"], registry=r,
+        )  # fmt: skip
         # Agreement as counters of comparisons by outcome (agreed, differed), not a gauge of a running mean: a rate
         # over any window is then agreed / all, it sums across gateways, and no comparison is lost between scrapes.
         self.shadow_agreement = Counter(
@@ -256,6 +267,15 @@ class Metrics:
         self.kv_pool_bytes.labels("used").set_function(lambda: float(pool_used()))
         self.kv_pool_bytes.labels("budget").set(pool_budget)
 
+    def set_kv_path(self, mode: str, reason: str) -> None:
+        """The KV path chosen at start (shared or copy) and why; the one series of `kvstitch_kv_path`."""
+        self.kv_path.clear()
+        self.kv_path.labels(mode, reason).set(1)
+
+    def watch_arena(self, stats: Callable[[], ArenaStats]) -> None:
+        """The shared chunk arena's bytes, chunks, pins, readers, admissions and evictions at every scrape."""
+        self.registry.register(_ArenaCollector(stats))
+
     def watch_engine(self, seconds: Callable[[], dict[str, float]]) -> None:
         """The engine thread's time by phase (idle, work, admit, prefill, decode, emit), read at every scrape:
         `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does."""
@@ -366,6 +386,39 @@ class _PlacementCollector(Collector):
         yield from (blocks, mismatched)
         yield CounterMetricFamily(
             "kvstitch_fleet_view_reloads", "Full loads of the routing view from Redis", value=stats.reloads
+        )
+
+
+class _ArenaCollector(Collector):
+    def __init__(self, stats: Callable[[], ArenaStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        arena_bytes = GaugeMetricFamily(
+            "kvstitch_arena_bytes", "Shared chunk arena: bytes held by chunks (used) and its size (capacity)",
+            labels=["kind"],
+        )  # fmt: skip
+        arena_bytes.add_metric(["used"], stats.used_bytes)
+        arena_bytes.add_metric(["capacity"], stats.capacity_bytes)
+        yield arena_bytes
+        yield GaugeMetricFamily("kvstitch_arena_chunks", "Chunks resident in the shared arena", value=stats.chunks)
+        yield GaugeMetricFamily(
+            "kvstitch_arena_pinned_chunks", "Arena chunks read by a running answer (never evicted)",
+            value=stats.pinned_chunks,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvstitch_arena_readers", "Running answers reading their chunks from the shared arena", value=stats.readers
+        )
+        yield CounterMetricFamily(
+            "kvstitch_arena_answers", "Answers admitted onto the shared chunk path", value=stats.answers
+        )
+        yield CounterMetricFamily(
+            "kvstitch_arena_waits", "Shared answers that waited in line for arena room before admission",
+            value=stats.waited,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "kvstitch_arena_evictions", "Unpinned chunks evicted from the shared arena", value=stats.evictions
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from service.engine.arena_stats import ArenaStats
 from service.kvcache.store import StoreStats, TierUsage
 from service.kvcache.tiers import Tier
 from service.metrics import INGEST_STATUSES, STAGES, Metrics
@@ -63,6 +64,9 @@ def exported() -> dict[str, set[str]]:
     metrics.disconnects.inc()
     metrics.ready.set(1)
     metrics.gate_diff.set(1e-6)
+    metrics.gate_zero_copy_diff.set(2e-6)
+    metrics.set_kv_path("shared", "on")
+    metrics.watch_arena(lambda: ArenaStats(1 << 20, 8 << 20, 3, 2, 2, 5, 1, 4))
     for status in INGEST_STATUSES:
         metrics.ingest_jobs.labels(status).inc()
     metrics.observe_shadow("reordered", "none", {"first_token": True, "answer": False}, kl=0.01)

@@ -32,11 +32,15 @@ class OpenAIErrorOut(BaseModel):
 
 
 class Readiness(BaseModel):
-    """What /readyz answers, with 200 or 503: each check and why it fails; once serving, the shadow answers'
-    figures (share, queue, outcomes, agreement rates and mean KL since start)."""
+    """What /readyz answers, with 200 or 503: each check and why it fails; once the model is loaded, the KV path
+    chosen at start (`kv_path`: shared or copy, why, which segment attention) and, serving shared chunks, the
+    arena's figures (`arena`); once serving, the shadow answers' figures (share, queue, outcomes, agreement rates
+    and mean KL since start)."""
 
     ready: bool
     checks: dict[str, Any]
+    kv_path: dict[str, Any] | None = None
+    arena: dict[str, Any] | None = None
     shadow: dict[str, Any] | None = None
 
 

@@ -58,6 +58,9 @@ class ChunkArena:
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._by_start: dict[int, ChunkKey] = {}
         self.evictions = 0
+        # Kept as the pins change, not counted over the entries: the metrics read it from another thread.
+        self._pinned = 0
+        self._used = 0
 
     @property
     def data(self) -> torch.Tensor:
@@ -86,14 +89,17 @@ class ChunkArena:
             if entry is None or entry.slab.size != chunk.length or entry.pins == 0:
                 raise ValueError(f"{chunk} is not a pinned chunk of this arena")
             entry.pins -= 1
+            self._pinned -= entry.pins == 0
 
     def _pin(self, key: ChunkKey, block: KVBlock) -> ChunkRange:
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry(self._place(block))
+            self._used += entry.slab.size
             self._entries[key] = entry
             self._by_start[entry.slab.start] = key
         self._entries.move_to_end(key)
+        self._pinned += entry.pins == 0
         entry.pins += 1
         return ChunkRange(entry.slab.start, entry.slab.size, self.base)
 
@@ -126,6 +132,7 @@ class ChunkArena:
     def _evict(self, key: ChunkKey) -> None:
         entry = self._entries.pop(key)
         del self._by_start[entry.slab.start]
+        self._used -= entry.slab.size
         self._pool.free(entry.slab)  # poisons the range: a stale reader would see NaN (tests) or zeros
         self.evictions += 1
 
@@ -133,6 +140,7 @@ class ChunkArena:
         """Drop the arena's memory (its owner is closing); nothing may be acquired or read afterwards."""
         self._entries.clear()
         self._by_start.clear()
+        self._pinned = self._used = 0
         self._pool.release()
 
     # ---- what it holds ------------------------------------------------------------------------------------
@@ -157,15 +165,19 @@ class ChunkArena:
 
     @property
     def pinned_chunks(self) -> int:
-        return sum(1 for e in self._entries.values() if e.pins)
+        return self._pinned
 
     @property
     def used_slots(self) -> int:
-        return self._pool.used_slots
+        return self._used
 
     @property
     def used_bytes(self) -> int:
-        return self._pool.used_bytes
+        return self._used * self.spec.kv_bytes_per_token()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._pool.capacity_bytes
 
     @property
     def slots(self) -> int:

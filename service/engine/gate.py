@@ -1,6 +1,8 @@
 """The correctness gate: stitched KV + question must equal the reference forward, to float tolerance.
 
-Run by the tests, by `kvstitch verify`, and by the server at startup.
+Run by the tests, by `kvstitch verify`, and by the server at startup. With `shared` it also holds the zero-copy
+path (chunks read from a shared arena by segment attention, RoPE applied per chunk offset: `shared_gate.py`) to the
+same reference and the same tolerance, case by case.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.reference import prompt_reference_logits
+from service.engine.shared_gate import zero_copy_logits
 from service.engine.stitch import PositionMode
 
 FP32_TOLERANCE = 1e-4
@@ -39,18 +42,43 @@ class GateCase:
 
 @dataclass
 class GateResult:
+    """The copy path's cases (`passed`: what serving needs) and, where checked, the zero-copy path's (`shared_cases`,
+    `shared_passed`: what the shared chunk arena needs), against one tolerance."""
+
     tolerance: float
     cases: list[GateCase] = field(default_factory=list)
     logit_scale: float = 0.0  # largest |reference logit| seen, which a relative bf16 bound scales with
+    shared_cases: list[GateCase] = field(default_factory=list)
 
     @property
     def max_abs_logit_diff(self) -> float:
-        return max((c.max_abs_logit_diff for c in self.cases), default=float("nan"))
+        return _largest(self.cases)
 
     @property
     def passed(self) -> bool:
-        diff = self.max_abs_logit_diff
-        return bool(self.cases) and diff == diff and diff <= self.tolerance
+        return _within(self.cases, self.tolerance)
+
+    @property
+    def shared_max_abs_logit_diff(self) -> float | None:
+        """The zero-copy path's largest difference; None where it was not checked."""
+        return _largest(self.shared_cases) if self.shared_cases else None
+
+    @property
+    def shared_passed(self) -> bool | None:
+        """Whether the zero-copy path is within the tolerance; None where it was not checked."""
+        return _within(self.shared_cases, self.tolerance) if self.shared_cases else None
+
+
+def _largest(cases: Sequence[GateCase]) -> float:
+    """The largest difference; NaN when there is none or any is NaN (`max` alone passes over a NaN after the
+    first case, since every comparison with it is false)."""
+    diffs = [c.max_abs_logit_diff for c in cases]
+    return float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)
+
+
+def _within(cases: Sequence[GateCase], tolerance: float) -> bool:
+    diff = _largest(cases)
+    return bool(cases) and diff == diff and diff <= tolerance  # NaN (a poisoned slot read) fails
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -83,12 +111,37 @@ def compare_with_reference(
     positions: PositionMode,
 ) -> tuple[float, float]:
     """(max |stitched - reference| logit, max |reference| logit) over every question token."""
+    diff, _, scale = compare_paths(engine, chunk_ids, question_ids, positions, shared=False)
+    return diff, scale
+
+
+def compare_paths(
+    engine: StitchEngine,
+    chunk_ids: Sequence[Sequence[int]],
+    question_ids: Sequence[int],
+    positions: PositionMode,
+    shared: bool,
+) -> tuple[float, float | None, float]:
+    """(max |stitched - reference|, max |zero-copy - reference| or None unless `shared`, max |reference|) logit
+    over the question's tokens: every one for the stitched path; for the zero-copy path the last of its first half
+    (the extend) and each later one (a decode step each)."""
     prompt = engine.template.prompt(chunk_ids, question_ids)
     chunk_kv = engine.precompute(prompt.blocks)
     _, stitched, _ = engine.prefill_stitched(chunk_kv, prompt.question, positions, all_logits=True)
     ref = prompt_reference_logits(engine.model, prompt, positions, context=engine.chunk_context)
     ref = ref[-len(prompt.question) :]
-    return float((stitched - ref).abs().max()), float(ref.abs().max())
+    zero_copy = None
+    if shared:
+        split = max(1, len(prompt.question) // 2)
+        logits = zero_copy_logits(engine, chunk_kv, prompt.question, positions, split)
+        zero_copy = _max_diff(logits, ref[split - 1 :])
+    return _max_diff(stitched, ref), zero_copy, float(ref.abs().max())
+
+
+def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |difference|; NaN when any logit is NaN (`max` alone may skip a NaN on some devices)."""
+    diff = (got - want).abs()
+    return float("nan") if bool(diff.isnan().any()) else float(diff.max())
 
 
 def gate_cases(
@@ -112,8 +165,10 @@ def run_gate(
     question_length: int = DEFAULT_QUESTION_LENGTH,
     tolerance: float | None = None,
     seed: int = 0,
+    shared: bool = False,
 ) -> GateResult:
-    """Several uneven chunks, in two orders, in both position modes.
+    """Several uneven chunks, in two orders, in both position modes; with `shared` the zero-copy path on each case
+    too (the server asks where it serves shared chunks).
 
     Run at context temperature 1: the gate proves the block attention itself; a temperature T only divides the
     stitched chunk keys by T (`plan_positions`), which the reference forward has no way to express."""
@@ -121,8 +176,10 @@ def run_gate(
     temperature, engine.context_temperature = engine.context_temperature, 1.0
     try:
         for order, mode, chunks, question in gate_cases(engine, chunk_lengths, question_length, seed):
-            diff, scale = compare_with_reference(engine, chunks, question, mode)
+            diff, zero_copy, scale = compare_paths(engine, chunks, question, mode, shared)
             result.cases.append(GateCase(order, mode, diff))
+            if zero_copy is not None:
+                result.shared_cases.append(GateCase(order, mode, zero_copy))
             result.logit_scale = max(result.logit_scale, scale)
     finally:
         engine.context_temperature = temperature

@@ -15,13 +15,15 @@ Eager only for now: the scheduler captures no CUDA graphs in this mode (the segm
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
+from service.engine.arena_stats import ArenaStats
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
 from service.engine.batch_request import BatchRequest
-from service.engine.chunk_arena import ChunkArena
+from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.segment_attention import ContextScaling
@@ -37,6 +39,12 @@ class SharedChunks:
         self.arena = arena
         context = ContextScaling(temperature=engine.context_temperature)
         self.decoder = SharedDecoder(decoder, arena, context)
+        # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
+        # back are kept weakly: one cancelled while it waits is simply forgotten.
+        self.answers = 0
+        self.waited = 0
+        self._held_back: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
+        self._reading: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
 
     # ---- admission --------------------------------------------------------------------------------------
 
@@ -70,7 +78,12 @@ class SharedChunks:
             if ready is not None:
                 ready()  # the stream waits for the block's copy before the arena copies it
         engine = self.engine
-        ranges = self.arena.acquire(blocks, engine.kv_version)
+        try:
+            ranges = self.arena.acquire(blocks, engine.kv_version)
+        except ArenaFullError:
+            self._held_back.add(request)
+            raise
+        self._count_placed(request)
         plan = engine.plan(request.positions, [engine.prefix_block, *blocks])
         request.arena_ranges = ranges
         request.reads = placements(plan, ranges)
@@ -81,8 +94,30 @@ class SharedChunks:
     def release(self, request: BatchRequest) -> None:
         """Unpin the request's chunks (once: a second call finds nothing)."""
         ranges, request.arena_ranges, request.reads = request.arena_ranges, (), ()
+        self._reading.discard(request)
         if ranges:
             self.arena.release(ranges)
+
+    def _count_placed(self, request: BatchRequest) -> None:
+        self.answers += 1
+        self._reading.add(request)
+        if request in self._held_back:
+            self._held_back.discard(request)
+            self.waited += 1
+
+    def stats(self) -> ArenaStats:
+        """The arena's figures now (read from the metrics' thread: counters only, no walk over the chunks)."""
+        arena = self.arena
+        return ArenaStats(
+            arena.used_bytes,
+            arena.capacity_bytes,
+            arena.chunks,
+            arena.pinned_chunks,
+            len(self._reading),
+            self.answers,
+            self.waited,
+            arena.evictions,
+        )
 
     def _blocks(self, request: BatchRequest) -> Sequence[KVBlock]:
         """The chunks' KV as fetched at admission, or computed (and kept, should the request wait) when none was

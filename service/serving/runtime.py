@@ -26,6 +26,7 @@ import torch
 from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
+from service.engine.kv_path import COPY_PATH, KVPath, KVPathReason, choose_kv_path
 from service.engine.kv_pool import KVPool
 from service.engine.model import load_model
 from service.engine.scheduler import Scheduler
@@ -67,6 +68,7 @@ class GateOutcome:
     max_abs_logit_diff: float | None
     tolerance: float | None
     skipped: bool = False
+    shared_max_abs_logit_diff: float | None = None  # the zero-copy path's, where it was checked
 
 
 class BackgroundWorker(Protocol):
@@ -126,6 +128,7 @@ class Runtime:
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     tier_publisher: TierPublisher | None = None  # the store's tier changes to Redis, where `engine_id` is set
     blocks_swept: int = 0  # KV blocks the start-up sweep released (`sweep_dead_jobs`)
+    kv_path: KVPath = COPY_PATH  # shared chunk arena or copy path, chosen at start (`kv_path.py`)
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -166,11 +169,22 @@ class Runtime:
         """The correctness gate on a small sample, on the engine loop (skipped when the settings say so)."""
         if not self.settings.gate_on_start:
             return GateOutcome(True, None, None, skipped=True)
+        shared = self.kv_path.shared
         result = self.loop.call(
-            lambda: run_gate(self.engine, GATE_CHUNK_LENGTHS, GATE_QUESTION_LENGTH, self.settings.gate_tolerance)
+            lambda: run_gate(
+                self.engine, GATE_CHUNK_LENGTHS, GATE_QUESTION_LENGTH, self.settings.gate_tolerance, shared=shared
+            )
         )
         log.info("start-up gate: max |logit diff| %.3e (tolerance %.1e)", result.max_abs_logit_diff, result.tolerance)
-        return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance)
+        zero_copy = result.shared_max_abs_logit_diff
+        if zero_copy is not None:
+            log.info("start-up gate, zero-copy path: max |logit diff| %.3e", zero_copy)
+        if result.shared_passed is False:
+            # The copy path passed its own cases and serves correctly: fall back to it rather than refuse to serve.
+            detail = f"start-up gate: zero-copy max |logit diff| {zero_copy:.3e} over tolerance {result.tolerance:.1e}"
+            self.kv_path = self.kv_path.fallback(KVPathReason.GATE, detail)
+            log.warning("shared chunks asked for, copy path serving: %s", detail)
+        return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance, False, zero_copy)
 
     def warm_up(self) -> None:
         """Capture the question-prefill graphs of a typical request's stitch buffer now, so the first user does not
@@ -191,7 +205,7 @@ class Runtime:
         """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
         device = self.engine.spec.device
         mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
-        mib, arena = open_arena(self.settings, self.engine, mib)
+        mib, arena = open_arena(self.settings, self.engine, mib) if self.kv_path.shared else (mib, None)
         pool = KVPool.from_mib(self.engine.spec, mib)
         scheduler = build_scheduler(
             self.engine, pool, batching_options(self.settings), kv_source=StoreChunks(self.store), arena=arena
@@ -496,7 +510,16 @@ def _open_components(
         reranker,
         blocks_swept=blocks_swept,
         tier_publisher=tier_publisher,
+        kv_path=open_kv_path(settings, engine),
     )
+
+
+def open_kv_path(settings: Settings, engine: StitchEngine) -> KVPath:
+    """The KV path the settings ask for, or the copy path where the engine cannot serve the shared one (logged)."""
+    path = choose_kv_path(settings.shared_chunks == "on", engine.spec)
+    if settings.shared_chunks == "on" and not path.shared:
+        log.warning("shared chunks asked for, copy path serving: %s", path.detail)
+    return path
 
 
 def open_arena(settings: Settings, engine: StitchEngine, pool_mib: int) -> tuple[int, ChunkArena | None]:

@@ -123,12 +123,17 @@ class Server:
             self.gate = runtime.run_gate()
             if self.gate.max_abs_logit_diff is not None:
                 self.metrics.gate_diff.set(self.gate.max_abs_logit_diff)
+            if self.gate.shared_max_abs_logit_diff is not None:
+                self.metrics.gate_zero_copy_diff.set(self.gate.shared_max_abs_logit_diff)
             if not self.gate.passed:
                 raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
             runtime.warm_up()
             scheduler = runtime.serve_answers()
             pool = scheduler.pool
             self.metrics.watch_batching(lambda: len(scheduler.running), lambda: pool.used_bytes, pool.capacity_bytes)
+            self.metrics.set_kv_path(runtime.kv_path.mode.value, runtime.kv_path.reason.value)
+            if scheduler.shared is not None:
+                self.metrics.watch_arena(scheduler.shared.stats)
             runtime.loop.on_step = self.metrics.batch_size.observe
             policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
             self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
@@ -178,6 +183,12 @@ class Server:
         ok = self.ready and checks.get("index") == "ok" and checks.get("qdrant") == "ok"
         self.metrics.ready.set(1 if ok else 0)
         report: dict[str, Any] = {"ready": ok, "checks": checks}
+        if self.runtime is not None:
+            report["kv_path"] = self.runtime.kv_path.as_json()
+            scheduler = self.runtime.loop.scheduler  # read once: a closing runtime sets it to None
+            shared = scheduler.shared if scheduler is not None else None
+            if shared is not None:
+                report["arena"] = shared.stats().as_json()
         if self.shadows is not None:
             report["shadow"] = self.shadows.figures()
         return report
@@ -414,7 +425,10 @@ def _gate_state(gate: GateOutcome | None) -> str:
         return "pending"
     if gate.skipped:
         return "skipped"
-    return f"{'passed' if gate.passed else 'failed'} (max |logit diff| {gate.max_abs_logit_diff:.2e})"
+    state = f"{'passed' if gate.passed else 'failed'} (max |logit diff| {gate.max_abs_logit_diff:.2e}"
+    if gate.shared_max_abs_logit_diff is not None:
+        state += f"; zero-copy {gate.shared_max_abs_logit_diff:.2e}"
+    return state + ")"
 
 
 def _probe(check: Any) -> str:

@@ -1,0 +1,78 @@
+"""Which KV path serves turbo answers, chosen once at start: the shared chunk arena (zero copy, `shared_chunks.py`)
+or the copy path (each answer's context stitched into its own slab).
+
+The shared path needs segment attention for the model on its device: the Triton kernels on CUDA, the torch
+reference on the CPU (fp32, per row: a development and test path). Where `KVSTITCH_SHARED_CHUNKS=on` asks for it
+and the engine cannot serve it (another device, CUDA without Triton, an odd head size the rotation cannot split,
+or a start-up gate that found the zero-copy attention off the reference), the copy path serves instead, and the
+reason is logged, shown on `/readyz` and exported as a metric: an operator asked for one path and gets the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from service.engine.kv_layout import ModelSpec
+from service.engine.segment_launch import segment_kernels_apply
+
+
+class KVPathMode(StrEnum):
+    SHARED = "shared"
+    COPY = "copy"
+
+
+class KVPathReason(StrEnum):
+    """Why the path is what it is (a metric label: a fixed, small set)."""
+
+    ON = "on"  # asked for and served
+    OFF = "off"  # not asked for
+    DEVICE = "device"  # a device segment attention does not run on
+    TRITON = "triton"  # CUDA without Triton: no kernels, and the per-row reference is far too slow to serve
+    HEAD_DIM = "head_dim"  # RoPE rotates head halves: an odd head size has none
+    GATE = "gate"  # the start-up gate found the zero-copy attention off the reference
+
+
+@dataclass(frozen=True)
+class KVPath:
+    """The chosen path, why, and (shared) which segment attention runs it: `triton` or `torch`."""
+
+    mode: KVPathMode
+    reason: KVPathReason
+    detail: str
+    attention: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.mode is KVPathMode.SHARED
+
+    def fallback(self, reason: KVPathReason, detail: str) -> KVPath:
+        """The copy path instead of this one, for `reason`."""
+        return replace(self, mode=KVPathMode.COPY, reason=reason, detail=detail, attention=None)
+
+    def as_json(self) -> dict[str, Any]:
+        """What `/readyz` shows under `kv_path`."""
+        mode, reason = self.mode.value, self.reason.value
+        return {"mode": mode, "reason": reason, "detail": self.detail, "attention": self.attention}
+
+
+COPY_PATH = KVPath(KVPathMode.COPY, KVPathReason.OFF, "KVSTITCH_SHARED_CHUNKS=off")
+
+
+def choose_kv_path(requested: bool, spec: ModelSpec) -> KVPath:
+    """The path for a model of `spec`: shared where `requested` and segment attention serves it, else the copy
+    path with the reason."""
+    if not requested:
+        return COPY_PATH
+    asked = KVPath(KVPathMode.SHARED, KVPathReason.ON, "KVSTITCH_SHARED_CHUNKS=on")
+    device = spec.device.type
+    if spec.head_dim % 2:
+        return asked.fallback(KVPathReason.HEAD_DIM, f"segment attention needs an even head size, not {spec.head_dim}")
+    if device == "cuda":
+        if not segment_kernels_apply(spec.device):
+            return asked.fallback(KVPathReason.TRITON, "the segment attention kernels need Triton, not installed")
+        return replace(asked, attention="triton")
+    if device == "cpu":
+        return replace(asked, attention="torch")
+    return asked.fallback(KVPathReason.DEVICE, f"segment attention runs on CUDA or the CPU, not {device}")
