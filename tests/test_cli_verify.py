@@ -11,8 +11,11 @@ import pytest
 import torch
 
 import service.engine.engine as engine_module
+import service.engine.shared_gate as shared_gate_module
 from service.cli import main
 from service.engine.gate import scaled_tolerance
+from service.engine.segment_attention import ChunkRange
+from service.engine.shared_decode import Placement, placements
 from service.engine.stitch import StitchPlan, plan_positions
 
 FINAL_LINE = re.compile(r"^max_abs_logit_diff=(\S+)$")
@@ -97,3 +100,35 @@ def test_tiny_model_command_writes_a_loadable_folder(tmp_path: Path, capsys: pyt
     assert main(["tiny-model", str(tmp_path / "m"), "--arch", "llama"]) == 0
     assert (tmp_path / "m" / "config.json").is_file()
     assert main(["verify", "--model", str(tmp_path / "m"), "--device", "cpu"]) == 0
+
+
+ZERO_COPY_LINE = re.compile(r"^zero_copy_max_abs_logit_diff=(\S+)$", re.MULTILINE)
+
+
+def _shifted_placements(plan: StitchPlan, ranges: list[ChunkRange]) -> tuple[Placement, ...]:
+    return tuple(Placement(p.chunk, p.offset + 1) for p in placements(plan, ranges))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["zero-copy-right", "zero-copy-off-by-one"])
+def test_verify_checks_the_zero_copy_path_when_asked(
+    tiny_model_dirs: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    broken: bool,
+) -> None:
+    """`--kv-path shared`: the four cases on each path, the zero-copy path's largest diff on its own line; a zero-copy
+    path whose chunk offsets are off fails the command though the copy path passes."""
+    if broken:
+        monkeypatch.setattr(shared_gate_module, "placements", _shifted_placements)
+    code = main(["verify", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu", "--kv-path", "shared"])
+    out = capsys.readouterr().out
+    assert out.count("path=copy ") == 4 and out.count("path=shared ") == 4
+    match = ZERO_COPY_LINE.search(out)
+    assert match is not None
+    zero_copy = float(match.group(1))
+    copy_line = re.search(r"^max_abs_logit_diff=(\S+)$", out, re.MULTILINE)
+    assert copy_line is not None and float(copy_line.group(1)) < 1e-4
+    if broken:
+        assert code == 1 and "gate FAIL" in out and zero_copy > 1e-2
+    else:
+        assert code == 0 and "gate pass" in out and 0 < zero_copy < 1e-4

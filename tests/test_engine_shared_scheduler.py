@@ -345,3 +345,40 @@ def test_a_context_temperature_gives_the_copy_paths_tokens_in_both_kinds_of_rows
     assert [r.tail_tokens is not None for r in run.requests] == [True, True, True, False]
     assert want[:3] != copy_path(engine, asks[:3])  # the temperature changed the turbo answers
     assert_nothing_pinned(scheduler)
+
+
+def test_the_arena_stats_count_answers_readers_waits_and_evictions(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    """What the metrics and /readyz read (`SharedChunks.stats`): an arena holding chunks 0, 1, 2 and no more; the
+    request reading chunks 3 and 4 waits (once counted, however many steps it waits), then runs after evicting
+    two of them; the copy-path request (naive) is no shared answer."""
+    engine = get_engine("qwen2", "cpu")
+    sizes = block_sizes(engine)
+    asks = (
+        Ask((0, 1, 2), max_new=6, seed=1),
+        Ask((3, 4), max_new=5, seed=2),
+        Ask((0,), max_new=4, seed=3),
+        Ask((1,), mode="naive", max_new=3, seed=4),
+    )
+    arena = nan_arena(engine, sum(sizes[:3]))
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), max_batch=8, arena=arena)
+    assert scheduler.shared is not None
+    before = scheduler.shared.stats()
+    assert (before.used_bytes, before.chunks, before.answers, before.waited, before.readers) == (0, 0, 0, 0, 0)
+    assert before.capacity_bytes == arena.slots * engine.spec.kv_bytes_per_token()
+    run = Run(engine, asks)
+    for request in run.requests:
+        scheduler.add(request)
+    scheduler.step()
+    scheduler.step()
+    during = scheduler.shared.stats()
+    assert (during.answers, during.readers, during.waited) == (1, 1, 0)  # the first runs, the second waits
+    assert (during.chunks, during.pinned_chunks) == (3, 3)
+    assert during.used_bytes == sum(sizes[:3]) * engine.spec.kv_bytes_per_token() == during.capacity_bytes
+    drain(scheduler)
+    after = scheduler.shared.stats()
+    assert after.answers == 3 and after.waited == 1 and after.readers == 0 and after.pinned_chunks == 0
+    assert after.evictions == arena.evictions >= 2 and after.chunks == arena.chunks
+    assert after.used_bytes == arena.used_slots * engine.spec.kv_bytes_per_token()
+    assert_nothing_pinned(scheduler)

@@ -67,7 +67,10 @@ class SharedChunks:
     def may_fit(self, request: BatchRequest) -> bool:
         """Whether the arena could take the request's chunks now (checked before its KV is fetched, so a request
         waiting for room fetches nothing)."""
-        return self.arena.may_hold(self.engine.kv_version, request.prompt.blocks)
+        fits = self.arena.may_hold(self.engine.kv_version, request.prompt.blocks)
+        if not fits:
+            self._held_back.add(request)
+        return fits
 
     def place(self, request: BatchRequest) -> None:
         """Pin the request's chunks in the arena (`ArenaFullError`, pinning nothing, when pinned chunks leave no

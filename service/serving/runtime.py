@@ -69,6 +69,7 @@ class GateOutcome:
     tolerance: float | None
     skipped: bool = False
     shared_max_abs_logit_diff: float | None = None  # the zero-copy path's, where it was checked
+    shared_passed: bool | None = None  # None where it was not checked
 
 
 class BackgroundWorker(Protocol):
@@ -184,7 +185,9 @@ class Runtime:
             detail = f"start-up gate: zero-copy max |logit diff| {zero_copy:.3e} over tolerance {result.tolerance:.1e}"
             self.kv_path = self.kv_path.fallback(KVPathReason.GATE, detail)
             log.warning("shared chunks asked for, copy path serving: %s", detail)
-        return GateOutcome(result.passed, result.max_abs_logit_diff, result.tolerance, False, zero_copy)
+        return GateOutcome(
+            result.passed, result.max_abs_logit_diff, result.tolerance, False, zero_copy, result.shared_passed
+        )
 
     def warm_up(self) -> None:
         """Capture the question-prefill graphs of a typical request's stitch buffer now, so the first user does not

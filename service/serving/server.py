@@ -427,7 +427,8 @@ def _gate_state(gate: GateOutcome | None) -> str:
         return "skipped"
     state = f"{'passed' if gate.passed else 'failed'} (max |logit diff| {gate.max_abs_logit_diff:.2e}"
     if gate.shared_max_abs_logit_diff is not None:
-        state += f"; zero-copy {gate.shared_max_abs_logit_diff:.2e}"
+        verdict = "" if gate.shared_passed else " failed: the copy path serves"
+        state += f"; zero-copy {gate.shared_max_abs_logit_diff:.2e}{verdict}"
     return state + ")"
 
 
