@@ -228,6 +228,13 @@ def _add_eval(commands: Any) -> None:
     evaluate.add_argument("--device", default=None, help=DEVICE_HELP)
     evaluate.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on CPU, bf16 on CUDA")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length limit (default 32)")
+    evaluate.add_argument(
+        "--kv-path",
+        choices=("copy", "shared"),
+        default="copy",
+        help="shared: turbo rows read their chunks from a shared chunk arena, as KVSTITCH_SHARED_CHUNKS=on serves "
+        "them (default copy: each answer stitches its own context)",
+    )
 
 
 def _add_finetune(commands: Any) -> None:

@@ -6,6 +6,12 @@ generates outside the server (`kvstitch eval`, the quality demo, the benchmark t
 ended, and returns their results in order. The scheduler (its pool and its captured graphs) is kept for the next
 run while that run's requests fit its pool, so a loop of single requests (an eval) captures its graphs once.
 `generate` is the one-request form: a prompt in, a `GenerationResult` out, text deltas through `on_text`.
+
+`shared=True` runs the scheduler in shared-chunk mode (`KVSTITCH_SHARED_CHUNKS=on`, `shared_chunks.py`) over a
+chunk arena sized for the run's chunks, so turbo answers read them from the arena as a server with the setting on
+serves them. The arena's placement (its base, the chunks' precomputed positions) and the segment attention's
+context temperature are the engine's at the scheduler's build, so a run after either changed (an eval switches
+them per variant) builds a new scheduler.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from service.engine.batch_request import BatchRequest, TextSink
+from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import GenerationMode, GenerationResult, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool, Poison
@@ -28,24 +35,28 @@ class OfflineScheduler:
     """The server's scheduler, run to the end of each batch of requests on the caller's thread (which then owns
     the engine, as the engine loop does in a server).
 
-    `poison`: what freed slabs are filled with (NaN in the tests, so a read of a slot a request did not write
-    shows); `options`: the batching settings (the server's defaults unless given)."""
+    `poison`: what freed slabs (and evicted arena ranges) are filled with (NaN in the tests, so a read of a slot a
+    request did not write shows); `options`: the batching settings (the server's defaults unless given);
+    `shared`: turbo answers read their chunks from a shared chunk arena (the shared-chunk mode)."""
 
     def __init__(
         self,
         engine: StitchEngine,
         options: BatchingOptions | None = None,
         poison: Poison | str = Poison.ZERO,
+        shared: bool = False,
     ) -> None:
         self.engine = engine
         self.options = options or BatchingOptions()
         self.poison = Poison(poison)
+        self.shared = shared
         self.scheduler: Scheduler | None = None
 
     def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
         """Every request added at once and stepped until each ended; their results, in order. Raises the first
         request's error (after every request ended), ValueError when one can never run."""
-        scheduler = self.scheduler_for(sum(r.tokens_needed for r in requests))
+        chunks = sum(len(b) for r in requests if r.mode is GenerationMode.TURBO for b in r.prompt.blocks)
+        scheduler = self.scheduler_for(sum(r.tokens_needed for r in requests), chunks)
         try:
             for request in requests:
                 scheduler.add(request)
@@ -58,16 +69,38 @@ class OfflineScheduler:
                 raise request.error
         return [r.result for r in requests]
 
-    def scheduler_for(self, tokens: int) -> Scheduler:
-        """The kept scheduler when its pool has `tokens` free slots in one range, else a new one whose pool holds
-        them (a power of two, so a few growing runs do not each build one)."""
-        if self.scheduler is not None and self.scheduler.pool.largest_free >= tokens:
+    def scheduler_for(self, tokens: int, chunk_tokens: int = 0) -> Scheduler:
+        """The kept scheduler when its pool has `tokens` free slots in one range (and, shared, its arena room for
+        `chunk_tokens` at the engine's present placement), else a new one whose pool (and arena) holds them (a power
+        of two, so a few growing runs do not each build one)."""
+        if self.scheduler is not None and self.scheduler.pool.largest_free >= tokens and self._arena_fits(chunk_tokens):
             return self.scheduler
         self.close()
-        slots = (1 << max(tokens - 1, 1).bit_length()) + scratch_slots(self.engine)
+        slots = _power_of_two(tokens) + scratch_slots(self.engine)
         pool = KVPool(self.engine.spec, slots * self.engine.spec.kv_bytes_per_token(), self.poison)
-        self.scheduler = build_scheduler(self.engine, pool, self.options)
+        arena = self._arena(chunk_tokens) if self.shared else None
+        self.scheduler = build_scheduler(self.engine, pool, self.options, arena=arena)
         return self.scheduler
+
+    def _arena(self, chunk_tokens: int) -> ChunkArena:
+        engine = self.engine
+        budget = _power_of_two(chunk_tokens) * engine.spec.kv_bytes_per_token()
+        return ChunkArena(engine.spec, engine.forward.rotary, budget, base=engine.chunk_start, poison=self.poison)
+
+    def _arena_fits(self, chunk_tokens: int) -> bool:
+        """Not shared, or the kept arena holds `chunk_tokens` at once, at the engine's chunk placement and context
+        temperature (both fixed when its scheduler was built)."""
+        if not self.shared:
+            return True
+        shared = self.scheduler.shared if self.scheduler is not None else None
+        if shared is None:
+            return False
+        engine = self.engine
+        return (
+            shared.arena.slots >= chunk_tokens
+            and shared.arena.base == engine.chunk_start
+            and shared.decoder.context.temperature == engine.context_temperature
+        )
 
     def close(self) -> None:
         """Give the scheduler's graphs and pool memory back (a later run builds a new one)."""
@@ -75,6 +108,11 @@ class OfflineScheduler:
         if scheduler is None:
             return
         release(scheduler)
+
+
+def _power_of_two(tokens: int) -> int:
+    """The power of two at or above `tokens` (2 at least)."""
+    return 1 << max(tokens - 1, 1).bit_length()
 
 
 def generate(

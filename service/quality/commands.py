@@ -86,7 +86,9 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
     try:
         with _answers_file(args.answers) as answers:
             progress = Progress(len(samples), sys.stderr)
-            report = evaluate(engine, samples, variants, args.max_new_tokens, Path(args.data).name, answers, progress)
+            source = Path(args.data).name
+            shared = args.kv_path == "shared"
+            report = evaluate(engine, samples, variants, args.max_new_tokens, source, answers, progress, shared)
     except (QADataError, OSError) as err:
         return _error(str(err))
     return _report(args, report, {"model": args.model, "data": args.data, **_window_record(args, instruction)})
@@ -115,7 +117,8 @@ def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Vari
         with open_corpus(settings) as corpus, _answers_file(args.answers) as answers:
             cases = corpus_cases(engine, corpus, questions, args.top_k, args.max_new_tokens, source)
             progress = Progress(len(questions), sys.stderr, "questions")
-            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress)
+            shared = args.kv_path == "shared"
+            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress, shared)
     except (CorpusError, QADataError, OSError, RuntimeError) as err:  # Qdrant's lock on a served data dir
         return _error(str(err))
     record = {"model": args.model, "data_dir": args.data_dir, "questions": args.questions, "top_k": args.top_k}
@@ -123,7 +126,7 @@ def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Vari
 
 
 def _window_record(args: Namespace, instruction: str) -> dict[str, Any]:
-    return {"offset": args.offset, "limit": args.limit, "instruction": instruction}
+    return {"offset": args.offset, "limit": args.limit, "instruction": instruction, "kv_path": args.kv_path}
 
 
 @contextlib.contextmanager
@@ -146,15 +149,21 @@ def _engine(args: Namespace, dtype: torch.dtype | None, instruction: str = "") -
     """The engine as the server builds it (with `instruction` added to the system message), or None after printing
     why the model does not load."""
     from service.engine.engine import StitchEngine
+    from service.engine.kv_path import choose_kv_path
     from service.engine.model import UnsupportedModelError, load_model
     from service.engine.prompt import build_template
 
     try:
         model = load_model(args.model, device=args.device, dtype=dtype)
-        return StitchEngine(model, template=build_template(model.tokenizer, system_extra=instruction))
+        engine = StitchEngine(model, template=build_template(model.tokenizer, system_extra=instruction))
     except (UnsupportedModelError, OSError, ValueError) as err:
         _error(f"cannot load {args.model}: {err}")
         return None
+    path = choose_kv_path(args.kv_path == "shared", model.spec)
+    if args.kv_path == "shared" and not path.shared:
+        _error(f"--kv-path shared cannot run here: {path.detail}")
+        return None
+    return engine
 
 
 def _report(args: Namespace, report: EvalReport, record: dict[str, Any]) -> int:

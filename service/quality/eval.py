@@ -285,14 +285,16 @@ def evaluate(
     source: str = "data",
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
+    shared: bool = False,
 ) -> EvalReport:
     """Score every variant on every sample against the answers and a naive reference run.
 
     Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
-    allocator growth would otherwise land in the first TTFTs).
+    allocator growth would otherwise land in the first TTFTs). `shared`: turbo answers read their chunks from a
+    shared chunk arena, as a server with `KVSTITCH_SHARED_CHUNKS=on` serves them (`OfflineScheduler`).
     """
     cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
-    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress)
+    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared)
 
 
 def evaluate_cases(
@@ -302,13 +304,15 @@ def evaluate_cases(
     max_new_tokens: int,
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
+    shared: bool = False,
 ) -> EvalReport:
     """`evaluate` over cases already built: a QA file's samples, or a user's questions with the chunks retrieved
-    for them. `answers` receives each sample's record per row as it is scored; `progress` advances per sample."""
+    for them. `answers` receives each sample's record per row as it is scored; `progress` advances per sample;
+    `shared`: as `evaluate`'s (the first-token distribution of the KL column stays the copy path's prefill)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = [Scores(v) for v in variants]
     done = 0
-    runner = OfflineScheduler(engine)
+    runner = OfflineScheduler(engine, shared=shared)
     try:
         for case in cases:
             if done == 0:
