@@ -113,3 +113,19 @@ def test_a_nan_fails_the_gate() -> None:
     result = GateResult(1e-4, cases[:1], shared_cases=cases)
     assert result.passed and result.shared_passed is False
     assert not GateResult(1e-4, cases[1:]).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_gpu_the_gate_holds_the_triton_zero_copy_path_to_the_reference(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    """On CUDA (bf16) the shared path is chosen with the Triton kernels, and the gate's zero-copy cases (through them,
+    over a NaN-poisoned arena) pass the same relative bf16 bound as the stitched path's."""
+    engine = get_engine("llama", "cuda")
+    path = choose_kv_path(True, engine.spec)
+    assert (path.mode, path.attention) == (KVPathMode.SHARED, "triton")
+    result = run_gate(engine, shared=True)
+    assert result.passed and result.shared_passed is True, (result.cases, result.shared_cases)
+    zero_copy = result.shared_max_abs_logit_diff
+    assert zero_copy is not None and zero_copy <= result.tolerance

@@ -513,7 +513,7 @@ def _open_components(
         reranker,
         blocks_swept=blocks_swept,
         tier_publisher=tier_publisher,
-        kv_path=open_kv_path(settings, engine),
+        kv_path=open_kv_path(settings, engine) if answers else COPY_PATH,  # a worker answers nothing
     )
 
 
