@@ -7,6 +7,7 @@ is not served: the copy path answers, and both endpoints say why.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -16,6 +17,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import service.engine.shared_gate as shared_gate_module
+import service.serving.runtime as runtime_module
+from service.engine.kv_layout import ModelSpec
+from service.engine.kv_path import COPY_PATH, KVPath, KVPathReason
 from service.engine.segment_attention import ChunkRange
 from service.engine.shared_decode import Placement, placements
 from service.engine.stitch import StitchPlan
@@ -113,3 +117,26 @@ def test_a_zero_copy_path_the_gate_fails_is_not_served(make_app: MakeApp, monkey
     assert "zero-copy max |logit diff|" in path["detail"] and "arena" not in ready
     assert got[("kvstitch_kv_path", (("mode", "copy"), ("reason", "gate")))] == 1
     assert got[("kvstitch_gate_zero_copy_max_abs_logit_diff", ())] > 1e-2
+
+
+def test_a_shared_path_the_engine_cannot_run_falls_back_before_the_gate(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for on an engine segment attention cannot serve (here: CUDA without Triton, as `choose_kv_path` says):
+    the copy path serves from the start, the gate runs no zero-copy case, and the log, /readyz and /metrics say why."""
+
+    def no_triton(requested: bool, spec: ModelSpec) -> KVPath:
+        return COPY_PATH.fallback(KVPathReason.TRITON, "the segment attention kernels need Triton, not installed")
+
+    monkeypatch.setattr(runtime_module, "choose_kv_path", no_triton)
+    app = make_app(shared_chunks="on")
+    with caplog.at_level(logging.WARNING, logger=runtime_module.__name__), TestClient(app) as client:
+        wait_ready(app)
+        ready = client.get("/readyz").json()
+        runtime = server_of(app).runtime
+        assert runtime is not None and runtime.loop.scheduler is not None and runtime.loop.scheduler.shared is None
+        got = samples(client)
+    assert ready["kv_path"]["mode"] == "copy" and ready["kv_path"]["reason"] == "triton"
+    assert "zero-copy" not in ready["checks"]["gate"] and "arena" not in ready
+    assert got[("kvstitch_kv_path", (("mode", "copy"), ("reason", "triton")))] == 1
+    assert any("copy path serving: the segment attention kernels need Triton" in r.getMessage() for r in caplog.records)
