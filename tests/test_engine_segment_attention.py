@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
@@ -321,6 +322,32 @@ def random_batch(requests: int, chunks: int, reads: int, seed: int) -> tuple[Seg
         positions += [offset + used - n_rows + i for i in range(n_rows)]
         tail_start += used + 1
     return SegmentBatch(tuple(ranges), tuple(placed), tuple(rows), tuple(positions)), [start, tail_start]
+
+
+def test_the_array_form_builds_the_same_plan_and_converts_back_exactly() -> None:
+    """A call as arrays (the shared decode step's form) is the call as objects: the round trip gives the same
+    batch, the same tail visibility and reach, and a plan equal tensor for tensor."""
+    batch, _ = random_batch(requests=12, chunks=6, reads=3, seed=4)
+    arrays = batch.arrays()
+    assert arrays.batch() == batch
+    assert arrays.tail_visible().tolist() == list(batch.tail_visible())
+    assert arrays.reach() == batch.reach()
+    cpu = torch.device("cpu")
+    from_objects = SegmentPlan.build(batch, 7, 2, cpu, pieces=2, capacity=CAPACITY)
+    from_arrays = SegmentPlan.build(arrays, 7, 2, cpu, pieces=2, capacity=CAPACITY)
+    pairs = zip(from_objects._tensors(), from_arrays._tensors(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs) and from_objects.reach == from_arrays.reach
+
+
+def test_the_array_form_refuses_what_the_object_form_refuses() -> None:
+    batch, _ = random_batch(requests=3, chunks=4, reads=2, seed=5)
+    arrays = batch.arrays()
+    with pytest.raises(ValueError, match="outside"):
+        dataclasses.replace(arrays, seg_chunk=arrays.seg_chunk + 4)
+    with pytest.raises(ValueError, match="more query rows"):
+        dataclasses.replace(arrays, rows=np.zeros(20, dtype=np.int64), positions=np.zeros(20, dtype=np.int64))
+    with pytest.raises(ValueError, match="one row at least"):
+        dataclasses.replace(arrays, rows=arrays.rows[:0], positions=arrays.positions[:0])
 
 
 def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:

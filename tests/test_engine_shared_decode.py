@@ -224,7 +224,7 @@ def test_a_shared_chunk_is_one_range_read_by_both_requests(get_engine: Callable[
         placements(engine.plan("reordered", [*prefix, *(s.chunks[c] for c in READS[0])]), first),
         placements(engine.plan("reordered", [*prefix, *(s.chunks[c] for c in READS[1])]), second),
     ]
-    batch = decode_batch([100, 90], [(0, 10), (20, 10)], reads)
+    batch = decode_batch([100, 90], [(0, 10), (20, 10)], reads).batch()
     assert len(batch.chunks) == 4 and batch.chunks.count(first[0]) == 1
     offsets = [seg.offset for r in batch.requests for seg in r.segments if batch.chunks[seg.chunk] == first[0]]
     assert offsets == [reads[0][0].offset, reads[1][1].offset] and offsets[0] != offsets[1]

@@ -299,7 +299,7 @@ def test_requests_the_arena_cannot_serve_keep_the_copy_path(get_engine: Callable
         scheduler.add(request)
     assert [r.tail_tokens is not None for r in run.requests] == [False, True, False, False]
     scheduler.step()
-    assert run.requests[0].reads == () and run.requests[1].reads != () and run.requests[3].reads == ()
+    assert not run.requests[0].reads and run.requests[1].reads and not run.requests[3].reads
     assert run.requests[3].slab is not None and run.requests[3].slab.size == run.requests[3].tokens_needed
     drain(scheduler)
     assert run.outcomes() == want

@@ -17,7 +17,7 @@ from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import Sampler, SamplingParams
 from service.engine.segment_attention import ChunkRange
-from service.engine.shared_decode import Placement
+from service.engine.shared_decode import Reads
 from service.engine.stitch import BlockReady, PositionMode
 
 TextSink = Callable[[str], None]
@@ -78,7 +78,7 @@ class BatchRequest:
         # Shared-chunk mode (`shared_chunks.py`): set at `add` for a request that reads its chunks from the arena.
         self.tail_tokens: int | None = None  # its slab's size: prefix, question, answer budget
         self.arena_ranges: tuple[ChunkRange, ...] = ()  # the chunks it pins while it runs
-        self.reads: tuple[Placement, ...] = ()  # each chunk's range and offset (empty: its slab holds its context)
+        self.reads: Reads = Reads()  # each chunk's range and offset (empty: its slab holds its context)
         self.sampler: Sampler | None = None
         self.detok: IncrementalDetokenizer | None = None
         self.last_token = -1  # the token the next decode step feeds

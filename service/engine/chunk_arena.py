@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,10 +32,20 @@ class ArenaFullError(PoolExhaustedError):
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """What a chunk's arena copy depends on: the KV version (template, chunk context) and its token ids."""
+    """What a chunk's arena copy depends on: the KV version (template, chunk context) and its token ids.
+
+    The hash is computed once: a key is hashed at every admission's lookups, and hashing a tuple of hundreds of
+    token ids each time cost more than the lookups themselves."""
 
     version: str
     token_ids: TokenIds
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.version, self.token_ids)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass
@@ -151,8 +161,11 @@ class ChunkArena:
         aside, which `acquire` alone decides)."""
         wanted = {ChunkKey(version, tuple(ids)) for ids in blocks}
         missing = sum(len(key.token_ids) for key in wanted if key not in self._entries)
+        free = self.slots - self.used_slots
+        if missing <= free:  # the usual case (chunks resident): no walk over every entry
+            return True
         evictable = sum(e.slab.size for key, e in self._entries.items() if e.pins == 0 and key not in wanted)
-        return missing <= self.slots - self.used_slots + evictable
+        return missing <= free + evictable
 
     def pins(self, version: str, token_ids: Sequence[int]) -> int | None:
         """The chunk's pin count, or None when the arena does not hold it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.engine.rotary import Rotary
@@ -111,6 +112,20 @@ class SegmentBatch:
         arena = max((c.start + c.length for c in self.chunks), default=0)
         return arena, max(r.tail.start + r.tail.used for r in self.requests)
 
+    def arrays(self) -> SegmentArrays:
+        """The same call as arrays (the kernels' plan's form)."""
+        segments = [s for r in self.requests for s in r.segments]
+        return SegmentArrays(
+            chunks=_int64([(c.start, c.length, c.base) for c in self.chunks]).reshape(-1, 3),
+            seg_counts=_int64([len(r.segments) for r in self.requests]),
+            seg_chunk=_int64([s.chunk for s in segments]),
+            seg_offset=_int64([s.offset for s in segments]),
+            tail_start=_int64([r.tail.start for r in self.requests]),
+            tail_used=_int64([r.tail.used for r in self.requests]),
+            rows=_int64(self.rows),
+            positions=_int64(self.positions),
+        )
+
     def check_fits(self, arena: torch.Tensor, tail_kv: torch.Tensor) -> None:
         """ValueError when a range of the call lies past the end of its tensor ([2, Hkv, slots, D] each)."""
         arena_end, tail_end = self.reach()
@@ -119,6 +134,68 @@ class SegmentBatch:
                 f"the call reads arena slots up to {arena_end} and tail slots up to {tail_end}; "
                 f"the tensors hold {arena.shape[2]} and {tail_kv.shape[2]}"
             )
+
+
+def _int64(values: Sequence[int] | Sequence[tuple[int, ...]] | np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentArrays:
+    """A `SegmentBatch` as int64 arrays, the form the kernels' plan is built from. A decode step of a few hundred
+    answers reading 16 chunks each is thousands of `Segment` objects and hashes; built from each request's arrays
+    (`shared_decode.Reads`) the same metadata costs a few array operations, not milliseconds per step."""
+
+    chunks: np.ndarray  # [C, 3]: start, length, base of each distinct arena range
+    seg_counts: np.ndarray  # [R]: segments per request
+    seg_chunk: np.ndarray  # [S]: each segment's chunk index, request after request
+    seg_offset: np.ndarray  # [S]: each segment's absolute offset
+    tail_start: np.ndarray  # [R]
+    tail_used: np.ndarray  # [R]
+    rows: np.ndarray  # [N]: each query row's request
+    positions: np.ndarray  # [N]
+
+    def __post_init__(self) -> None:
+        requests = self.seg_counts.size
+        if self.rows.size != self.positions.size or not self.rows.size:
+            raise ValueError("a segment call needs one request index and one position per row, one row at least")
+        if self.chunks.shape != (self.chunks.shape[0], 3) or int(self.seg_counts.sum()) != self.seg_chunk.size:
+            raise ValueError("chunk ranges must be [C, 3] and the segment counts must add up to the segments")
+        if self.seg_chunk.size and not (self.seg_chunk.min() >= 0 and self.seg_chunk.max() < self.chunks.shape[0]):
+            raise ValueError(f"a segment reads a chunk outside the {self.chunks.shape[0]} the call lists")
+        if not (self.rows.min() >= 0 and self.rows.max() < requests) or self.tail_used.size != requests:
+            raise ValueError("every row must name one of the call's requests, each with a tail")
+        if (np.bincount(self.rows, minlength=requests) > self.tail_used).any():
+            raise ValueError("a request has more query rows than live tail slots")
+
+    def tail_visible(self) -> np.ndarray:
+        """Tail keys each row sees: row j of a request's k rows sees its first used - k + j + 1 slots."""
+        counts = np.bincount(self.rows, minlength=self.seg_counts.size)
+        order = np.argsort(self.rows, kind="stable")
+        ordered = self.rows[order]
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - np.searchsorted(ordered, ordered, side="left")
+        visible: np.ndarray = self.tail_used[self.rows] - counts[self.rows] + rank + 1
+        return visible
+
+    def reach(self) -> tuple[int, int]:
+        """Slots the arena and the tail tensor must hold at least (the ends of the ranges the call reads)."""
+        arena = int((self.chunks[:, 0] + self.chunks[:, 1]).max()) if self.chunks.size else 0
+        return arena, int((self.tail_start + self.tail_used).max())
+
+    def batch(self) -> SegmentBatch:
+        """The same call as objects (the torch reference's form)."""
+        chunks = tuple(ChunkRange(int(s), int(n), int(b)) for s, n, b in self.chunks.tolist())
+        bounds = np.concatenate(([0], np.cumsum(self.seg_counts))).tolist()
+        chunk, offset = self.seg_chunk.tolist(), self.seg_offset.tolist()
+        requests = tuple(
+            RequestSegments(
+                tuple(Segment(chunk[i], offset[i]) for i in range(bounds[r], bounds[r + 1])),
+                Tail(int(self.tail_start[r]), int(self.tail_used[r])),
+            )
+            for r in range(self.seg_counts.size)
+        )
+        return SegmentBatch(chunks, requests, tuple(self.rows.tolist()), tuple(self.positions.tolist()))
 
 
 def partial(

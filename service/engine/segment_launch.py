@@ -27,7 +27,7 @@ import torch
 
 from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
-from service.engine.segment_attention import ContextScaling, SegmentBatch
+from service.engine.segment_attention import ContextScaling, SegmentArrays, SegmentBatch
 
 # A tile row: arena start and length of its key range, its group's first pair and pair count, its query block.
 TILE_COLUMNS = 5
@@ -102,7 +102,7 @@ class SegmentPlan:
     @classmethod
     def build(
         cls,
-        batch: SegmentBatch,
+        batch: SegmentBatch | SegmentArrays,
         group: int,
         kv_heads: int,
         device: torch.device,
@@ -112,7 +112,8 @@ class SegmentPlan:
         """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into
         (None: enough for about _TARGET_PROGRAMS programs); `capacity`: padded to these sizes (ValueError when
         the batch does not fit)."""
-        host = _HostPlan(batch, group)
+        arrays = batch if isinstance(batch, SegmentArrays) else batch.arrays()
+        host = _HostPlan(arrays, group)
         host.add_chunks(pieces, kv_heads)
         host.add_tails()
         row_parts, row_ptr = host.row_parts()
@@ -127,7 +128,7 @@ class SegmentPlan:
         parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
         parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
         # One copy to the device for the whole plan; every field is a view of it.
-        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        flat = _upload(np.concatenate(parts), device)
         views = list(torch.split(flat, [p.size for p in parts]))
         fixed, tiles = views[:7], views[7:]
         launches = [Launch(t.view(-1, TILE_COLUMNS), w) for t, w in zip(tiles, chunk_widths + tail_widths, strict=True)]
@@ -142,7 +143,7 @@ class SegmentPlan:
             row_parts=fixed[5],
             row_tail=fixed[6],
             pairs=host.pair_q.size,  # the capacity's, when padded: the partial buffers are sized by it
-            reach=batch.reach(),
+            reach=arrays.reach(),
         )
 
     def copy_from(self, other: SegmentPlan) -> None:
@@ -166,11 +167,11 @@ class _HostPlan:
     and each row's partials. Order is part of the contract: entries by row then segment, chunks in the order
     they are first read, readers of a chunk in entry order, then one tail group per request in request order."""
 
-    def __init__(self, batch: SegmentBatch, group: int) -> None:
+    def __init__(self, batch: SegmentArrays, group: int) -> None:
         self.batch = batch
         self.group = group
-        self.rows = len(batch.rows)
-        self.positions = np.asarray(batch.positions, dtype=np.int64)
+        self.rows = batch.rows.size
+        self.positions = batch.positions
         self.q_rows = np.zeros(0, dtype=np.int64)
         self.q_positions = np.zeros(0, dtype=np.int64)
         self.pair_q = np.zeros(0, dtype=np.int64)
@@ -185,11 +186,8 @@ class _HostPlan:
         """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece (`pieces`
         per chunk; None: `_auto_pieces`)."""
         batch = self.batch
-        counts = np.fromiter((len(r.segments) for r in batch.requests), np.int64, len(batch.requests))
-        seg_chunk = np.fromiter((s.chunk for r in batch.requests for s in r.segments), np.int64, int(counts.sum()))
-        seg_offset = np.fromiter((s.offset for r in batch.requests for s in r.segments), np.int64, seg_chunk.size)
-        ranges = np.array([(c.start, c.length, c.base) for c in batch.chunks], dtype=np.int64).reshape(-1, 3)
-        rows = np.asarray(batch.rows, dtype=np.int64)
+        counts, seg_chunk, seg_offset = batch.seg_counts, batch.seg_chunk, batch.seg_offset
+        ranges, rows = batch.chunks, batch.rows
         first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))[rows]  # each row's first segment
         entry_row = _expand(counts[rows])
         segment = first_segment[entry_row] + _within(counts[rows])
@@ -229,8 +227,8 @@ class _HostPlan:
         batch = self.batch
         if self.rows == 0:
             return
-        visible = np.asarray(batch.tail_visible(), dtype=np.int64)
-        owner = np.asarray(batch.rows, dtype=np.int64)
+        visible = batch.tail_visible()
+        owner = batch.rows
         by_request = np.argsort(owner, kind="stable")  # rows grouped by request, in request then row order
         entries, pairs = self.q_rows.size, self.pair_q.size
         self.q_rows = np.concatenate((self.q_rows, by_request))
@@ -240,7 +238,7 @@ class _HostPlan:
         self.row_tail[by_request] = pairs + np.arange(self.rows)
         requests, first_row, rows_of = np.unique(owner[by_request], return_index=True, return_counts=True)
         seen = np.maximum.reduceat(visible[by_request], first_row)
-        starts = np.array([batch.requests[r].tail.start for r in requests], dtype=np.int64)
+        starts = batch.tail_start[requests]
         self.tail_tiles = self._tiles(starts, seen, pairs + first_row, rows_of)
 
     def _tiles(
@@ -283,6 +281,17 @@ class _HostPlan:
             for width in _widths():
                 rows = tiles.get(width, np.zeros((0, TILE_COLUMNS), dtype=np.int64))
                 tiles[width] = np.concatenate((rows, np.zeros((count - len(rows), TILE_COLUMNS), dtype=np.int64)))
+
+
+def _upload(flat: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`flat` on `device`. To CUDA through pinned memory, asynchronously: a copy from pageable memory waits for every
+    kernel already queued, so each step's host work (this plan included) would wait for the previous step's
+    kernels instead of running beside them. The caching host allocator keeps the pinned block until the copy
+    has read it."""
+    host = torch.from_numpy(flat)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _expand(counts: np.ndarray) -> np.ndarray:

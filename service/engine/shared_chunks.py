@@ -27,7 +27,14 @@ from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.segment_attention import ContextScaling
-from service.engine.shared_decode import SharedDecoder, decode_batch, extend_batch, place_prefix, placements
+from service.engine.shared_decode import (
+    Reads,
+    SharedDecoder,
+    decode_batch,
+    extend_batch,
+    place_prefix,
+    placements,
+)
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 
 
@@ -96,7 +103,7 @@ class SharedChunks:
 
     def release(self, request: BatchRequest) -> None:
         """Unpin the request's chunks (once: a second call finds nothing)."""
-        ranges, request.arena_ranges, request.reads = request.arena_ranges, (), ()
+        ranges, request.arena_ranges, request.reads = request.arena_ranges, (), Reads()
         self._reading.discard(request)
         if ranges:
             self.arena.release(ranges)

@@ -13,9 +13,10 @@ reference (fp32, per row; the CPU's). Both take the plan of one step, built once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, extend_lists
@@ -27,10 +28,8 @@ from service.engine.rotary import Rotary
 from service.engine.segment_attention import (
     ChunkRange,
     ContextScaling,
-    RequestSegments,
-    Segment,
+    SegmentArrays,
     SegmentBatch,
-    Tail,
     reference_attention,
 )
 from service.engine.segment_launch import SegmentAttention, SegmentPlan, segment_kernels_apply
@@ -45,11 +44,36 @@ class Placement:
     offset: int
 
 
-def placements(plan: StitchPlan, ranges: Sequence[ChunkRange]) -> tuple[Placement, ...]:
+@dataclass(frozen=True)
+class Reads:
+    """The chunks a request reads, in prompt order: its placements and the same as arrays, built once when it is
+    placed (every decode step joins the running requests' arrays instead of walking their placements)."""
+
+    placed: tuple[Placement, ...] = ()
+    ranges: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64), compare=False)
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False)
+
+    @classmethod
+    def of(cls, placed: Sequence[Placement]) -> Reads:
+        ranges = np.array([(p.chunk.start, p.chunk.length, p.chunk.base) for p in placed], dtype=np.int64)
+        offsets = np.array([p.offset for p in placed], dtype=np.int64)
+        return cls(tuple(placed), ranges.reshape(-1, 3), offsets)
+
+    def __len__(self) -> int:
+        return len(self.placed)
+
+    def __iter__(self) -> Iterator[Placement]:
+        return iter(self.placed)
+
+    def __getitem__(self, index: int) -> Placement:
+        return self.placed[index]
+
+
+def placements(plan: StitchPlan, ranges: Sequence[ChunkRange]) -> Reads:
     """Each chunk's range at its planned start (`plan` covers the prefix, then the chunks `ranges` hold)."""
     if len(ranges) != len(plan.starts) - 1:
         raise ValueError(f"{len(ranges)} chunk ranges for a plan of {len(plan.starts) - 1} chunks")
-    return tuple(Placement(chunk, start) for chunk, start in zip(ranges, plan.starts[1:], strict=True))
+    return Reads.of([Placement(chunk, start) for chunk, start in zip(ranges, plan.starts[1:], strict=True)])
 
 
 def place_prefix(pool: KVPool, slab: Slab, prefix: KVBlock, rotary: Rotary) -> KVBuffer:
@@ -61,46 +85,59 @@ def place_prefix(pool: KVPool, slab: Slab, prefix: KVBlock, rotary: Rotary) -> K
 
 
 def segment_batch(
-    reads: Sequence[Sequence[Placement]], tails: Sequence[Tail], rows: Sequence[int], positions: Sequence[int]
-) -> SegmentBatch:
+    reads: Sequence[Reads | Sequence[Placement]],
+    tails: Sequence[tuple[int, int]],
+    rows: Sequence[int] | np.ndarray,
+    positions: Sequence[int],
+) -> SegmentArrays:
     """One call's metadata: each distinct arena range listed once (so a chunk read by several requests is one
-    chunk of the call, read once by the kernels), each request's segments pointing at it."""
+    chunk of the call, read once by the kernels), each request's segments pointing at it. `tails`: each
+    request's (slab start, live slots)."""
     if len(reads) != len(tails):
         raise ValueError("one list of placements per request")
-    index: dict[ChunkRange, int] = {}
-    requests = []
-    for placed, tail in zip(reads, tails, strict=True):
-        segments = tuple(Segment(index.setdefault(p.chunk, len(index)), p.offset) for p in placed)
-        requests.append(RequestSegments(segments, tail))
-    return SegmentBatch(tuple(index), tuple(requests), tuple(rows), tuple(positions))
+    tables = [r if isinstance(r, Reads) else Reads.of(r) for r in reads]
+    ranges = np.concatenate([t.ranges for t in tables]) if tables else np.zeros((0, 3), dtype=np.int64)
+    # A range's start names it: two live ranges of the arena never share a first slot.
+    _, first, seg_chunk = np.unique(ranges[:, 0], return_index=True, return_inverse=True)
+    tail = np.asarray(tails, dtype=np.int64).reshape(-1, 2)
+    return SegmentArrays(
+        chunks=ranges[first],
+        seg_counts=np.array([len(t) for t in tables], dtype=np.int64),
+        seg_chunk=seg_chunk.reshape(-1).astype(np.int64),
+        seg_offset=np.concatenate([t.offsets for t in tables]) if tables else np.zeros(0, dtype=np.int64),
+        tail_start=tail[:, 0].copy(),
+        tail_used=tail[:, 1].copy(),
+        rows=np.asarray(rows, dtype=np.int64),
+        positions=np.asarray(positions, dtype=np.int64),
+    )
 
 
 def decode_batch(
-    positions: Sequence[int], spans: Sequence[tuple[int, int]], reads: Sequence[Sequence[Placement]]
-) -> SegmentBatch:
+    positions: Sequence[int], spans: Sequence[tuple[int, int]], reads: Sequence[Reads | Sequence[Placement]]
+) -> SegmentArrays:
     """A decode step's metadata: row b feeds at positions[b], its tail the live slots spans[b] (fed token
     included), as `DecodeRows.build` takes them."""
-    tails = [Tail(start, used) for start, used in spans]
-    return segment_batch(reads, tails, range(len(spans)), positions)
+    return segment_batch(reads, spans, np.arange(len(spans)), positions)
 
 
 def extend_batch(
-    requests: Sequence[tuple[Sequence[int], int, int, int]], reads: Sequence[Sequence[Placement]]
-) -> SegmentBatch:
+    requests: Sequence[tuple[Sequence[int], int, int, int]], reads: Sequence[Reads | Sequence[Placement]]
+) -> SegmentArrays:
     """An extend's metadata from the (new ids, first position, slab start, live slots before) per request that
     `ExtendRows.build` takes: each request's new tokens are the last rows of its tail, causal."""
     _, positions, _, _, spans = extend_lists(requests)
     rows = [r for r, (_, _, new) in enumerate(spans) for _ in range(new)]
-    return segment_batch(reads, [Tail(start, used) for start, used, _ in spans], rows, positions)
+    return segment_batch(reads, [(start, used) for start, used, _ in spans], rows, positions)
 
 
 class SegmentLayerAttend:
     """One call's segment attention, layer by layer (a `LayerAttend`): the arena's layer and the pool's."""
 
     def __init__(
-        self, batch: SegmentBatch, arena: ChunkArena, rotary: Rotary, context: ContextScaling, kernels: bool
+        self, batch: SegmentArrays, arena: ChunkArena, rotary: Rotary, context: ContextScaling, kernels: bool
     ) -> None:
         self.batch = batch
+        self._objects: SegmentBatch | None = None
         self._arena = arena.data
         self._rotary = rotary
         self._context = context
@@ -114,7 +151,9 @@ class SegmentLayerAttend:
         arena = self._arena[layer]
         if self._kernel is not None:
             return self._kernel(q, arena, kv, scale)
-        return reference_attention(q, self.batch, arena, kv, self._rotary, scale, self._context)
+        if self._objects is None:
+            self._objects = self.batch.batch()
+        return reference_attention(q, self._objects, arena, kv, self._rotary, scale, self._context)
 
 
 class SharedDecoder:
@@ -137,18 +176,18 @@ class SharedDecoder:
         self.context = context or ContextScaling()
         self.kernels = segment_kernels_apply(arena.spec.device) if kernels is None else kernels
 
-    def attention(self, batch: SegmentBatch) -> SegmentLayerAttend:
+    def attention(self, batch: SegmentArrays) -> SegmentLayerAttend:
         """The step's attention (its plan built once, here, for every layer)."""
         return SegmentLayerAttend(batch, self.arena, self.decoder.forward.rotary, self.context, self.kernels)
 
     @torch.inference_mode()
-    def step(self, rows: DecodeRows, batch: SegmentBatch) -> torch.Tensor:
+    def step(self, rows: DecodeRows, batch: SegmentArrays) -> torch.Tensor:
         """Feed each row's token, write its K/V into its slab; returns fp32 logits [B, vocab]. `batch`: the
         step's `decode_batch` (its rows and tails those of `rows`)."""
         return self.decoder.forward.head_rows(self._layers(rows.ids, rows.positions, rows.slots, batch))
 
     @torch.inference_mode()
-    def extend(self, rows: ExtendRows, batch: SegmentBatch) -> torch.Tensor:
+    def extend(self, rows: ExtendRows, batch: SegmentArrays) -> torch.Tensor:
         """Feed each request its new tokens (its question: causal among themselves, after its tail's live slots,
         every chunk fully visible), writing their K/V into its slab; fp32 logits [R, vocab] of each request's last
         token. `batch`: the extend's `extend_batch`."""
@@ -156,10 +195,10 @@ class SharedDecoder:
         return self.decoder.forward.head_rows(hidden.index_select(0, rows.last))
 
     def _layers(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, batch: SegmentBatch
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, batch: SegmentArrays
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of `ids` through every layer, K/V written at `slots` of the pool."""
-        if len(batch.rows) != ids.shape[0]:
+        if batch.rows.size != ids.shape[0]:
             raise ValueError(f"{ids.shape[0]} tokens with segment metadata of {len(batch.rows)} rows")
         fwd = self.decoder.forward
         hidden = fwd.embed_static(ids.view(1, -1))
