@@ -161,7 +161,7 @@ class RemoteAnswer:
                     return
                 except _RetryError as err:
                     if streaming:
-                        raise UnavailableError(f"engine {self.engine}", err) from err
+                        raise UnavailableError(f"engine {self.engine}", f"it failed mid-answer ({err})") from err
                     log.warning("engine %s failed before answering (%s); routing the question again", self.engine, err)
                     await self.open()
         finally:
