@@ -62,7 +62,10 @@ class EngineAnswerRequest:
     dropped: int = 0  # chunks the gateway retrieved but left out (they would not fit)
 
     def to_json(self) -> dict[str, Any]:
+        """The request as JSON values (lists, objects), what `parse_answer_request` reads back."""
         body = asdict(self)
+        body["chunks"] = [{**asdict(c), "token_ids": list(c.token_ids)} for c in self.chunks]
+        body["stop"] = list(self.stop)
         body["history"] = [{"role": m.role, "text": m.text} for m in self.history]
         return body
 

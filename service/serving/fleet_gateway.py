@@ -17,10 +17,11 @@ routed, so concurrent questions see each other at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ import httpx
 
 from service.fleet.placement import PlacementView
 from service.fleet.routing import ChunkRef, RouteDecision, RoutingPolicy, route
+from service.fleet.tier_events import key_space_of
 from service.kvcache.keys import KeySpace
 from service.settings import Settings
 
@@ -195,15 +197,22 @@ class Fleet:
 
     def engines(self) -> list[EngineState]:
         with self._lock:
-            return [dataclass_copy(s) for s in self._engines.values()]
+            return [_snapshot(s) for s in self._engines.values()]
 
     def figures(self) -> dict[str, FleetEngineFigures]:
         """Per engine (by id, else URL): answers open on it, whether it is routable, whether its key space differs."""
         with self._lock:
-            return {
+            figures = {
                 s.engine_id or s.url: FleetEngineFigures(s.running, s.routable, s.mismatch is not None)
                 for s in self._engines.values()
             }
+        for engine_id in self._view_mismatched():
+            figures.setdefault(engine_id, FleetEngineFigures(0, False, True))
+        return figures
+
+    def _view_mismatched(self) -> list[str]:
+        """Engines the placement view met in Redis with another key space (discovery never hands them over)."""
+        return self._view.mismatched() if self._view is not None else []
 
     # ---- routing ----------------------------------------------------------------------------------------------
 
@@ -251,43 +260,26 @@ class Fleet:
         with self._lock:
             states = list(self._engines.values())
         ok = any(s.routable for s in states)
-        parts = []
-        for s in states:
-            state = (
-                "routable"
-                if s.routable
-                else "mismatched key space"
-                if s.mismatch
-                else "unreachable"
-                if s.failed
-                else "not ready"
-            )
-            parts.append(f"{s.engine_id or s.url}: {state}")
+        parts = [f"{s.engine_id or s.url}: {_state(s)}" for s in states]
+        known = {s.engine_id for s in states}
+        parts += [f"{e}: mismatched key space" for e in self._view_mismatched() if e not in known]
         return ok, "; ".join(parts) or "no engine known"
 
 
-def dataclass_copy(state: EngineState) -> EngineState:
-    return EngineState(
-        state.url,
-        state.engine_id,
-        state.ready,
-        state.key_space,
-        None if state.mismatch is None else list(state.mismatch),
-        state.failed,
-        state.running,
-        dict(state.reported),
-    )
+def _state(s: EngineState) -> str:
+    if s.routable:
+        return "routable"
+    if s.mismatch:
+        return "mismatched key space"
+    return "unreachable" if s.failed else "not ready"
+
+
+def _snapshot(state: EngineState) -> EngineState:
+    """A copy a caller may read without the lock."""
+    mismatch = None if state.mismatch is None else list(state.mismatch)
+    return dataclasses.replace(state, mismatch=mismatch, reported=dict(state.reported))
 
 
 def _key_space(fields: Any) -> KeySpace | None:
-    if not isinstance(fields, dict):
-        return None
-    try:
-        return KeySpace(
-            str(fields["fingerprint"]), str(fields["template_version"]), str(fields["dtype"]), str(fields["stored"])
-        )
-    except KeyError:
-        return None
-
-
-ChunkKey = Callable[[Sequence[int]], str]
+    """The key space an engine's /info names; None while it has none (loading) or for a malformed one."""
+    return key_space_of({k: str(v) for k, v in fields.items()}) if isinstance(fields, dict) else None
