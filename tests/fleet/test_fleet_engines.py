@@ -281,6 +281,39 @@ def test_engines_of_another_key_space_are_reported_and_never_routed_to(
     assert {s.engine_id for s in fleet.fleet.engines() if s.routable} == {"e1", "e2"}
 
 
+def test_v1_answers_through_the_gateway_and_an_engine_refuses_a_bad_request(fleet: FleetUnderTest) -> None:
+    body = {
+        "model": fleet.server.model_name,
+        "messages": [{"role": "user", "content": OTTERS}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
+    reply = fleet.client.post("/v1/chat/completions", json=body)
+
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["message"]["content"] and reply.json()["usage"]["completion_tokens"] <= 5
+    bad = httpx.post(f"{fleet.engines['e1'].url}/answer", json={"question": "x", "chunks": [{"id": 1}]}, timeout=10)
+    assert bad.status_code == 422 and "chunks[0]" in bad.text
+
+
+def test_a_gateway_finds_the_engines_in_redis(fleet: FleetUnderTest, tmp_path: Path) -> None:
+    """`--engines redis`: no URL given; the engines' heartbeats in Redis carry theirs."""
+    settings = fleet.server.settings.model_copy(update={"data_dir": tmp_path / "discover", "engines": "redis"})
+    runtime = fleet.server.runtime
+    assert runtime is not None
+    server = Server(settings, runtime.engine, runtime.embedder, in_process_worker)
+    with TestClient(create_app(server)) as client:
+        assert server.started.wait(60) and server.ready, server.startup_error
+        _wait_routable(server, {"e1", "e2"})
+        assert server.fleet is not None
+        assert sorted(s.url for s in server.fleet.engines()) == sorted(e.url for e in fleet.engines.values())
+        reply = client.post("/ask", json={"question": OTTERS, "max_new_tokens": 3, "stream": False})
+        # This gateway's own collection is empty (another data dir): an answer without sources, made on an engine.
+        assert reply.status_code == 200 and reply.json()["output_tokens"] >= 1
+        assert server.fleet.recent[-1].decision.engine in {"e1", "e2"}
+
+
 # ---- an engine killed mid-load (last: it takes e2 away) ----------------------------------------------------
 
 
