@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 from service.commands.engine import DEFAULT_ENGINE_PORT, default_engine_id
 from service.settings import Settings
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
 ENGINE_STOP_S = 15.0  # an engine asked to stop (SIGTERM) gets this long before it is killed
 
 
@@ -92,9 +95,17 @@ def start_engines(settings: Settings, gpus: list[int], base_port: int) -> list[t
     for gpu in gpus:
         port = base_port + gpu
         command = [sys.executable, "-m", "service", "engine", "--host", "127.0.0.1", "--port", str(port)]
-        process = subprocess.Popen(command, env=engine_environment(settings, gpu, port), cwd=Path.cwd())
+        env = engine_environment(settings, gpu, port)
+        process = subprocess.Popen(command, env=env, cwd=Path.cwd(), preexec_fn=_die_with_parent)
         started.append((f"http://127.0.0.1:{port}", process))
     return started
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the gateway dies, even by SIGKILL, so no engine outlives it."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def stop_engines(engines: list[tuple[str, subprocess.Popen[bytes]]]) -> None:

@@ -71,8 +71,12 @@ class EngineProcess:
 
 
 def start_engines(specs: list[tuple[str, int, dict[str, str]]], log_dir: Path) -> list[EngineProcess]:
-    """Start every engine at once (their start-ups overlap), then wait for all to be ready."""
-    engines = [EngineProcess(i, port, log_dir / f"{i}.log", env) for i, port, env in specs]
+    """Start every engine at once (their start-ups overlap each other and whatever the caller does next)."""
+    return [EngineProcess(i, port, log_dir / f"{i}.log", env) for i, port, env in specs]
+
+
+def wait_ready(engines: list[EngineProcess]) -> None:
+    """Wait for every engine to be ready; stop them all when one fails."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     try:
         for engine in engines:
@@ -81,7 +85,6 @@ def start_engines(specs: list[tuple[str, int, dict[str, str]]], log_dir: Path) -
         for engine in engines:
             engine.stop()
         raise
-    return engines
 
 
 def ingest(client: Any, documents: list[dict[str, Any]], timeout_s: float = 60) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_processes import EngineProcess, ingest, sse, start_engines
+from engine_processes import EngineProcess, ingest, sse, start_engines, wait_ready
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
@@ -117,7 +117,8 @@ def fleet(
         "KVSTITCH_DATA_DIR": str(shared),
         "KVSTITCH_MAX_BATCH": "1",
     }
-    engines = {e.engine_id: e for e in start_engines([("e1", free_port(), env), ("e2", free_port(), env)], root)}
+    started = start_engines([("e1", free_port(), env), ("e2", free_port(), env)], root)
+    engines = {e.engine_id: e for e in started}
     settings = Settings(
         model=model,
         data_dir=shared,
@@ -126,12 +127,13 @@ def fleet(
         engines=",".join(e.url for e in engines.values()),
         **GATEWAY_SETTINGS,
     )
-    server = Server(settings, StitchEngine(load_model(model, device="cpu")), Embedder(), in_process_worker)
     try:
+        server = Server(settings, StitchEngine(load_model(model, device="cpu")), Embedder(), in_process_worker)
         with TestClient(create_app(server)) as client:
             assert server.started.wait(120) and server.ready, server.startup_error
+            ingest(client, DOCS)  # while the engines start
+            wait_ready(started)
             _wait_routable(server, {"e1", "e2"})
-            ingest(client, DOCS)
             yield FleetUnderTest(client, server, engines)
     finally:
         for process in engines.values():
