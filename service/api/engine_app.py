@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -114,8 +115,6 @@ async def _json(request: Request) -> Any:
     if len(body) > MAX_BODY_BYTES:
         raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB")
     try:
-        import json
-
         return json.loads(body)
     except ValueError as err:
         raise field_error("body", f"not JSON: {err}") from err

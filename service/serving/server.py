@@ -229,7 +229,14 @@ class Server:
         mode the retrieved question is routed to an engine and its answer streamed from there."""
         if self.fleet is not None:
             remote = await anyio.to_thread.run_sync(self.open_remote, request, self.fleet)
-            await remote.open()
+            try:
+                await remote.open()
+            except BusyError:
+                self.metrics.rejected.labels("busy").inc()
+                raise
+            except UnavailableError:
+                self.metrics.rejected.labels("dependency").inc()
+                raise
             return remote
         session = await anyio.to_thread.run_sync(self.open_answer, request)
         return EventStream(session)

@@ -228,9 +228,11 @@ def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: Flee
     assert fleet.fleet.view is not None and fleet.fleet.view.tiers(keys)["e2"] == [Tier.MISS]
     fleet.fleet.policy = RoutingPolicy(load_cost_tokens=1.0, balance_abs=2, balance_rel=1.0)
     before = len(fleet.fleet.recent)
+    running: dict[str, float] = {}
 
     async def scenario() -> list[tuple[str | None, DoneEvent | None]]:
         streams = [await fleet.server.answer(_request(GLACIER_QUESTION, max_new_tokens=4)) for _ in range(6)]
+        running.update(_samples(fleet.server.metrics_text().decode(), "kvstitch_fleet_engine_running"))
         for stream in streams:
             async for _ in stream:
                 pass
@@ -247,6 +249,10 @@ def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: Flee
     assert [r.decision.engine for r in routed[:4]] == ["e1", "e1", "e1", "e2"]
     assert [r.decision.reason for r in routed[:4]] == [RouteReason.COST] * 3 + [RouteReason.BALANCE]
     assert routed[3].decision.cost > routed[3].decision.best_cost
+    # While the six were open, the gateway's metrics counted them on their engines; all closed now.
+    chosen = [r.decision.engine for r in routed]
+    assert running == {f'{{engine="{e}"}}': float(chosen.count(e)) for e in ("e1", "e2")}
+    assert {s.engine_id: s.running for s in fleet.fleet.engines()} == {"e1": 0, "e2": 0}
 
 
 # ---- key-space mismatch -----------------------------------------------------------------------------------
@@ -383,6 +389,16 @@ def _sample(metrics: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no sample {name} in the metrics")
+
+
+def _samples(metrics: str, name: str) -> dict[str, float]:
+    """Label set -> value of every sample of `name`."""
+    found = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            found[labels] = float(value)
+    return found
 
 
 def _json_str(text: str) -> str:
