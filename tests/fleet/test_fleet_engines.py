@@ -322,6 +322,28 @@ def test_a_gateway_finds_the_engines_in_redis(fleet: FleetUnderTest, tmp_path: P
         assert server.fleet.recent[-1].decision.engine in {"e1", "e2"}
 
 
+def test_a_client_that_leaves_frees_its_place_on_the_engine(fleet: FleetUnderTest) -> None:
+    """The gateway stops reading after one token: the engine sees its connection close and cancels the answer."""
+
+    async def leave_after_one_token() -> str | None:
+        stream = await fleet.server.answer(_request(OTTERS, max_new_tokens=1000))
+        async for _ in stream:
+            break
+        stream.cancel()  # what /ask and /v1 do when their client went away
+        await asyncio.sleep(0.2)
+        assert isinstance(stream, RemoteAnswer)
+        return stream.engine
+
+    engine = asyncio.run(leave_after_one_token())
+
+    assert engine is not None
+    deadline = time.monotonic() + 10
+    while (load := httpx.get(f"{fleet.engines[engine].url}/load", timeout=5).json()) != {"running": 0, "waiting": 0}:
+        assert time.monotonic() < deadline, f"{engine} still holds the answer: {load}"
+        time.sleep(0.05)
+    assert {s.engine_id: s.running for s in fleet.fleet.engines()} == {"e1": 0, "e2": 0}
+
+
 # ---- an engine killed mid-load (last: it takes e2 away) ----------------------------------------------------
 
 
