@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -94,7 +93,7 @@ def create_engine_app(engine: EngineFacade) -> FastAPI:
             stream = await engine.answer(parsed)
         except Exception as err:
             raise http_error(err) from err
-        return StreamingResponse(_lines(stream, request), media_type=NDJSON)
+        return StreamingResponse(_lines(stream), media_type=NDJSON)
 
     @app.post("/precompute")
     async def precompute(request: Request) -> dict[str, int]:
@@ -132,12 +131,9 @@ def _token_lists(value: Any) -> bool:
     )
 
 
-async def _lines(stream: EngineAnswer, request: Request) -> AsyncIterator[bytes]:
+async def _lines(stream: EngineAnswer) -> AsyncIterator[bytes]:
     """The answer's events as lines; an error after the start becomes an `error` line (the status is sent). A gateway
-    that closes the connection cancels the answer at once: the server may not tell the response (ASGI 2.4 servers
-    drop what is sent to a closed connection), so the request's own disconnect message is awaited beside it."""
-    watcher = asyncio.ensure_future(_disconnected(request))
-    watcher.add_done_callback(lambda _: stream.cancel())
+    that closes the connection ends the iteration, which cancels the answer."""
     try:
         async for event in stream:
             yield event_line(event)
@@ -146,11 +142,4 @@ async def _lines(stream: EngineAnswer, request: Request) -> AsyncIterator[bytes]
     except Exception as err:
         yield error_line(f"generation failed: {type(err).__name__}: {err}")
     finally:
-        watcher.cancel()
         stream.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client is gone (the body was read whole before: only the disconnect is left to receive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
