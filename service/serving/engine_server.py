@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +164,11 @@ class EngineServer:
         checks["model"] = "loaded" if self.runtime is not None else "not loaded"
         if self.gate is not None:
             checks["gate"] = "skipped" if self.gate.skipped else ("passed" if self.gate.passed else "failed")
-        return {"ready": self.ready, "checks": checks, "engine_id": self.engine_id}
+        ok = self.ready
+        if self.runtime is not None:
+            checks["index"] = _probe(self.runtime.index.total_bytes)
+            ok = ok and checks["index"] == "ok"
+        return {"ready": ok, "checks": checks, "engine_id": self.engine_id}
 
     def info(self) -> dict[str, Any]:
         space = self.runtime.store.key_space if self.runtime is not None else None
@@ -236,6 +240,14 @@ class EngineServer:
         finally:
             runtime.store.release(result)
         return {tier.value: counts[tier.value] for tier in Tier}
+
+
+def _probe(check: Callable[[], object]) -> str:
+    try:
+        check()
+    except Exception as err:  # any failure means the KV index cannot serve answers now
+        return f"unreachable: {type(err).__name__}: {err}"
+    return "ok"
 
 
 def _question(request: EngineAnswerRequest) -> Question:
