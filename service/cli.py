@@ -1,5 +1,5 @@
-"""The `kvstitch` command line: serve | worker | ingest | ask | documents | verify | tiny-model | import-gguf | eval |
-finetune | make-qa."""
+"""The `kvstitch` command line: serve | engine | worker | ingest | ask | documents | verify | tiny-model | import-gguf |
+eval | finetune | make-qa."""
 
 from __future__ import annotations
 
@@ -68,6 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="KVSTITCH_HOST (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="KVSTITCH_PORT (default 8000)")
     serve.add_argument("--no-gate", action="store_true", help="skip the start-up correctness gate")
+    serve.add_argument(
+        "--engines",
+        default=None,
+        metavar="URL,...",
+        help="gateway mode: send questions to these `kvstitch engine` URLs, or `redis` for the engines announced "
+        "there (KVSTITCH_ENGINES; default: answer in this process)",
+    )
+    serve.add_argument(
+        "--gpus",
+        default=None,
+        metavar="N,...",
+        help="start one `kvstitch engine` per GPU (CUDA_VISIBLE_DEVICES=N, port ENGINE_PORT+N) and route to them",
+    )
+    serve.add_argument(
+        "--engine-port", type=int, default=None, help="with --gpus: the first engine's port base (default 8100)"
+    )
+
+    engine = commands.add_parser(
+        "engine", help="serve one engine (scheduler, KV tiers) to gateways over an internal HTTP API"
+    )
+    _add_runtime_options(engine)
+    engine.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    engine.add_argument("--port", type=int, default=None, help="port to listen on (default 8100)")
+    engine.add_argument("--no-gate", action="store_true", help="skip the start-up correctness gate")
 
     ask = commands.add_parser("ask", help="stream an answer from a running server, then TTFT and tier hits")
     ask.add_argument("question", help="the question, in quotes")
@@ -337,8 +361,10 @@ def _settings(args: argparse.Namespace) -> Any:
     from service.settings import Settings
 
     given = {"model": args.model, "data_dir": args.data_dir, "device": args.device}
-    for name in ("host", "port"):
+    for name in ("host", "port", "engines"):
         given[name] = getattr(args, name, None)
+    if args.command == "engine":  # its --host/--port are its own, not the gateway's KVSTITCH_HOST/PORT
+        given["host"] = given["port"] = None
     if getattr(args, "no_gate", False):
         given["gate_on_start"] = False
     return Settings(**{k: v for k, v in given.items() if v is not None})
@@ -433,9 +459,20 @@ def _make_qa(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.commands.serve import serve
+    from service.commands.serve import serve, serve_gpus
 
+    if args.gpus is not None:
+        if args.engines is not None:
+            print("error: --gpus starts its own engines: give it or --engines, not both", file=sys.stderr)
+            return 2
+        return serve_gpus(_settings(args), args.gpus, args.engine_port)
     return serve(_settings(args))
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from service.commands.engine import run_engine
+
+    return run_engine(_settings(args), args.host, args.port)
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -551,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "serve": _serve,
+        "engine": _engine,
         "ask": _ask,
         "worker": _worker,
         "ingest": _ingest,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -51,6 +51,19 @@ SHADOW_OUTCOMES = ("compared", "dropped", "preempted", "failed")
 SHADOW_KINDS = ("first_token", "answer")
 # `submitted` at POST /ingest; the others as a worker's delivery ends (`retry`: failed, will be delivered again).
 INGEST_STATUSES = ("submitted", "done", "failed", "retry")
+
+
+class EngineFigures(Protocol):
+    """What the fleet metrics read of one engine (`service.serving.fleet_gateway.FleetEngineFigures`)."""
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def routable(self) -> bool: ...
+
+    @property
+    def mismatched(self) -> bool: ...
 
 
 class ChunkCounts(Protocol):
@@ -172,6 +185,12 @@ class Metrics:
             "Routing cost (precompute-token equivalents) of the chosen engine and of the cheapest one: their ratio is "
             "what balancing cost",
             ["kind"],
+            registry=r,
+        )
+        self.fleet_reroutes = Counter(
+            "kvstitch_fleet_reroutes",
+            "Questions sent to another engine because the one routed to refused them (busy) or failed before the "
+            "answer's first token",
             registry=r,
         )
         # Every label value shows from the start (at 0), so rates and ratios exist before the first event.
@@ -308,6 +327,10 @@ class Metrics:
         engines whose key space differs from the gateway's (ignored for routing)."""
         self.registry.register(_PlacementCollector(stats))
 
+    def watch_fleet(self, figures: Callable[[], Mapping[str, EngineFigures]]) -> None:
+        """A gateway's engines at every scrape: answers open on each, routable ones, key-space mismatches."""
+        self.registry.register(_FleetCollector(figures))
+
     def watch_gc(self, pauses: GcPauses) -> None:
         """Report the garbage collector's pauses (every collection, by generation) at every scrape."""
         self.registry.register(_GcCollector(pauses))
@@ -419,6 +442,33 @@ class _ArenaCollector(Collector):
         )  # fmt: skip
         yield CounterMetricFamily(
             "kvstitch_arena_evictions", "Unpinned chunks evicted from the shared arena", value=stats.evictions
+        )
+
+
+class _FleetCollector(Collector):
+    def __init__(self, figures: Callable[[], Mapping[str, EngineFigures]]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Any]:
+        figures = self._figures()
+        running = GaugeMetricFamily(
+            "kvstitch_fleet_engine_running", "Answers this gateway has open on each engine", labels=["engine"]
+        )
+        mismatch = GaugeMetricFamily(
+            "kvstitch_fleet_key_space_mismatch",
+            "1 for an engine whose key space (model fingerprint, template, dtype, stored form) differs from the "
+            "gateway's: never routed to",
+            labels=["engine"],
+        )
+        for engine, f in sorted(figures.items()):
+            running.add_metric([engine], f.running)
+            mismatch.add_metric([engine], 1 if f.mismatched else 0)
+        yield running
+        yield mismatch
+        yield GaugeMetricFamily(
+            "kvstitch_fleet_engines_live",
+            "Engines the gateway may route to now (answering, ready, same key space)",
+            value=sum(1 for f in figures.values() if f.routable),
         )
 
 

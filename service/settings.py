@@ -19,6 +19,7 @@ from service.search_filter import KEY_PATTERN as FILTER_KEY
 from service.search_filter import MAX_KEY_CHARS as MAX_FILTER_KEY_CHARS
 
 MIB = 1 << 20
+ENGINES_FROM_REDIS = "redis"  # KVSTITCH_ENGINES's value for the engines that announce themselves in Redis
 # The context temperature's bounds (the setting's and `kvstitch eval`'s): past them a context is all but ignored or
 # all but argmaxed.
 CONTEXT_TEMPERATURE_RANGE = (0.25, 4.0)
@@ -60,6 +61,29 @@ class Settings(BaseSettings):
     )
     fleet_ttl_s: float = Field(
         15.0, gt=0, description="An engine that has not beaten its heartbeat in Redis for this long leaves routing."
+    )
+    engines: str = Field(
+        "",
+        max_length=8192,
+        description="Gateway mode: the engines `kvstitch serve` sends questions to, comma-separated URLs of "
+        "`kvstitch engine` processes (http://host:8100,...), or `redis` for the engines that announce themselves in "
+        "Redis; unset = answers in this process (embedded engine).",
+    )
+    engine_url: str | None = Field(
+        None,
+        max_length=512,
+        description="`kvstitch engine`: the URL gateways reach its internal API at, announced in Redis; unset = "
+        "http://HOST:PORT (HOST 127.0.0.1 when it listens on every address).",
+    )
+    fleet_balance_abs: int = Field(
+        32,
+        ge=0,
+        le=100_000,
+        description="Gateway mode: a question goes to the least loaded engine when the busiest runs this many more "
+        "requests than the idlest (and FLEET_BALANCE_REL times as many); otherwise to the cheapest by chunk tiers.",
+    )
+    fleet_balance_rel: float = Field(
+        1.5, ge=1.0, le=1000.0, description="Gateway mode: the relative half of the imbalance bound (SGLang's rule)."
     )
     qdrant_url: str | None = Field(None, description="Qdrant server; unset = embedded Qdrant under DATA_DIR/qdrant.")
     qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
@@ -306,6 +330,11 @@ class Settings(BaseSettings):
             raise ValueError(f"chunk_overlap must be at most chunk_size // 2 = {self.chunk_size // 2}")
         if self.engine_id is not None and self.redis_url is None:
             raise ValueError("engine_id publishes tier changes to Redis: set redis_url too")
+        if self.engines.strip() == ENGINES_FROM_REDIS and self.redis_url is None:
+            raise ValueError("engines=redis discovers engines in Redis: set redis_url too")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engines: {url!r} is not an http(s) URL")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         if self.doc_lock_ttl_ms is not None and self.doc_lock_ttl_ms > self.job_claim_idle_ms:
@@ -339,6 +368,18 @@ class Settings(BaseSettings):
         if self.inprocess_worker != "auto":
             return self.inprocess_worker == "on"
         return self.redis_url is None or self.qdrant_url is None
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The `engines` URLs (empty for `redis` discovery or none)."""
+        if self.engines.strip() == ENGINES_FROM_REDIS:
+            return ()
+        return tuple(u.strip().rstrip("/") for u in self.engines.split(",") if u.strip())
+
+    @property
+    def gateway(self) -> bool:
+        """Whether `kvstitch serve` routes questions to engine processes instead of answering them itself."""
+        return bool(self.engines.strip())
 
     @property
     def embedded(self) -> bool:

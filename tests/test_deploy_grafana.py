@@ -12,10 +12,13 @@ import pytest
 import yaml
 
 from service.engine.arena_stats import ArenaStats
+from service.fleet.placement import PlacementStats
+from service.fleet.routing import RouteDecision, RouteReason
 from service.kvcache.store import StoreStats, TierUsage
 from service.kvcache.tiers import Tier
 from service.metrics import INGEST_STATUSES, STAGES, Metrics
 from service.retrieval.batcher import RetrievalStats
+from service.serving.fleet_gateway import FleetEngineFigures
 from service.serving.gc_pauses import GcPauses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +73,10 @@ def exported() -> dict[str, set[str]]:
     for status in INGEST_STATUSES:
         metrics.ingest_jobs.labels(status).inc()
     metrics.observe_shadow("reordered", "none", {"first_token": True, "answer": False}, kl=0.01)
+    metrics.watch_fleet(lambda: {"e1": FleetEngineFigures(running=2, routable=True, mismatched=False)})
+    metrics.watch_placement(lambda: PlacementStats(1, {Tier.GPU: 3, Tier.HOST: 1, Tier.DISK: 0}, {"e2": 4}, 1))
+    metrics.observe_route(RouteDecision("e1", RouteReason.COST, 10.0, 10.0, (Tier.GPU, Tier.MISS)))
+    metrics.fleet_reroutes.inc()
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         assert family.samples, f"{family.name} has no sample: populate it above"

@@ -52,6 +52,7 @@ class EnginePlacement:
     engine_id: str
     beat: float
     blocks: dict[str, dict[Tier, int]] = field(default_factory=dict)
+    url: str | None = None  # its internal API, where it announced one
 
     def apply(self, move: TierMove) -> None:
         tiers = self.blocks.setdefault(move.key, {})
@@ -112,6 +113,16 @@ class PlacementView:
     def engines(self) -> list[str]:
         with self._lock:
             return sorted(self._engines)
+
+    def urls(self) -> dict[str, str]:
+        """Engine id -> internal API URL, of the live engines (of the gateway's key space) that announced one."""
+        with self._lock:
+            return {e: p.url for e, p in sorted(self._engines.items()) if p.url}
+
+    def mismatched(self) -> list[str]:
+        """Engines seen keying their KV in another key space (ignored for routing)."""
+        with self._lock:
+            return sorted(self._mismatched)
 
     def tier_of(self, engine_id: str, key: str) -> Tier:
         with self._lock:
@@ -214,7 +225,7 @@ class PlacementView:
         if fields.get("digest") != self.digest:
             self._mismatch(engine_id, int(self._redis.hlen(self.keys.held(engine_id))), key_space_of(fields))
             return None
-        placement = EnginePlacement(engine_id, beat)
+        placement = EnginePlacement(engine_id, beat, url=fields.get("url") or None)
         for name, tokens in self._redis.hgetall(self.keys.held(engine_id)).items():
             parsed = parse_held_field(name)
             if parsed is not None:

@@ -4,8 +4,9 @@ Layout, under `{prefix}:fleet` (prefix: `KVSTITCH_REDIS_PREFIX`):
 
 - `engines`: sorted set, engine id -> Unix time of its last heartbeat. How a view finds the engines and drops the
   silent ones.
-- `engine:{id}`: hash, the engine's key space (model fingerprint, template version, dtype, stored form) and its
-  digest. What a view compares with its own before trusting any key of that engine.
+- `engine:{id}`: hash, the engine's key space (model fingerprint, template version, dtype, stored form), its
+  digest and, where it serves one, the URL of its internal API (`url`). What a view compares with its own before
+  trusting any key of that engine, and where a gateway that discovers engines through Redis sends questions.
 - `held:{id}`: hash, one field `{tier}:{key}` -> token count per block the engine holds. The engine's whole
   placement: what a gateway that starts reads.
 - `events`: stream, one entry per published batch (engine, key-space digest, kind, moves as JSON). What a running
@@ -150,6 +151,7 @@ class TierPublisher:
         contents: Callable[[], Iterable[TierMove]],
         ttl_s: float = DEFAULT_TTL_S,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        api_url: str | None = None,
     ) -> None:
         if ENGINE_ID.fullmatch(engine_id) is None:
             raise ValueError(f"engine id {engine_id!r}: 1-64 of letters, digits, '.', '_', '-'")
@@ -158,6 +160,7 @@ class TierPublisher:
         self.keys = FleetKeys.under(prefix)
         self.ttl_s = ttl_s
         self.flush_interval_s = flush_interval_s
+        self.api_url = api_url  # the engine's internal API, for gateways that discover engines through Redis
         self._contents = contents
         self._redis: Any = redis.Redis.from_url(url, decode_responses=True)
         self._lock = threading.Lock()
@@ -223,7 +226,8 @@ class TierPublisher:
         for chunk in _chunks(list(held.items()), 10_000):
             pipe.hset(self.keys.held(self.engine_id), mapping=dict(chunk))
         now = redis_time(self._redis)
-        pipe.hset(self.keys.engine(self.engine_id), mapping={**key_space_fields(self.space), "beat": repr(now)})
+        fields = {**key_space_fields(self.space), "beat": repr(now), **({"url": self.api_url} if self.api_url else {})}
+        pipe.hset(self.keys.engine(self.engine_id), mapping=fields)
         pipe.zadd(self.keys.engines, {self.engine_id: now})
         self._add_event(pipe, EventKind.RESET)
         for key in (self.keys.engine(self.engine_id), self.keys.held(self.engine_id)):

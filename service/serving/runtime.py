@@ -168,78 +168,19 @@ class Runtime:
 
     def run_gate(self) -> GateOutcome:
         """The correctness gate on a small sample, on the engine loop (skipped when the settings say so)."""
-        if not self.settings.gate_on_start:
-            return GateOutcome(True, None, None, skipped=True)
-        shared = self.kv_path.shared
-        result = self.loop.call(
-            lambda: run_gate(
-                self.engine, GATE_CHUNK_LENGTHS, GATE_QUESTION_LENGTH, self.settings.gate_tolerance, shared=shared
-            )
-        )
-        log.info("start-up gate: max |logit diff| %.3e (tolerance %.1e)", result.max_abs_logit_diff, result.tolerance)
-        zero_copy = result.shared_max_abs_logit_diff
-        if zero_copy is not None:
-            log.info("start-up gate, zero-copy path: max |logit diff| %.3e", zero_copy)
-        if result.shared_passed is False:
-            # The copy path passed its own cases and serves correctly: fall back to it rather than refuse to serve.
-            detail = f"start-up gate: zero-copy max |logit diff| {zero_copy:.3e} over tolerance {result.tolerance:.1e}"
-            self.kv_path = self.kv_path.fallback(KVPathReason.GATE, detail)
-            log.warning("shared chunks asked for, copy path serving: %s", detail)
-        return GateOutcome(
-            result.passed, result.max_abs_logit_diff, result.tolerance, False, zero_copy, result.shared_passed
-        )
+        gate = gate_on_loop(self.settings, self.engine, self.loop, self.kv_path.shared)
+        self.kv_path = kv_path_after_gate(self.kv_path, gate)
+        return gate
 
     def warm_up(self) -> None:
         """Capture the question-prefill graphs of a typical request's stitch buffer now, so the first user does not
         pay for them; other sizes are captured on first use (the batched decode steps are warmed by
         `serve_answers`)."""
-        graphs = self.engine.stitch_graphs
-        if graphs is None:
-            return
-        start = time.perf_counter()
-        try:
-            self.loop.call(lambda: graphs.warm(self._typical_tokens()))
-        except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
-            log.exception("prefill graph warm-up failed")
-            return
-        log.info("prefill graphs captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+        warm_prefill_graphs(self.settings, self.engine, self.loop)
 
     def serve_answers(self) -> Scheduler:
         """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
-        device = self.engine.spec.device
-        mib = self.settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
-        mib, arena = open_arena(self.settings, self.engine, mib) if self.kv_path.shared else (mib, None)
-        pool = KVPool.from_mib(self.engine.spec, mib)
-        scheduler = build_scheduler(
-            self.engine, pool, batching_options(self.settings), kv_source=StoreChunks(self.store), arena=arena
-        )
-        self.loop.serve_answers(scheduler)
-        self.loop.call(lambda: self._warm_batch_graphs(scheduler))
-        log.info(
-            "answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots
-        )
-        if arena is not None:
-            log.info("shared chunks on (eager steps): a chunk arena of %d slots", arena.slots)
-        return scheduler
-
-    def _warm_batch_graphs(self, scheduler: Scheduler) -> None:
-        """Capture each batch size's decode step for every context bucket now (on the engine loop), so no capture
-        happens while answers are served."""
-        if scheduler.graphs is None:
-            return
-        # Every capacity bucket from the typical answer's up to what the pool can hold for one answer.
-        tokens, largest = self._typical_tokens(), min(self.engine.spec.max_context, scheduler.pool.slots)
-        while True:
-            scheduler.warm(min(tokens, largest))
-            if tokens >= largest:
-                break
-            tokens *= 2
-
-    def _typical_tokens(self) -> int:
-        """Slots of a typical answer: top-5 chunks, a question, the default answer budget."""
-        settings = self.settings
-        typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens
-        return min(typical, self.engine.spec.max_context)
+        return serve_answers(self.settings, self.engine, self.store, self.loop, self.kv_path)
 
     def start_worker(self, factory: WorkerFactory, on_job_finished: JobFinished | None = None) -> None:
         """Run an ingest worker built by `factory` on a thread of this process until `close`."""
@@ -309,6 +250,87 @@ class Runtime:
         self.close()
 
 
+def gate_on_loop(settings: Settings, engine: StitchEngine, loop: EngineLoop, shared: bool = False) -> GateOutcome:
+    """The correctness gate on a small sample, on the engine loop (skipped when the settings say so); `shared`: the
+    zero-copy path's cases too (the KV path chosen at start is the shared one)."""
+    if not settings.gate_on_start:
+        return GateOutcome(True, None, None, skipped=True)
+    tolerance = settings.gate_tolerance
+    result = loop.call(lambda: run_gate(engine, GATE_CHUNK_LENGTHS, GATE_QUESTION_LENGTH, tolerance, shared=shared))
+    log.info("start-up gate: max |logit diff| %.3e (tolerance %.1e)", result.max_abs_logit_diff, result.tolerance)
+    zero_copy = result.shared_max_abs_logit_diff
+    if zero_copy is not None:
+        log.info("start-up gate, zero-copy path: max |logit diff| %.3e", zero_copy)
+    return GateOutcome(
+        result.passed, result.max_abs_logit_diff, result.tolerance, False, zero_copy, result.shared_passed
+    )
+
+
+def kv_path_after_gate(path: KVPath, gate: GateOutcome) -> KVPath:
+    """`path`, or the copy path where the gate found the zero-copy path off the reference (logged): the copy path
+    passed its own cases and serves correctly, so the server falls back to it rather than refuse to serve."""
+    if gate.shared_passed is not False:
+        return path
+    detail = (
+        f"start-up gate: zero-copy max |logit diff| {gate.shared_max_abs_logit_diff:.3e} "
+        f"over tolerance {gate.tolerance:.1e}"
+    )
+    log.warning("shared chunks asked for, copy path serving: %s", detail)
+    return path.fallback(KVPathReason.GATE, detail)
+
+
+def warm_prefill_graphs(settings: Settings, engine: StitchEngine, loop: EngineLoop) -> None:
+    """Capture the question-prefill graphs of a typical request's stitch buffer (`Runtime.warm_up`)."""
+    graphs = engine.stitch_graphs
+    if graphs is None:
+        return
+    start = time.perf_counter()
+    try:
+        loop.call(lambda: graphs.warm(typical_tokens(settings, engine)))
+    except Exception:  # a warm-up is an optimisation: serving goes on, capturing on first use
+        log.exception("prefill graph warm-up failed")
+        return
+    log.info("prefill graphs captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+
+
+def serve_answers(
+    settings: Settings, engine: StitchEngine, store: KVStore, loop: EngineLoop, kv_path: KVPath
+) -> Scheduler:
+    """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither), with the
+    chunk arena where `kv_path` (chosen at start, `open_kv_path`, then `kv_path_after_gate`) is the shared one."""
+    device = engine.spec.device
+    mib = settings.kv_pool_mb or DEFAULT_POOL_MB.get(device.type, DEFAULT_POOL_MB["cpu"])
+    mib, arena = open_arena(settings, engine, mib) if kv_path.shared else (mib, None)
+    pool = KVPool.from_mib(engine.spec, mib)
+    scheduler = build_scheduler(engine, pool, batching_options(settings), kv_source=StoreChunks(store), arena=arena)
+    loop.serve_answers(scheduler)
+    loop.call(lambda: _warm_batch_graphs(settings, engine, scheduler))
+    log.info("answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots)
+    if arena is not None:
+        log.info("shared chunks on (eager steps): a chunk arena of %d slots", arena.slots)
+    return scheduler
+
+
+def _warm_batch_graphs(settings: Settings, engine: StitchEngine, scheduler: Scheduler) -> None:
+    """Capture each batch size's decode step for every context bucket now (on the engine loop), so no capture
+    happens while answers are served."""
+    if scheduler.graphs is None:
+        return
+    # Every capacity bucket from the typical answer's up to what the pool can hold for one answer.
+    tokens, largest = typical_tokens(settings, engine), min(engine.spec.max_context, scheduler.pool.slots)
+    while True:
+        scheduler.warm(min(tokens, largest))
+        if tokens >= largest:
+            break
+        tokens *= 2
+
+
+def typical_tokens(settings: Settings, engine: StitchEngine) -> int:
+    """Slots of a typical answer: top-5 chunks, a question, the default answer budget."""
+    typical = 5 * (settings.chunk_size + 16) + 512 + settings.default_max_new_tokens
+    return min(typical, engine.spec.max_context)
+
+
 def open_engine(settings: Settings) -> StitchEngine:
     if not settings.model:
         raise ValueError("no model configured: pass --model or set KVSTITCH_MODEL")
@@ -344,22 +366,27 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
     return store
 
 
-def open_tier_publisher(settings: Settings, store: KVStore) -> TierPublisher | None:
-    """With `engine_id` set: the store's tier changes published to Redis (started), for a gateway's routing; None
-    otherwise, and then nothing of the fleet touches Redis."""
-    if settings.engine_id is None or settings.redis_url is None:
+def open_tier_publisher(
+    settings: Settings, store: KVStore, engine_id: str | None = None, url: str | None = None
+) -> TierPublisher | None:
+    """With an engine id (`engine_id`, else the setting) and Redis: the store's tier changes published to Redis
+    (started), for a gateway's routing, with `url` where this engine serves its internal API; None otherwise, and
+    then nothing of the fleet touches Redis."""
+    engine_id = engine_id or settings.engine_id
+    if engine_id is None or settings.redis_url is None:
         return None
     publisher = TierPublisher(
         settings.redis_url,
         settings.redis_prefix,
-        settings.engine_id,
+        engine_id,
         store.key_space,
         store.tier_contents,
         ttl_s=settings.fleet_ttl_s,
+        api_url=url,
     )
     store.set_tier_listener(publisher)
     publisher.start()
-    log.info("publishing KV tier changes to Redis as engine %s", settings.engine_id)
+    log.info("publishing KV tier changes to Redis as engine %s", engine_id)
     return publisher
 
 

@@ -34,6 +34,8 @@ from service.errors import (
     UnknownDocumentError,
     UnknownJobError,
 )
+from service.facade import AnswerStream
+from service.facade.engine import EngineAnswerRequest, WireChunk
 from service.facade.types import (
     AnswerLimits,
     AnswerRequest,
@@ -45,6 +47,7 @@ from service.facade.types import (
     RetrieveRequest,
     Source,
 )
+from service.fleet.routing import ChunkRef
 from service.formats import ExtractError
 from service.formats.isolated import ExtractCancelledError, ExtractTimeoutError, IsolatedExtractor
 from service.jobs.documents import IngestJob, JobError, parse_job
@@ -56,11 +59,13 @@ from service.retrieval.fusion import conversation_queries
 from service.serving.answer_session import AnswerSession, source
 from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
+from service.serving.fleet_gateway import Fleet
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
+from service.serving.remote_answer import RemoteAnswer
 from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
 from service.serving.shadow import ShadowPolicy, Shadows
 from service.settings import MIB, Settings
-from service.usecases.answer import Answerer, Question
+from service.usecases.answer import Answerer, Question, Retrieval
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ class Server:
         self.answerer: Answerer | None = None
         self.shadows: Shadows | None = None
         self.gate: GateOutcome | None = None
+        self.fleet: Fleet | None = None  # gateway mode: the engine processes questions go to
         self.startup_error: str | None = None
         self.started = threading.Event()
         self._given = (engine, embedder)
@@ -120,23 +126,10 @@ class Server:
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
             self.metrics.watch_engine(runtime.loop.seconds)
             self.metrics.watch_retrieval(runtime.retrieval.stats)
-            self.gate = runtime.run_gate()
-            if self.gate.max_abs_logit_diff is not None:
-                self.metrics.gate_diff.set(self.gate.max_abs_logit_diff)
-            if self.gate.shared_max_abs_logit_diff is not None:
-                self.metrics.gate_zero_copy_diff.set(self.gate.shared_max_abs_logit_diff)
-            if not self.gate.passed:
-                raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
-            runtime.warm_up()
-            scheduler = runtime.serve_answers()
-            pool = scheduler.pool
-            self.metrics.watch_batching(lambda: len(scheduler.running), lambda: pool.used_bytes, pool.capacity_bytes)
-            self.metrics.set_kv_path(runtime.kv_path.mode.value, runtime.kv_path.reason.value)
-            if scheduler.shared is not None:
-                self.metrics.watch_arena(scheduler.shared.stats)
-            runtime.loop.on_step = self.metrics.batch_size.observe
-            policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
-            self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
+            if self.settings.gateway:
+                self._start_fleet(runtime)
+            else:
+                self._serve_here(runtime)
             self.answerer = Answerer(runtime.engine, runtime.store, runtime.search_many)
             self._start_worker(runtime)
             if self.settings.gc_freeze:
@@ -149,6 +142,37 @@ class Server:
         finally:
             self.started.set()
 
+    def _serve_here(self, runtime: Runtime) -> None:
+        """The embedded engine: gate, warm-up, scheduler, shadows (this process answers)."""
+        self.gate = runtime.run_gate()
+        if self.gate.max_abs_logit_diff is not None:
+            self.metrics.gate_diff.set(self.gate.max_abs_logit_diff)
+        if self.gate.shared_max_abs_logit_diff is not None:
+            self.metrics.gate_zero_copy_diff.set(self.gate.shared_max_abs_logit_diff)
+        if not self.gate.passed:
+            raise RuntimeError(f"correctness gate failed: max |logit diff| {self.gate.max_abs_logit_diff:.3e}")
+        runtime.warm_up()
+        scheduler = runtime.serve_answers()
+        pool = scheduler.pool
+        self.metrics.watch_batching(lambda: len(scheduler.running), lambda: pool.used_bytes, pool.capacity_bytes)
+        self.metrics.set_kv_path(runtime.kv_path.mode.value, runtime.kv_path.reason.value)
+        if scheduler.shared is not None:
+            self.metrics.watch_arena(scheduler.shared.stats)
+        runtime.loop.on_step = self.metrics.batch_size.observe
+        policy = ShadowPolicy(self.settings.shadow_share, self.settings.shadow_queue)
+        self.shadows = Shadows(policy, runtime.loop.add_answer, self.metrics)
+
+    def _start_fleet(self, runtime: Runtime) -> None:
+        """Gateway mode: questions go to the engine processes (`KVSTITCH_ENGINES`); this process retrieves,
+        ingests and routes. Its model gives the tokenizer, the template and the key space engines must share."""
+        self.gate = GateOutcome(True, None, None, skipped=True)  # each engine runs its own gate
+        fleet = self.fleet = Fleet(self.settings, runtime.store.key_space)
+        fleet.start()
+        self.metrics.watch_fleet(fleet.figures)
+        if fleet.view is not None:
+            self.metrics.watch_placement(fleet.view.stats)
+        log.info("gateway mode: routing questions to the engines of KVSTITCH_ENGINES=%s", self.settings.engines)
+
     def _start_worker(self, runtime: Runtime) -> None:
         if not self.settings.worker_in_process:
             return
@@ -159,6 +183,8 @@ class Server:
     def close(self) -> None:
         self._gc_pauses.uninstall()
         self._extractor.close()
+        if self.fleet is not None:
+            self.fleet.close()
         if self.runtime is not None:
             self.runtime.close()
 
@@ -181,9 +207,12 @@ class Server:
             checks["index"] = _probe(self.runtime.index.total_bytes)
             checks["qdrant"] = "ok" if self.runtime.collection.ping() else "unreachable"
         ok = self.ready and checks.get("index") == "ok" and checks.get("qdrant") == "ok"
+        if self.fleet is not None:
+            engines_ok, checks["engines"] = self.fleet.readiness()
+            ok = ok and engines_ok
         self.metrics.ready.set(1 if ok else 0)
         report: dict[str, Any] = {"ready": ok, "checks": checks}
-        if self.runtime is not None:
+        if self.runtime is not None and not self.settings.gateway:  # a gateway's engines answer, and report theirs
             report["kv_path"] = self.runtime.kv_path.as_json()
             scheduler = self.runtime.loop.scheduler  # read once: a closing runtime sets it to None
             shared = scheduler.shared if scheduler is not None else None
@@ -206,10 +235,41 @@ class Server:
 
     # ---- answers --------------------------------------------------------------------------------------------
 
-    async def answer(self, request: AnswerRequest) -> EventStream:
-        """`open_answer` on a worker thread (retrieval blocks), then its events as an async iterator."""
+    async def answer(self, request: AnswerRequest) -> AnswerStream:
+        """`open_answer` on a worker thread (retrieval blocks), then its events as an async iterator; in gateway
+        mode the retrieved question is routed to an engine and its answer streamed from there."""
+        if self.fleet is not None:
+            remote = await anyio.to_thread.run_sync(self.open_remote, request, self.fleet)
+            try:
+                await remote.open()
+            except BusyError:
+                self.metrics.rejected.labels("busy").inc()
+                raise
+            except UnavailableError:
+                self.metrics.rejected.labels("dependency").inc()
+                raise
+            return remote
         session = await anyio.to_thread.run_sync(self.open_answer, request)
         return EventStream(session)
+
+    def open_remote(self, request: AnswerRequest, fleet: Fleet) -> RemoteAnswer:
+        """Retrieve (blocking) and prepare the question for an engine; the refusals of `Facade.answer` but those of
+        the engines (`RemoteAnswer.open`)."""
+        started = time.perf_counter()
+        runtime = self._ready_runtime()
+        assert self.answerer is not None
+        question = self._prepared(self.answerer, request)
+        try:
+            retrieval = self.answerer.retrieve(question)
+        except UnavailableError:
+            self.metrics.rejected.labels("dependency").inc()
+            raise
+        template, store = runtime.engine.template, runtime.store
+        blocks = [template.chunk_block(c.token_ids) for c in retrieval.chunks]
+        refs = [ChunkRef(store.key_of(b), len(b)) for b in blocks]
+        wire = engine_request(question, retrieval, request)
+        sources = [source(c) for c in retrieval.chunks]
+        return RemoteAnswer(fleet, self.metrics, wire, refs, sources, started, retrieval.retrieve_ms)
 
     def open_answer(self, request: AnswerRequest) -> AnswerSession:
         """Admit and retrieve (blocking); the refusals of `Facade.answer`."""
@@ -400,6 +460,30 @@ class Server:
             return runtime.collection.documents(doc_id)
         except Exception as err:  # qdrant-client raises transport-specific errors; all mean "unreachable" here
             raise UnavailableError("Qdrant", err) from err
+
+
+def engine_request(question: Question, retrieval: Retrieval, request: AnswerRequest) -> EngineAnswerRequest:
+    """The retrieved question as an engine receives it (the deployment's defaults already applied)."""
+    sampling = question.sampling
+    chunks = tuple(
+        WireChunk(c.id, c.doc_id, c.score, c.text, tuple(c.token_ids), dict(c.metadata), dict(c.context))
+        for c in retrieval.chunks
+    )
+    return EngineAnswerRequest(
+        question=question.text,
+        chunks=chunks,
+        mode=question.mode.value,
+        positions=question.positions.value,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=tuple(sampling.stop),
+        logprobs=sampling.logprobs,
+        recompute=str(question.recompute),
+        history=question.history,
+        dropped=retrieval.dropped,
+    )
 
 
 def _request_limits(settings: Settings) -> RequestLimits:

@@ -1,0 +1,56 @@
+"""`kvstitch engine`: one engine (scheduler, GPU/host/disk tiers) serving gateways over an internal HTTP API."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+
+from service.settings import Settings
+
+DEFAULT_ENGINE_PORT = 8100
+DEFAULT_ENGINE_HOST = "127.0.0.1"
+ANY_ADDRESS = ("", "0.0.0.0", "::")
+
+
+def default_engine_id(port: int) -> str:
+    """`HOSTNAME-PORT`, reduced to the characters an engine id may hold (a colon may not: Redis key names use it)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48] or "engine"
+    return f"{host}-{port}"
+
+
+def engine_url(settings: Settings, host: str, port: int) -> str:
+    """Where gateways reach this engine: KVSTITCH_ENGINE_URL, else the address it listens on (127.0.0.1 when it
+    listens on every address: set KVSTITCH_ENGINE_URL where gateways run on other hosts)."""
+    if settings.engine_url:
+        return settings.engine_url.rstrip("/")
+    shown = "127.0.0.1" if host in ANY_ADDRESS else host
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def run_engine(settings: Settings, host: str | None, port: int | None) -> int:
+    import uvicorn
+
+    from service.api.engine_app import create_engine_app
+    from service.serving.engine_server import EngineServer
+
+    if not settings.model:
+        print("error: no model: pass --model DIR_OR_HUB_ID or set KVSTITCH_MODEL")
+        return 2
+    host = host or DEFAULT_ENGINE_HOST
+    port = port or DEFAULT_ENGINE_PORT
+    engine_id = settings.engine_id or default_engine_id(port)
+    url = engine_url(settings, host, port)
+    logging.getLogger().setLevel(logging.INFO)
+    published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
+    print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
+    app = create_engine_app(EngineServer(settings, engine_id, url))
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+    )
+    return 0

@@ -1,0 +1,267 @@
+"""What an engine process serves a gateway (`kvstitch engine`'s internal API), as plain values and one protocol.
+
+A gateway retrieves, then hands an engine an `EngineAnswerRequest`: the question, its conversation, its sampling
+and the retrieved chunks with their token ids (the engine keys and stitches their KV, it never searches). The answer
+comes back as JSON lines, one event each (`event_line` / `parse_event`): tokens, then `done` or `error`. Both sides
+import this module, the engine's HTTP layer and the gateway's client, so the two cannot drift apart; it imports no
+torch and no client library (tests/test_facade_weight.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+from service.facade.types import AnswerEvent, ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
+
+# Bounds of a request an engine accepts: the gateway's own limits sit below them (KVSTITCH_MAX_*), these only keep
+# a stray or hostile caller of the internal port from asking for unbounded work.
+MAX_CHUNKS = 64
+MAX_CHUNK_TOKENS = 1 << 16
+MAX_TEXT_CHARS = 1 << 20
+MAX_HISTORY = 256
+MAX_NEW_TOKENS = 1 << 16
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class WireChunk:
+    """A retrieved chunk as the gateway sends it: what the prompt needs (token ids) and what the answer reports."""
+
+    id: str
+    doc_id: str
+    score: float
+    text: str
+    token_ids: tuple[int, ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    context: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineAnswerRequest:
+    """An already-retrieved question for one engine."""
+
+    question: str
+    chunks: tuple[WireChunk, ...]
+    mode: str = "turbo"
+    positions: str = "reordered"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    recompute: str = "none"
+    history: tuple[ChatMessage, ...] = ()
+    dropped: int = 0  # chunks the gateway retrieved but left out (they would not fit)
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as JSON values (lists, objects), what `parse_answer_request` reads back."""
+        body = asdict(self)
+        body["chunks"] = [{**asdict(c), "token_ids": list(c.token_ids)} for c in self.chunks]
+        body["stop"] = list(self.stop)
+        body["history"] = [{"role": m.role, "text": m.text} for m in self.history]
+        return body
+
+
+def parse_answer_request(body: Any) -> EngineAnswerRequest:
+    """The request an engine received, every field checked; ValueError naming the first wrong one."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    known = {f.name for f in fields(EngineAnswerRequest)}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ValueError(f"unknown fields: {', '.join(unknown)}")
+    question = _text(body.get("question"), "question")
+    if not question.strip():
+        raise ValueError("question: blank")
+    chunks = body.get("chunks", [])
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
+        raise ValueError(f"chunks: a list of at most {MAX_CHUNKS}")
+    history = body.get("history", [])
+    if not isinstance(history, list) or len(history) > MAX_HISTORY:
+        raise ValueError(f"history: a list of at most {MAX_HISTORY} messages")
+    stop = body.get("stop", [])
+    if not isinstance(stop, list) or len(stop) > MAX_STOP:
+        raise ValueError(f"stop: a list of at most {MAX_STOP} strings")
+    logprobs = body.get("logprobs")
+    return EngineAnswerRequest(
+        question=question,
+        chunks=tuple(_chunk(c, i) for i, c in enumerate(chunks)),
+        mode=_choice(body.get("mode", "turbo"), "mode", ("turbo", "naive")),
+        positions=_choice(body.get("positions", "reordered"), "positions", ("reordered", "composite")),
+        max_new_tokens=_int(body.get("max_new_tokens", 256), "max_new_tokens", 1, MAX_NEW_TOKENS),
+        temperature=_number(body.get("temperature", 0.0), "temperature", 0.0, 100.0),
+        top_p=_number(body.get("top_p", 1.0), "top_p", 0.0, 1.0),
+        seed=None if body.get("seed") is None else _int(body["seed"], "seed", 0, 2**63 - 1),
+        stop=tuple(_text(s, "stop") for s in stop),
+        logprobs=None if logprobs is None else _int(logprobs, "logprobs", 0, MAX_LOGPROBS),
+        recompute=_text(body.get("recompute", "none"), "recompute"),
+        history=tuple(_message(m) for m in history),
+        dropped=_int(body.get("dropped", 0), "dropped", 0, 1 << 20),
+    )
+
+
+def _chunk(value: Any, i: int) -> WireChunk:
+    if not isinstance(value, dict):
+        raise ValueError(f"chunks[{i}]: an object")
+    ids = value.get("token_ids")
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_CHUNK_TOKENS:
+        raise ValueError(f"chunks[{i}].token_ids: a list of 1 to {MAX_CHUNK_TOKENS} token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+        raise ValueError(f"chunks[{i}].token_ids: non-negative integers")
+    metadata, context = value.get("metadata", {}), value.get("context", {})
+    if not isinstance(metadata, dict) or not isinstance(context, dict):
+        raise ValueError(f"chunks[{i}]: metadata and context are objects")
+    return WireChunk(
+        id=_text(value.get("id"), f"chunks[{i}].id"),
+        doc_id=_text(value.get("doc_id"), f"chunks[{i}].doc_id"),
+        score=_number(value.get("score", 0.0), f"chunks[{i}].score", -1e9, 1e9),
+        text=_text(value.get("text", ""), f"chunks[{i}].text"),
+        token_ids=tuple(ids),
+        metadata=metadata,
+        context=context,
+    )
+
+
+def _message(value: Any) -> ChatMessage:
+    if not isinstance(value, dict):
+        raise ValueError("history: objects with role and text")
+    role = _choice(value.get("role"), "history.role", ROLES)
+    return ChatMessage(role, _text(value.get("text"), "history.text"))  # type: ignore[arg-type]
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_TEXT_CHARS:
+        raise ValueError(f"{name}: a string of at most {MAX_TEXT_CHARS} characters")
+    return value
+
+
+def _choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}: one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name}: an integer from {low} to {high}")
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name}: a number")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: from {low:g} to {high:g}")
+    return float(value)
+
+
+# ---- events as JSON lines -----------------------------------------------------------------------------------
+
+
+class EngineStreamError(RuntimeError):
+    """An `error` line of an engine's answer: the answer failed on the engine after it started."""
+
+
+def event_line(event: AnswerEvent) -> bytes:
+    """One event as a JSON line."""
+    if isinstance(event, DoneEvent):
+        body: dict[str, Any] = {"event": "done", "done": {**asdict(event), "logprobs": _logprobs(event.logprobs)}}
+    else:
+        body = {"event": "token", "text": event.text, "logprobs": _logprobs(event.logprobs)}
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def error_line(message: str) -> bytes:
+    return json.dumps({"event": "error", "message": message}, ensure_ascii=False).encode() + b"\n"
+
+
+def parse_event(line: bytes | str) -> AnswerEvent:
+    """The event of one line; `EngineStreamError` for an error line, ValueError for a malformed one."""
+    try:
+        body = json.loads(line)
+        kind = body["event"]
+        if kind == "token":
+            return TokenEvent(str(body["text"]), _parse_logprobs(body.get("logprobs", [])))
+        if kind == "done":
+            done = dict(body["done"])
+            done["logprobs"] = _parse_logprobs(done.get("logprobs", []))
+            return DoneEvent(**done)
+        if kind == "error":
+            raise EngineStreamError(str(body.get("message", "the engine failed")))
+    except (KeyError, TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"malformed engine event: {str(line)[:200]!r}") from err
+    raise ValueError(f"unknown engine event {kind!r}")
+
+
+def _choice_json(c: TokenChoice) -> dict[str, Any]:
+    return {"token": c.token, "logprob": c.logprob, "bytes": base64.b64encode(c.token_bytes).decode()}
+
+
+def _logprobs(entries: Sequence[Logprob]) -> list[dict[str, Any]]:
+    return [{**_choice_json(e), "top": [_choice_json(t) for t in e.top]} for e in entries]
+
+
+def _parse_choice(d: dict[str, Any]) -> TokenChoice:
+    return TokenChoice(str(d["token"]), float(d["logprob"]), base64.b64decode(d["bytes"]))
+
+
+def _parse_logprobs(entries: list[dict[str, Any]]) -> tuple[Logprob, ...]:
+    out = []
+    for d in entries:
+        c = _parse_choice(d)
+        out.append(Logprob(c.token, c.logprob, c.token_bytes, tuple(_parse_choice(t) for t in d.get("top", []))))
+    return tuple(out)
+
+
+# ---- the engine as its HTTP layer sees it -------------------------------------------------------------------
+
+
+class EngineAnswer(Protocol):
+    """One admitted answer on an engine: its events, then the end; `cancel` when the gateway went away."""
+
+    def __aiter__(self) -> AsyncIterator[AnswerEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineFacade(Protocol):
+    """`kvstitch engine` as its internal HTTP API uses it."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def readiness(self) -> dict[str, Any]:
+        """`{"ready": bool, "checks": {...}}`, as the gateway's /readyz."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """Engine id, model, key space (fingerprint and digest), load: what a gateway checks before routing."""
+        ...
+
+    def load(self) -> dict[str, int]:
+        """Answers running and waiting."""
+        ...
+
+    def tiers(self, limit: int) -> dict[str, Any]:
+        """The blocks held per tier (at most `limit` keys each)."""
+        ...
+
+    async def answer(self, request: EngineAnswerRequest) -> EngineAnswer:
+        """Admit the question (`BusyError`, `NotReadyError`, `InvalidRequestError` before any event)."""
+        ...
+
+    async def precompute(self, chunks: Sequence[Sequence[int]]) -> dict[str, int]:
+        """Bring the chunks' KV into this engine's tiers (computed where missing); blocks by the tier they were
+        found in."""
+        ...
+
+    def metrics_text(self) -> bytes: ...

@@ -1,0 +1,231 @@
+"""An answer made on an engine process, as the gateway's HTTP layer sees every answer (`service.facade.AnswerStream`).
+
+`open` routes the retrieved question (`Fleet.choose`) and posts it to the engine; the engine admits it or refuses
+before the first byte, so a refusal (busy, not ready) or a connection that fails sends it to the next engine the
+router picks, the failed one excluded: every refusal is raised from `open`, before the HTTP layer sends a status.
+Iterating reads the engine's JSON lines. Until the first token arrives nothing has reached the client, so an engine
+that dies then (connection reset, end of stream without `done`) costs only a retry on another engine; once a token
+went out, the answer ends with an `UnavailableError` naming the engine, which /ask and /v1 send as an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Sequence
+
+import httpx
+
+from service.errors import BusyError, InvalidRequestError, UnavailableError
+from service.facade.engine import EngineAnswerRequest, EngineStreamError, parse_event
+from service.facade.types import AnswerEvent, DoneEvent, Source
+from service.fleet.routing import ChunkRef
+from service.metrics import Metrics
+from service.serving.fleet_gateway import Fleet, NoEngineError, Routed
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+# An answer may wait in an engine's line and decode for minutes; a silent engine past this is taken for dead.
+READ_TIMEOUT_S = 300.0
+
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
+
+def engine_client() -> httpx.AsyncClient:
+    """The running event loop's client to the engines (its connections belong to that loop)."""
+    loop = asyncio.get_running_loop()
+    client = _clients.get(loop)
+    if client is None:
+        timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+    return client
+
+
+class _RetryError(Exception):
+    """The engine failed before the answer started: route again."""
+
+
+class RemoteAnswer:
+    """One question routed to an engine; iterated once."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        request: EngineAnswerRequest,
+        chunks: Sequence[ChunkRef],
+        sources: list[Source],
+        started: float,
+        retrieve_ms: float,
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self._request = request
+        self._chunks = chunks
+        self._sources = sources
+        self._started = started
+        self._retrieve_ms = retrieve_ms
+        self._tried: list[str] = []
+        self._routed: Routed | None = None
+        self._response: httpx.Response | None = None
+        self._done: DoneEvent | None = None
+        self._iterated = False
+        self._cancelled = False
+        self._first_token_at: float | None = None
+        self._closing: asyncio.Task[None] | None = None  # kept: the loop holds tasks only weakly
+
+    @property
+    def sources(self) -> list[Source]:
+        return self._sources
+
+    @property
+    def dropped(self) -> int:
+        return self._request.dropped
+
+    @property
+    def done(self) -> DoneEvent | None:
+        return self._done
+
+    @property
+    def engine(self) -> str | None:
+        """The id of the engine answering (the last one tried)."""
+        return self._routed.decision.engine if self._routed is not None else None
+
+    # ---- opening ----------------------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Route and post until an engine admits the question; the refusals of `Facade.answer` otherwise."""
+        busy = 0
+        while True:
+            try:
+                routed = self._fleet.choose(self._chunks, exclude=self._tried)
+            except NoEngineError as err:
+                if busy and busy == len(self._tried):
+                    raise BusyError(f"every engine is busy; retry shortly ({err})") from err
+                raise UnavailableError("the engines", err) from err
+            self._tried.append(routed.url)
+            if len(self._tried) > 1:
+                self._fleet.reroutes += 1
+                self._metrics.fleet_reroutes.inc()
+            try:
+                self._response = await self._post(routed)
+            except _RetryError as err:
+                busy += "busy" in str(err)
+                continue
+            self._routed = routed
+            self._metrics.observe_route(routed.decision)
+            return
+
+    async def _post(self, routed: Routed) -> httpx.Response:
+        client = engine_client()
+        request = client.build_request("POST", f"{routed.url}/answer", json=self._request.to_json())
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.TransportError as err:
+            self._fleet.finished(routed.url)
+            self._fleet.mark_failed(routed.url, f"{type(err).__name__}: {err}")
+            raise _RetryError(str(err)) from err
+        if response.status_code == 200:
+            return response
+        body = (await response.aread()).decode(errors="replace")[:500]
+        await response.aclose()
+        self._fleet.finished(routed.url)
+        if response.status_code == 422:
+            raise InvalidRequestError("question", f"the engine refused it: {body}")
+        if response.status_code == 503:
+            raise _RetryError(f"busy or not ready: {body}")
+        self._fleet.mark_failed(routed.url, f"status {response.status_code}: {body}")
+        raise _RetryError(f"status {response.status_code}")
+
+    # ---- iterating --------------------------------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[AnswerEvent]:
+        if self._iterated:
+            raise RuntimeError("an answer stream is iterated once")
+        self._iterated = True
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[AnswerEvent]:
+        streaming = False
+        try:
+            while True:
+                try:
+                    async for event in self._read():
+                        streaming = True
+                        yield event
+                    return
+                except _RetryError as err:
+                    if streaming:
+                        raise UnavailableError(f"engine {self.engine}", f"it failed mid-answer ({err})") from err
+                    log.warning("engine %s failed before answering (%s); routing the question again", self.engine, err)
+                    await self.open()
+        finally:
+            await self._close()
+
+    async def _read(self) -> AsyncIterator[AnswerEvent]:
+        """The events of the current engine's answer; `_RetryError` when its connection fails or ends early."""
+        assert self._response is not None and self._routed is not None
+        routed = self._routed
+        try:
+            async for line in self._response.aiter_lines():
+                if not line.strip():
+                    continue
+                try:
+                    event = parse_event(line)
+                except EngineStreamError as err:
+                    raise RuntimeError(f"engine {routed.decision.engine}: {err}") from err
+                if isinstance(event, DoneEvent):
+                    event = self._finish(event)
+                elif self._first_token_at is None:
+                    self._first_token_at = time.perf_counter()
+                yield event
+                if isinstance(event, DoneEvent):
+                    return
+        except httpx.HTTPError as err:
+            await self._drop(routed, f"{type(err).__name__}: {err}")
+            raise _RetryError(f"{type(err).__name__}: {err}") from err
+        await self._drop(routed, "the answer ended without a done event")
+        raise _RetryError("the answer ended without a done event")
+
+    async def _drop(self, routed: Routed, why: str) -> None:
+        self._fleet.mark_failed(routed.url, why)
+        await self._close()
+
+    def _finish(self, done: DoneEvent) -> DoneEvent:
+        """The engine's done event with the gateway's view of the time: TTFT from the request's arrival here."""
+        ttft_ms = (self._first_token_at - self._started) * 1e3 if self._first_token_at else done.ttft_ms
+        timings = {**done.timings_ms, "retrieve": self._retrieve_ms}
+        done = dataclasses.replace(done, ttft_ms=ttft_ms, timings_ms=timings)
+        self._done = done
+        self._metrics.observe_answer(
+            done.mode,
+            done.positions,
+            done.ttft_ms,
+            done.timings_ms,
+            done.kv,
+            done.kv_bytes,
+            done.output_tokens,
+            done.recompute,
+            done.recomputed_tokens,
+        )
+        return done
+
+    async def _close(self) -> None:
+        response, self._response = self._response, None
+        if response is not None:
+            await response.aclose()
+            if self._routed is not None:
+                self._fleet.finished(self._routed.url)
+
+    def cancel(self) -> None:
+        """Close the engine connection (the engine cancels the answer when it sees the client gone)."""
+        self._cancelled = True
+        if self._response is None:
+            return
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing to close on
+            self._closing = asyncio.get_running_loop().create_task(self._close())

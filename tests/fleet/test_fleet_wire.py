@@ -1,0 +1,145 @@
+"""The gateway-engine contract without processes: the request and event formats both sides import, the gateway's
+settings, `--gpus` and the engine ids, and a fleet with nothing to route to."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from service.commands.engine import default_engine_id, engine_url
+from service.commands.serve import engine_environment, parse_gpus, stop_engines
+from service.facade.engine import (
+    EngineAnswerRequest,
+    EngineStreamError,
+    WireChunk,
+    error_line,
+    event_line,
+    parse_answer_request,
+    parse_event,
+)
+from service.facade.types import ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
+from service.fleet.routing import ChunkRef
+from service.fleet.tier_events import ENGINE_ID
+from service.kvcache.keys import KeySpace
+from service.serving.fleet_gateway import Fleet, NoEngineError
+from service.settings import Settings
+
+REQUEST = EngineAnswerRequest(
+    question="why?",
+    chunks=(WireChunk("c1", "d1", 0.5, "text", (1, 2, 3), {"lang": "en"}, {"title": "T"}),),
+    mode="naive",
+    positions="composite",
+    max_new_tokens=7,
+    temperature=0.5,
+    top_p=0.9,
+    seed=3,
+    stop=("\n",),
+    logprobs=2,
+    recompute="selective:0.2",
+    history=(ChatMessage("user", "hi"), ChatMessage("assistant", "hello")),
+    dropped=1,
+)
+
+
+def test_a_request_survives_its_json_form() -> None:
+    assert parse_answer_request(REQUEST.to_json()) == REQUEST
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"surprise": 1}, "unknown fields: surprise"),
+        ({"question": "  "}, "question"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": []}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [-1]}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [1]}] * 65}, "chunks"),
+        ({"mode": "fast"}, "mode"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"history": [{"role": "robot", "text": "x"}]}, "history.role"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_a_bad_request_names_its_field(change: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        parse_answer_request({**REQUEST.to_json(), **change})
+
+
+def test_events_survive_their_json_lines() -> None:
+    top = (TokenChoice("b", -2.0, b"b"),)
+    token = TokenEvent("a\ufffd", (Logprob("a", -0.5, b"a\xe2", top),))
+    done = DoneEvent(
+        "turbo", "reordered", 12.5, 3, "length", {"decode": 1.0}, {"gpu": 1, "miss": 0}, "abc", 40, 30,
+        kv_bytes={"gpu": 10}, recompute="none", logprobs=token.logprobs,
+    )  # fmt: skip
+
+    assert parse_event(event_line(token)) == token
+    assert parse_event(event_line(done)) == done
+    with pytest.raises(EngineStreamError, match="out of memory"):
+        parse_event(error_line("out of memory"))
+    with pytest.raises(ValueError, match="malformed"):
+        parse_event(b'{"event": "token"}')
+    with pytest.raises(ValueError, match="unknown engine event"):
+        parse_event(b'{"event": "nap"}')
+
+
+def test_the_gateway_settings_name_engines_or_redis() -> None:
+    urls = Settings(engines=" http://a:8100/, http://b:8101 ", _env_file=None)  # type: ignore[call-arg]
+    assert urls.engine_urls == ("http://a:8100", "http://b:8101") and urls.gateway
+    discovered = Settings(engines="redis", redis_url="redis://x:6379/0", _env_file=None)  # type: ignore[call-arg]
+    assert discovered.engine_urls == () and discovered.gateway
+    assert not Settings(_env_file=None).gateway  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="set redis_url"):
+        Settings(engines="redis", _env_file=None)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="not an http"):
+        Settings(engines="a:8100", _env_file=None)  # type: ignore[call-arg]
+
+
+def test_gpus_and_the_engines_environment(tmp_path: Path) -> None:
+    assert parse_gpus("0,1, 3") == [0, 1, 3]
+    for bad in ("", "0,0", "-1", "x"):
+        with pytest.raises(ValueError):
+            parse_gpus(bad)
+    with_redis = Settings(model="m", data_dir=tmp_path, redis_url="redis://r:6379/0", _env_file=None)  # type: ignore[call-arg]
+    env = engine_environment(with_redis, 1, 8101)
+    assert (env["CUDA_VISIBLE_DEVICES"], env["KVSTITCH_DATA_DIR"]) == ("1", str(tmp_path))
+    assert env["KVSTITCH_ENGINE_ID"].endswith("-8101-gpu1") and ENGINE_ID.fullmatch(env["KVSTITCH_ENGINE_ID"])
+    alone = engine_environment(Settings(model="m", data_dir=tmp_path, _env_file=None), 2, 8102)  # type: ignore[call-arg]
+    assert alone["KVSTITCH_DATA_DIR"] == str(tmp_path / "engine-gpu2") and "KVSTITCH_ENGINE_ID" not in alone
+
+
+def test_engine_ids_and_urls() -> None:
+    assert ENGINE_ID.fullmatch(default_engine_id(8100)) and default_engine_id(8100).endswith("-8100")
+    plain = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert engine_url(plain, "0.0.0.0", 8100) == "http://127.0.0.1:8100"
+    assert engine_url(plain, "10.0.0.5", 8101) == "http://10.0.0.5:8101"
+    given = Settings(engine_url="http://node-a:8100/", _env_file=None)  # type: ignore[call-arg]
+    assert engine_url(given, "0.0.0.0", 8100) == "http://node-a:8100"
+
+
+def test_stopping_engines_terminates_and_waits() -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    began = time.monotonic()
+
+    stop_engines([("http://127.0.0.1:1", sleeper)])
+
+    assert sleeper.returncode is not None and time.monotonic() - began < 10
+
+
+def test_a_fleet_with_no_engine_refuses_and_is_not_ready() -> None:
+    space = KeySpace("fp", "tpl", "float32")
+    fleet = Fleet(Settings(engines="http://127.0.0.1:1", _env_file=None), space)  # type: ignore[call-arg]
+    try:
+        fleet.probe()  # nothing listens on port 1: unreachable
+        with pytest.raises(NoEngineError, match=re.escape("127.0.0.1:1: unreachable")):
+            fleet.choose([ChunkRef("k", 10)])
+        assert fleet.readiness() == (False, "http://127.0.0.1:1: unreachable")
+        assert fleet.figures()["http://127.0.0.1:1"].routable is False
+    finally:
+        fleet.close()
