@@ -79,6 +79,7 @@ def release(scheduler: Scheduler) -> None:
             graphs.close()
     scheduler.pool.release()
     if scheduler.shared is not None:
+        scheduler.shared.close()
         scheduler.shared.arena.close()
 
 
