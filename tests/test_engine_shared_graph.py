@@ -58,8 +58,8 @@ def test_graphed_shared_steps_decode_the_eager_steps_tokens(
             scheduler.add(request)
         drain(scheduler)
         captured = len(shared.graphs._graphs) if shared.graphs is not None else 0
+        shared.close()  # the graphs' scratch slot back to the pool
         assert_nothing_pinned(scheduler)
-        shared.close()
         return requests.outcomes(), captured
 
     eager, _ = run(False)
