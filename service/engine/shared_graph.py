@@ -48,11 +48,16 @@ def pieces_for(batch: int) -> int:
 
 
 def capacity_for(batch: int, reads: int, pieces: int) -> PlanCapacity:
-    """The plan sizes of a bucket: every row reading `reads` chunks cut into `pieces`, each (entry, piece) at most
-    one tile of each width (a group of r readers needs ceil(group x r / width) <= r tiles: width >= 16 > group)."""
-    entries = batch * reads
+    """The plan sizes of a bucket: every row reading `reads` chunks cut into `pieces` (a query entry per row and
+    chunk, and one per row for its tail), each (entry, piece) at most one tile of each width (a group of r readers
+    needs ceil(group x r / width) <= r tiles: width >= 16 > group)."""
+    reading = batch * reads
     return PlanCapacity(
-        rows=batch, entries=entries, pairs=entries * pieces + batch, chunk_tiles=entries * pieces, tail_tiles=batch
+        rows=batch,
+        entries=reading + batch,
+        pairs=reading * pieces + batch,
+        chunk_tiles=reading * pieces,
+        tail_tiles=batch,
     )
 
 
