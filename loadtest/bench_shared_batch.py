@@ -12,7 +12,9 @@ reads it:
 
 - `copy`: the server's scheduler as built by `build_scheduler` (each answer stitches its own rotated copy of its
   chunks into its pool slab; CUDA graphs for the decode step where the engine has them, captured before timing);
-- `shared`: the same with a `ChunkArena` (each chunk held once at local positions, read by segment attention).
+- `shared`: the same with a `ChunkArena` (each chunk held once at local positions, read by segment attention),
+  its decode steps through CUDA graphs (`shared_graph.py`) where the kernels run; `shared-eager`: the same with
+  every step eager.
 
 Reports per path and B: the median decode step (the scheduler's own `decode` phase at the full batch), tokens/s
 over the whole batch (B x new tokens / the batch's wall time, admissions and question prefills included), the
@@ -54,7 +56,7 @@ from service.engine.stitch import BlockReady
 from service.kvcache import device
 
 log = logging.getLogger("bench_shared_batch")
-PATHS = ("copy", "shared")
+PATHS = ("copy", "shared", "shared-eager")
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def scheduler_for(
     tails only), the arena the corpus (shared), graphs captured before timing (copy path, CUDA)."""
     per_token = engine.spec.kv_bytes_per_token()
     arena = None
-    if path == "shared":
+    if path.startswith("shared"):
         tails = sum(len(p.prefix) + len(p.question) + sampling.max_new_tokens for p in prompts)
         slots = tails + 64 * len(prompts)
         chunk_tokens = sum(len(b) for b in corpus.blocks)
@@ -123,6 +125,8 @@ def scheduler_for(
     scheduler = build_scheduler(
         engine, pool, BatchingOptions(max_batch=len(prompts)), kv_source=ResidentChunks(corpus.kv), arena=arena
     )
+    if path == "shared-eager" and scheduler.shared is not None:
+        scheduler.shared.close()  # its graphs dropped: every step eager
     if path == "copy" and graphs_on(engine):
         for length in {n for p in prompts for n in (len(p.joined()) + 1, len(p.joined()) + sampling.max_new_tokens)}:
             scheduler.warm(length)
@@ -168,7 +172,7 @@ def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: a
         row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         row["pool_bytes_per_answer"] = scheduler.pool.capacity_bytes / count
         row["distinct_chunks"] = len({b for p in prompts for b in p.blocks})
-        if args.profile and path == "shared" and count == max(args.batches):
+        if args.profile and path.startswith("shared") and count == max(args.batches):
             row["profile"] = profiled(scheduler, prompts, sampling)
         return row
     finally:

@@ -385,8 +385,7 @@ class StepRunner:
         the device) through the step's graph (or eagerly)."""
         ids, positions, spans = _rows(batch)
         if self.shared is not None:
-            rows = DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed)
-            logits = self.shared.step(batch, rows, positions, spans)
+            logits = self.shared.step(batch, ids, positions, spans, feed)
         elif self.graphs is not None:
             logits = self.graphs.step(ids, positions, spans, feed)
         else:

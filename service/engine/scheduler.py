@@ -70,10 +70,11 @@ class Scheduler:
         engine computes it (offline use, tests).
         `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
         it, every batched step runs eagerly (no CUDA graphs) and no question rides in a decode step."""
+        shared_graphs = cuda_graphs
         if arena is not None:
             cuda_graphs, prefill_with_decode = False, False
         decoder = BatchDecoder(engine.forward, pool, attention)
-        shared = SharedChunks(engine, decoder, arena) if arena is not None else None
+        shared = SharedChunks(engine, decoder, arena, shared_graphs, 2 * max_batch) if arena is not None else None
         # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
         graphs = BatchGraphs(decoder, 2 * max_batch) if cuda_graphs else None
         mixed_picks = 2 * max_batch if prefill_with_decode else 0

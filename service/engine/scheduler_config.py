@@ -77,9 +77,10 @@ def release(scheduler: Scheduler) -> None:
     for graphs in (scheduler.graphs, scheduler.slabs.extend_graphs, scheduler.slabs.mixed_graphs):
         if graphs is not None:
             graphs.close()
-    scheduler.pool.release()
     if scheduler.shared is not None:
+        scheduler.shared.close()  # its graphs' scratch slot goes back before the pool itself
         scheduler.shared.arena.close()
+    scheduler.pool.release()
 
 
 def _unset_is(setting: bool | None, default: bool) -> bool:

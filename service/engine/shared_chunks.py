@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from service.engine.arena_stats import ArenaStats
-from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows
+from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, StepFeed
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
@@ -35,17 +35,23 @@ from service.engine.shared_decode import (
     place_prefix,
     placements,
 )
+from service.engine.shared_graph import SharedStepGraphs
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 
 
 class SharedChunks:
     """Places shared requests' chunks in the arena and runs their question prefill and every decode step."""
 
-    def __init__(self, engine: StitchEngine, decoder: BatchDecoder, arena: ChunkArena) -> None:
+    def __init__(
+        self, engine: StitchEngine, decoder: BatchDecoder, arena: ChunkArena, graphs: bool = False, max_picks: int = 0
+    ) -> None:
+        """`graphs`: decode steps through CUDA graphs where the segment kernels run (`shared_graph.py`);
+        `max_picks`: the most unread picks a step may be fed from."""
         self.engine = engine
         self.arena = arena
         context = ContextScaling(temperature=engine.context_temperature)
         self.decoder = SharedDecoder(decoder, arena, context)
+        self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphs and self.decoder.kernels else None
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
         # back are kept weakly: one cancelled while it waits is simply forgotten.
         self.answers = 0
@@ -152,10 +158,24 @@ class SharedChunks:
     def step(
         self,
         batch: Sequence[BatchRequest],
-        rows: DecodeRows,
+        ids: Sequence[int],
         positions: Sequence[int],
         spans: Sequence[tuple[int, int]],
+        feed: StepFeed | None = None,
     ) -> torch.Tensor:
-        """One decode step over `batch` (its `rows`, built from `positions` and `spans`): shared rows read their
-        chunks from the arena, copy-path rows (no segments) their slab alone."""
-        return self.decoder.step(rows, decode_batch(positions, spans, [r.reads for r in batch]))
+        """One decode step over `batch` (each request's id, position and slab span; `feed`: rows fed from the
+        previous step's picks): shared rows read their chunks from the arena, copy-path rows (no segments) their
+        slab alone. Through a captured graph where one holds the step, else eagerly."""
+        call = decode_batch(positions, spans, [r.reads for r in batch])
+        if self.graphs is not None:
+            logits = self.graphs.step(ids, positions, spans, call, feed)
+            if logits is not None:
+                return logits
+        rows = DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed)
+        return self.decoder.step(rows, call)
+
+    def close(self) -> None:
+        """Give the graphs' scratch slot back (the arena is closed by its owner)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None

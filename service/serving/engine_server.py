@@ -73,9 +73,10 @@ class EngineRuntime:
         self.loop.close()
         scheduler, self.loop.scheduler = self.loop.scheduler, None
         if scheduler is not None:
-            scheduler.pool.release()
-            if scheduler.shared is not None:
+            if scheduler.shared is not None:  # its graphs' scratch slot goes back before the pool itself
+                scheduler.shared.close()
                 scheduler.shared.arena.close()
+            scheduler.pool.release()
         if self.publisher is not None:  # before the store: its last moves are flushed, the engine retired
             self.publisher.close()
         self.store.close()

@@ -230,9 +230,10 @@ class Runtime:
         """Give the KV pool's memory back now (a closed runtime may stay referenced, by metrics say)."""
         scheduler, self.loop.scheduler = self.loop.scheduler, None
         if scheduler is not None:
-            scheduler.pool.release()
             if scheduler.shared is not None:
+                scheduler.shared.close()
                 scheduler.shared.arena.close()
+            scheduler.pool.release()
 
     @staticmethod
     def _safely(close: Callable[[], Any]) -> None:
