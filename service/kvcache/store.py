@@ -11,6 +11,11 @@ Misses are written to disk by a background thread, so the request never waits fo
 hits. A block file that fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is
 the same as without the cache.
 
+With a shared tier (`shared.py`: block files on an S3 object store every node reads), the blocks the disk tier could
+not give are looked up there before they are computed, read the same way (reader threads, host slots, checked like a
+file); each one found is served as a disk hit (`FetchResult.shared` counts them) and its file copied to the local
+disk by the background writer. Blocks computed here are uploaded after their local write.
+
 Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders the
 caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does not: the
 caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
@@ -29,11 +34,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 import torch
 
@@ -46,6 +51,7 @@ from service.kvcache.index import INDEX_ERRORS, KVIndex
 from service.kvcache.keys import KeySpace, block_key, dtype_name
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_batches
 from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
+from service.kvcache.shared import SharedRead, SharedStats, SharedTier
 from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier, TierChange, TierListener, TierMove
 from service.kvcache.writeback import WriteBack
 
@@ -61,6 +67,8 @@ KEY_CACHE_SIZE = 1 << 16
 DISK_CONTENTS_LIMIT = 100_000
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
+# What a reader thread returns: a disk read's block, or a shared-tier lookup's find (None: a miss).
+_Read = TypeVar("_Read")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class LoadPlan:
 class FetchTimings:
     """Milliseconds of one fetch; each waits for the device work it times (per event)."""
 
-    load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished
+    load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished; shared included
+    shared_ms: float = 0.0  # the shared tier's reads (after the disk's), until the last finished
     precompute_ms: float = 0.0  # the batched forwards over the misses, until the last one finished
     total_ms: float = 0.0  # until `fetch` returned (copies may still be landing: see `h2d_ms`)
     copies: device.CopyClock | None = field(default=None, repr=False, compare=False)
@@ -126,6 +135,7 @@ class FetchResult:
     bytes_loaded: dict[Tier, int]
     ready: list[device.Arrival | None] = field(default_factory=list)  # LayeredArrival for layer-group copies
     corrupt: int = 0
+    shared: int = 0  # blocks served as disk hits that the disk tier read through from the shared tier
     timings: FetchTimings = field(default_factory=FetchTimings)
     pinned: list[str] = field(default_factory=list)  # device-tier keys held in place until `KVStore.release`
 
@@ -150,6 +160,7 @@ class StoreStats:
     bytes_written: int
     pending_writes: int
     write_errors: dict[str, int]  # by reason: index, disk, no_space, other (writeback.WRITE_ERROR_REASONS)
+    shared: SharedStats | None = None  # the shared tier's, where one is configured
 
 
 class KVStore:
@@ -168,7 +179,8 @@ class KVStore:
     "int8" or "fp8" stores block files in an 8-bit form (`quant.py`: half the bytes to read, pin and copy;
     dequantised on the device after the copy), under keys of their own; "native" (the default) stores the compute
     dtype's bytes, bit-exact. `tier_listener` is told of every block entering or leaving a tier (`tiers.TierMove`):
-    how an engine publishes its placement for routing; None (the default) tells no one.
+    how an engine publishes its placement for routing; None (the default) tells no one. `shared` is the tier behind
+    the disk (None: none); the store closes it.
     """
 
     def __init__(
@@ -186,6 +198,7 @@ class KVStore:
         direct_io: bool = False,
         disk_format: DiskFormat = "native",
         tier_listener: TierListener | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         if max_precompute_tokens <= 0:
             raise ValueError("max_precompute_tokens must be positive")
@@ -203,7 +216,8 @@ class KVStore:
             Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io, disk_format, tier_listener
         )
         self.disk_format = disk_format
-        self._writeback = WriteBack(self.disk, self.target)
+        self.shared = shared
+        self._writeback = WriteBack(self.disk, self.target, self._share if shared is not None else None)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
         self._lock = threading.Lock()
         self._kv_bytes_per_token = spec.kv_bytes_per_token()
@@ -302,6 +316,8 @@ class KVStore:
             self.gpu.discard(key)
             self.host.discard(key)
         self.disk.remove(key)
+        if self.shared is not None:
+            self.shared.delete_later(key)
 
     def put(self, blocks: Sequence[KVBlock]) -> int:
         """Store blocks on disk and in the index now; returns bytes written (0 for blocks already stored)."""
@@ -317,8 +333,20 @@ class KVStore:
             with self._lock:
                 self._put_blocks += size > 0
                 self._put_bytes += size
+            if size > 0 and self.shared is not None:
+                self._share(self.key_of(block.token_ids))
             written += size
         return written
+
+    def _share(self, key: str) -> None:
+        """Upload a block file just written locally (in the background), so other nodes read it."""
+        if self.shared is not None:
+            self.shared.upload_later(key, self.disk.path_of(key))
+
+    def keep_copy(self, key: str, found: SharedRead, num_tokens: int) -> None:
+        """Queue a local copy of a block file read from the shared tier (nothing when the disk tier is off)."""
+        if self.disk.budget_bytes > 0:
+            self._writeback.write_bytes(key, found.data, num_tokens)
 
     # ---- placement ---------------------------------------------------------------------------------------
 
@@ -344,8 +372,10 @@ class KVStore:
             self._writeback.write(key, block)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for the queued background writes and index touches."""
+        """Wait for the queued background writes and index touches, then the shared tier's uploads."""
         self._writeback.flush(timeout)
+        if self.shared is not None:
+            self.shared.flush(timeout)
 
     def stats(self) -> StoreStats:
         pool, wb = self.host.pool, self._writeback
@@ -367,6 +397,7 @@ class KVStore:
             bytes_written=wb.bytes_written + put_bytes,
             pending_writes=wb.pending,
             write_errors=wb.error_counts(),
+            shared=None if self.shared is None else self.shared.stats(),
         )
 
     def _disk_used_bytes(self) -> int | None:
@@ -380,6 +411,8 @@ class KVStore:
         """Finish background writes and stop the threads; the index stays open (the caller owns it)."""
         self._writeback.close()
         self.readers.shutdown(wait=True)
+        if self.shared is not None:
+            self.shared.close()
 
     def __enter__(self) -> Self:
         return self
@@ -403,6 +436,7 @@ class _Fetch:
         self.layered: dict[str, device.LayeredArrival] = {}  # blocks copied by layer groups
         self.clock = device.CopyClock(store.host.stream)
         self.corrupt = 0
+        self.shared = 0
         self.timings = FetchTimings(copies=self.clock)
 
     def run(self, overlap: bool) -> FetchResult:
@@ -418,6 +452,9 @@ class _Fetch:
         if by_tier[Tier.DISK]:
             self._take_from_disk(by_tier[Tier.DISK])
         missing = [b for b in self.unique.values() if b.key not in self.blocks]
+        if missing and self.store.shared is not None:
+            self._take_from_shared(missing)
+            missing = [b for b in missing if b.key not in self.blocks]
         if missing:
             self._compute(missing)
         self._promote()
@@ -464,41 +501,81 @@ class _Fetch:
     def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
         copy as soon as its read is done, so the copies overlap the reads still running."""
+        self.timings.load_ms = self._read_into_slots(planned_blocks, self._read, self._arrived)
+
+    def _take_from_shared(self, planned_blocks: list[PlannedBlock]) -> None:
+        """Look the blocks the disk tier did not give up in the shared tier, the same way as disk reads."""
+        elapsed = self._read_into_slots(planned_blocks, self._read_shared, self._arrived_shared)
+        self.timings.shared_ms = elapsed
+        self.timings.load_ms += elapsed
+
+    def _read_into_slots(
+        self,
+        planned_blocks: list[PlannedBlock],
+        read: Callable[[PlannedBlock, HostSlot | None], _Read],
+        arrived: Callable[[PlannedBlock, HostSlot | None, concurrent.futures.Future[_Read]], None],
+    ) -> float:
+        """Run `read` for every block on the reader threads, each into a host slot reserved for it, and hand each
+        finished read to `arrived`; returns the milliseconds until the last read finished."""
         host = self.store.host
         fmt, dtype = self.store.disk_format, self.store.spec.dtype
         slots = {p.key: host.reserve(p.key, p.token_ids, dtype, self._shape(p), fmt) for p in planned_blocks}
         start = time.perf_counter()
-        reads = {self.store.readers.submit(self._read, p, slots[p.key]): p for p in planned_blocks}
+        elapsed = 0.0
+        reads = {self.store.readers.submit(read, p, slots[p.key]): p for p in planned_blocks}
         try:
             for done in concurrent.futures.as_completed(reads):
-                self.timings.load_ms = (time.perf_counter() - start) * 1e3
-                self._arrived(reads[done], slots[reads[done].key], done)
+                elapsed = (time.perf_counter() - start) * 1e3
+                arrived(reads[done], slots[reads[done].key], done)
         finally:
             # Only after an unexpected error: no slot may stay busy (it could never be evicted again).
             concurrent.futures.wait(reads)
             for key, slot in slots.items():
                 if slot is not None and slot.busy:
                     host.discard(key)
+        return elapsed
 
     def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock | QuantBlock:
         """Runs on a reader thread: the checked block, in its host slot when it has one."""
         buffer = None if slot is None else self.store.host.buffer(slot)
         return self.store.disk.read(planned.key, planned.token_ids, buffer)
 
+    def _read_shared(self, planned: PlannedBlock, slot: HostSlot | None) -> SharedRead | None:
+        """Runs on a reader thread: the checked block from the shared tier, in its host slot; None on a miss."""
+        assert self.store.shared is not None
+        buffer = None if slot is None else self.store.host.buffer(slot)
+        return self.store.shared.read(planned.key, planned.token_ids, buffer)
+
     def _arrived(
         self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock | QuantBlock]
     ) -> None:
-        host = self.store.host
         try:
             block = read.result()
         except (CorruptBlockError, OSError) as err:  # damaged, vanished or unreadable: recompute it
             if slot is not None:
-                host.discard(planned.key)
+                self.store.host.discard(planned.key)
             if isinstance(err, CorruptBlockError):
                 self.corrupt += 1
             elif not isinstance(err, MissingBlockError):
                 log.warning("cannot read KV block %s, recomputing it: %s", planned.key, err)
             return
+        self._place(planned, slot, block)
+
+    def _arrived_shared(
+        self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[SharedRead | None]
+    ) -> None:
+        found = read.result()  # a miss of any kind is None (the tier counted and logged it)
+        if found is None:
+            if slot is not None:
+                self.store.host.discard(planned.key)
+            return
+        self.shared += 1
+        self._place(planned, slot, found.block)
+        self.store.keep_copy(planned.key, found, len(planned.token_ids))
+
+    def _place(self, planned: PlannedBlock, slot: HostSlot | None, block: KVBlock | QuantBlock) -> None:
+        """Start the device copy of a block read from storage (from its host slot, or from the read's buffer)."""
+        host = self.store.host
         with self.clock.timing():
             if slot is not None:
                 host.filled(slot)
@@ -562,6 +639,7 @@ class _Fetch:
             bytes_loaded=_sum_bytes(zip(sources, (b.nbytes for b in ordered), strict=True)),
             ready=[self.layered.get(b.key) or device.arrival(self.arriving.get(b.key), target) for b in ordered],
             corrupt=self.corrupt,
+            shared=self.shared,
             timings=self.timings,
         )
 
