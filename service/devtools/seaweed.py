@@ -92,10 +92,10 @@ class SeaweedS3:
             "-ip.bind=127.0.0.1",
             f"-master.port={ports['master']}",
             f"-master.port.grpc={grpc['master']}",
-            "-master.volumeSizeLimitMB=64",
+            "-master.volumeSizeLimitMB=32",
             f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={grpc['volume']}",
-            "-volume.max=8",
+            "-volume.max=100",  # each bucket is a collection with volumes of its own
             "-filer",
             f"-filer.port={ports['filer']}",
             f"-filer.port.grpc={grpc['filer']}",

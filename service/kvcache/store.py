@@ -65,6 +65,9 @@ KEY_CACHE_SIZE = 1 << 16
 # The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
 # stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
 DISK_CONTENTS_LIMIT = 100_000
+# Local copies of shared-tier reads waiting for the disk writer, at most: each holds its object's bytes in memory, so
+# a burst of reads faster than the disk writes is not copied (those blocks are read from the shared tier again).
+MAX_PENDING_COPIES = 64
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
 # What a reader thread returns: a disk read's block, or a shared-tier lookup's find (None: a miss).
@@ -217,6 +220,7 @@ class KVStore:
         )
         self.disk_format = disk_format
         self.shared = shared
+        self.max_pending_copies = MAX_PENDING_COPIES
         self._writeback = WriteBack(self.disk, self.target, self._share if shared is not None else None)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
         self._lock = threading.Lock()
@@ -344,8 +348,9 @@ class KVStore:
             self.shared.upload_later(key, self.disk.path_of(key))
 
     def keep_copy(self, key: str, found: SharedRead, num_tokens: int) -> None:
-        """Queue a local copy of a block file read from the shared tier (nothing when the disk tier is off)."""
-        if self.disk.budget_bytes > 0:
+        """Queue a local copy of a block file read from the shared tier (nothing when the disk tier is off or the
+        disk writer is `max_pending_copies` behind)."""
+        if self.disk.budget_bytes > 0 and self._writeback.pending < self.max_pending_copies:
             self._writeback.write_bytes(key, found.data, num_tokens)
 
     # ---- placement ---------------------------------------------------------------------------------------

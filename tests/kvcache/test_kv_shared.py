@@ -204,6 +204,21 @@ def test_a_block_uploaded_once_is_not_uploaded_again(nodes: Nodes, prompt: Promp
     assert stats_c.bytes_written == 0
 
 
+def test_no_local_copy_while_the_disk_writer_is_behind(nodes: Nodes, prompt: PromptIds) -> None:
+    n = len(prompt.blocks)
+    a, _ = nodes.open("a")
+    a.fetch(prompt.blocks)
+    a.flush()
+    b, computed_b = nodes.open("b")
+    b.max_pending_copies = 0  # as if the disk writer had that many copies queued already
+    got = b.fetch(prompt.blocks)
+    b.flush()
+
+    assert got.counts == counts(disk=n) and got.shared == n and computed_b.blocks == 0
+    assert not any(b.disk.contains(b.key_of(ids)) for ids in prompt.blocks)
+    assert sorted((nodes.root / "b" / "kv").rglob("*.kvblock")) == []
+
+
 # ---- a damaged object is refused ---------------------------------------------------------------------------
 
 
