@@ -9,6 +9,7 @@ own chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), a 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -77,7 +78,7 @@ class S3Objects:
             max_pool_connections=config.max_connections,
             s3={"addressing_style": config.addressing},
         )
-        session = boto3.session.Session()
+        session = boto3.session.Session(botocore_session=_botocore_session())
         region = config.region or session.region_name or "us-east-1"
         self._client: Any = session.client(
             "s3", endpoint_url=config.endpoint_url, region_name=region, config=client_config
@@ -162,6 +163,25 @@ class S3Objects:
 
     def close(self) -> None:
         self._client.close()
+
+
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def _botocore_session() -> Any:
+    """A fresh botocore session (credentials resolved anew from the environment) sharing one loader of the service
+    models, which parsing anew costs 0.2-0.5 s per client."""
+    import botocore.loaders
+    import botocore.session
+
+    global _loader
+    with _loader_lock:
+        if _loader is None:
+            _loader = botocore.loaders.create_loader()
+        session = botocore.session.Session()
+        session.register_component("data_loader", _loader)
+    return session
 
 
 def _code(err: Any) -> str:
