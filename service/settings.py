@@ -325,9 +325,11 @@ class Settings(BaseSettings):
     @field_validator("s3_url")
     @classmethod
     def _check_s3_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
+        if not value:
+            return None  # set but empty: no shared tier, as unset
+        if not value.startswith(("http://", "https://")):
             raise ValueError(f"s3_url {value!r} is not an http(s) URL")
-        return value or None
+        return value
 
     @field_validator("filter_indexes")
     @classmethod

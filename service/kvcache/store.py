@@ -61,6 +61,8 @@ CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 # Block files are read in parallel: reads and checksums release the GIL, and an NVMe drive needs several
 # requests in flight to reach its bandwidth.
 DEFAULT_READ_THREADS = 4
+# Shared-tier reads wait on the network, not the disk: more of them in flight (the S3 client pools as many connections).
+SHARED_READ_THREADS = 16
 KEY_CACHE_SIZE = 1 << 16
 # The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
 # stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
@@ -223,6 +225,11 @@ class KVStore:
         self.max_pending_copies = MAX_PENDING_COPIES
         self._writeback = WriteBack(self.disk, self.target, self._share if shared is not None else None)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
+        self.shared_readers = (
+            concurrent.futures.ThreadPoolExecutor(SHARED_READ_THREADS, thread_name_prefix="kv-s3-read")
+            if shared is not None
+            else None
+        )
         self._lock = threading.Lock()
         self._kv_bytes_per_token = spec.kv_bytes_per_token()
         # Hashing a 512-token block costs ~100 µs of Python; hot chunks recur, so remember recent keys.
@@ -416,6 +423,8 @@ class KVStore:
         """Finish background writes and stop the threads; the index stays open (the caller owns it)."""
         self._writeback.close()
         self.readers.shutdown(wait=True)
+        if self.shared_readers is not None:
+            self.shared_readers.shutdown(wait=True)
         if self.shared is not None:
             self.shared.close()
 
@@ -506,17 +515,20 @@ class _Fetch:
     def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
         copy as soon as its read is done, so the copies overlap the reads still running."""
-        self.timings.load_ms = self._read_into_slots(planned_blocks, self._read, self._arrived)
+        self.timings.load_ms = self._read_into_slots(planned_blocks, self.store.readers, self._read, self._arrived)
 
     def _take_from_shared(self, planned_blocks: list[PlannedBlock]) -> None:
         """Look the blocks the disk tier did not give up in the shared tier, the same way as disk reads."""
-        elapsed = self._read_into_slots(planned_blocks, self._read_shared, self._arrived_shared)
+        assert self.store.shared_readers is not None
+        readers = self.store.shared_readers
+        elapsed = self._read_into_slots(planned_blocks, readers, self._read_shared, self._arrived_shared)
         self.timings.shared_ms = elapsed
         self.timings.load_ms += elapsed
 
     def _read_into_slots(
         self,
         planned_blocks: list[PlannedBlock],
+        readers: concurrent.futures.ThreadPoolExecutor,
         read: Callable[[PlannedBlock, HostSlot | None], _Read],
         arrived: Callable[[PlannedBlock, HostSlot | None, concurrent.futures.Future[_Read]], None],
     ) -> float:
@@ -527,7 +539,7 @@ class _Fetch:
         slots = {p.key: host.reserve(p.key, p.token_ids, dtype, self._shape(p), fmt) for p in planned_blocks}
         start = time.perf_counter()
         elapsed = 0.0
-        reads = {self.store.readers.submit(read, p, slots[p.key]): p for p in planned_blocks}
+        reads = {readers.submit(read, p, slots[p.key]): p for p in planned_blocks}
         try:
             for done in concurrent.futures.as_completed(reads):
                 elapsed = (time.perf_counter() - start) * 1e3

@@ -340,6 +340,7 @@ def test_the_settings_open_the_tier_on_their_bucket_and_prefix(
     tier.close()
 
     assert open_shared_tier(Settings(), engine) is None  # off by default
+    assert open_shared_tier(Settings(s3_url=""), engine) is None  # set empty: off too
     assert tier.name_of(key) == f"{prefix}/{key[:2]}/{key}.kvblock"
     assert tier.objects.url(tier.name_of(key)) == f"s3://kvstitch-settings/{prefix}/{key[:2]}/{key}.kvblock"
     assert found is not None and found.data == path.read_bytes()
