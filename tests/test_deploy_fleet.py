@@ -234,3 +234,11 @@ def test_the_compose_fleet_has_two_engines_a_gateway_routing_to_them_and_seaweed
     assert {v.split(":")[0] for v in seaweed["volumes"]} <= top_volumes
     for name in FLEET_SERVICES - {"seaweedfs"}:
         assert kvstitch_names(services[name]["environment"]) <= known_settings(), name
+
+
+def test_the_images_carry_the_shared_tiers_client() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+    assert dockerfile.count('RUN pip install ".[s3]"') == 2  # the CPU and the CUDA builder
+    assert 's3 = ["boto3' in pyproject

@@ -64,9 +64,12 @@ class S3Objects:
     """An `ObjectStore` over one S3 bucket. One boto3 client, shared by threads (clients are thread-safe)."""
 
     def __init__(self, config: S3Config) -> None:
-        import boto3  # the `s3` extra: only a deployment with the shared tier needs it
-        import botocore.config
-        import botocore.exceptions
+        try:
+            import boto3  # the `s3` extra: only a deployment with the shared tier needs it
+            import botocore.config
+            import botocore.exceptions
+        except ImportError as err:
+            raise RuntimeError("the shared KV tier (KVSTITCH_S3_URL) needs boto3: pip install 'kvstitch[s3]'") from err
 
         self.config = config
         self._errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
