@@ -31,7 +31,7 @@ from service.kvcache.store import KVStore, TierBudgets
 from service.kvcache.tiers import Tier
 from service.metrics import Metrics
 from service.serving.kv_source import kv_store_for
-from service.serving.runtime import open_shared_tier
+from service.serving.runtime import open_shared_tier, open_store
 from service.settings import Settings
 
 BUCKET = "kvstitch-test"
@@ -345,6 +345,23 @@ def test_the_settings_open_the_tier_on_their_bucket_and_prefix(
     assert tier.objects.url(tier.name_of(key)) == f"s3://kvstitch-settings/{prefix}/{key[:2]}/{key}.kvblock"
     assert found is not None and found.data == path.read_bytes()
     assert isinstance(found.block, KVBlock) and torch.equal(bits(found.block.kv), bits(block.kv))
+
+
+def test_the_runtime_puts_the_tier_behind_its_store(
+    engine: StitchEngine, s3_credentials: SeaweedS3, tmp_path: Path, prompt: PromptIds
+) -> None:
+    prefix = f"runtime/{uuid.uuid4().hex}"
+    settings = Settings(data_dir=tmp_path, s3_url=s3_credentials.endpoint, s3_bucket=BUCKET, s3_prefix=prefix)
+    index = SqliteIndex(tmp_path / "index" / SQLITE_FILENAME)
+    store = open_store(settings, engine, index, engine.precompute)
+    store.fetch(prompt.blocks)
+    store.flush()
+    stats = store.stats().shared
+    store.close()
+    index.close()
+
+    assert store.shared is not None and store.shared.prefix == prefix and store.shared.retry_after_s == 10.0
+    assert stats is not None and stats.uploads["stored"] == len(prompt.blocks)
 
 
 @pytest.mark.parametrize(
