@@ -307,29 +307,6 @@ def open_engine(settings: Settings) -> StitchEngine:
     )
 
 
-def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precompute: Precompute) -> KVStore:
-    kv_dir = settings.kv_dir
-    kv_dir.mkdir(parents=True, exist_ok=True)
-    report = repair(index, kv_dir)
-    if report.reindexed or report.entries_removed or report.corrupt_removed or report.temp_removed:
-        log.info("KV cache repaired at start: %s", report)
-    store = kv_store_for(
-        engine,
-        kv_dir,
-        index,
-        tier_budgets(settings, engine.spec.device),
-        precompute=precompute,
-        max_precompute_tokens=settings.max_precompute_tokens,
-        direct_io=settings.direct_io,
-        disk_format=settings.kv_disk_format,
-        shared=open_shared_tier(settings, engine),
-    )
-    trimmed = store.disk.trim()  # a budget lowered since the last run applies now, not after the next write
-    if trimmed:
-        log.info("KV disk tier trimmed to its %d MiB budget at start: %d blocks gone", settings.disk_cache_mb, trimmed)
-    return store
-
-
 def open_shared_tier(settings: Settings, engine: StitchEngine) -> SharedTier | None:
     """With `s3_url` set: the shared KV tier on that S3 bucket (made when missing), behind the disk tier."""
     if settings.s3_url is None:
@@ -354,6 +331,29 @@ def open_shared_tier(settings: Settings, engine: StitchEngine) -> SharedTier | N
         settings.kv_disk_format,
         retry_after_s=settings.s3_retry_after_s,
     )
+
+
+def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precompute: Precompute) -> KVStore:
+    kv_dir = settings.kv_dir
+    kv_dir.mkdir(parents=True, exist_ok=True)
+    report = repair(index, kv_dir)
+    if report.reindexed or report.entries_removed or report.corrupt_removed or report.temp_removed:
+        log.info("KV cache repaired at start: %s", report)
+    store = kv_store_for(
+        engine,
+        kv_dir,
+        index,
+        tier_budgets(settings, engine.spec.device),
+        precompute=precompute,
+        max_precompute_tokens=settings.max_precompute_tokens,
+        direct_io=settings.direct_io,
+        disk_format=settings.kv_disk_format,
+        shared=open_shared_tier(settings, engine),
+    )
+    trimmed = store.disk.trim()  # a budget lowered since the last run applies now, not after the next write
+    if trimmed:
+        log.info("KV disk tier trimmed to its %d MiB budget at start: %d blocks gone", settings.disk_cache_mb, trimmed)
+    return store
 
 
 def open_tier_publisher(settings: Settings, store: KVStore) -> TierPublisher | None:
