@@ -34,11 +34,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Self
 
 import torch
 
@@ -72,8 +72,6 @@ DISK_CONTENTS_LIMIT = 100_000
 MAX_PENDING_COPIES = 64
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
-# What a reader thread returns: a disk read's block, or a shared-tier lookup's find (None: a miss).
-_Read = TypeVar("_Read")
 
 
 @dataclass(frozen=True)
@@ -515,53 +513,55 @@ class _Fetch:
     def _take_from_disk(self, planned_blocks: list[PlannedBlock]) -> None:
         """Read the disk blocks on the reader threads, each into its own host slot, and start each block's H2D
         copy as soon as its read is done, so the copies overlap the reads still running."""
-        self.timings.load_ms = self._read_into_slots(planned_blocks, self.store.readers, self._read, self._arrived)
-
-    def _take_from_shared(self, planned_blocks: list[PlannedBlock]) -> None:
-        """Look the blocks the disk tier did not give up in the shared tier, the same way as disk reads."""
-        assert self.store.shared_readers is not None
-        readers = self.store.shared_readers
-        elapsed = self._read_into_slots(planned_blocks, readers, self._read_shared, self._arrived_shared)
-        self.timings.shared_ms = elapsed
-        self.timings.load_ms += elapsed
-
-    def _read_into_slots(
-        self,
-        planned_blocks: list[PlannedBlock],
-        readers: concurrent.futures.ThreadPoolExecutor,
-        read: Callable[[PlannedBlock, HostSlot | None], _Read],
-        arrived: Callable[[PlannedBlock, HostSlot | None, concurrent.futures.Future[_Read]], None],
-    ) -> float:
-        """Run `read` for every block on the reader threads, each into a host slot reserved for it, and hand each
-        finished read to `arrived`; returns the milliseconds until the last read finished."""
         host = self.store.host
         fmt, dtype = self.store.disk_format, self.store.spec.dtype
         slots = {p.key: host.reserve(p.key, p.token_ids, dtype, self._shape(p), fmt) for p in planned_blocks}
         start = time.perf_counter()
-        elapsed = 0.0
-        reads = {readers.submit(read, p, slots[p.key]): p for p in planned_blocks}
+        reads = {self.store.readers.submit(self._read, p, slots[p.key]): p for p in planned_blocks}
         try:
             for done in concurrent.futures.as_completed(reads):
-                elapsed = (time.perf_counter() - start) * 1e3
-                arrived(reads[done], slots[reads[done].key], done)
+                self.timings.load_ms = (time.perf_counter() - start) * 1e3
+                self._arrived(reads[done], slots[reads[done].key], done)
         finally:
             # Only after an unexpected error: no slot may stay busy (it could never be evicted again).
             concurrent.futures.wait(reads)
             for key, slot in slots.items():
                 if slot is not None and slot.busy:
                     host.discard(key)
-        return elapsed
+
+    def _take_from_shared(self, planned_blocks: list[PlannedBlock]) -> None:
+        """Look the blocks the disk tier did not give up in the shared tier, many at once on its reader threads, and
+        start each found block's copy as it arrives. Unlike disk reads (whose blocks exist) a lookup reserves no
+        host slot ahead: a slot is taken only for a block found, so absent ones evict nothing from the host tier."""
+        shared, readers = self.store.shared, self.store.shared_readers
+        assert shared is not None and readers is not None
+        start = time.perf_counter()
+        reads = {readers.submit(shared.read, p.key, p.token_ids): p for p in planned_blocks}
+        for done in concurrent.futures.as_completed(reads):
+            planned, found = reads[done], done.result()  # a miss of any kind is None (the tier counted and logged it)
+            self.timings.shared_ms = (time.perf_counter() - start) * 1e3
+            if found is None:
+                continue
+            self.shared += 1
+            self._place(planned, self._into_slot(planned, found.block), found.block)
+            self.store.keep_copy(planned.key, found, len(planned.token_ids))
+        self.timings.load_ms += self.timings.shared_ms
+
+    def _into_slot(self, planned: PlannedBlock, block: KVBlock | QuantBlock) -> HostSlot | None:
+        """A busy host slot holding a copy of the block's stored bytes; None when the pool has no room."""
+        host = self.store.host
+        slot = host.reserve(
+            planned.key, planned.token_ids, self.store.spec.dtype, self._shape(planned), self.store.disk_format
+        )
+        if slot is not None:
+            stored = block.payload if isinstance(block, QuantBlock) else block.kv.reshape(-1).view(torch.uint8)
+            host.buffer(slot)[: stored.numel()].copy_(stored)
+        return slot
 
     def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock | QuantBlock:
         """Runs on a reader thread: the checked block, in its host slot when it has one."""
         buffer = None if slot is None else self.store.host.buffer(slot)
         return self.store.disk.read(planned.key, planned.token_ids, buffer)
-
-    def _read_shared(self, planned: PlannedBlock, slot: HostSlot | None) -> SharedRead | None:
-        """Runs on a reader thread: the checked block from the shared tier, in its host slot; None on a miss."""
-        assert self.store.shared is not None
-        buffer = None if slot is None else self.store.host.buffer(slot)
-        return self.store.shared.read(planned.key, planned.token_ids, buffer)
 
     def _arrived(
         self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock | QuantBlock]
@@ -577,18 +577,6 @@ class _Fetch:
                 log.warning("cannot read KV block %s, recomputing it: %s", planned.key, err)
             return
         self._place(planned, slot, block)
-
-    def _arrived_shared(
-        self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[SharedRead | None]
-    ) -> None:
-        found = read.result()  # a miss of any kind is None (the tier counted and logged it)
-        if found is None:
-            if slot is not None:
-                self.store.host.discard(planned.key)
-            return
-        self.shared += 1
-        self._place(planned, slot, found.block)
-        self.store.keep_copy(planned.key, found, len(planned.token_ids))
 
     def _place(self, planned: PlannedBlock, slot: HostSlot | None, block: KVBlock | QuantBlock) -> None:
         """Start the device copy of a block read from storage (from its host slot, or from the read's buffer)."""

@@ -75,7 +75,12 @@ class Nodes:
         self.opened: list[tuple[KVStore, SqliteIndex]] = []
 
     def open(
-        self, name: str, disk_format: DiskFormat = "native", endpoint: str | None = None, **tier: Any
+        self,
+        name: str,
+        disk_format: DiskFormat = "native",
+        endpoint: str | None = None,
+        budgets: TierBudgets | None = None,
+        **tier: Any,
     ) -> tuple[KVStore, Counting]:
         counting = Counting(self.engine)
         index = SqliteIndex(self.root / name / "index" / SQLITE_FILENAME)
@@ -87,7 +92,7 @@ class Nodes:
             disk_format,
             **tier,
         )
-        budgets = TierBudgets(gpu_bytes=0, host_bytes=MIB, disk_bytes=64 * MIB)
+        budgets = budgets or TierBudgets(gpu_bytes=0, host_bytes=MIB, disk_bytes=64 * MIB)
         store = kv_store_for(
             self.engine,
             self.root / name / "kv",
@@ -217,6 +222,24 @@ def test_no_local_copy_while_the_disk_writer_is_behind(nodes: Nodes, prompt: Pro
     assert got.counts == counts(disk=n) and got.shared == n and computed_b.blocks == 0
     assert not any(b.disk.contains(b.key_of(ids)) for ids in prompt.blocks)
     assert sorted((nodes.root / "b" / "kv").rglob("*.kvblock")) == []
+
+
+def test_a_lookup_of_absent_blocks_evicts_nothing_from_the_host_tier(
+    nodes: Nodes, engine: StitchEngine, prompt: PromptIds
+) -> None:
+    a, _ = nodes.open("a")
+    a.fetch(prompt.blocks)
+    a.flush()
+    held = sum(-(-len(ids) * engine.spec.kv_bytes_per_token() // 4096) * 4096 for ids in prompt.blocks)
+    b, computed_b = nodes.open("b", budgets=TierBudgets(gpu_bytes=MIB, host_bytes=held, disk_bytes=64 * MIB))
+    first = b.fetch(prompt.blocks)  # from S3 through host slots, which the pool holds exactly
+    other = engine.template.prompt(synthetic_ids(engine, (40, 40), seed=21), synthetic_ids(engine, [5], seed=4)[0])
+    fresh = [ids for ids in other.blocks if ids not in prompt.blocks]
+    second = b.fetch(other.blocks)  # absent everywhere: computed, kept in the GPU tier (it has room)
+
+    assert first.shared == len(prompt.blocks) and computed_b.blocks == len(fresh)
+    assert second.counts[Tier.MISS] == len(fresh) and second.shared == 0
+    assert all(b.key_of(ids) in b.host for ids in prompt.blocks)  # no slot was taken for the lookups
 
 
 # ---- a damaged object is refused ---------------------------------------------------------------------------
