@@ -12,9 +12,10 @@ hits. A block file that fails a check is deleted, counted as corrupt and recompu
 the same as without the cache.
 
 With a shared tier (`shared.py`: block files on an S3 object store every node reads), the blocks the disk tier could
-not give are looked up there before they are computed, read the same way (reader threads, host slots, checked like a
-file); each one found is served as a disk hit (`FetchResult.shared` counts them) and its file copied to the local
-disk by the background writer. Blocks computed here are uploaded after their local write.
+not give are looked up there before they are computed (on reader threads of their own, checked like a file, copied
+into a host slot only when found); each one found is served as a disk hit (`FetchResult.shared` counts them) and
+its file copied to the local disk by the background writer. Blocks computed here are uploaded after their local
+write.
 
 Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders the
 caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does not: the
