@@ -16,12 +16,15 @@ GPU and host tiers emptied before each run so every block comes from the tier me
 - disk warm / disk cold: the local block files, in the page cache / dropped from it (posix_fadvise DONTNEED);
 - s3: no local files (disk tier off), every block read through from the shared tier, checked as a file is.
 
-GB/s is the KV's bytes over the time; "x recompute" how many times faster than recomputing.
+Sources are interleaved (each run times every source once), so load from elsewhere falls on all of them alike. GB/s
+is the KV's bytes over the median time; "x recompute" the median over runs of recompute's time over the source's in
+the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -113,16 +116,23 @@ class Bench:
             index.close()
 
 
-def measure(bench: Bench, source: str, runs: int, warmup: int) -> dict[str, float]:
-    times = timed(
-        lambda: bench.fetch(source),
-        runs,
-        warmup,
-        bench.engine.spec.device,
-        prepare=lambda: bench.empty_memory_tiers(source),
-    )
-    median = statistics.median(times)
-    return {"median_ms": median, "min_ms": min(times), "gbps": bench.kv_bytes / GB / (median / 1e3)}
+def measure(bench: Bench, sources: list[str], runs: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Every source once per round, `runs` rounds after `warmup`: interleaved, so load from elsewhere on the machine
+    falls on all sources alike, and each round's ratio to recompute is a paired one."""
+    times: dict[str, list[float]] = {source: [] for source in sources}
+    for _ in range(runs):
+        for source in sources:
+            fetch, empty = functools.partial(bench.fetch, source), functools.partial(bench.empty_memory_tiers, source)
+            times[source] += timed(fetch, 1, warmup, bench.engine.spec.device, prepare=empty)
+        warmup = 0
+    rows = {}
+    for source, ms in times.items():
+        median = statistics.median(ms)
+        rows[source] = {"median_ms": median, "min_ms": min(ms), "gbps": bench.kv_bytes / GB / (median / 1e3)}
+        if "recompute" in times:
+            paired = [r / m for r, m in zip(times["recompute"], ms, strict=True)]
+            rows[source]["x_recompute"] = statistics.median(paired)
+    return rows
 
 
 def run(args: argparse.Namespace, engine: StitchEngine, root: Path, s3: S3Config) -> dict[str, Any]:
@@ -142,15 +152,11 @@ def run(args: argparse.Namespace, engine: StitchEngine, root: Path, s3: S3Config
             "kv_bytes": bench.kv_bytes,
             "file_bytes": bench.file_bytes,
             "runs": args.runs,
-            "sources": {source: measure(bench, source, args.runs, args.warmup) for source in args.sources},
+            "sources": measure(bench, list(args.sources), args.runs, args.warmup),
         }
         shared = bench.stores["s3"].stats().shared
         if shared is not None and shared.latency["get"].count:
             report["s3_get_mean_ms"] = shared.latency["get"].seconds / shared.latency["get"].count * 1e3
-        recompute = report["sources"].get("recompute")
-        if recompute:
-            for row in report["sources"].values():
-                row["x_recompute"] = recompute["median_ms"] / row["median_ms"]
         return report
     finally:
         bench.close()
