@@ -12,6 +12,7 @@ from loadtest import bench_s3_tier
 from service.devtools.seaweed import SeaweedS3
 
 
+@pytest.mark.slow
 def test_the_benchmark_times_recompute_disk_and_s3(
     s3_credentials: SeaweedS3, tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
