@@ -443,5 +443,7 @@ def _shared_tier_families(stats: SharedStats) -> Iterator[Any]:
         latency.add_metric([op], [*buckets, ("+Inf", calls.count)], calls.seconds)
     yield from (misses, moved, uploads, latency)
     yield GaugeMetricFamily(
-        "kvstitch_s3_pending_uploads", "Block files waiting to be uploaded", value=stats.pending_uploads
+        "kvstitch_s3_pending_uploads",
+        "Uploads (and deletes) of block files waiting or running",
+        value=stats.pending_uploads,
     )
