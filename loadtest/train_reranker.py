@@ -309,9 +309,8 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
     from sentence_transformers import CrossEncoder
 
     torch.manual_seed(args.seed)
-    model = CrossEncoder(
-        str(get_model_path()), num_labels=1, max_length=MAX_LENGTH, device="cpu", local_files_only=True
-    )
+    base = str(args.base) if args.base is not None else str(get_model_path())
+    model = CrossEncoder(base, num_labels=1, max_length=MAX_LENGTH, device="cpu", local_files_only=True)
     network, tokenizer = model.model, model.tokenizer
     network.train()
     steps = (len(rows) + args.batch_size - 1) // args.batch_size
@@ -334,7 +333,7 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
         done = step + 1
         if done % 20 == 0:
             elapsed = time.perf_counter() - start
@@ -358,6 +357,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="model folder to write (CrossEncoder format)")
     parser.add_argument("--queries", type=int, default=2400, help="training questions (four pairs each)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base", type=Path, default=None, help="encoder to start from (default: all-MiniLM-L6-v2)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--max-minutes", type=float, default=25.0, help="stop training after this long")
