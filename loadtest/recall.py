@@ -162,8 +162,9 @@ def service_rankings(
             searches: dict[str, tuple[Any, SearchOptions]] = {}
             for mode in modes:
                 options = SearchOptions(hybrid=mode == "hybrid")
-                searches[mode] = (batcher.retrieve_many, options)
-                if reranker is not None:
+                if reranker is None:
+                    searches[mode] = (batcher.retrieve_many, options)
+                else:
                     rerank = RerankedSearch(batcher.retrieve_many, reranker, candidates)
                     searches[f"{mode}_reranked"] = (rerank.many, options)
             for name, (search, options) in searches.items():
@@ -206,11 +207,20 @@ def measure_service(args: argparse.Namespace, embedder: Embedder, chunks: list[I
     modes = ["dense", "hybrid"] if args.hybrid else ["dense"]
     report: dict[str, Any] = {"rerank_model": str(args.rerank_model), "rerank_candidates": args.rerank_candidates}
     for k in args.k:
-        run = service_rankings(embedder, chunks, qs, k, modes, reranker, args.rerank_candidates)
+        run = service_rankings(embedder, chunks, qs, k, modes, None, args.rerank_candidates)
         for name, ranked in run.rankings.items():
             _measure(report, name, ranked, chunks, qs, k)
             report[f"{name}_search_time@{k}"] = _ms(run.seconds[name])
     if reranker is not None:
+        # RerankedSearch reads max(top_k, candidates) hits whatever top_k is: with candidates >= every k, the
+        # reranked top-k is the first k of the reranked top max(k), so one run serves every k.
+        groups = [args.k] if args.rerank_candidates >= max(args.k) else [[k] for k in args.k]
+        for group in groups:
+            run = service_rankings(embedder, chunks, qs, max(group), modes, reranker, args.rerank_candidates)
+            for name, ranked in run.rankings.items():
+                for k in group:
+                    _measure(report, name, ranked, chunks, qs, k)
+                report[f"{name}_search_time@{max(group)}"] = _ms(run.seconds[name])
         candidates = service_rankings(embedder, chunks, qs, args.rerank_candidates, ["dense"], None, 1)
         report["rerank_time"] = _ms(rerank_seconds(reranker, candidates.rankings["dense"], chunks, qs))
     return report

@@ -338,6 +338,8 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
         if done % 20 == 0:
             elapsed = time.perf_counter() - start
             print(f"step {done}/{steps} loss {np.mean(losses[-20:]):.4f} {elapsed:.0f} s", flush=True)
+        if args.max_steps is not None and done >= args.max_steps:
+            break
         if time.perf_counter() - start > args.max_minutes * 60:
             print(f"stopped at the time limit after {done} of {steps} steps", flush=True)
             break
@@ -361,6 +363,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--max-minutes", type=float, default=25.0, help="stop training after this long")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many steps (the schedule stays the planned one)"
+    )
     parser.add_argument("--data-only", type=Path, default=None, help="write the examples as JSONL here and stop")
     args = parser.parse_args()
 

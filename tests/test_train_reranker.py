@@ -83,7 +83,9 @@ def test_the_trained_folder_loads_as_the_services_reranker_and_ranks_by_its_scor
     base = build_tiny_cross_encoder(tmp_path / "base")
     rows = [("where do otters sleep?", "Sea otters sleep holding hands.", 1.0)]
     rows += [("where do otters sleep?", f"Bread rises with yeast, batch {i}.", 0.0) for i in range(7)]
-    args = argparse.Namespace(out=tmp_path / "trained", base=base, seed=0, batch_size=4, lr=1e-3, max_minutes=5.0)
+    args = argparse.Namespace(
+        out=tmp_path / "trained", base=base, seed=0, batch_size=4, lr=1e-3, max_minutes=5.0, max_steps=None
+    )
     summary = tr.train(rows, args)
     assert summary["steps"] == 2 == summary["planned_steps"]
 
