@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from loadtest import train_reranker as tr
 from service.devtools.tiny_cross_encoder import build_tiny_cross_encoder
 from service.retrieval.collection import RetrievedChunk
 from service.retrieval.reranker import Reranker
+from service.serving.runtime import open_reranker
+from service.settings import Settings
 
 GPL_LIKE = (
     "This program is free software: you can redistribute it and/or modify it under the terms of the GNU General "
@@ -79,7 +82,9 @@ def test_mined_negatives_skip_the_positive_and_its_repeats() -> None:
     assert GPL_LIKE not in chosen and pool[1] not in chosen  # a repeat of the positive is no negative
 
 
-def test_the_trained_folder_loads_as_the_services_reranker_and_ranks_by_its_scores(tmp_path: Path) -> None:
+def test_the_trained_folder_loads_as_the_services_reranker_and_ranks_by_its_scores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = build_tiny_cross_encoder(tmp_path / "base")
     rows = [("where do otters sleep?", "Sea otters sleep holding hands.", 1.0)]
     rows += [("where do otters sleep?", f"Bread rises with yeast, batch {i}.", 0.0) for i in range(7)]
@@ -93,7 +98,10 @@ def test_the_trained_folder_loads_as_the_services_reranker_and_ranks_by_its_scor
     after = AutoModelForSequenceClassification.from_pretrained(args.out).classifier.weight
     assert not torch.equal(before, after)  # trained, not copied
 
-    reranker = Reranker(args.out)  # the service's loader of KVSTITCH_RERANK_MODEL
+    monkeypatch.chdir(tmp_path)  # no .env of the checkout
+    monkeypatch.setenv("KVSTITCH_RERANK_MODEL", str(args.out))
+    reranker = open_reranker(Settings(), SimpleNamespace(device="cpu"))  # type: ignore[arg-type]
+    assert isinstance(reranker, Reranker) and reranker.model_name == str(args.out)
     texts = [r[1] for r in rows]
     hits = [
         RetrievedChunk(str(i), "d", i, 0.0, t, (), "v", "", 0, 0)
