@@ -271,7 +271,7 @@ class Settings(BaseSettings):
         "off",
         description="on: turbo answers without recompute read their chunks from one shared chunk arena (each chunk "
         "held once, RoPE applied in the attention), their KV pool slab holding only prefix, question and answer. "
-        "Eager only for now: with it on, the scheduler runs its batched steps without CUDA graphs.",
+        "On CUDA its decode steps of up to 128 answers replay CUDA graphs; question prefills run eagerly.",
     )
     shared_arena_mb: int | None = Field(
         None,
