@@ -20,7 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY workers ./workers
-RUN pip install .
+RUN pip install ".[s3]"  # the shared KV tier's client (boto3), so one image serves every deployment form
 
 # ---- runtime (CPU) ----------------------------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS cpu
@@ -48,7 +48,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY workers ./workers
-RUN pip install .
+RUN pip install ".[s3]"  # the shared KV tier's client (boto3), so one image serves every deployment form
 
 # ---- runtime (CUDA) ---------------------------------------------------------------------------------------------
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS cuda

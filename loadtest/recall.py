@@ -3,8 +3,13 @@
     python -m loadtest.recall                       # chunks as ingestion makes them, dense search
     python -m loadtest.recall --context none        # embed the chunk text alone (what ingestion did before)
     python -m loadtest.recall --hybrid              # also the service's hybrid search (dense + BM25-style sparse, RRF)
-    python -m loadtest.recall --rerank-model DIR    # also each ranking reordered by a CrossEncoder (the service's
-                                                    # KVSTITCH_RERANK_MODEL) over its first --rerank-candidates hits
+    python -m loadtest.recall --k 1 3 5 10          # several cut-offs in one run
+    python -m loadtest.recall --hybrid --rerank-model DIR --k 1 3 5 10
+                                                    # the service's own search paths (RetrievalBatcher over a
+                                                    # ChunkCollection, dense and hybrid), each also through the
+                                                    # service's RerankedSearch with that CrossEncoder folder (its
+                                                    # KVSTITCH_RERANK_MODEL) over --rerank-candidates hits, and the
+                                                    # reranker's time per question
 
 The corpus is `tests/data/licenses/` (Apache-2.0, MPL-2.0, CC0-1.0, copied from Debian's common-licenses; the
 licences' own terms allow verbatim copies) and its `questions.json`: each question names the document and a short
@@ -28,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from service.devtools.tiny_model import build_tokenizer
+from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunk, Chunker, ChunkerConfig
-from service.retrieval.collection import ChunkCollection
+from service.retrieval.collection import ChunkCollection, RetrievedChunk, SearchOptions
 from service.retrieval.embedder import Embedder
-from service.retrieval.reranker import DEFAULT_CANDIDATES, Reranker
+from service.retrieval.reranker import DEFAULT_CANDIDATES, RerankedSearch, Reranker
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "licenses"
 
@@ -118,23 +124,106 @@ def hybrid_ranking(
     return [[h.index for h in found] for found in hits]
 
 
-def reranked(
-    reranker: Reranker, ranked: list[list[int]], chunks: list[Indexed], questions: list[dict[str, str]], k: int
-) -> list[list[int]]:
-    """Each question's candidates reordered by the cross-encoder's scores of (question, chunk text), as the
-    service reranks them (`RerankedSearch`), cut to k."""
-    orders = []
-    for order, q in zip(ranked, questions, strict=True):
-        scores = reranker.scores(q["q"], [chunks[i].text for i in order])
-        orders.append([i for _, i in sorted(zip(scores, order, strict=True), key=lambda pair: -pair[0])][:k])
-    return orders
-
-
 def _measure(
     report: dict[str, Any], name: str, ranked: list[list[int]], chunks: list[Indexed], qs: Any, k: int
 ) -> None:
     report[f"{name}_recall@{k}"] = round(recall(ranked, chunks, qs, k), 4)
     report[f"{name}_mrr@{k}"] = round(mrr(ranked, chunks, qs, k), 4)
+
+
+@dataclass
+class ServiceRun:
+    """Each question's ranking and search time, name → one list entry per question."""
+
+    rankings: dict[str, list[list[int]]]
+    seconds: dict[str, list[float]]
+
+
+def service_rankings(
+    embedder: Embedder,
+    chunks: list[Indexed],
+    questions: list[dict[str, str]],
+    k: int,
+    modes: list[str],
+    reranker: Reranker | None,
+    candidates: int,
+) -> ServiceRun:
+    """Each question searched as a request searches it: the service's `RetrievalBatcher` over a `ChunkCollection`
+    (embedded Qdrant; every point has its sparse vector, as ingestion writes it), dense or hybrid by the request's
+    `SearchOptions`, and with a reranker the service's `RerankedSearch` over that batcher; one question at a time."""
+    run = ServiceRun({}, {})
+    with tempfile.TemporaryDirectory() as folder:
+        collection = ChunkCollection("recall", embedder.dimension, path=folder, hybrid=True)
+        batcher = RetrievalBatcher(embedder.embed_queries, collection.search_many)
+        try:
+            stored = [Chunk(c.doc, i, 0, len(c.text), c.text, ()) for i, c in enumerate(chunks)]
+            embedded = [c.embedded for c in chunks]
+            collection.upsert(stored, embedder.embed_documents(embedded), version="recall", texts=embedded)
+            searches: dict[str, tuple[Any, SearchOptions]] = {}
+            for mode in modes:
+                options = SearchOptions(hybrid=mode == "hybrid")
+                if reranker is None:
+                    searches[mode] = (batcher.retrieve_many, options)
+                else:
+                    rerank = RerankedSearch(batcher.retrieve_many, reranker, candidates)
+                    searches[f"{mode}_reranked"] = (rerank.many, options)
+            for name, (search, options) in searches.items():
+                search([questions[0]["q"]], k, options)  # warm-up: first-call costs are no question's
+                run.rankings[name], run.seconds[name] = [], []
+                for q in questions:
+                    began = time.perf_counter()
+                    (hits,) = search([q["q"]], k, options)
+                    run.seconds[name].append(time.perf_counter() - began)
+                    run.rankings[name].append([h.index for h in hits])
+        finally:
+            batcher.close()
+            collection.close()
+    return run
+
+
+def rerank_seconds(reranker: Reranker, ranked: list[list[int]], chunks: list[Indexed], qs: Any) -> list[float]:
+    """The reranker's own time per question: `Reranker.rerank` of that question's candidates."""
+    seconds = []
+    for order, q in zip(ranked, qs, strict=True):
+        hits = [RetrievedChunk(str(i), chunks[i].doc, i, 0.0, chunks[i].text, (), "v", "", 0, 0) for i in order]
+        began = time.perf_counter()
+        reranker.rerank(q["q"], hits)
+        seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "median_ms": round(1000 * float(np.median(ordered)), 1),
+        "p90_ms": round(1000 * ordered[int(0.9 * (len(ordered) - 1))], 1),
+    }
+
+
+def measure_service(args: argparse.Namespace, embedder: Embedder, chunks: list[Indexed], qs: Any) -> dict[str, Any]:
+    """Recall@k and MRR@k of the service's own search paths, with and without the reranker, for every k; each k is
+    its own search (hybrid prefetches 4 × top_k, so a top-10 list does not start with the top-5 one)."""
+    reranker = Reranker(args.rerank_model) if args.rerank_model is not None else None
+    modes = ["dense", "hybrid"] if args.hybrid else ["dense"]
+    report: dict[str, Any] = {"rerank_model": str(args.rerank_model), "rerank_candidates": args.rerank_candidates}
+    for k in args.k:
+        run = service_rankings(embedder, chunks, qs, k, modes, None, args.rerank_candidates)
+        for name, ranked in run.rankings.items():
+            _measure(report, name, ranked, chunks, qs, k)
+            report[f"{name}_search_time@{k}"] = _ms(run.seconds[name])
+    if reranker is not None:
+        # RerankedSearch reads max(top_k, candidates) hits whatever top_k is: with candidates >= every k, the
+        # reranked top-k is the first k of the reranked top max(k), so one run serves every k.
+        groups = [args.k] if args.rerank_candidates >= max(args.k) else [[k] for k in args.k]
+        for group in groups:
+            run = service_rankings(embedder, chunks, qs, max(group), modes, reranker, args.rerank_candidates)
+            for name, ranked in run.rankings.items():
+                for k in group:
+                    _measure(report, name, ranked, chunks, qs, k)
+                report[f"{name}_search_time@{max(group)}"] = _ms(run.seconds[name])
+        candidates = service_rankings(embedder, chunks, qs, args.rerank_candidates, ["dense"], None, 1)
+        report["rerank_time"] = _ms(rerank_seconds(reranker, candidates.rankings["dense"], chunks, qs))
+    return report
 
 
 def heading_only(chunks: list[Indexed]) -> int:
@@ -149,7 +238,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunk-size", type=int, default=512, help="chunk size in tiny-tokenizer tokens")
     parser.add_argument("--overlap", type=int, default=48, help="chunk overlap in tokens")
-    parser.add_argument("--k", type=int, default=5, help="recall@k")
+    parser.add_argument("--k", type=int, nargs="+", default=[5], help="recall@k (several: --k 1 3 5 10)")
     parser.add_argument("--context", choices=["title-path", "none"], default="title-path", help="what is embedded")
     parser.add_argument("--hybrid", action="store_true", help="also measure dense + sparse (BM25-style) search")
     parser.add_argument("--rerank-model", type=Path, default=None, help="also rerank with this CrossEncoder folder")
@@ -163,8 +252,6 @@ def main() -> None:
     questions = load_questions()
     chunks = index_corpus(CORPUS, args.chunk_size, args.overlap, args.context == "title-path")
     embedder = Embedder()
-    reranker = Reranker(args.rerank_model) if args.rerank_model is not None else None
-    depth = max(args.k, args.rerank_candidates) if reranker is not None else args.k
     report: dict[str, Any] = {
         "questions": len(questions),
         "chunks": len(chunks),
@@ -172,23 +259,16 @@ def main() -> None:
         "heading_only_chunks": heading_only(chunks),
         "context": args.context,
     }
-    if reranker is not None:
-        report["rerank_model"] = str(args.rerank_model)
-        report["rerank_candidates"] = depth
-    rankings = {"dense": dense_ranking(embedder, chunks, questions, depth)}
-    if args.hybrid:
-        rankings["hybrid"] = hybrid_ranking(embedder, chunks, questions, depth)
-    for name, ranked in rankings.items():
-        _measure(report, name, ranked, chunks, questions, args.k)
-        if reranker is not None:
-            _measure(
-                report,
-                f"{name}_reranked",
-                reranked(reranker, ranked, chunks, questions, args.k),
-                chunks,
-                questions,
-                args.k,
-            )
+    if args.rerank_model is not None:
+        report |= measure_service(args, embedder, chunks, questions)
+    else:
+        depth = max(args.k)
+        rankings = {"dense": dense_ranking(embedder, chunks, questions, depth)}
+        for k in args.k:
+            if args.hybrid:
+                rankings["hybrid"] = hybrid_ranking(embedder, chunks, questions, k)
+            for name, ranked in rankings.items():
+                _measure(report, name, ranked, chunks, questions, k)
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=2))
     if args.out is not None:

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from service.engine.arena_stats import ArenaStats
 from service.fleet.placement import PlacementStats
 from service.fleet.routing import RouteDecision, RouteReason
+from service.kvcache.shared import LATENCY_BUCKETS, SharedStats
 from service.kvcache.store import StoreStats
 from service.kvcache.tiers import Tier
 from service.retrieval.batcher import RetrievalStats
@@ -506,3 +507,46 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(
             "kvstitch_kv_pending_writes", "Blocks waiting to be written", value=stats.pending_writes
         )
+        if stats.shared is not None:
+            yield from _shared_tier_families(stats.shared)
+
+
+def _shared_tier_families(stats: SharedStats) -> Iterator[Any]:
+    """The shared tier (S3) behind the disk tier: lookups, bytes, uploads and call latency."""
+    yield CounterMetricFamily(
+        "kvstitch_s3_hits", "Blocks the disk tier did not hold, read from the shared tier (S3)", value=stats.hits
+    )
+    misses = CounterMetricFamily(
+        "kvstitch_s3_misses",
+        "Shared-tier lookups that found no usable object, by reason: absent, corrupt (failed a check: refused), "
+        "error (store unreachable or refusing), down (skipped after a recent error)",
+        labels=["reason"],
+    )
+    for reason, n in stats.misses.items():
+        misses.add_metric([reason], n)
+    moved = CounterMetricFamily(
+        "kvstitch_s3_bytes", "Bytes of block files read from and written to the shared tier", labels=["direction"]
+    )
+    moved.add_metric(["read"], stats.bytes_read)
+    moved.add_metric(["written"], stats.bytes_written)
+    uploads = CounterMetricFamily(
+        "kvstitch_s3_uploads",
+        "Block files offered to the shared tier, by result: stored, exists (written once already), failed, dropped",
+        labels=["result"],
+    )
+    for result, n in stats.uploads.items():
+        uploads.add_metric([result], n)
+    latency = HistogramMetricFamily(
+        "kvstitch_s3_seconds",
+        "Shared-tier calls: get (a lookup) and put (an upload, its existence check included)",
+        labels=["op"],
+    )
+    for op, calls in stats.latency.items():
+        buckets = [(str(bound), n) for bound, n in zip(LATENCY_BUCKETS, calls.bucket_counts, strict=True)]
+        latency.add_metric([op], [*buckets, ("+Inf", calls.count)], calls.seconds)
+    yield from (misses, moved, uploads, latency)
+    yield GaugeMetricFamily(
+        "kvstitch_s3_pending_uploads",
+        "Uploads (and deletes) of block files waiting or running",
+        value=stats.pending_uploads,
+    )

@@ -108,6 +108,38 @@ class Settings(BaseSettings):
         "native",
         description="Stored form of KV files: native (bit-exact) or 8-bit int8/fp8 (half the bytes; see README).",
     )
+    s3_url: str | None = Field(
+        None,
+        max_length=512,
+        description="S3 endpoint of the shared KV tier: block files every node reads, behind the disk tier (any S3: "
+        "AWS, SeaweedFS, MinIO; credentials from the standard AWS_* variables); unset = no shared tier.",
+    )
+    s3_bucket: str = Field(
+        "kvstitch",
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="Bucket of the shared KV tier (created at start when missing and allowed).",
+    )
+    s3_prefix: str = Field(
+        "kv",
+        pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        max_length=256,
+        description="Object name prefix of the shared KV tier, so deployments (or models) can share a bucket.",
+    )
+    s3_region: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9-]{1,32}$",
+        description="Region of the S3 endpoint; unset = AWS_REGION / AWS_DEFAULT_REGION, else us-east-1.",
+    )
+    s3_addressing: Literal["path", "virtual"] = Field(
+        "path", description="S3 URL style: path (http://host/bucket/key: SeaweedFS, MinIO) or virtual (bucket.host)."
+    )
+    s3_timeout_s: float = Field(5.0, gt=0, le=120, description="Connect and read timeout of one shared-tier call.")
+    s3_retry_after_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="After a failed shared-tier call the tier is skipped (a miss, no wait) for this long.",
+    )
     max_precompute_tokens: int = Field(
         16384, ge=256, description="Tokens per batched KV precompute (worker batches and online misses)."
     )
@@ -239,7 +271,7 @@ class Settings(BaseSettings):
         "off",
         description="on: turbo answers without recompute read their chunks from one shared chunk arena (each chunk "
         "held once, RoPE applied in the attention), their KV pool slab holding only prefix, question and answer. "
-        "Eager only for now: with it on, the scheduler runs its batched steps without CUDA graphs.",
+        "On CUDA its decode steps of up to 128 answers replay CUDA graphs; question prefills run eagerly.",
     )
     shared_arena_mb: int | None = Field(
         None,
@@ -313,6 +345,15 @@ class Settings(BaseSettings):
     def _check_recompute(cls, value: str) -> str:
         parse_recompute(value)  # a bad default fails at start-up, not on the first question
         return value.strip()
+
+    @field_validator("s3_url")
+    @classmethod
+    def _check_s3_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None  # set but empty: no shared tier, as unset
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"s3_url {value!r} is not an http(s) URL")
+        return value
 
     @field_validator("filter_indexes")
     @classmethod

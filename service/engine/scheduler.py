@@ -69,7 +69,8 @@ class Scheduler:
         `kv_source`: where an admitted turbo request without chunk KV gets it (the KV store's tiers); None: the
         engine computes it (offline use, tests).
         `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
-        it, every batched step runs eagerly (no CUDA graphs) and no question rides in a decode step."""
+        it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), its question
+        prefills run eagerly and no question rides in a decode step."""
         shared_graphs = cuda_graphs
         if arena is not None:
             cuda_graphs, prefill_with_decode = False, False

@@ -10,7 +10,9 @@ request with no segments whose whole context is its tail (its slab, stitched as 
 attention supports. That keeps one batched step, one pick and one overlap record per step, where separate
 forwards for the two kinds would split every step (and its feed of unread picks) in two.
 
-Eager only for now: the scheduler captures no CUDA graphs in this mode (the segment plan changes every step).
+Decode steps of up to 128 rows replay CUDA graphs where the segment kernels run (`shared_graph.py`: the step's
+plan padded to its bucket's capacity); larger steps, question prefills and the CPU run eagerly, and no question
+rides in a decode step.
 """
 
 from __future__ import annotations

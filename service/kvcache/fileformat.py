@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -72,7 +72,24 @@ TEMP_NAME_PATTERN = re.compile(r"\.[0-9a-f]+\.kvblock\.\d+\.[0-9a-f]+\.tmp")
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 DIRECT_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)
 
+# Bytes of a header's JSON besides its token ids (key, fingerprint, layout, shape, checksum, 8-bit fields: under
+# 1 KiB today), for the size bound of a block file fetched from the shared tier.
+HEADER_FIXED_BYTES = 4096
+
 log = logging.getLogger(__name__)
+
+# Where a block's bytes came from, for error messages: a file, or an object of the shared tier ("s3://...").
+Where = Path | str
+
+
+class _Readable(Protocol):
+    """A block file open for reading, or an in-memory copy of one (io.BytesIO)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
 
 
 class CorruptBlockError(ValueError):
@@ -196,13 +213,27 @@ def write_block(path: Path, key: str, fingerprint: str, block: KVBlock, fmt: Dis
             "scales_count": quant.scale_count(fmt, shape),
         }
     header = _encode_header(key, fingerprint, block, payload, quant_fields)
-    path = Path(path)
+    _write_atomically(Path(path), key, (header, payload))
+    return len(header) + len(payload)
+
+
+def write_block_bytes(path: Path, key: str, data: bytes) -> int:
+    """Write a whole block file's bytes, already encoded and checked (a copy of the shared tier's object),
+    atomically like `write_block`; returns the size."""
+    if not is_block_key(key):
+        raise ValueError(f"not a block key: {key!r}")
+    _write_atomically(Path(path), key, (data,))
+    return len(data)
+
+
+def _write_atomically(path: Path, key: str, parts: Sequence[bytes | memoryview]) -> None:
+    """Temp file, fsync, rename, fsync dir (and the new fan-out directory)."""
     created_dir = _ensure_dir(path.parent)
     temp = path.parent / f".{key}{BLOCK_SUFFIX}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
     try:
         with temp.open("xb") as f:
-            f.write(header)
-            f.write(payload)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         temp.replace(path)
@@ -212,7 +243,6 @@ def write_block(path: Path, key: str, fingerprint: str, block: KVBlock, fmt: Dis
     _fsync_dir(path.parent)
     if created_dir:
         _fsync_dir(path.parent.parent)  # make the new fan-out directory itself durable
-    return len(header) + len(payload)
 
 
 def _payload_bytes_of(block: KVBlock) -> memoryview:
@@ -291,7 +321,7 @@ def _fsync_dir(directory: Path) -> None:
 def read_header(path: Path, verify_payload: bool = False) -> BlockHeader:
     """The checked header of a block file (for index repair); the payload checksum only when asked."""
     with _open_block(path) as f:
-        header = _read_checked_header(f, path)
+        header = _read_checked_header(f, path, os.fstat(f.fileno()).st_size)
         if verify_payload:
             payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
             _read_payload(f, path, header, payload)
@@ -322,8 +352,7 @@ def read_block(
     path = Path(path)
     expected = _Expected(expected_key, expected_fingerprint, spec, dtype or spec.dtype, "native", expected_token_ids)
     header, target = _read_checked_payload(path, expected, into, direct)
-    kv = target.view(header.dtype).view(header.shape)
-    return KVBlock(token_ids=header.token_ids, kv=kv)
+    return _native_block(header, target)
 
 
 def read_quant_block(
@@ -346,12 +375,68 @@ def read_quant_block(
     storage = quant.storage_dtype(fmt)
     expected = _Expected(expected_key, expected_fingerprint, spec, storage, fmt, expected_token_ids)
     header, target = _read_checked_payload(path, expected, into, direct)
+    return _quant_block(path, header, target, fmt, spec)
+
+
+def read_block_bytes(
+    data: bytes,
+    source: str,
+    expected_key: str,
+    expected_fingerprint: str,
+    spec: ModelSpec,
+    fmt: DiskFormat = "native",
+    into: torch.Tensor | None = None,
+    expected_token_ids: Sequence[int] | None = None,
+) -> KVBlock | QuantBlock:
+    """A block file's whole bytes (an object of the shared tier) checked exactly as `read_block` and
+    `read_quant_block` check a file: preamble, header hash, fields, padding, size, key, model, shape, form,
+    token ids and payload checksum. `source` names where the bytes came from in error messages. Returns a
+    `KVBlock` for "native", a `QuantBlock` for an 8-bit `fmt`; raises `CorruptBlockError` on any failed check."""
+    storage = spec.dtype if fmt == "native" else quant.storage_dtype(fmt)
+    expected = _Expected(expected_key, expected_fingerprint, spec, storage, fmt, expected_token_ids)
+    f = io.BytesIO(data)  # shares `data`'s buffer: no copy
+    header = _read_checked_header(f, source, len(data))
+    _check_requested(header, source, expected)
+    target = _payload_target(into, header)
+    _read_payload(f, source, header, target)
+    _verify_payload(source, header, target)
+    if fmt == "native":
+        return _native_block(header, target)
+    return _quant_block(source, header, target, fmt, spec)
+
+
+def verify_block_bytes(data: bytes, source: str, expected_key: str) -> BlockHeader:
+    """The checked header of a block file's whole bytes, payload checksum included, for the block `expected_key`
+    (whatever its model and form): what an upload checks before it shares a file."""
+    f = io.BytesIO(data)
+    header = _read_checked_header(f, source, len(data))
+    if header.key != expected_key:
+        raise CorruptBlockError(f"{source}: key mismatch: file holds {header.key}, expected {expected_key}")
+    target = torch.empty(header.payload_bytes, dtype=torch.uint8)
+    _read_payload(f, source, header, target)
+    _verify_payload(source, header, target)
+    return header
+
+
+def max_file_bytes(payload_bytes: int, num_tokens: int) -> int:
+    """The most bytes a block file of this payload and token count can take: the payload after a header
+    rounded up to whole pages (its JSON holds up to 21 characters per token id, plus fixed fields)."""
+    return _aligned(PREAMBLE.size + HEADER_FIXED_BYTES + 21 * num_tokens) + payload_bytes
+
+
+def _native_block(header: BlockHeader, target: torch.Tensor) -> KVBlock:
+    return KVBlock(token_ids=header.token_ids, kv=target.view(header.dtype).view(header.shape))
+
+
+def _quant_block(
+    where: Where, header: BlockHeader, target: torch.Tensor, fmt: DiskFormat, spec: ModelSpec
+) -> QuantBlock:
     q = quant.unpack(target, fmt, header.shape, spec.dtype)
     gap = target[math.prod(header.shape) : quant.scales_offset(header.shape)]
     if bool(gap.any()):
-        raise CorruptBlockError(f"{path}: non-zero bytes between the 8-bit data and its scales")
+        raise CorruptBlockError(f"{where}: non-zero bytes between the 8-bit data and its scales")
     if not bool((torch.isfinite(q.scales) & (q.scales > 0)).all()):
-        raise CorruptBlockError(f"{path}: a scale is not a finite positive number")
+        raise CorruptBlockError(f"{where}: a scale is not a finite positive number")
     return QuantBlock(token_ids=header.token_ids, payload=target, kv=q)
 
 
@@ -370,15 +455,19 @@ def _read_checked_payload(
 ) -> tuple[BlockHeader, torch.Tensor]:
     """The checked header and the checksummed payload bytes (flat uint8, a view of `into` when given)."""
     with _open_block(path) as f:
-        header = _read_checked_header(f, path)
-        _check_expected(header, path, expected)
-        if expected.token_ids is not None and header.token_ids != tuple(int(t) for t in expected.token_ids):
-            raise CorruptBlockError(f"{path}: token ids differ from the requested block (key collision)")
+        header = _read_checked_header(f, path, os.fstat(f.fileno()).st_size)
+        _check_requested(header, path, expected)
         target = _payload_target(into, header)
         if not _read_payload_direct(f, path, header, into, direct):
             _read_payload(f, path, header, target)
     _verify_payload(path, header, target)
     return header, target
+
+
+def _check_requested(header: BlockHeader, where: Where, expected: _Expected) -> None:
+    _check_expected(header, where, expected)
+    if expected.token_ids is not None and header.token_ids != tuple(int(t) for t in expected.token_ids):
+        raise CorruptBlockError(f"{where}: token ids differ from the requested block (key collision)")
 
 
 def _open_block(path: Path) -> io.FileIO:
@@ -388,9 +477,8 @@ def _open_block(path: Path) -> io.FileIO:
         raise MissingBlockError(f"no KV block file at {path}") from err
 
 
-def _read_checked_header(f: io.FileIO, path: Path) -> BlockHeader:
+def _read_checked_header(f: _Readable, path: Where, file_size: int) -> BlockHeader:
     """Preamble, header hash, JSON fields, padding and file size: everything but the payload checksum."""
-    file_size = os.fstat(f.fileno()).st_size
     raw = f.read(PREAMBLE.size)
     if len(raw) < PREAMBLE.size:
         raise CorruptBlockError(f"{path}: truncated: {len(raw)} bytes is shorter than the preamble")
@@ -412,7 +500,7 @@ def _read_checked_header(f: io.FileIO, path: Path) -> BlockHeader:
     return header
 
 
-def _parse_header(body: bytes, path: Path) -> BlockHeader:
+def _parse_header(body: bytes, path: Where) -> BlockHeader:
     """Decode the JSON header, checking every field's type; no value is trusted by shape alone."""
     try:
         fields = json.loads(body.decode("utf-8"))
@@ -439,7 +527,7 @@ def _parse_header(body: bytes, path: Path) -> BlockHeader:
         raise CorruptBlockError(f"{path}: unreadable header: {err}") from err
 
 
-def _check_layout(header: BlockHeader, path: Path, header_end: int, file_size: int) -> None:
+def _check_layout(header: BlockHeader, path: Where, header_end: int, file_size: int) -> None:
     """The header agrees with itself and with the file's size."""
     problems = []
     if header.layout_name != LAYOUT_NAME or header.layout_version != LAYOUT_VERSION:
@@ -493,7 +581,7 @@ def _payload_problems(header: BlockHeader) -> list[str]:
     return problems
 
 
-def _check_expected(header: BlockHeader, path: Path, expected: _Expected) -> None:
+def _check_expected(header: BlockHeader, path: Where, expected: _Expected) -> None:
     """The file holds the block that was asked for, made by this model, in the shape and form this spec needs."""
     key, fingerprint, spec, dtype = expected.key, expected.fingerprint, expected.spec, expected.dtype
     form = "native" if header.quant is None else header.quant.format
@@ -541,7 +629,7 @@ def _payload_target(into: torch.Tensor | None, header: BlockHeader) -> torch.Ten
     return target
 
 
-def _read_payload(f: io.FileIO, path: Path, header: BlockHeader, target: torch.Tensor) -> None:
+def _read_payload(f: _Readable, path: Where, header: BlockHeader, target: torch.Tensor) -> None:
     """Read the payload into `target`'s memory (buffered, no intermediate copy)."""
     view = target.numpy().data
     f.seek(header.payload_offset)
@@ -616,7 +704,7 @@ def _refused(direct: DirectReads, path: Path, err: OSError) -> bool:
     return False
 
 
-def _verify_payload(path: Path, header: BlockHeader, target: torch.Tensor) -> None:
+def _verify_payload(path: Where, header: BlockHeader, target: torch.Tensor) -> None:
     """The payload's checksum is the header's."""
     actual = xxhash.xxh3_128_hexdigest(target.numpy().data)
     if actual != header.checksum:
@@ -666,7 +754,7 @@ def _float(fields: dict[str, Any], name: str) -> float:
     return float(value)
 
 
-def _quant_field(fields: dict[str, Any], path: Path) -> QuantField | None:
+def _quant_field(fields: dict[str, Any], path: Where) -> QuantField | None:
     if "quant" not in fields:
         return None
     q = _dict(fields, "quant")
@@ -682,7 +770,7 @@ def _quant_field(fields: dict[str, Any], path: Path) -> QuantField | None:
     )
 
 
-def _dtype(name: str, path: Path) -> torch.dtype:
+def _dtype(name: str, path: Where) -> torch.dtype:
     if name not in STORABLE_DTYPES:
         raise CorruptBlockError(f"{path}: unknown dtype {name!r}")
     return STORABLE_DTYPES[name]

@@ -11,6 +11,12 @@ Misses are written to disk by a background thread, so the request never waits fo
 hits. A block file that fails a check is deleted, counted as corrupt and recomputed like a miss, so the answer is
 the same as without the cache.
 
+With a shared tier (`shared.py`: block files on an S3 object store every node reads), the blocks the disk tier could
+not give are looked up there before they are computed (on reader threads of their own, checked like a file, copied
+into a host slot only when found); each one found is served as a disk hit (`FetchResult.shared` counts them) and
+its file copied to the local disk by the background writer. Blocks computed here are uploaded after their local
+write.
+
 Every block copied to the device comes with its `Arrival` in `FetchResult.ready`. By default the fetch orders the
 caller's stream after all copies before it returns, so any consumer is safe. With `overlap=True` it does not: the
 caller passes `ready` to the stitcher (`StitchEngine.stitch(..., chunk_ready=result.ready)`, likewise
@@ -46,6 +52,7 @@ from service.kvcache.index import INDEX_ERRORS, KVIndex
 from service.kvcache.keys import KeySpace, block_key, dtype_name
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute, precompute_batches
 from service.kvcache.quant import DiskFormat, QuantizedKV, dequantize, unpack
+from service.kvcache.shared import SharedRead, SharedStats, SharedTier
 from service.kvcache.tiers import DiskTier, GpuTier, HostTier, Tier, TierChange, TierListener, TierMove
 from service.kvcache.writeback import WriteBack
 
@@ -55,10 +62,15 @@ CACHE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 # Block files are read in parallel: reads and checksums release the GIL, and an NVMe drive needs several
 # requests in flight to reach its bandwidth.
 DEFAULT_READ_THREADS = 4
+# Shared-tier reads wait on the network, not the disk: more of them in flight (the S3 client pools as many connections).
+SHARED_READ_THREADS = 16
 KEY_CACHE_SIZE = 1 << 16
 # The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
 # stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
 DISK_CONTENTS_LIMIT = 100_000
+# Local copies of shared-tier reads waiting for the disk writer, at most: each holds its object's bytes in memory, so
+# a burst of reads faster than the disk writes is not copied (those blocks are read from the shared tier again).
+MAX_PENDING_COPIES = 64
 # Layer ranges [first, end) the host tier copies by when a fetch overlaps (the engine's prefill segments).
 LayerGroups = tuple[tuple[int, int], ...]
 
@@ -97,7 +109,8 @@ class LoadPlan:
 class FetchTimings:
     """Milliseconds of one fetch; each waits for the device work it times (per event)."""
 
-    load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished
+    load_ms: float = 0.0  # disk reads (parallel), checksums included: until the last read finished; shared included
+    shared_ms: float = 0.0  # the shared tier's reads (after the disk's), until the last finished
     precompute_ms: float = 0.0  # the batched forwards over the misses, until the last one finished
     total_ms: float = 0.0  # until `fetch` returned (copies may still be landing: see `h2d_ms`)
     copies: device.CopyClock | None = field(default=None, repr=False, compare=False)
@@ -126,6 +139,7 @@ class FetchResult:
     bytes_loaded: dict[Tier, int]
     ready: list[device.Arrival | None] = field(default_factory=list)  # LayeredArrival for layer-group copies
     corrupt: int = 0
+    shared: int = 0  # blocks served as disk hits that the disk tier read through from the shared tier
     timings: FetchTimings = field(default_factory=FetchTimings)
     pinned: list[str] = field(default_factory=list)  # device-tier keys held in place until `KVStore.release`
 
@@ -150,6 +164,7 @@ class StoreStats:
     bytes_written: int
     pending_writes: int
     write_errors: dict[str, int]  # by reason: index, disk, no_space, other (writeback.WRITE_ERROR_REASONS)
+    shared: SharedStats | None = None  # the shared tier's, where one is configured
 
 
 class KVStore:
@@ -168,7 +183,8 @@ class KVStore:
     "int8" or "fp8" stores block files in an 8-bit form (`quant.py`: half the bytes to read, pin and copy;
     dequantised on the device after the copy), under keys of their own; "native" (the default) stores the compute
     dtype's bytes, bit-exact. `tier_listener` is told of every block entering or leaving a tier (`tiers.TierMove`):
-    how an engine publishes its placement for routing; None (the default) tells no one.
+    how an engine publishes its placement for routing; None (the default) tells no one. `shared` is the tier behind
+    the disk (None: none); the store closes it.
     """
 
     def __init__(
@@ -186,6 +202,7 @@ class KVStore:
         direct_io: bool = False,
         disk_format: DiskFormat = "native",
         tier_listener: TierListener | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         if max_precompute_tokens <= 0:
             raise ValueError("max_precompute_tokens must be positive")
@@ -203,8 +220,15 @@ class KVStore:
             Path(cache_dir), index, fingerprint, spec, budgets.disk_bytes, direct_io, disk_format, tier_listener
         )
         self.disk_format = disk_format
-        self._writeback = WriteBack(self.disk, self.target)
+        self.shared = shared
+        self.max_pending_copies = MAX_PENDING_COPIES
+        self._writeback = WriteBack(self.disk, self.target, self._share if shared is not None else None)
         self.readers = concurrent.futures.ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="kv-read")
+        self.shared_readers = (
+            concurrent.futures.ThreadPoolExecutor(SHARED_READ_THREADS, thread_name_prefix="kv-s3-read")
+            if shared is not None
+            else None
+        )
         self._lock = threading.Lock()
         self._kv_bytes_per_token = spec.kv_bytes_per_token()
         # Hashing a 512-token block costs ~100 µs of Python; hot chunks recur, so remember recent keys.
@@ -302,6 +326,8 @@ class KVStore:
             self.gpu.discard(key)
             self.host.discard(key)
         self.disk.remove(key)
+        if self.shared is not None:
+            self.shared.delete_later(key)
 
     def put(self, blocks: Sequence[KVBlock]) -> int:
         """Store blocks on disk and in the index now; returns bytes written (0 for blocks already stored)."""
@@ -317,8 +343,21 @@ class KVStore:
             with self._lock:
                 self._put_blocks += size > 0
                 self._put_bytes += size
+            if size > 0 and self.shared is not None:
+                self._share(self.key_of(block.token_ids))
             written += size
         return written
+
+    def _share(self, key: str) -> None:
+        """Upload a block file just written locally (in the background), so other nodes read it."""
+        if self.shared is not None:
+            self.shared.upload_later(key, self.disk.path_of(key))
+
+    def keep_copy(self, key: str, found: SharedRead, num_tokens: int) -> None:
+        """Queue a local copy of a block file read from the shared tier (nothing when the disk tier is off or the
+        disk writer is `max_pending_copies` behind)."""
+        if self.disk.budget_bytes > 0 and self._writeback.pending < self.max_pending_copies:
+            self._writeback.write_bytes(key, found.data, num_tokens)
 
     # ---- placement ---------------------------------------------------------------------------------------
 
@@ -344,8 +383,10 @@ class KVStore:
             self._writeback.write(key, block)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for the queued background writes and index touches."""
+        """Wait for the queued background writes and index touches, then the shared tier's uploads."""
         self._writeback.flush(timeout)
+        if self.shared is not None:
+            self.shared.flush(timeout)
 
     def stats(self) -> StoreStats:
         pool, wb = self.host.pool, self._writeback
@@ -367,6 +408,7 @@ class KVStore:
             bytes_written=wb.bytes_written + put_bytes,
             pending_writes=wb.pending,
             write_errors=wb.error_counts(),
+            shared=None if self.shared is None else self.shared.stats(),
         )
 
     def _disk_used_bytes(self) -> int | None:
@@ -380,6 +422,10 @@ class KVStore:
         """Finish background writes and stop the threads; the index stays open (the caller owns it)."""
         self._writeback.close()
         self.readers.shutdown(wait=True)
+        if self.shared_readers is not None:
+            self.shared_readers.shutdown(wait=True)
+        if self.shared is not None:
+            self.shared.close()
 
     def __enter__(self) -> Self:
         return self
@@ -403,6 +449,7 @@ class _Fetch:
         self.layered: dict[str, device.LayeredArrival] = {}  # blocks copied by layer groups
         self.clock = device.CopyClock(store.host.stream)
         self.corrupt = 0
+        self.shared = 0
         self.timings = FetchTimings(copies=self.clock)
 
     def run(self, overlap: bool) -> FetchResult:
@@ -418,6 +465,9 @@ class _Fetch:
         if by_tier[Tier.DISK]:
             self._take_from_disk(by_tier[Tier.DISK])
         missing = [b for b in self.unique.values() if b.key not in self.blocks]
+        if missing and self.store.shared is not None:
+            self._take_from_shared(missing)
+            missing = [b for b in missing if b.key not in self.blocks]
         if missing:
             self._compute(missing)
         self._promote()
@@ -480,6 +530,35 @@ class _Fetch:
                 if slot is not None and slot.busy:
                     host.discard(key)
 
+    def _take_from_shared(self, planned_blocks: list[PlannedBlock]) -> None:
+        """Look the blocks the disk tier did not give up in the shared tier, many at once on its reader threads, and
+        start each found block's copy as it arrives. Unlike disk reads (whose blocks exist) a lookup reserves no
+        host slot ahead: a slot is taken only for a block found, so absent ones evict nothing from the host tier."""
+        shared, readers = self.store.shared, self.store.shared_readers
+        assert shared is not None and readers is not None
+        start = time.perf_counter()
+        reads = {readers.submit(shared.read, p.key, p.token_ids): p for p in planned_blocks}
+        for done in concurrent.futures.as_completed(reads):
+            planned, found = reads[done], done.result()  # a miss of any kind is None (the tier counted and logged it)
+            self.timings.shared_ms = (time.perf_counter() - start) * 1e3
+            if found is None:
+                continue
+            self.shared += 1
+            self._place(planned, self._into_slot(planned, found.block), found.block)
+            self.store.keep_copy(planned.key, found, len(planned.token_ids))
+        self.timings.load_ms += self.timings.shared_ms
+
+    def _into_slot(self, planned: PlannedBlock, block: KVBlock | QuantBlock) -> HostSlot | None:
+        """A busy host slot holding a copy of the block's stored bytes; None when the pool has no room."""
+        host = self.store.host
+        slot = host.reserve(
+            planned.key, planned.token_ids, self.store.spec.dtype, self._shape(planned), self.store.disk_format
+        )
+        if slot is not None:
+            stored = block.payload if isinstance(block, QuantBlock) else block.kv.reshape(-1).view(torch.uint8)
+            host.buffer(slot)[: stored.numel()].copy_(stored)
+        return slot
+
     def _read(self, planned: PlannedBlock, slot: HostSlot | None) -> KVBlock | QuantBlock:
         """Runs on a reader thread: the checked block, in its host slot when it has one."""
         buffer = None if slot is None else self.store.host.buffer(slot)
@@ -488,17 +567,21 @@ class _Fetch:
     def _arrived(
         self, planned: PlannedBlock, slot: HostSlot | None, read: concurrent.futures.Future[KVBlock | QuantBlock]
     ) -> None:
-        host = self.store.host
         try:
             block = read.result()
         except (CorruptBlockError, OSError) as err:  # damaged, vanished or unreadable: recompute it
             if slot is not None:
-                host.discard(planned.key)
+                self.store.host.discard(planned.key)
             if isinstance(err, CorruptBlockError):
                 self.corrupt += 1
             elif not isinstance(err, MissingBlockError):
                 log.warning("cannot read KV block %s, recomputing it: %s", planned.key, err)
             return
+        self._place(planned, slot, block)
+
+    def _place(self, planned: PlannedBlock, slot: HostSlot | None, block: KVBlock | QuantBlock) -> None:
+        """Start the device copy of a block read from storage (from its host slot, or from the read's buffer)."""
+        host = self.store.host
         with self.clock.timing():
             if slot is not None:
                 host.filled(slot)
@@ -562,6 +645,7 @@ class _Fetch:
             bytes_loaded=_sum_bytes(zip(sources, (b.nbytes for b in ordered), strict=True)),
             ready=[self.layered.get(b.key) or device.arrival(self.arriving.get(b.key), target) for b in ordered],
             corrupt=self.corrupt,
+            shared=self.shared,
             timings=self.timings,
         )
 

@@ -34,6 +34,7 @@ from service.kvcache.fileformat import (
     read_block,
     read_quant_block,
     write_block,
+    write_block_bytes,
 )
 from service.kvcache.host_pool import HostPool, HostSlot
 from service.kvcache.index import IndexEntry, KVIndex
@@ -438,19 +439,30 @@ class DiskTier:
         Room is made first (least recently used blocks evicted down to the budget less this block), so a full
         budget, or a disk that filled up before its budget did, does not fail every later write. A write that
         fails leaves nothing behind: no temp file, no file without an index entry."""
-        nbytes = self.stored_nbytes(block)
+        return self._store(
+            key,
+            self.stored_nbytes(block),
+            block.num_tokens,
+            lambda path: write_block(path, key, self.fingerprint, block, self.fmt),
+        )
+
+    def write_bytes(self, key: str, data: bytes, num_tokens: int) -> int:
+        """Store a block file's checked bytes as they are (the shared tier's copy), like `write`."""
+        return self._store(key, len(data), num_tokens, lambda path: write_block_bytes(path, key, data))
+
+    def _store(self, key: str, nbytes: int, num_tokens: int, write: Callable[[Path], int]) -> int:
         if not self.wants(key, nbytes):
             return 0
         self.enforce_budget(limit=self.budget_bytes - nbytes)
         path = self.path_of(key)
         try:
-            size = write_block(path, key, self.fingerprint, block, self.fmt)
+            size = write(path)
             now = time.time()
-            self.index.put(IndexEntry(key, block_relpath(key), size, block.num_tokens, now, now))
+            self.index.put(IndexEntry(key, block_relpath(key), size, num_tokens, now, now))
         except BaseException:
             self._drop_unindexed(path, key)
             raise
-        _tell(self.listener, TierChange.ADD, Tier.DISK, key, block.num_tokens)
+        _tell(self.listener, TierChange.ADD, Tier.DISK, key, num_tokens)
         self.enforce_budget(keep=key)  # the header may have pushed it a page past
         return size
 

@@ -36,8 +36,11 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 class WriteBack:
     """A single-thread queue of disk writes and index touches; `flush` waits until it is empty."""
 
-    def __init__(self, disk: DiskTier, source_device: torch.device) -> None:
+    def __init__(
+        self, disk: DiskTier, source_device: torch.device, on_written: Callable[[str], None] | None = None
+    ) -> None:
         self._disk = disk
+        self._on_written = on_written  # told of each computed block written (the shared tier uploads it)
         self._device = source_device
         self._stream = device.new_copy_stream(source_device)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-writeback")
@@ -72,6 +75,16 @@ class WriteBack:
             self._queued_keys.add(key)
         ready = device.record_event(self._device)
         self._submit(lambda: self._write(key, block, ready))
+        return True
+
+    def write_bytes(self, key: str, data: bytes, num_tokens: int) -> bool:
+        """Queue a block file's checked bytes for the disk tier as they are (a copy of the shared tier's object,
+        never shared again); False when the same key is already queued."""
+        with self._lock:
+            if key in self._queued_keys:
+                return False
+            self._queued_keys.add(key)
+        self._submit(lambda: self._write_bytes(key, data, num_tokens))
         return True
 
     def touch(self, keys: Iterable[str]) -> None:
@@ -129,14 +142,26 @@ class WriteBack:
                 return  # stored meanwhile (another worker) or over budget: skip the device-to-host copy
             host = _to_host(block.kv, self._stream, ready)
             written = self._disk.write(key, KVBlock(block.token_ids, host))
-            for outage in self._outages.values():
-                outage.succeeded()
-            with self._lock:
-                self.blocks_written += written > 0
-                self.bytes_written += written
+            self._written(written)
+            if written and self._on_written is not None:
+                self._on_written(key)
         finally:
             with self._lock:
                 self._queued_keys.discard(key)
+
+    def _write_bytes(self, key: str, data: bytes, num_tokens: int) -> None:
+        try:
+            self._written(self._disk.write_bytes(key, data, num_tokens))
+        finally:
+            with self._lock:
+                self._queued_keys.discard(key)
+
+    def _written(self, nbytes: int) -> None:
+        for outage in self._outages.values():
+            outage.succeeded()
+        with self._lock:
+            self.blocks_written += nbytes > 0
+            self.bytes_written += nbytes
 
 
 def write_error_reason(error: Exception) -> str:

@@ -21,6 +21,7 @@ from service.kvcache.index import KVIndex
 from service.kvcache.keys import model_fingerprint
 from service.kvcache.precompute import DEFAULT_MAX_PRECOMPUTE_TOKENS, Precompute
 from service.kvcache.quant import DiskFormat
+from service.kvcache.shared import SharedTier
 from service.kvcache.store import DEFAULT_READ_THREADS, FetchResult, KVStore, TierBudgets
 
 
@@ -35,6 +36,7 @@ def kv_store_for(
     max_precompute_tokens: int = DEFAULT_MAX_PRECOMPUTE_TOKENS,
     direct_io: bool = False,
     disk_format: DiskFormat = "native",
+    shared: SharedTier | None = None,
 ) -> KVStore:
     """A store keyed for `engine`; misses go to `precompute` (default: the engine's own, on the caller's thread —
     the runtime passes one that runs on its engine loop)."""
@@ -51,6 +53,7 @@ def kv_store_for(
         max_precompute_tokens=max_precompute_tokens,
         direct_io=direct_io,
         disk_format=disk_format,
+        shared=shared,
     )
 
 

