@@ -45,33 +45,25 @@ def batch_bucket(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | No
     return next((b for b in sorted(buckets) if b >= batch), None)
 
 
-class BatchGraph:
-    """One captured batched step for `batch` rows of live lengths up to `capacity`."""
+class StepInputs:
+    """A captured decode step's static inputs: [ids; positions; slab starts; live slots; feed row or -1] per row,
+    padding rows feeding token 0 at position 0 into the one-slot `scratch` slab. Filled by one pinned (so
+    asynchronous) copy per replay."""
 
-    def __init__(
-        self, decoder: BatchDecoder, batch: int, capacity: int, scratch: int, pool: Any, feed: torch.Tensor
-    ) -> None:
-        device = decoder.forward.spec.device
+    def __init__(self, batch: int, scratch: int, device: torch.device) -> None:
         self.batch = batch
-        self.capacity = capacity
         self._scratch = scratch
-        # [ids; positions; starts; used; feed row or -1], pinned so the per-replay copy is asynchronous DMA.
         self._host = torch.zeros((5, batch), dtype=torch.long, pin_memory=True)
-        self._inputs = torch.zeros((5, batch), dtype=torch.long, device=device)
+        self._device = torch.zeros((5, batch), dtype=torch.long, device=device)
         self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._fill([0] * batch, [0] * batch, [(scratch, 1)] * batch, None)
+        self.fill([0] * batch, [0] * batch, [(scratch, 1)] * batch, None)
 
-        def step() -> torch.Tensor:
-            inputs = self._inputs
-            rows = DecodeRows(fed_ids(inputs[0], inputs[4], feed), inputs[1], inputs[2], inputs[3], ())
-            return decoder.step(rows, capacity)
+    def rows(self, feed: torch.Tensor) -> DecodeRows:
+        """The step's rows over the static inputs (built inside a capture), ids fed from `feed` where asked."""
+        inputs = self._device
+        return DecodeRows(fed_ids(inputs[0], inputs[4], feed), inputs[1], inputs[2], inputs[3], ())
 
-        self._graph = torch.cuda.CUDAGraph()
-        start = time.perf_counter()
-        self._logits: torch.Tensor = _capture(self._graph, step, device, pool)
-        self.capture_ms = (time.perf_counter() - start) * 1e3
-
-    def _fill(
+    def fill(
         self,
         ids: Sequence[int],
         positions: Sequence[int],
@@ -86,8 +78,28 @@ class BatchGraph:
         padding = [0, 0, self._scratch, 1, -1]
         self._host.copy_(torch.tensor([row + [p] * pad for row, p in zip(rows, padding, strict=True)]))
         with torch.inference_mode():
-            self._inputs.copy_(self._host, non_blocking=True)
+            self._device.copy_(self._host, non_blocking=True)
         self._copied.record()
+
+
+class BatchGraph:
+    """One captured batched step for `batch` rows of live lengths up to `capacity`."""
+
+    def __init__(
+        self, decoder: BatchDecoder, batch: int, capacity: int, scratch: int, pool: Any, feed: torch.Tensor
+    ) -> None:
+        device = decoder.forward.spec.device
+        self.batch = batch
+        self.capacity = capacity
+        self._inputs = StepInputs(batch, scratch, device)
+
+        def step() -> torch.Tensor:
+            return decoder.step(self._inputs.rows(feed), capacity)
+
+        self._graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        self._logits: torch.Tensor = _capture(self._graph, step, device, pool)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
 
     def replay(
         self,
@@ -100,7 +112,7 @@ class BatchGraph:
         `src`: per row, its index in the feed tensor (the previous step's picks, copied there) or -1."""
         if not 0 < len(ids) <= self.batch or any(u > self.capacity for _, u in spans):
             raise ValueError(f"{len(ids)} rows do not fit a graph of {self.batch} rows up to {self.capacity} slots")
-        self._fill(ids, positions, spans, src)
+        self._inputs.fill(ids, positions, spans, src)
         self._graph.replay()
         return self._logits[: len(ids)]
 

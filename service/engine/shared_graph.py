@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine.batch_decode import DecodeRows, StepFeed, fed_ids
+from service.engine.batch_decode import StepFeed
+from service.engine.batch_graph import StepInputs
 from service.engine.cuda_graph import _capture
 from service.engine.segment_attention import SegmentArrays
 from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan
@@ -85,18 +86,12 @@ class SharedStepGraph:
         self.batch, self.reads, self.pieces = batch, reads, pieces_for(batch)
         self.capacity = capacity_for(batch, reads, self.pieces)
         self._group, self._kv_heads, self._device = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device
-        self._scratch = scratch
         self.plan = self._build(_idle_call(batch, scratch))
-        # [ids; positions; starts; used; feed row or -1], pinned so the per-replay copy is asynchronous DMA.
-        self._host = torch.zeros((5, batch), dtype=torch.long, pin_memory=True)
-        self._inputs = torch.zeros((5, batch), dtype=torch.long, device=spec.device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._fill([0] * batch, [0] * batch, [(scratch, 1)] * batch, None)
+        self._inputs = StepInputs(batch, scratch, spec.device)
         arena, pool_data, rotary, context = shared.arena.data, shared.decoder.pool.data, forward.rotary, shared.context
 
         def step() -> torch.Tensor:
-            inputs = self._inputs
-            rows = DecodeRows(fed_ids(inputs[0], inputs[4], feed), inputs[1], inputs[2], inputs[3], ())
+            rows = self._inputs.rows(feed)
             # Built inside the capture: the rotation tables are recomputed from the plan's positions at each replay.
             attend = _StaticAttend(SegmentAttention(self.plan, rotary, context), arena)
             hidden = forward.embed_static(rows.ids.view(1, -1))
@@ -115,23 +110,6 @@ class SharedStepGraph:
     def fits(self, rows: int, reads: int) -> bool:
         return rows <= self.batch and reads <= self.reads
 
-    def _fill(
-        self,
-        ids: Sequence[int],
-        positions: Sequence[int],
-        spans: Sequence[tuple[int, int]],
-        src: Sequence[int] | None,
-    ) -> None:
-        pad = self.batch - len(ids)
-        self._copied.synchronize()  # the previous replay's copy has left the pinned buffer
-        fed = list(src) if src is not None else [-1] * len(ids)
-        rows = [list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans], fed]
-        padding = [0, 0, self._scratch, 1, -1]
-        self._host.copy_(torch.tensor([row + [p] * pad for row, p in zip(rows, padding, strict=True)]))
-        with torch.inference_mode():
-            self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()
-
     def replay(
         self,
         ids: Sequence[int],
@@ -145,7 +123,7 @@ class SharedStepGraph:
         if not 0 < len(ids) <= self.batch:
             raise ValueError(f"{len(ids)} rows do not fit a graph of {self.batch}")
         plan = self._build(call)
-        self._fill(ids, positions, spans, src)
+        self._inputs.fill(ids, positions, spans, src)
         with torch.inference_mode():
             self.plan.copy_from(plan)
         self._graph.replay()
