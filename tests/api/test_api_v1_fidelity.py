@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +179,24 @@ def test_the_request_log_line_carries_the_id(server: LiveServer, caplog: pytest.
         reply = post_chat(server, CHAT, headers={"x-request-id": "log-me-7"})
         refused = post_chat(server, {**CHAT, "topk": 1})
 
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvstitch.requests"]
+        theirs = refused.headers["x-request-id"]
+        # The line is written once the app has returned, after the client has the whole response: wait for it.
+        lines = _request_lines(caplog, lambda text: f"request_id={theirs}" in text)
+
     mine = [line for line in lines if "request_id=log-me-7" in line]
     assert reply.status_code == 200 and len(mine) == 1
     assert '"POST /v1/chat/completions" 200' in mine[0]
-    theirs = refused.headers["x-request-id"]
     assert any(f"request_id={theirs}" in line and '" 400 ' in line for line in lines)
+
+
+def _request_lines(caplog: pytest.LogCaptureFixture, until: Callable[[str], bool], wait_s: float = 5.0) -> list[str]:
+    """The request log's lines, once one satisfies `until` (or `wait_s` has passed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvstitch.requests"]
+        if any(until(line) for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
 
 
 def test_ask_carries_the_request_id_streamed_or_not(server: LiveServer) -> None:
