@@ -172,6 +172,9 @@ def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: a
         row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         row["pool_bytes_per_answer"] = scheduler.pool.capacity_bytes / count
         row["distinct_chunks"] = len({b for p in prompts for b in p.blocks})
+        if engine.spec.device.type == "cuda":  # the device's peak so far: weights, corpus, pool, arena, activations
+            row["peak_device_gib"] = torch.cuda.max_memory_allocated(engine.spec.device) / 2**30
+            row["device_gib"] = torch.cuda.get_device_properties(engine.spec.device).total_memory / 2**30
         if args.profile and path.startswith("shared") and count == max(args.batches):
             row["profile"] = profiled(scheduler, prompts, sampling)
         return row
