@@ -1,0 +1,26 @@
+"""The shared-vs-copy batch benchmark end to end on the CPU with a tiny model (its timings are the GPU's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.bench_shared_batch import main
+
+
+def test_both_paths_run_every_batch_and_the_shared_one_holds_tails_only(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--batches", "1", "3", "--paths", "copy"]
+    argv += ["shared", "--chunks", "6", "--chunk-tokens", "16", "--reads", "2", "--max-new-tokens", "4"]
+    assert main([*argv, "--runs", "1", "--warmup", "0", "--out", str(out)]) == 0
+
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [(r["batch"], r["path"]) for r in rows] == [(1, "copy"), (1, "shared"), (3, "copy"), (3, "shared")]
+    assert all("error" not in r for r in rows)
+    for batch in (1, 3):
+        copy, shared = (r for r in rows if r["batch"] == batch)
+        assert 0 < shared["pool_bytes_per_answer"] < copy["pool_bytes_per_answer"]  # no chunk in a shared slab
+        assert copy["distinct_chunks"] == shared["distinct_chunks"] <= 2 * batch
+        assert all(r["tokens_per_s"] > 0 and r["full_steps"] == 3 for r in (copy, shared))  # 4 tokens: 3 steps
