@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from service.serving.answer_session import AnswerSession
 from service.serving.answer_stream import EventStream
 from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineBusyError, EngineLoop
+from service.serving.readiness import startup_checks
 from service.serving.runtime import (
     GateOutcome,
     gate_on_loop,
@@ -168,18 +169,9 @@ class EngineServer:
         return self.answerer is not None and self.startup_error is None
 
     def readiness(self) -> dict[str, Any]:
-        checks: dict[str, Any] = {}
-        if self.startup_error is not None:
-            checks["startup"] = self.startup_error
-        elif not self.started.is_set():
-            checks["startup"] = "loading"
-        checks["model"] = "loaded" if self.runtime is not None else "not loaded"
-        if self.gate is not None:
-            checks["gate"] = "skipped" if self.gate.skipped else ("passed" if self.gate.passed else "failed")
-        ok = self.ready
-        if self.runtime is not None:
-            checks["index"] = _probe(self.runtime.index.total_bytes)
-            ok = ok and checks["index"] == "ok"
+        index = self.runtime.index if self.runtime is not None else None
+        checks = startup_checks(self.started, self.startup_error, index, self.gate)
+        ok = self.ready and (self.runtime is None or checks["index"] == "ok")
         report: dict[str, Any] = {"ready": ok, "checks": checks, "engine_id": self.engine_id}
         if self.kv_path is not None:
             report["kv_path"] = self.kv_path.as_json()
@@ -255,14 +247,6 @@ class EngineServer:
         finally:
             runtime.store.release(result)
         return {tier.value: counts[tier.value] for tier in Tier}
-
-
-def _probe(check: Callable[[], object]) -> str:
-    try:
-        check()
-    except Exception as err:  # any failure means the KV index cannot serve answers now
-        return f"unreachable: {type(err).__name__}: {err}"
-    return "ok"
 
 
 def _question(request: EngineAnswerRequest) -> Question:

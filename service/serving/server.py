@@ -61,6 +61,7 @@ from service.serving.answer_stream import EventStream
 from service.serving.engine_loop import EngineBusyError
 from service.serving.fleet_gateway import Fleet
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
+from service.serving.readiness import startup_checks
 from service.serving.remote_answer import RemoteAnswer
 from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
 from service.serving.shadow import ShadowPolicy, Shadows
@@ -196,15 +197,9 @@ class Server:
 
     def readiness(self) -> dict[str, Any]:
         """Each check and why it fails (what `/readyz` reports)."""
-        checks: dict[str, Any] = {}
-        if self.startup_error is not None:
-            checks["startup"] = self.startup_error
-        elif not self.started.is_set():
-            checks["startup"] = "loading"
-        checks["model"] = "loaded" if self.runtime is not None else "not loaded"
-        checks["gate"] = _gate_state(self.gate)
+        index = self.runtime.index if self.runtime is not None else None
+        checks = startup_checks(self.started, self.startup_error, index, self.gate)
         if self.runtime is not None:
-            checks["index"] = _probe(self.runtime.index.total_bytes)
             checks["qdrant"] = "ok" if self.runtime.collection.ping() else "unreachable"
         ok = self.ready and checks.get("index") == "ok" and checks.get("qdrant") == "ok"
         if self.fleet is not None:
@@ -502,26 +497,6 @@ def _request_limits(settings: Settings) -> RequestLimits:
         max_upload_files=settings.max_upload_files,
         max_upload_file_bytes=settings.max_upload_file_mb * MIB,
     )
-
-
-def _gate_state(gate: GateOutcome | None) -> str:
-    if gate is None:
-        return "pending"
-    if gate.skipped:
-        return "skipped"
-    state = f"{'passed' if gate.passed else 'failed'} (max |logit diff| {gate.max_abs_logit_diff:.2e}"
-    if gate.shared_max_abs_logit_diff is not None:
-        verdict = "" if gate.shared_passed else " failed: the copy path serves"
-        state += f"; zero-copy {gate.shared_max_abs_logit_diff:.2e}{verdict}"
-    return state + ")"
-
-
-def _probe(check: Any) -> str:
-    try:
-        check()
-    except Exception as err:  # any failure means the index cannot serve requests now
-        return f"unreachable: {type(err).__name__}: {err}"
-    return "ok"
 
 
 def _model_name(model: str) -> str:
