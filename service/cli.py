@@ -231,6 +231,14 @@ def _add_eval(commands: Any) -> None:
         metavar="T",
         help="APE attention temperature on chunk keys, repeatable: turbo rows for each (default 1 = off)",
     )
+    evaluate.add_argument(
+        "--context-scale",
+        action="append",
+        type=float,
+        metavar="S",
+        help="APE scale on the context's log-sum-exp, repeatable: turbo rows for each (default 1 = off; needs "
+        "--kv-path shared)",
+    )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
     evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
     evaluate.add_argument(

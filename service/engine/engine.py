@@ -169,6 +169,8 @@ class StitchEngine:
     the positions they were precomputed at, and the KV cache keys blocks by it (`kv_version`).
     `context_temperature`: APE's attention temperature T on chunk keys (`plan_positions`): every query's scores
     against chunk tokens are divided by T, sharpening (T < 1) or flattening the attention over the context.
+    `context_scale`: APE's scale S on the context's log-sum-exp (`segment_attention.ContextScaling`), applied by
+    the shared-chunk path alone (the stitched copy path attends over one sequence and cannot separate it).
     `recompute_full_below`: a turbo request asking for a recompute over a context shorter than this is prefilled
     in full instead (`recomputes_in_full`); 0 leaves only the share rule.
     `pipeline`: with graphs on, overlap blocks still arriving by layer groups (the KV cache's host tier copies
@@ -189,13 +191,18 @@ class StitchEngine:
         chunk_context: ChunkContext | str = ChunkContext.ALONE,
         recompute_full_below: int = 0,
         context_temperature: float = 1.0,
+        context_scale: float = 1.0,
     ) -> None:
         self.model = model
         self.chunk_context = ChunkContext(chunk_context)
-        if not context_temperature > 0:
-            raise ValueError(f"a context temperature must be positive, not {context_temperature}")
+        if not (context_temperature > 0 and context_scale > 0):
+            raise ValueError(
+                f"context temperature and scale must be positive, not {context_temperature}, {context_scale}"
+            )
         # APE's attention temperature on chunk keys (`plan_positions`); 1 is the block attention the gate proves.
         self.context_temperature = context_temperature
+        # APE's scale on the context's log-sum-exp: only the segment attention (shared chunks) can apply it.
+        self.context_scale = context_scale
         # Contexts shorter than this serve a recompute by a full prefill (`recomputes_in_full`).
         self.recompute_full_below = recompute_full_below
         self.spec = model.spec

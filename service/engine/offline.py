@@ -88,8 +88,8 @@ class OfflineScheduler:
         return ChunkArena(engine.spec, engine.forward.rotary, budget, base=engine.chunk_start, poison=self.poison)
 
     def _arena_fits(self, chunk_tokens: int) -> bool:
-        """Not shared, or the kept arena holds `chunk_tokens` at once, at the engine's chunk placement and context
-        temperature (both fixed when its scheduler was built)."""
+        """Not shared, or the kept arena holds `chunk_tokens` at once, at the engine's chunk placement, context
+        temperature and scale (fixed when its scheduler was built)."""
         if not self.shared:
             return True
         shared = self.scheduler.shared if self.scheduler is not None else None
@@ -100,6 +100,7 @@ class OfflineScheduler:
             shared.arena.slots >= chunk_tokens
             and shared.arena.base == engine.chunk_start
             and shared.decoder.context.temperature == engine.context_temperature
+            and shared.decoder.context.scale == engine.context_scale
         )
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ class SharedChunks:
         `max_picks`: the most unread picks a step may be fed from."""
         self.engine = engine
         self.arena = arena
-        context = ContextScaling(temperature=engine.context_temperature)
+        context = ContextScaling(temperature=engine.context_temperature, scale=engine.context_scale)
         self.decoder = SharedDecoder(decoder, arena, context)
         self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphs and self.decoder.kernels else None
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held

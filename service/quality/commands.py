@@ -33,10 +33,10 @@ def _error(message: str) -> int:
     return 2
 
 
-def _temperature(value: float) -> float:
+def _temperature(value: float, flag: str = "--context-temperature") -> float:
     low, high = CONTEXT_TEMPERATURE_RANGE
     if not low <= value <= high:
-        raise ValueError(f"--context-temperature {value:g} is outside {low:g}..{high:g}")
+        raise ValueError(f"{flag} {value:g} is outside {low:g}..{high:g}")
     return value
 
 
@@ -62,9 +62,12 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
         contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
         temperatures = dict.fromkeys(_temperature(t) for t in args.context_temperature or [1.0])
-        variants = table_variants(list(recomputes), list(contexts), list(temperatures))
+        scales = dict.fromkeys(_temperature(s, "--context-scale") for s in args.context_scale or [1.0])
+        variants = table_variants(list(recomputes), list(contexts), list(temperatures), list(scales))
     except (QADataError, ValueError) as err:
         return _error(str(err))
+    if any(s != 1.0 for s in scales) and args.kv_path != "shared":
+        return _error("--context-scale needs --kv-path shared: the copy path attends over one stitched sequence")
     if corpus_form:
         return _eval_corpus(args, dtype, variants)
     return _eval_file(args, dtype, variants)

@@ -48,15 +48,17 @@ class Variant:
     recompute: RecomputeSpec = NO_RECOMPUTE
     context: ChunkContext = ChunkContext.ALONE  # what the chunks' KV was precomputed after (turbo)
     temperature: float = 1.0  # APE's attention temperature on chunk keys (turbo)
+    scale: float = 1.0  # APE's scale on the context's log-sum-exp (turbo, shared chunks only)
 
     @property
     def mode_label(self) -> str:
-        """`turbo`, `turbo@prefix` for chunks precomputed after the prefix, `...:T0.8` under a context temperature
-        (naive has no chunk KV)."""
+        """`turbo`, `turbo@prefix` for chunks precomputed after the prefix, `...:T0.8` under a context temperature,
+        `...:S0.9` under a context scale (naive has no chunk KV)."""
         if self.mode is GenerationMode.NAIVE:
             return self.mode.value
         label = self.mode.value if self.context is ChunkContext.ALONE else f"{self.mode.value}@{self.context.value}"
-        return label if self.temperature == 1.0 else f"{label}:T{self.temperature:g}"
+        label = label if self.temperature == 1.0 else f"{label}:T{self.temperature:g}"
+        return label if self.scale == 1.0 else f"{label}:S{self.scale:g}"
 
     @property
     def label(self) -> str:
@@ -70,13 +72,15 @@ def table_variants(
     recomputes: Sequence[RecomputeSpec] = (NO_RECOMPUTE,),
     contexts: Sequence[ChunkContext] = (ChunkContext.ALONE,),
     temperatures: Sequence[float] = (1.0,),
+    scales: Sequence[float] = (1.0,),
 ) -> list[Variant]:
-    """Naive, then turbo reordered and composite for each chunk context, context temperature and recompute setting
-    (TurboRAG's Table 1 rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
+    """Naive, then turbo reordered and composite for each chunk context, context temperature and scale and recompute
+    setting (TurboRAG's Table 1 rows); composite only without recompute, which it refuses (`COMPOSITE_RECOMPUTE`)."""
     turbo = [
-        Variant(GenerationMode.TURBO, positions, recompute, context, temperature)
+        Variant(GenerationMode.TURBO, positions, recompute, context, temperature, scale)
         for context in contexts
         for temperature in temperatures
+        for scale in scales
         for recompute in recomputes
         for positions in (PositionMode.REORDERED, PositionMode.COMPOSITE)
         if positions is PositionMode.REORDERED or not recompute.active
@@ -89,12 +93,13 @@ def variant_engine(engine: StitchEngine, variant: Variant) -> Iterator[None]:
     """The engine precomputing chunks of the variant's context and stitching them at its temperature for the time
     of one variant: the eval owns its engine and runs one request at a time, so switching it reaches nothing
     else."""
-    before = engine.chunk_context, engine.context_temperature
+    before = engine.chunk_context, engine.context_temperature, engine.context_scale
     engine.chunk_context, engine.context_temperature = variant.context, variant.temperature
+    engine.context_scale = variant.scale
     try:
         yield
     finally:
-        engine.chunk_context, engine.context_temperature = before
+        engine.chunk_context, engine.context_temperature, engine.context_scale = before
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,40 @@ def test_shared_is_refused_where_segment_attention_cannot_run(
     args = ["eval", "--model", str(tiny_model_dirs["llama"]), "--data", str(data), "--device", "cpu"]
     assert main([*args, "--kv-path", "shared"]) == 2
     assert "--kv-path shared cannot run here: segment attention runs on CUDA" in capsys.readouterr().err
+
+
+def test_a_context_scale_adds_its_rows_through_the_shared_path(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--context-scale 1 --context-scale 0.5`: turbo rows at each scale (labelled `:S0.5`), the S = 1 rows the
+    copy path's answers; S = 0.5 weighs the context's attention down, so its answers move away from them."""
+    data = write_qa_file(tmp_path / "qa.jsonl", questions=SAMPLES, chunks=3, seed=5, two_fact_share=0.5)
+    model = tiny_model_dirs["qwen2"]
+    _, copy_answers = _eval(model, data, tmp_path / "copy.json", "copy")
+    out = tmp_path / "scaled.json"
+    args = ["eval", "--model", str(model), "--data", str(data), "--device", "cpu", "--json", str(out), "--answers"]
+    args += [str(out.with_suffix(".jsonl")), "--max-new-tokens", "6", "--kv-path", "shared"]
+    assert main([*args, "--context-scale", "1", "--context-scale", "0.5"]) == 0
+    lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text(encoding="utf-8").splitlines()]
+    by_variant: dict[str, list[str]] = {}
+    for line in lines:
+        by_variant.setdefault(line["variant"], []).append(line["answer"])
+    scaled = [v for v in by_variant if ":S0.5" in v]
+    plain = [v for v in by_variant if v.startswith("turbo") and ":S" not in v]
+    assert len(scaled) == len(plain) == TURBO_ROWS
+    copied: dict[str, list[str]] = {}
+    for line in copy_answers:
+        copied.setdefault(line["variant"], []).append(line["answer"])
+    assert all(by_variant[v] == copied[v] for v in plain)  # S = 1 is the block attention itself
+    assert any(by_variant[s] != by_variant[s.replace(":S0.5", "")] for s in scaled)
+
+
+def test_a_context_scale_is_refused_on_the_copy_path(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_qa_file(tmp_path / "qa.jsonl", questions=1, chunks=2, seed=5, two_fact_share=0.0)
+    args = ["eval", "--model", str(tiny_model_dirs["llama"]), "--data", str(data), "--device", "cpu"]
+    assert main([*args, "--context-scale", "0.9"]) == 2
+    assert "--context-scale needs --kv-path shared" in capsys.readouterr().err
+    assert main([*args, "--kv-path", "shared", "--context-scale", "9"]) == 2
+    assert "--context-scale 9 is outside 0.25..4" in capsys.readouterr().err
