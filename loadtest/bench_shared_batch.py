@@ -180,7 +180,8 @@ def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: a
         return row
     finally:
         release(scheduler)
-        torch.cuda.empty_cache() if engine.spec.device.type == "cuda" else None
+        if engine.spec.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def profiled(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: SamplingParams) -> str:

@@ -109,18 +109,23 @@ class AnswerSession:
         # The part of it spent with the engine loop: its running step, then the line (the rest is the hand-over).
         done.timings_ms["engine_wait"] = max(0.0, (admitted_at - request.handed_at) * 1e3)
         self.done = done
-        self.metrics.observe_answer(
-            done.mode,
-            done.positions,
-            done.ttft_ms,
-            done.timings_ms,
-            done.kv,
-            done.kv_bytes,
-            done.output_tokens,
-            done.recompute,
-            done.recomputed_tokens,
-        )
+        observe_done(self.metrics, done)
         return done
+
+
+def observe_done(metrics: Metrics, done: DoneEvent) -> None:
+    """An answer's figures into the metrics, from its done event (local or an engine's, as the gateway saw it)."""
+    metrics.observe_answer(
+        done.mode,
+        done.positions,
+        done.ttft_ms,
+        done.timings_ms,
+        done.kv,
+        done.kv_bytes,
+        done.output_tokens,
+        done.recompute,
+        done.recomputed_tokens,
+    )
 
 
 def source(chunk: RetrievedChunk) -> Source:

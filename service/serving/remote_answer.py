@@ -25,6 +25,7 @@ from service.facade.engine import EngineAnswerRequest, EngineStreamError, parse_
 from service.facade.types import AnswerEvent, DoneEvent, Source
 from service.fleet.routing import ChunkRef
 from service.metrics import Metrics
+from service.serving.answer_session import observe_done
 from service.serving.fleet_gateway import Fleet, NoEngineError, Routed
 
 log = logging.getLogger(__name__)
@@ -202,17 +203,7 @@ class RemoteAnswer:
         timings = {**done.timings_ms, "retrieve": self._retrieve_ms}
         done = dataclasses.replace(done, ttft_ms=ttft_ms, timings_ms=timings)
         self._done = done
-        self._metrics.observe_answer(
-            done.mode,
-            done.positions,
-            done.ttft_ms,
-            done.timings_ms,
-            done.kv,
-            done.kv_bytes,
-            done.output_tokens,
-            done.recompute,
-            done.recomputed_tokens,
-        )
+        observe_done(self._metrics, done)
         return done
 
     async def _close(self) -> None:
