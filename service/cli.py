@@ -343,6 +343,13 @@ def _add_finetune(commands: Any) -> None:
         default=None,
         help="autocast dtype, also saved (default: fp32 on CPU, bf16 on CUDA)",
     )
+    tune.add_argument(
+        "--instruction",
+        default="",
+        metavar="TEXT",
+        help="added to the system message of every training prompt (default none, as /ask); fine-tune under the "
+        "system message you serve or evaluate with",
+    )
     tune.add_argument("--seed", type=int, default=0, help="seed of prompts, sample order and mask choice (default 0)")
 
 

@@ -23,6 +23,7 @@ ENGINES_FROM_REDIS = "redis"  # KVSTITCH_ENGINES's value for the engines that an
 # The context temperature's bounds (the setting's and `kvstitch eval`'s): past them a context is all but ignored or
 # all but argmaxed.
 CONTEXT_TEMPERATURE_RANGE = (0.25, 4.0)
+MAX_INSTRUCTION_CHARS = 2000  # an instruction added to the system message (kvstitch eval, finetune)
 
 
 class Settings(BaseSettings):

@@ -42,6 +42,7 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         dtype=dtype,
         compute_dtype=compute_dtype,
         seed=args.seed,
+        instruction=args.instruction,
     )
     logging.getLogger("workers.training").setLevel(logging.INFO)
     corpus_errors: tuple[type[Exception], ...] = ()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from service.settings import CONTEXT_TEMPERATURE_RANGE
+from service.settings import CONTEXT_TEMPERATURE_RANGE, MAX_INSTRUCTION_CHARS
 
 if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
     from service.engine.engine import StitchEngine
@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
 # The eval's default system-message addition for QA files: the rows score short answers, and a model that explains
 # its answer would be scored on its first sentence. The corpus form defaults to none (it measures what /ask serves).
 DEFAULT_INSTRUCTION = "Answer with a short phrase copied from the documents, without explanation."
-MAX_INSTRUCTION_CHARS = 2000
 
 
 def _error(message: str) -> int:

@@ -162,3 +162,23 @@ def test_the_mix_takes_the_label_share_of_each_step() -> None:
     assert FinetuneConfig("m", "qa", "o", **both, label_share=0.25).labelled_per_step() == 2
     assert FinetuneConfig("m", None, "o", **both).labelled_per_step() == 0
     assert FinetuneConfig("m", "qa", "o", batch_size=8).labelled_per_step() == 8
+
+
+def test_an_instruction_goes_into_every_training_prompts_system_message(
+    tiny_model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--instruction`: the training prompts' prefix (the system message) carries it, as the eval's does; none by
+    default (as /ask); an overlong one exits 2 naming the limit."""
+    from workers.training.finetune import FinetuneConfig, training_template
+
+    model = load_model(tiny_model_dirs["qwen2"])
+    text = "Answer in three words."
+    plain = training_template(model, FinetuneConfig("m", None, "o"))
+    told = training_template(model, FinetuneConfig("m", None, "o", instruction=text))
+    assert text not in model.tokenizer.decode(list(plain.prefix))
+    assert text in model.tokenizer.decode(list(told.prefix))
+    assert told.question_tail == plain.question_tail
+    argv = ["finetune", "--model", str(tiny_model_dirs["qwen2"]), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    assert main([*argv, "--distill-data", "x.jsonl", "--instruction", "x" * 2001]) == 2
+    assert "--instruction has 2001 characters; at most 2000" in capsys.readouterr().err
+

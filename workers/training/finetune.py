@@ -53,6 +53,7 @@ from service.engine.prompt import PromptIds, PromptTemplate, build_template, enc
 from service.engine.reference import independent_mask
 from service.engine.stitch import PositionMode, plan_positions
 from service.quality.dataset import QADataError, QASample, read_samples
+from service.settings import MAX_INSTRUCTION_CHARS
 from workers.training.batch import IGNORE, TrainingSample, collate, sample_losses
 from workers.training.distill import FrozenTeacher, stop_ids
 
@@ -102,6 +103,9 @@ class FinetuneConfig:
     dtype: torch.dtype | None = None  # weights and optimiser state; None: see `choose_precision`
     compute_dtype: torch.dtype | None = None  # matmuls (autocast); None: the device's serving dtype
     seed: int = 0
+    # Added to the system message of every training prompt: train under the system message the model is served
+    # (or evaluated) with, so the teacher answers in the style that message asks for.
+    instruction: str = ""
 
     def check(self) -> None:
         if self.data is None and not self.distills:
@@ -120,6 +124,10 @@ class FinetuneConfig:
             raise FinetuneError("--label-share must be within 0..1")
         if self.prompts < 1 or self.top_k < 1 or self.answer_tokens < 1:
             raise FinetuneError("--prompts, --top-k and --answer-tokens must be at least 1")
+        if len(self.instruction) > MAX_INSTRUCTION_CHARS:
+            raise FinetuneError(
+                f"--instruction has {len(self.instruction)} characters; at most {MAX_INSTRUCTION_CHARS}"
+            )
 
     @property
     def distills(self) -> bool:
@@ -463,6 +471,11 @@ def distill_prompts(
     return questions, prompts
 
 
+def training_template(model: LoadedModel, config: FinetuneConfig) -> PromptTemplate:
+    """The served template, with `config.instruction` added to its system message."""
+    return build_template(model.tokenizer, system_extra=config.instruction)
+
+
 def finetune(config: FinetuneConfig) -> FinetuneReport:
     """Block fine-tune `config.model` on labelled QA and/or self-distillation over a corpus; save to `config.out`."""
     config.check()
@@ -471,7 +484,7 @@ def finetune(config: FinetuneConfig) -> FinetuneReport:
     settings = corpus_settings(config) if config.data_dir is not None else None
     precision = choose_precision(config)
     model = load_model(config.model, device=config.device, dtype=precision.weights)
-    template = build_template(model.tokenizer)
+    template = training_template(model, config)
     labelled = labelled_examples(model, template, config.data) if config.data else []
     report = FinetuneReport(config.out)
     teacher, distilled = None, []
