@@ -36,6 +36,7 @@ from service.engine.shared_extend_graph import (
     MAX_ENTRIES,
     MAX_READS,
     SHARED_TOKEN_BUCKETS,
+    SharedExtendGraphs,
     extend_capacity,
     extend_pieces,
     graph_bucket,
@@ -105,6 +106,8 @@ def test_a_group_takes_the_smallest_bucket_holding_it_and_runs_eagerly_past_them
     assert graph_bucket(33, 64, 4, SHARED_TOKEN_BUCKETS) is None  # more rows than the largest bucket
     assert graph_bucket(1, 200, 16, (16, 32, 64, 128)) is None  # a small pool's buckets
     assert max(SHARED_TOKEN_BUCKETS) * MAX_READS <= MAX_ENTRIES
+    # The padding slab takes a quarter of the pool at most; a GQA group wider than a tile has no capacity.
+    assert SharedExtendGraphs.fit(64, 7) and not SharedExtendGraphs.fit(63, 7) and not SharedExtendGraphs.fit(4000, 65)
     assert [extend_pieces(t) for t in SHARED_TOKEN_BUCKETS] == [2, 1, 1, 1, 1, 1]
     capacity = extend_capacity(rows=1, tokens=64, reads=16, pieces=1, group=7)
     # 1,024 entries on chunks, 64 tail entries; each width: 16 chunk pieces + ceil(1,024 x 7 / 64) tiles.

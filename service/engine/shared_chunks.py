@@ -58,7 +58,8 @@ class SharedChunks:
         self.decoder = SharedDecoder(decoder, arena, context)
         graphed = graphs and self.decoder.kernels
         self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphed else None
-        prefill_graphed = graphed and SharedExtendGraphs.fit(decoder.pool.slots)
+        spec = engine.spec
+        prefill_graphed = graphed and SharedExtendGraphs.fit(decoder.pool.slots, spec.num_heads // spec.num_kv_heads)
         self.extend_graphs = SharedExtendGraphs(self.decoder) if prefill_graphed else None
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
         # back are kept weakly: one cancelled while it waits is simply forgotten.

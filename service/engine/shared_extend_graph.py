@@ -168,9 +168,10 @@ class SharedExtendGraphs:
     """Shared question-prefill graphs by (row bucket, token bucket, reads bucket), captured on first use."""
 
     @staticmethod
-    def fit(pool_slots: int) -> bool:
-        """Whether a pool of `pool_slots` can spare a padding slab for the smallest bucket."""
-        return bool(buckets_for(pool_slots, SHARED_TOKEN_BUCKETS))
+    def fit(pool_slots: int, group: int) -> bool:
+        """Whether a pool of `pool_slots` can spare a padding slab for the smallest bucket, and a model of `group`
+        query heads per KV head has plans `extend_capacity` can size."""
+        return bool(buckets_for(pool_slots, SHARED_TOKEN_BUCKETS)) and group <= MAX_BLOCK_M
 
     def __init__(self, shared: SharedDecoder) -> None:
         pool = shared.decoder.pool
