@@ -24,6 +24,7 @@ import torch
 from service.engine import shared_extend_graph, shared_graph
 from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
 from service.engine.extend_graph import ExtendRequest, split_by_tokens
 from service.engine.fused_stitch import triton_available
@@ -405,16 +406,38 @@ def test_graphed_shared_prefills_and_steps_decode_the_eager_tokens(
     engine = get_engine(arch, "cuda")
     monkeypatch.setattr(shared_graph, "pieces_for", lambda batch: 1)
     monkeypatch.setattr(shared_extend_graph, "extend_pieces", lambda tokens: 1)
-    eager, _, _ = run_groups(engine, groups, False, lambda scheduler: None)
-    graphed, scheduler, runs = run_groups(engine, groups, True, lambda scheduler: None)
+    eager_logits: list[torch.Tensor] = []
+    graphed_logits: list[torch.Tensor] = []
+    eager, _, _ = run_groups(engine, groups, False, lambda scheduler: record_prefills(scheduler, eager_logits))
+    graphed, scheduler, runs = run_groups(
+        engine, groups, True, lambda scheduler: record_prefills(scheduler, graphed_logits)
+    )
     shared = scheduler.shared
     assert shared is not None and shared.extend_graphs is not None and shared.graphs is not None
     captured, replays = set(shared.extend_graphs._graphs), shared.extend_graphs.replays
     shared.close()  # the graphs' scratch slabs back to the pool
     assert_nothing_pinned(scheduler)
+    # Each group's first-token logits first (a diagnosis when tokens differ), then every token and text.
+    assert len(graphed_logits) == len(eager_logits) == len(groups)
+    for got, want_logits in zip(graphed_logits, eager_logits, strict=True):
+        assert got.shape == want_logits.shape and float((got - want_logits).abs().max()) < 1e-4
     assert graphed == eager
     want = expected_buckets(runs)
     assert captured == set(want) and replays == len(want) == 2
+
+
+def record_prefills(scheduler: Scheduler, logits: list[torch.Tensor]) -> None:
+    """Keep a host copy of every shared question prefill's logits (read before the next replay reuses them)."""
+    shared = scheduler.shared
+    assert shared is not None
+    prefill = shared.extend
+
+    def extend(group: Sequence[BatchRequest]) -> torch.Tensor:
+        out = prefill(group)
+        logits.append(out.detach().float().cpu())
+        return out
+
+    shared.extend = extend  # type: ignore[method-assign]
 
 
 @pytest.mark.gpu
