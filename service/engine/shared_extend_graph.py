@@ -2,8 +2,8 @@
 bucket, reads bucket).
 
 Eager, the questions admitted together cost the host the same ~1,500 kernel launches as a decode step plus a
-Triton launch per tile width and layer; at one client that is most of the shared path's TTFT. A graph replays them
-in one call. It fixes shapes, so it joins the two fixed-shape forms the project already has:
+Triton launch per tile width and layer, all on the first token's critical path. A graph replays them in one
+call. It fixes shapes, so it joins the two fixed-shape forms the project already has:
 
 - the copy path's batched prefill (`extend_graph.py`): `rows` requests of `tokens` new tokens in all, the real
   requests first, the tokens up to the bucket taken by one padding request at positions 0.. in a scratch slab the
@@ -16,13 +16,14 @@ The capacity (`extend_capacity`) holds every call of the bucket: each token of a
 `reads`, each cut into `pieces`), so `tokens x reads` query entries on chunks and one per token for its tail. Tiles
 are bounded tighter than by pairs (a prefill's many tokens read each chunk in one group, `block_m`-wide tiles).
 
-Memory (bounded): buckets are `BATCH_BUCKETS` rows x `SHARED_TOKEN_BUCKETS` tokens x reads 4 .. `MAX_READS`, and
-`tokens x reads` at most `MAX_ENTRIES`. Each graph keeps its logits ((rows + 1) x vocab fp32: 0.6 MB a row at
-Qwen2's 152K vocabulary), its plan (int64, tens of KB) and its rotation tables (entries x head_dim x 2 fp32: 16.8
-MB at the largest bucket); the activations of every capture share one pool, so they cost the largest bucket's
-once (its partial buffers, entries x heads x head_dim in the model's dtype: ~60 MB for Qwen2-7B at 512 x 16).
-The scratch slab holds the largest token bucket the pool spares (`SCRATCH_SHARE`): 512 slots, 28 MiB of a
-Qwen2-7B pool. Graphs are captured on first use (or by `warm`); a group outside every bucket runs eagerly.
+Memory (bounded): buckets are `BATCH_BUCKETS` rows x `SHARED_TOKEN_BUCKETS` tokens x reads 4 .. `MAX_READS`, with
+`tokens x reads` at most `MAX_ENTRIES`. Every graph leaves its logits in one buffer ([32, vocab] fp32: 19 MiB at
+Qwen2's 152K vocabulary); each keeps only its plan (int64, under 1 MB at the largest bucket) and its static inputs.
+The captures' activations share one pool, so they cost the largest captured bucket's once: at 512 tokens x 32
+reads for Qwen2-7B, the partial outputs (pairs x heads x head_dim, bf16: 121 MB), the rotation tables (entries x
+head_dim x 2 fp32: 17 MB) and the MLP's (~60 MB); at the benchmarks' 128 x 16, about an eighth of that. The
+scratch slab holds the largest token bucket the pool spares (`SCRATCH_SHARE` of it at most): 512 slots, 28 MiB of
+a Qwen2-7B pool. Graphs are captured on first use (or by `warm`); a group outside every bucket runs eagerly.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class SharedExtendGraph:
     """One captured shared question prefill of up to `rows` requests, `tokens` question tokens and `reads` chunks
     a request."""
 
-    def __init__(self, shared: SharedDecoder, rows: int, tokens: int, reads: int, scratch: int, pool: Any) -> None:
+    def __init__(
+        self, shared: SharedDecoder, rows: int, tokens: int, reads: int, scratch: int, pool: Any, out: torch.Tensor
+    ) -> None:
+        """`out`: [>= rows, vocab] fp32, where the replays leave their logits (one buffer for every graph)."""
         forward = shared.decoder.forward
         spec = forward.spec
         self.rows, self.tokens, self.reads, self._scratch = rows, tokens, reads, scratch
@@ -144,7 +148,9 @@ class SharedExtendGraph:
             hidden = forward.layers_static(
                 pool_data, hidden, static.positions, static.slots, self._plan.attend(), layers
             )
-            return forward.head_rows(hidden.index_select(0, static.last))
+            logits = out[:rows]
+            logits.copy_(forward.head_rows(hidden.index_select(0, static.last[:rows])))
+            return logits
 
         self._graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
@@ -185,6 +191,9 @@ class SharedExtendGraphs:
         self._scratch = pool.allocate(max(self.buckets))
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], SharedExtendGraph] = {}
+        # Every graph's logits land here: a graph's own output would stay allocated as long as it lives.
+        spec = shared.decoder.forward.spec
+        self._out = torch.empty((max(BATCH_BUCKETS), spec.vocab_size), dtype=torch.float32, device=spec.device)
         self.replays = 0  # groups (or parts of one) that ran through a graph, for tests and benchmarks
 
     def extend(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
@@ -193,7 +202,7 @@ class SharedExtendGraphs:
         parts = split_group(requests, reads, max(self.buckets))
         if len(parts) == 1:
             return self._extend_part(*parts[0])
-        # Each part copied: the next part's replay may reuse this graph's output memory (the graphs share a pool).
+        # Each part copied: every graph leaves its logits in one buffer.
         return torch.cat([self._extend_part(*part).clone() for part in parts])
 
     def _extend_part(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
@@ -216,7 +225,7 @@ class SharedExtendGraphs:
     def _graph(self, rows: int, tokens: int, reads: int) -> SharedExtendGraph:
         graph = self._graphs.get((rows, tokens, reads))
         if graph is None:
-            graph = SharedExtendGraph(self.shared, rows, tokens, reads, self._scratch.start, self._pool)
+            graph = SharedExtendGraph(self.shared, rows, tokens, reads, self._scratch.start, self._pool, self._out)
             self._graphs[(rows, tokens, reads)] = graph
             log.info(
                 "captured the shared question prefill: %d rows, %d tokens, %d reads, in %.0f ms",
