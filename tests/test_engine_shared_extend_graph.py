@@ -26,7 +26,7 @@ from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
-from service.engine.extend_graph import ExtendRequest, split_by_tokens
+from service.engine.extend_graph import ExtendRequest, buckets_for, split_by_tokens
 from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
 from service.engine.scheduler import Scheduler
@@ -43,7 +43,7 @@ from service.engine.shared_extend_graph import (
     graph_bucket,
     idle_extend,
     padded_extend,
-    split_group,
+    split_for,
 )
 from service.engine.shared_graph import reads_bucket
 from tests.test_engine_segment_attention import HEAD_DIM, SCALE, rotary_for
@@ -102,14 +102,15 @@ def test_a_group_takes_the_smallest_bucket_holding_it_and_runs_eagerly_past_them
     assert graph_bucket(3, 100, 5, SHARED_TOKEN_BUCKETS) == (4, 128, 8)
     assert graph_bucket(8, 12, 0, SHARED_TOKEN_BUCKETS) == (8, 16, 4)
     assert graph_bucket(1, 512, 32, SHARED_TOKEN_BUCKETS) == (1, 512, 32)  # MAX_ENTRIES exactly
-    assert graph_bucket(1, 513, 4, SHARED_TOKEN_BUCKETS) is None  # more tokens than the largest bucket
+    assert graph_bucket(1, 513, 16, SHARED_TOKEN_BUCKETS) == (1, 1024, 16)  # MAX_ENTRIES exactly
+    assert graph_bucket(1, 513, 17, SHARED_TOKEN_BUCKETS) is None  # 1,024 x 32 entries: past MAX_ENTRIES
+    assert graph_bucket(1, 1025, 4, SHARED_TOKEN_BUCKETS) is None  # more tokens than the largest bucket
     assert graph_bucket(1, 16, 33, SHARED_TOKEN_BUCKETS) is None  # more reads than MAX_READS
     assert graph_bucket(33, 64, 4, SHARED_TOKEN_BUCKETS) is None  # more rows than the largest bucket
     assert graph_bucket(1, 200, 16, (16, 32, 64, 128)) is None  # a small pool's buckets
-    assert max(SHARED_TOKEN_BUCKETS) * MAX_READS <= MAX_ENTRIES
+    assert MAX_ENTRIES == 512 * 32 and [extend_pieces(t) for t in SHARED_TOKEN_BUCKETS] == [2] + [1] * 6
     # The padding slab takes a quarter of the pool at most; a GQA group wider than a tile has no capacity.
     assert SharedExtendGraphs.fit(64, 7) and not SharedExtendGraphs.fit(63, 7) and not SharedExtendGraphs.fit(4000, 65)
-    assert [extend_pieces(t) for t in SHARED_TOKEN_BUCKETS] == [2, 1, 1, 1, 1, 1]
     capacity = extend_capacity(rows=1, tokens=64, reads=16, pieces=1, group=7)
     # 1,024 entries on chunks, 64 tail entries; each width: 16 chunk pieces + ceil(1,024 x 7 / 64) tiles.
     assert (capacity.rows, capacity.entries, capacity.pairs) == (64, 1088, 1088)
@@ -157,6 +158,24 @@ def test_random_groups_within_a_bucket_fit_its_capacity() -> None:
         capacity = extend_capacity(*bucket, pieces, group)
         _, call = padded_extend(requests, tables, bucket[0], bucket[1], 50_000)
         assert SegmentPlan.build(call, group, 3, CPU, pieces, capacity).pairs == capacity.pairs
+
+
+def test_a_group_is_cut_at_the_largest_bucket_its_reads_allow() -> None:
+    """Seven questions of 100 tokens: reading 16 chunks they fit one 1,024-token graph; reading 32 they are cut
+    at 512 tokens (5 + 2 questions); with a small pool's buckets, at its largest."""
+    rng = np.random.default_rng(3)
+    group, _, _ = random_group(rng, 7, 700, 4, arena_chunks(40, 20), False)
+    group = [([0] * 100, start, slot, live) for _, start, slot, live in group]  # 100 tokens each
+    for reads, buckets, sizes in (
+        (16, SHARED_TOKEN_BUCKETS, [7]),
+        (32, SHARED_TOKEN_BUCKETS, [5, 2]),
+        (3, (16, 32, 64, 128, 256), [2, 2, 2, 1]),
+    ):
+        tables = [Reads.of([Placement(c, 1 + 20 * j) for j, c in enumerate(arena_chunks(reads, 20))])] * 7
+        parts = split_for(group, tables, buckets)
+        assert [len(requests) for requests, _ in parts] == sizes
+        assert [t for _, tables_of in parts for t in tables_of] == tables  # each request keeps its reads
+        assert all(graph_bucket(len(r), 100 * len(r), reads, buckets) is not None for r, _ in parts)
 
 
 def test_padding_refuses_a_group_that_does_not_fit() -> None:
@@ -302,7 +321,7 @@ LONG = (
     Ask((2,), max_new=6, seed=6, question=250),
     Ask((3, 4), max_new=4, seed=7, question=9),
 )
-POOL_SLOTS = 4000  # a quarter of it spares the padding slab of the largest bucket
+POOL_SLOTS = 4000  # a quarter of it spares a padding slab of 512 tokens (the graphs' largest bucket here)
 
 
 class EagerPadded:
@@ -312,16 +331,17 @@ class EagerPadded:
 
     def __init__(self, shared: SharedDecoder) -> None:
         self.shared = shared
-        self.scratch = shared.decoder.pool.allocate(max(SHARED_TOKEN_BUCKETS))
+        self.token_buckets = buckets_for(shared.decoder.pool.slots, SHARED_TOKEN_BUCKETS)
+        self.scratch = shared.decoder.pool.allocate(max(self.token_buckets))
         self.buckets: list[tuple[int, int, int]] = []
 
     def extend(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
-        parts = split_group(requests, reads, max(SHARED_TOKEN_BUCKETS))
+        parts = split_for(requests, reads, self.token_buckets)
         return torch.cat([self._part(*part) for part in parts])
 
     def _part(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
         tokens = sum(len(ids) for ids, *_ in requests)
-        bucket = graph_bucket(len(requests), tokens, max(map(len, reads)), SHARED_TOKEN_BUCKETS)
+        bucket = graph_bucket(len(requests), tokens, max(map(len, reads)), self.token_buckets)
         assert bucket is not None
         rows, padded_tokens, _ = bucket
         flat, call = padded_extend(requests, reads, rows, padded_tokens, self.scratch.start)
@@ -355,11 +375,12 @@ def run_groups(
 def expected_buckets(runs: Sequence[Run]) -> list[tuple[int, int, int]]:
     """The (rows, tokens, reads) bucket of each part of each group (every run is one group, admitted at once)."""
     buckets = []
+    token_buckets = buckets_for(POOL_SLOTS, SHARED_TOKEN_BUCKETS)
     for run in runs:
         questions = [(r.prompt.question, 0, 0, 0) for r in run.requests]
         reads = max(len(r.prompt.blocks) for r in run.requests)
-        for part in split_by_tokens(questions, max(SHARED_TOKEN_BUCKETS)):
-            bucket = graph_bucket(len(part), sum(len(ids) for ids, *_ in part), reads, SHARED_TOKEN_BUCKETS)
+        for part in split_by_tokens(questions, max(token_buckets)):
+            bucket = graph_bucket(len(part), sum(len(ids) for ids, *_ in part), reads, token_buckets)
             assert bucket is not None
             buckets.append(bucket)
     return buckets
@@ -450,7 +471,7 @@ def test_warm_captures_the_buckets_before_any_question(get_engine: Callable[[str
     shared = scheduler.shared
     assert shared is not None and shared.extend_graphs is not None
     shared.extend_graphs.warm(reads=3, max_rows=2, max_tokens=300)
-    warmed = {(r, t, 4) for r in (1, 2) for t in SHARED_TOKEN_BUCKETS}
+    warmed = {(r, t, 4) for r in (1, 2) for t in buckets_for(POOL_SLOTS, SHARED_TOKEN_BUCKETS)}
     assert set(shared.extend_graphs._graphs) == warmed
     run = Run(engine, (ALONE[0], TOGETHER[1]))  # two questions of ~130 tokens, admitted together
     for request in run.requests:

@@ -11,9 +11,9 @@ attention supports. That keeps one batched step, one pick and one overlap record
 forwards for the two kinds would split every step (and its feed of unread picks) in two.
 
 Decode steps of up to 128 rows replay CUDA graphs where the segment kernels run (`shared_graph.py`: the step's
-plan padded to its bucket's capacity), and so do question prefills of up to 32 requests and 512 question tokens
-(`shared_extend_graph.py`, the same padding); larger ones and the CPU run eagerly, and no question rides in a
-decode step.
+plan padded to its bucket's capacity), and so do question prefills of up to 32 requests and 1,024 question tokens
+(`shared_extend_graph.py`, the same padding; a larger group in parts); larger steps and the CPU run eagerly, and
+no question rides in a decode step.
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ are bounded tighter than by pairs (a prefill's many tokens read each chunk in on
 
 Memory (bounded): buckets are `BATCH_BUCKETS` rows x `SHARED_TOKEN_BUCKETS` tokens x reads 4 .. `MAX_READS`, with
 `tokens x reads` at most `MAX_ENTRIES`. Every graph leaves its logits in one buffer ([32, vocab] fp32: 19 MiB at
-Qwen2's 152K vocabulary); each keeps only its plan (int64, under 1 MB at the largest bucket) and its static inputs.
-The captures' activations share one pool, so they cost the largest captured bucket's once: at 512 tokens x 32
-reads for Qwen2-7B, the partial outputs (pairs x heads x head_dim, bf16: 121 MB), the rotation tables (entries x
-head_dim x 2 fp32: 17 MB) and the MLP's (~60 MB); at the benchmarks' 128 x 16, about an eighth of that. The
-scratch slab holds the largest token bucket the pool spares (`SCRATCH_SHARE` of it at most): 512 slots, 28 MiB of
-a Qwen2-7B pool. Graphs are captured on first use (or by `warm`); a group outside every bucket runs eagerly.
+Qwen2's 152K vocabulary) and keeps only its plan (int64, under 1 MB) and static inputs. The captures' activations
+share one pool, so they cost the largest captured bucket's once: at 16,384 query entries (512 tokens x 32 reads,
+or 1,024 x 16) for Qwen2-7B, about 120 MB of partial outputs (pairs x heads x head_dim, bf16), 17 MB of rotation
+tables and, at 1,024 tokens, ~120 MB of MLP activations; at the gateway benchmark's 128 x 16, an eighth of that.
+The scratch slab holds the largest token bucket the pool spares (`SCRATCH_SHARE` of it at most): 1,024 slots,
+56 MiB of a Qwen2-7B pool. Graphs are captured on first use (or by `warm`); a group outside every bucket runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ from service.engine.shared_graph import CapturedPlan, reads_bucket
 
 log = logging.getLogger(__name__)
 
-# Question tokens (all the group's, summed) a graph is captured for. The benchmarks' questions are ~50 tokens: one
-# fills 64, a group of eight 512. A group with more is prefilled in several replays, each request whole.
-SHARED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+# Question tokens (all the group's, summed) a graph is captured for. The gateway benchmark's questions are ~90
+# tokens with the template's: one fills 128, a group of eight 1,024. A group with more is prefilled in several
+# replays, each request whole.
+SHARED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # Reads per row a graph is captured for at most, and query entries (tokens x reads) at most: past them the padded
 # plan's rotation tables and partial buffers grow past what one prefill is worth; such groups run eagerly.
 MAX_READS = 32
@@ -117,6 +119,16 @@ def split_group(
         parts.append((part, list(reads[first : first + len(part)])))
         first += len(part)
     return parts
+
+
+def split_for(
+    requests: Sequence[ExtendRequest], reads: Sequence[Reads], buckets: Sequence[int]
+) -> list[tuple[list[ExtendRequest], list[Reads]]]:
+    """`split_group` at the largest token bucket whose graphs hold the group's reads (`MAX_ENTRIES`): a group
+    reading many chunks is cut into smaller parts rather than run eagerly (none fits: one part, eager)."""
+    reads_at_most = reads_bucket(max(map(len, reads), default=0))
+    fitting = [b for b in buckets if b * reads_at_most <= MAX_ENTRIES]
+    return split_group(requests, reads, max(fitting, default=max(buckets)))
 
 
 def idle_extend(rows: int, tokens: int, scratch: int) -> SegmentArrays:
@@ -199,7 +211,7 @@ class SharedExtendGraphs:
     def extend(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
         """Every request's question after its live slots, reading its `reads`, in as few replays as the largest
         bucket allows (a part outside every bucket runs eagerly); fp32 logits [len(requests), vocab]."""
-        parts = split_group(requests, reads, max(self.buckets))
+        parts = split_for(requests, reads, self.buckets)
         if len(parts) == 1:
             return self._extend_part(*parts[0])
         # Each part copied: every graph leaves its logits in one buffer.
