@@ -21,6 +21,11 @@ over the whole batch (B x new tokens / the batch's wall time, admissions and que
 TTFT of the batch's median request, KV pool bytes per running answer, and the distinct chunks the batch reads.
 `--profile` runs the largest shared batch once more under cProfile and prints its 40 costliest functions, so host
 overhead that grows with the batch shows up by name.
+
+`--ttft N` adds each path's TTFT of one request alone (`lone_ttft`): N requests one after another on an idle
+scheduler (after `--warmup` runs, which capture the graphs), each timed from its admission to its first token
+(question prefill and first logits; chunk KV resident). Between `shared` and `shared-eager` it isolates the
+graphed question prefill (`shared_extend_graph.py`).
 """
 
 from __future__ import annotations
@@ -51,12 +56,20 @@ from service.engine.kv_pool import KVPool
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
-from service.engine.scheduler_config import BatchingOptions, build_scheduler, graphs_on, release, scratch_slots
+from service.engine.scheduler_config import (
+    BatchingOptions,
+    build_scheduler,
+    graphs_on,
+    release,
+    scratch_slots,
+    shared_scratch_slots,
+)
 from service.engine.stitch import BlockReady
 from service.kvcache import device
 
 log = logging.getLogger("bench_shared_batch")
 PATHS = ("copy", "shared", "shared-eager")
+LONE_SEED = 1_000_003  # the lone-TTFT requests' draws of chunks, apart from every batch's
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,7 @@ def scheduler_for(
     arena = None
     if path.startswith("shared"):
         tails = sum(len(p.prefix) + len(p.question) + sampling.max_new_tokens for p in prompts)
-        slots = tails + 64 * len(prompts)
+        slots = tails + 64 * len(prompts) + shared_scratch_slots(engine)
         chunk_tokens = sum(len(b) for b in corpus.blocks)
         arena = ChunkArena(engine.spec, engine.forward.rotary, (chunk_tokens + 4096) * per_token, engine.chunk_start)
     else:
@@ -126,7 +139,7 @@ def scheduler_for(
         engine, pool, BatchingOptions(max_batch=len(prompts)), kv_source=ResidentChunks(corpus.kv), arena=arena
     )
     if path == "shared-eager" and scheduler.shared is not None:
-        scheduler.shared.close()  # its graphs dropped: every step eager
+        scheduler.shared.close()  # its graphs dropped: every step and question prefill eager
     if path == "copy" and graphs_on(engine):
         for length in {n for p in prompts for n in (len(p.joined()) + 1, len(p.joined()) + sampling.max_new_tokens)}:
             scheduler.warm(length)
@@ -184,6 +197,30 @@ def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: a
             torch.cuda.empty_cache()
 
 
+def lone_ttft(engine: StitchEngine, corpus: Corpus, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of one request alone: `--ttft` requests (their own draws of chunks) one after another on an idle
+    scheduler, after `--warmup` runs of the first; each stops at its first token."""
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prompts = corpus.prompts(engine, args.ttft, args.reads, args.zipf, seed=LONE_SEED)
+    scheduler = scheduler_for(engine, prompts[:1], sampling, path, corpus)
+    try:
+        for _ in range(args.warmup):
+            run_once(scheduler, prompts[:1], sampling)
+        ttft = [run_once(scheduler, [p], sampling)["ttft_p50_ms"] for p in prompts]
+    finally:
+        release(scheduler)
+        if engine.spec.device.type == "cuda":
+            torch.cuda.empty_cache()
+    ordered = sorted(ttft)
+    return {
+        "path": path,
+        "requests": len(ttft),
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "ttft_min_ms": ordered[0],
+    }
+
+
 def profiled(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: SamplingParams) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -212,6 +249,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ttft_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| path | lone requests | TTFT p50 (ms) | p90 | min |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['path']} | failed: {r['error']} | | | |")
+            continue
+        lines.append(
+            f"| {r['path']} | {r['requests']} | {r['ttft_p50_ms']:.2f} | {r['ttft_p90_ms']:.2f} | "
+            f"{r['ttft_min_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder; default: random Qwen2-7B shape")
@@ -227,6 +277,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ttft", type=int, default=0, metavar="N", help="each path's TTFT of N lone requests")
     parser.add_argument("--out", type=Path, default=Path("bench-shared-out"))
     args = parser.parse_args(argv)
     if args.reads > args.chunks:
@@ -253,13 +304,27 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"error": f"{type(err).__name__}: {str(err)[:120]}"}
             rows.append({"batch": count, "path": path, **row})
             log.info("%s", {k: v for k, v in rows[-1].items() if k != "profile"})
+    lone = [lone_row(engine, corpus, path, args) for path in args.paths] if args.ttft > 0 else []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}))
+    report = {"args": vars(args) | {"out": str(args.out)}, "rows": rows, "ttft": lone}
+    (args.out / "report.json").write_text(json.dumps(report))
     for row in rows:
         if "profile" in row:
             print(row["profile"])
     print(table(rows))
+    if lone:
+        print(ttft_table(lone))
     return 0
+
+
+def lone_row(engine: StitchEngine, corpus: Corpus, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        row = lone_ttft(engine, corpus, path, args)
+    except (RuntimeError, ValueError) as err:
+        log.exception("lone TTFT on path %s failed", path)
+        return {"path": path, "error": f"{type(err).__name__}: {str(err)[:120]}"}
+    log.info("lone TTFT %s", row)
+    return row
 
 
 if __name__ == "__main__":

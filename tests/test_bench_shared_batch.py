@@ -24,3 +24,17 @@ def test_both_paths_run_every_batch_and_the_shared_one_holds_tails_only(
         assert 0 < shared["pool_bytes_per_answer"] < copy["pool_bytes_per_answer"]  # no chunk in a shared slab
         assert copy["distinct_chunks"] == shared["distinct_chunks"] <= 2 * batch
         assert all(r["tokens_per_s"] > 0 and r["full_steps"] == 3 for r in (copy, shared))  # 4 tokens: 3 steps
+
+
+def test_ttft_times_lone_requests_on_each_path(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """`--ttft N`: per path, N requests one after another on an idle scheduler, each timed to its first token."""
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--batches", "1", "--paths", "copy"]
+    argv += ["shared", "--chunks", "6", "--chunk-tokens", "16", "--reads", "2", "--max-new-tokens", "4", "--ttft", "3"]
+    assert main([*argv, "--runs", "1", "--warmup", "1", "--out", str(out)]) == 0
+
+    lone = json.loads((out / "report.json").read_text())["ttft"]
+    assert [r["path"] for r in lone] == ["copy", "shared"]
+    for row in lone:
+        assert "error" not in row and row["requests"] == 3
+        assert 0 < row["ttft_min_ms"] <= row["ttft_p50_ms"] <= row["ttft_p90_ms"]

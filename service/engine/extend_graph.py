@@ -52,9 +52,9 @@ def token_bucket(tokens: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | N
     return next((b for b in sorted(buckets) if b >= tokens), None)
 
 
-def buckets_for(pool_slots: int) -> tuple[int, ...]:
+def buckets_for(pool_slots: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> tuple[int, ...]:
     """The token buckets a pool of `pool_slots` can spare a padding slab for (`SCRATCH_SHARE` of it at most)."""
-    return tuple(b for b in TOKEN_BUCKETS if b <= pool_slots * SCRATCH_SHARE)
+    return tuple(b for b in buckets if b <= pool_slots * SCRATCH_SHARE)
 
 
 def extend_layout(
@@ -100,37 +100,52 @@ def split_by_tokens(requests: Sequence[ExtendRequest], limit: int) -> list[list[
     return parts
 
 
+class ExtendInputs:
+    """A captured extend's static inputs: `extend_layout`'s flat tensor for `rows` rows (+ the padding row) and
+    `tokens` tokens, filled by one pinned (so asynchronous) host-to-device copy per replay."""
+
+    def __init__(self, rows: int, tokens: int, scratch: int, device: torch.device) -> None:
+        self.rows, self.tokens, self._scratch = rows, tokens, scratch
+        width = layout_width(rows, tokens)
+        self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
+        self._device = torch.zeros(width, dtype=torch.long, device=device)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.fill([([0], 0, scratch, 0)])
+
+    def static_rows(self) -> ExtendRows:
+        """The rows over the static inputs (built inside a capture: no host spans)."""
+        return ExtendRows.from_flat(self._device, self.rows + 1, self.tokens)
+
+    def fill(self, requests: Sequence[ExtendRequest]) -> None:
+        self.load(extend_layout(requests, self.rows, self.tokens, self._scratch)[0])
+
+    def load(self, flat: Sequence[int]) -> None:
+        """Queue `flat` (an `extend_layout` of this size) into the static inputs."""
+        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
+        self._copied.synchronize()
+        self._host.copy_(torch.tensor(flat))
+        with torch.inference_mode():
+            self._device.copy_(self._host, non_blocking=True)
+        self._copied.record()
+
+
 class ExtendGraph:
     """One captured batched prefill of up to `rows` requests and `tokens` new tokens."""
 
     def __init__(self, decoder: BatchDecoder, rows: int, tokens: int, scratch: int, pool: Any) -> None:
         spec = decoder.forward.spec
-        self.rows, self.tokens, self._scratch = rows, tokens, scratch
-        width = layout_width(rows, tokens)
-        # Pinned, so the per-replay copy is asynchronous DMA.
-        self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
-        self._inputs = torch.zeros(width, dtype=torch.long, device=spec.device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._fill([([0], 0, scratch, 0)])
-        static = ExtendRows.from_flat(self._inputs, rows + 1, tokens)
+        self.rows, self.tokens = rows, tokens
+        self._inputs = ExtendInputs(rows, tokens, scratch, spec.device)
+        static = self._inputs.static_rows()
         bounds = (tokens, spec.max_context)
         self._graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         self._logits: torch.Tensor = _capture(self._graph, lambda: decoder.extend(static, bounds), spec.device, pool)
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
-    def _fill(self, requests: Sequence[ExtendRequest]) -> None:
-        flat, _ = extend_layout(requests, self.rows, self.tokens, self._scratch)
-        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
-        self._copied.synchronize()
-        self._host.copy_(torch.tensor(flat))
-        with torch.inference_mode():
-            self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()
-
     def replay(self, requests: Sequence[ExtendRequest]) -> torch.Tensor:
         """fp32 logits [len(requests), vocab] of each request's last token; static (read before the next replay)."""
-        self._fill(requests)
+        self._inputs.fill(requests)
         self._graph.replay()
         return self._logits[: len(requests)]
 

@@ -13,14 +13,19 @@ from service.engine import batching_defaults
 from service.engine.chunk_arena import ChunkArena
 from service.engine.chunk_source import ChunkSource
 from service.engine.engine import StitchEngine
-from service.engine.extend_graph import TOKEN_BUCKETS
+from service.engine.extend_graph import SCRATCH_SHARE, TOKEN_BUCKETS
 from service.engine.kv_pool import KVPool
 from service.engine.mixed_graph import MIXED_TOKENS
 from service.engine.scheduler import Scheduler
+from service.engine.shared_extend_graph import SHARED_TOKEN_BUCKETS
 
 # Pool slots the scheduler's graphs hold for their padding: one for the decode step's (`BatchGraphs`), a bucket of
 # tokens for the batched prefill's (`ExtendGraphs`), the largest mixed step's and one (`MixedGraphs`).
 GRAPH_SCRATCH_SLOTS = 1 + max(TOKEN_BUCKETS) + max(MIXED_TOKENS) + 1
+# Pool slots to add on the shared path for its graphs: the decode step's slot (`SharedStepGraphs`), and room for
+# the question prefill's padding slab at its largest bucket (`SharedExtendGraphs` takes `SCRATCH_SHARE` of a pool
+# at most, so a pool holding only the requests' tails gets this much more).
+SHARED_GRAPH_SCRATCH_SLOTS = 1 + int(max(SHARED_TOKEN_BUCKETS) / SCRATCH_SHARE)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ def build_scheduler(
 def scratch_slots(engine: StitchEngine) -> int:
     """Pool slots to add for the graphs' padding beside the requests' slabs (none without graphs)."""
     return GRAPH_SCRATCH_SLOTS if graphs_on(engine) else 0
+
+
+def shared_scratch_slots(engine: StitchEngine) -> int:
+    """Pool slots to add for the shared path's graphs beside the requests' tails (none without graphs)."""
+    return SHARED_GRAPH_SCRATCH_SLOTS if graphs_on(engine) else 0
 
 
 def release(scheduler: Scheduler) -> None:

@@ -11,8 +11,9 @@ attention supports. That keeps one batched step, one pick and one overlap record
 forwards for the two kinds would split every step (and its feed of unread picks) in two.
 
 Decode steps of up to 128 rows replay CUDA graphs where the segment kernels run (`shared_graph.py`: the step's
-plan padded to its bucket's capacity); larger steps, question prefills and the CPU run eagerly, and no question
-rides in a decode step.
+plan padded to its bucket's capacity), and so do question prefills of up to 32 requests and 1,024 question tokens
+(`shared_extend_graph.py`, the same padding; a larger group in parts); larger steps and the CPU run eagerly, and
+no question rides in a decode step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from service.engine.shared_decode import (
     place_prefix,
     placements,
 )
+from service.engine.shared_extend_graph import SharedExtendGraphs
 from service.engine.shared_graph import SharedStepGraphs
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 
@@ -47,13 +49,18 @@ class SharedChunks:
     def __init__(
         self, engine: StitchEngine, decoder: BatchDecoder, arena: ChunkArena, graphs: bool = False, max_picks: int = 0
     ) -> None:
-        """`graphs`: decode steps through CUDA graphs where the segment kernels run (`shared_graph.py`);
+        """`graphs`: decode steps and question prefills through CUDA graphs where the segment kernels run
+        (`shared_graph.py`, `shared_extend_graph.py`; the prefill's where the pool spares its padding slab);
         `max_picks`: the most unread picks a step may be fed from."""
         self.engine = engine
         self.arena = arena
         context = ContextScaling(temperature=engine.context_temperature, scale=engine.context_scale)
         self.decoder = SharedDecoder(decoder, arena, context)
-        self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphs and self.decoder.kernels else None
+        graphed = graphs and self.decoder.kernels
+        self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphed else None
+        spec = engine.spec
+        prefill_graphed = graphed and SharedExtendGraphs.fit(decoder.pool.slots, spec.num_heads // spec.num_kv_heads)
+        self.extend_graphs = SharedExtendGraphs(self.decoder) if prefill_graphed else None
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
         # back are kept weakly: one cancelled while it waits is simply forgotten.
         self.answers = 0
@@ -152,8 +159,13 @@ class SharedChunks:
         forward over the arena; logits [len(group), vocab] of each one's last question token."""
         tokens = [list(request.prompt.question) for request in group]
         entries = reserve_new_tokens(group, tokens)
-        rows = ExtendRows.build(entries, self.engine.spec.device)
-        logits = self.decoder.extend(rows, extend_batch(entries, [r.reads for r in group]))
+        reads = [r.reads for r in group]
+        if self.extend_graphs is not None:
+            logits = self.extend_graphs.extend(entries, reads)
+        else:
+            logits = self.decoder.extend(
+                ExtendRows.build(entries, self.engine.spec.device), extend_batch(entries, reads)
+            )
         commit_new_tokens(group, tokens)
         return logits
 
@@ -177,7 +189,10 @@ class SharedChunks:
         return self.decoder.step(rows, call)
 
     def close(self) -> None:
-        """Give the graphs' scratch slot back (the arena is closed by its owner)."""
+        """Give the graphs' scratch slots back (the arena is closed by its owner)."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        if self.extend_graphs is not None:
+            self.extend_graphs.close()
+            self.extend_graphs = None

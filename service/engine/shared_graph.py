@@ -75,6 +75,34 @@ class _StaticAttend:
         return self._attention(q, self._arena[layer], kv, scale)
 
 
+class CapturedPlan:
+    """The segment plan a graph captures, padded to `capacity` with every chunk cut into `pieces`: each replay's
+    plan is built on the host padded alike (`build`, ValueError over capacity) and copied into it (`load`). Shared
+    by the decode step's graphs and the question prefill's (`shared_extend_graph.py`)."""
+
+    def __init__(self, shared: SharedDecoder, capacity: PlanCapacity, pieces: int, idle: SegmentArrays) -> None:
+        spec = shared.decoder.forward.spec
+        self.capacity, self.pieces = capacity, pieces
+        self._group, self._kv_heads, self._device = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device
+        self._shared = shared
+        self.plan = self.build(idle)
+
+    def build(self, call: SegmentArrays) -> SegmentPlan:
+        return SegmentPlan.build(call, self._group, self._kv_heads, self._device, self.pieces, self.capacity)
+
+    def load(self, plan: SegmentPlan) -> None:
+        """Queue `plan`'s metadata into the captured plan's tensors (stream order: after the last replay)."""
+        with torch.inference_mode():
+            self.plan.copy_from(plan)
+
+    def attend(self) -> _StaticAttend:
+        """The attention over the captured plan (built inside the capture: the rotation tables are recomputed from
+        the plan's positions at each replay)."""
+        shared = self._shared
+        attention = SegmentAttention(self.plan, shared.decoder.forward.rotary, shared.context)
+        return _StaticAttend(attention, shared.arena.data)
+
+
 class SharedStepGraph:
     """One captured shared decode step for up to `batch` rows reading up to `reads` chunks each."""
 
@@ -85,18 +113,15 @@ class SharedStepGraph:
         spec = forward.spec
         self.batch, self.reads, self.pieces = batch, reads, pieces_for(batch)
         self.capacity = capacity_for(batch, reads, self.pieces)
-        self._group, self._kv_heads, self._device = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device
-        self.plan = self._build(_idle_call(batch, scratch))
+        self._plan = CapturedPlan(shared, self.capacity, self.pieces, _idle_call(batch, scratch))
         self._inputs = StepInputs(batch, scratch, spec.device)
-        arena, pool_data, rotary, context = shared.arena.data, shared.decoder.pool.data, forward.rotary, shared.context
+        pool_data = shared.decoder.pool.data
 
         def step() -> torch.Tensor:
             rows = self._inputs.rows(feed)
-            # Built inside the capture: the rotation tables are recomputed from the plan's positions at each replay.
-            attend = _StaticAttend(SegmentAttention(self.plan, rotary, context), arena)
             hidden = forward.embed_static(rows.ids.view(1, -1))
             layers = (0, len(forward.layers))
-            hidden = forward.layers_static(pool_data, hidden, rows.positions, rows.slots, attend, layers)
+            hidden = forward.layers_static(pool_data, hidden, rows.positions, rows.slots, self._plan.attend(), layers)
             return forward.head_rows(hidden)
 
         self._graph = torch.cuda.CUDAGraph()
@@ -104,8 +129,9 @@ class SharedStepGraph:
         self._logits: torch.Tensor = _capture(self._graph, step, spec.device, pool)
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
-    def _build(self, call: SegmentArrays) -> SegmentPlan:
-        return SegmentPlan.build(call, self._group, self._kv_heads, self._device, self.pieces, self.capacity)
+    @property
+    def plan(self) -> SegmentPlan:
+        return self._plan.plan
 
     def fits(self, rows: int, reads: int) -> bool:
         return rows <= self.batch and reads <= self.reads
@@ -122,10 +148,9 @@ class SharedStepGraph:
         before the next replay). ValueError when the call does not fit the capacity (nothing replayed)."""
         if not 0 < len(ids) <= self.batch:
             raise ValueError(f"{len(ids)} rows do not fit a graph of {self.batch}")
-        plan = self._build(call)
+        plan = self._plan.build(call)
         self._inputs.fill(ids, positions, spans, src)
-        with torch.inference_mode():
-            self.plan.copy_from(plan)
+        self._plan.load(plan)
         self._graph.replay()
         return self._logits[: len(ids)]
 
