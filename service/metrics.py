@@ -176,8 +176,8 @@ class Metrics:
         )
         self.route_chunks = Counter(
             "kvstitch_route_chunks",
-            "Chunks of routed questions by the tier the chosen engine held them in, and why it was chosen (cost or "
-            "balance)",
+            "Chunks of routed questions by the tier the chosen engine held them in, and why it was chosen (cost, "
+            "balance or round-robin)",
             ["reason", "tier"],
             registry=r,
         )

@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     fleet_balance_rel: float = Field(
         1.5, ge=1.0, le=1000.0, description="Gateway mode: the relative half of the imbalance bound (SGLang's rule)."
     )
+    fleet_routing: Literal["chunk-aware", "round-robin"] = Field(
+        "chunk-aware",
+        description="Gateway mode: how a question's engine is chosen: by where its chunks' KV sits and the load "
+        "(chunk-aware), or each engine in turn (round-robin: the baseline, as a plain load balancer).",
+    )
     qdrant_url: str | None = Field(None, description="Qdrant server; unset = embedded Qdrant under DATA_DIR/qdrant.")
     qdrant_api_key: str | None = Field(None, description="API key of the Qdrant server.")
     collection: str = Field("kvstitch_chunks", min_length=1, description="Qdrant collection name.")

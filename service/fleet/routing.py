@@ -12,6 +12,9 @@ cache says. Either way the chosen engine runs at most `balance_abs` more request
 
 Ties (a question no engine holds anything of, on engines equally loaded) go by rendezvous hashing of the question's
 first chunk key: the same chunks land on the same engine, so the next question over them finds them warm.
+
+`RoutingMode.ROUND_ROBIN` ignores cache and load and takes the engines in turn: the baseline chunk-aware routing is
+measured against (`KVSTITCH_FLEET_ROUTING=round-robin`), and what a plain Kubernetes Service would do.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ BALANCE_REL = 1.5
 class RouteReason(StrEnum):
     COST = "cost"  # the cheapest engine
     BALANCE = "balance"  # the fleet was unbalanced: the least loaded engine
+    ROUND_ROBIN = "round-robin"  # the next engine in turn (round-robin mode)
+
+
+class RoutingMode(StrEnum):
+    CHUNK_AWARE = "chunk-aware"
+    ROUND_ROBIN = "round-robin"
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class RoutingPolicy:
     load_cost_tokens: float = LOAD_COST_TOKENS
     balance_abs: int = BALANCE_ABS
     balance_rel: float = BALANCE_REL
+    mode: RoutingMode = RoutingMode.CHUNK_AWARE
 
 
 DEFAULT_POLICY = RoutingPolicy()
@@ -107,6 +117,33 @@ def route(
         chosen = min(loads, key=lambda e: (loads[e], costs[e], _rendezvous(first, e)))
         return RouteDecision(chosen, RouteReason.BALANCE, costs[chosen], costs[best], tiers[chosen])
     return RouteDecision(best, RouteReason.COST, costs[best], costs[best], tiers[best])
+
+
+def round_robin(
+    chunks: Sequence[ChunkRef],
+    placement: Mapping[str, Sequence[Tier]],
+    loads: Mapping[str, int],
+    turn: int,
+    policy: RoutingPolicy = DEFAULT_POLICY,
+) -> RouteDecision:
+    """The `turn`-th engine of `loads` in id order (modulo their number), whatever it holds; its cost and the
+    cheapest engine's are reported as `route` reports them, so the metrics show what ignoring the cache cost."""
+    if not loads:
+        raise ValueError("no engine to route to")
+    engines = sorted(loads)
+    chosen = engines[turn % len(engines)]
+    misses = (Tier.MISS,) * len(chunks)
+    tiers = {e: tuple(placement.get(e, misses)) for e in engines}
+    costs = {e: engine_cost(chunks, tiers[e], loads[e], policy) for e in engines}
+    return RouteDecision(chosen, RouteReason.ROUND_ROBIN, costs[chosen], min(costs.values()), tiers[chosen])
+
+
+def owner(key: str, engines: Sequence[str]) -> str:
+    """The engine a chunk with no other placement belongs to: the one `route` breaks ties toward for a question
+    whose first chunk it is (rendezvous hashing, so adding an engine moves only the chunks it wins)."""
+    if not engines:
+        raise ValueError("no engine to place on")
+    return min(engines, key=lambda e: _rendezvous(key, e))
 
 
 def _rendezvous(key: str, engine: str) -> bytes:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from service.fleet.placement import PlacementView
-from service.fleet.routing import ChunkRef, RouteDecision, RoutingPolicy, route
+from service.fleet.routing import ChunkRef, RouteDecision, RoutingMode, RoutingPolicy, round_robin, route
 from service.fleet.tier_events import key_space_of
 from service.kvcache.keys import KeySpace
 from service.settings import Settings
@@ -84,7 +84,9 @@ class Fleet:
     def __init__(self, settings: Settings, space: KeySpace, policy: RoutingPolicy | None = None) -> None:
         self.space = space
         self.policy = policy or RoutingPolicy(
-            balance_abs=settings.fleet_balance_abs, balance_rel=settings.fleet_balance_rel
+            balance_abs=settings.fleet_balance_abs,
+            balance_rel=settings.fleet_balance_rel,
+            mode=RoutingMode(settings.fleet_routing),
         )
         self._static = settings.engine_urls
         self._view: PlacementView | None = None
@@ -97,6 +99,7 @@ class Fleet:
         self._thread: threading.Thread | None = None
         self.recent: deque[Routed] = deque(maxlen=RECENT_DECISIONS)
         self.reroutes = 0
+        self._turn = 0  # round-robin mode: questions routed so far
 
     @property
     def view(self) -> PlacementView | None:
@@ -226,7 +229,11 @@ class Fleet:
             if not candidates:
                 raise NoEngineError(self._why_none(exclude))
             loads = {engine_id: s.running for engine_id, s in candidates.items() if engine_id is not None}
-            decision = route(chunks, placement, loads, self.policy)
+            if self.policy.mode is RoutingMode.ROUND_ROBIN:
+                decision = round_robin(chunks, placement, loads, self._turn, self.policy)
+                self._turn += 1
+            else:
+                decision = route(chunks, placement, loads, self.policy)
             chosen = candidates[decision.engine]
             chosen.running += 1
         routed = Routed(decision, chosen.url, loads)

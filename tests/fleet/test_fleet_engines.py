@@ -10,6 +10,7 @@ not streaming; e3 stores its KV files in int8 (another key space) and must never
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
 from service.facade.types import AnswerRequest, DoneEvent
-from service.fleet.routing import RouteReason, RoutingPolicy
+from service.fleet.routing import RouteDecision, RouteReason, RoutingMode, RoutingPolicy
 from service.kvcache.tiers import Tier
 from service.retrieval.embedder import Embedder
 from service.serving.fleet_gateway import Fleet
@@ -56,6 +57,8 @@ DOCS = [
 ]
 GLACIER = {"id": "glacier", "text": "Glaciers carve deep U-shaped valleys as the ice grinds over the bedrock."}
 GLACIER_QUESTION = "What shape of valley does a glacier carve?"
+COMET = {"id": "comet", "text": "A comet's tail always points away from the Sun, pushed by the solar wind."}
+COMET_QUESTION = "Which way does a comet's tail point?"
 OTTERS = "Why do sea otters hold hands?"
 VOLCANO = "Which volcano is the largest on Earth?"
 
@@ -253,6 +256,32 @@ def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: Flee
     chosen = [r.decision.engine for r in routed]
     assert running == {f'{{engine="{e}"}}': float(chosen.count(e)) for e in ("e1", "e2")}
     assert {s.engine_id: s.running for s in fleet.fleet.engines()} == {"e1": 0, "e2": 0}
+
+
+@pytest.mark.usefixtures("policy")
+def test_round_robin_alternates_the_engines_where_chunk_aware_follows_the_chunks(fleet: FleetUnderTest) -> None:
+    """The same question, its chunk on e2 alone: chunk-aware sends it to e2 every time; with
+    KVSTITCH_FLEET_ROUTING=round-robin it goes to each engine in turn, counted under its own reason."""
+    ingest(fleet.client, [COMET])  # a chunk no earlier test brought to any engine: e2 alone will hold it
+    fleet.place_on("e2", COMET_QUESTION)
+
+    def ask(times: int) -> list[RouteDecision]:
+        before = len(fleet.fleet.recent)
+        for _ in range(times):
+            body = {"question": COMET_QUESTION, "top_k": 1, "stream": False, "max_new_tokens": 2}
+            reply = fleet.client.post("/ask", json=body)
+            assert reply.status_code == 200, reply.text
+        return [r.decision for r in list(fleet.fleet.recent)[before:]]
+
+    assert [d.engine for d in ask(2)] == ["e2", "e2"]
+
+    fleet.fleet.policy = RoutingPolicy(mode=RoutingMode.ROUND_ROBIN)
+    rounds = ask(4)
+    assert sorted(d.engine for d in rounds) == ["e1", "e1", "e2", "e2"]
+    assert all(a.engine != b.engine for a, b in itertools.pairwise(rounds))
+    assert {d.reason for d in rounds} == {RouteReason.ROUND_ROBIN}
+    counted = _samples(fleet.client.get("/metrics").text, "kvstitch_route_chunks_total")
+    assert sum(counted[f'{{reason="round-robin",tier="{t.value}"}}'] for t in Tier) == 4
 
 
 # ---- key-space mismatch -----------------------------------------------------------------------------------

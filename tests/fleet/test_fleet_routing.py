@@ -13,6 +13,8 @@ from service.fleet.routing import (
     TIER_WEIGHTS,
     ChunkRef,
     RouteReason,
+    owner,
+    round_robin,
     route,
 )
 from service.kvcache.tiers import Tier
@@ -110,3 +112,25 @@ def test_the_metrics_count_chunks_by_tier_and_decision_and_the_cost_chosen_again
     assert sample("kvstitch_route_cost_tokens_total", kind="chosen") == pytest.approx(first + 4 * 4096)
     hot_when_busy = 4096 * 0.05 + 4096 + 40 * LOAD_COST_TOKENS
     assert sample("kvstitch_route_cost_tokens_total", kind="best") == pytest.approx(first + hot_when_busy)
+
+
+def test_round_robin_takes_the_engines_in_turn_whatever_they_hold() -> None:
+    placement = {"e0": [M, M, M, M], "e1": [G, G, G, G]}
+    loads = {"e1": 5, "e0": 0}
+
+    decisions = [round_robin(CHUNKS, placement, loads, turn) for turn in range(4)]
+
+    assert [d.engine for d in decisions] == ["e0", "e1", "e0", "e1"]
+    assert {d.reason for d in decisions} == {RouteReason.ROUND_ROBIN}
+    # The cost of ignoring the cache shows as chosen > best on the turns that miss the holder.
+    assert decisions[0].tiers == (M, M, M, M) and decisions[1].tiers == (G, G, G, G)
+    assert decisions[0].cost == 4 * 512 and decisions[0].best_cost == 5 * LOAD_COST_TOKENS
+
+
+def test_a_chunk_belongs_to_the_engine_route_breaks_its_ties_toward() -> None:
+    engines = ["e0", "e1", "e2"]
+    for n in range(20):
+        key = f"key-{n}"
+        tie = route([ChunkRef(key, 100)], {}, dict.fromkeys(engines, 0))
+        assert owner(key, engines) == tie.engine == owner(key, list(reversed(engines)))
+    assert len({owner(f"key-{n}", engines) for n in range(20)}) == 3

@@ -24,7 +24,7 @@ from service.facade.engine import (
     parse_event,
 )
 from service.facade.types import ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
-from service.fleet.routing import ChunkRef
+from service.fleet.routing import ChunkRef, RoutingMode
 from service.fleet.tier_events import ENGINE_ID
 from service.kvcache.keys import KeySpace
 from service.serving.fleet_gateway import Fleet, NoEngineError
@@ -143,3 +143,18 @@ def test_a_fleet_with_no_engine_refuses_and_is_not_ready() -> None:
         assert fleet.figures()["http://127.0.0.1:1"].routable is False
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "mode"), [("chunk-aware", RoutingMode.CHUNK_AWARE), ("round-robin", RoutingMode.ROUND_ROBIN)]
+)
+def test_the_routing_setting_reaches_the_fleets_policy(setting: str, mode: RoutingMode) -> None:
+    settings = Settings(engines="http://127.0.0.1:1", fleet_routing=setting, _env_file=None)  # type: ignore[call-arg]
+    fleet = Fleet(settings, KeySpace("fp", "tpl", "float32"))
+    try:
+        assert fleet.policy.mode is mode
+    finally:
+        fleet.close()
+    assert Settings(_env_file=None).fleet_routing == "chunk-aware"  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        Settings(fleet_routing="random", _env_file=None)  # type: ignore[call-arg]
