@@ -15,6 +15,7 @@ Tiers measured here (the KV-cache issue adds the disk tier and overlapped copies
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import statistics
@@ -31,8 +32,9 @@ from service.devtools.tiny_model import CHATML_TEMPLATE, build_tokenizer
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate, synthetic_ids
 from service.engine.kv_layout import KVBlock
-from service.engine.model import LoadedModel, load_model, spec_from_config
+from service.engine.model import WEIGHTLESS, LoadedModel, load_model, shell_from_config, spec_from_config
 from service.kvcache import device
+from service.kvcache.keys import canonical_config
 
 log = logging.getLogger("bench_prefill")
 QWEN2_7B = {
@@ -49,23 +51,54 @@ QWEN2_7B = {
 }
 
 
+RANDOM_SEED = 0
+
+
 def random_qwen2_7b(device: torch.device, vocabulary: str = "stand-in") -> LoadedModel:
     """Qwen2-7B shape, random bf16 weights, built on the device; the tokenizer is the tiny stand-in BPE, or with
-    `vocabulary="qwen"` Qwen's own (`loadtest.qwen_vocab`), for benchmarks whose prompts are text."""
+    `vocabulary="qwen"` Qwen's own (`loadtest.qwen_vocab`), for benchmarks whose prompts are text. The model names
+    its own fingerprint (`random_fingerprint`): a shell of it (`random_qwen2_7b_shell`) keys chunks alike."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**QWEN2_7B)
-    torch.manual_seed(0)
+    torch.manual_seed(RANDOM_SEED)
     with device:
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf.eval().requires_grad_(False)
+    spec = spec_from_config(config, torch.bfloat16, device)
+    fingerprint = random_fingerprint(config, vocabulary, device.type)
+    return LoadedModel(hf, random_tokenizer(vocabulary), spec, random_source(vocabulary), fingerprint)
+
+
+def random_qwen2_7b_shell(vocabulary: str, engine_device: str) -> LoadedModel:
+    """`random_qwen2_7b` without weights (a gateway's copy: it tokenizes and keys chunks), with the fingerprint
+    the engines' models built on `engine_device` name."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**QWEN2_7B)
+    hf = shell_from_config(config, torch.bfloat16)
+    spec = spec_from_config(config, torch.bfloat16, WEIGHTLESS)
+    fingerprint = random_fingerprint(config, vocabulary, engine_device)
+    return LoadedModel(hf, random_tokenizer(vocabulary), spec, random_source(vocabulary), fingerprint)
+
+
+def random_fingerprint(config: Any, vocabulary: str, device_type: str) -> str:
+    """The random model's identity: its shape, vocabulary, seed and the kind of device that drew its weights (one
+    seed draws the same weights on the same kind of device, so every engine built so computes the same KV)."""
+    name = f"{random_source(vocabulary)}/seed-{RANDOM_SEED}/{device_type}/bfloat16/{canonical_config(config.to_dict())}"
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def random_source(vocabulary: str) -> str:
+    return "random:qwen2-7b" if vocabulary == "stand-in" else f"random:qwen2-7b+{vocabulary}-vocab"
+
+
+def random_tokenizer(vocabulary: str) -> Any:
     if vocabulary == "qwen":
-        tokenizer = qwen_tokenizer()
-    else:
-        tokenizer = build_tokenizer()
-        tokenizer.chat_template = CHATML_TEMPLATE
-    source = "random:qwen2-7b" if vocabulary == "stand-in" else f"random:qwen2-7b+{vocabulary}-vocab"
-    return LoadedModel(hf, tokenizer, spec_from_config(config, torch.bfloat16, device), source)
+        return qwen_tokenizer()
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
 
 
 def timed(

@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 import re
 import socket
+from typing import TYPE_CHECKING
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.engine.engine import StitchEngine
 
 DEFAULT_ENGINE_PORT = 8100
 DEFAULT_ENGINE_HOST = "127.0.0.1"
@@ -28,7 +32,9 @@ def engine_url(settings: Settings, host: str, port: int) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
-def run_engine(settings: Settings, host: str | None, port: int | None) -> int:
+def run_engine(settings: Settings, host: str | None, port: int | None, engine: StitchEngine | None = None) -> int:
+    """Serve the engine API until stopped; over `engine` where the caller built one (a benchmark's random model),
+    else over the settings' model."""
     import uvicorn
 
     from service.api.engine_app import create_engine_app
@@ -44,7 +50,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None) -> int:
     logging.getLogger().setLevel(logging.INFO)
     published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
     print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
-    app = create_engine_app(EngineServer(settings, engine_id, url))
+    app = create_engine_app(EngineServer(settings, engine_id, url, engine))
     uvicorn.run(
         app,
         host=host,

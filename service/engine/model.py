@@ -6,12 +6,13 @@ supported families is decided here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from service.engine.kv_layout import ModelSpec
@@ -27,14 +28,25 @@ class UnsupportedModelError(ValueError):
     """The model folder holds an architecture or setting kvstitch cannot stitch exactly."""
 
 
+WEIGHTLESS = torch.device("meta")  # where a model without weights keeps its (shape-only) parameters
+
+
 @dataclass
 class LoadedModel:
-    """An HF causal LM in eval mode, its tokenizer and its spec."""
+    """An HF causal LM in eval mode, its tokenizer and its spec. `fingerprint`: the identity of a model that has
+    no weight files to be told apart by (a benchmark's random model names its own), else None: computed from its
+    files or weights (`service.kvcache.keys.model_fingerprint`)."""
 
     hf: Any
     tokenizer: PreTrainedTokenizerBase
     spec: ModelSpec
     source: str
+    fingerprint: str | None = None
+
+    @property
+    def has_weights(self) -> bool:
+        """False for a shell (`load_model_shell`): it tokenizes and keys, but computes nothing."""
+        return self.spec.device != WEIGHTLESS
 
     @property
     def decoder(self) -> Any:
@@ -118,3 +130,27 @@ def load_model(
     hf.to(device=device).eval()
     hf.requires_grad_(False)
     return LoadedModel(hf=hf, tokenizer=tokenizer, spec=spec_from_config(config, dtype, device), source=str(source))
+
+
+def load_model_shell(source: str | Path, dtype: torch.dtype, local_files_only: bool = False) -> LoadedModel:
+    """A model folder's config, tokenizer and generation config with its parameters on the meta device: what a
+    gateway needs to tokenize, key chunks and check its engines' key space, without the weights' memory (host or
+    GPU) or a GPU. `dtype` must be the engines' (it is part of the KV keys). The fingerprint comes from the
+    folder's weight files, as a loaded model's does (`shell_fingerprintable`)."""
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(str(source), local_files_only=local_files_only)
+    check_supported(config)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=local_files_only)
+    hf = shell_from_config(config, dtype)
+    # Without generation_config.json, from_pretrained too keeps the one built from the config.
+    with contextlib.suppress(OSError):
+        hf.generation_config = GenerationConfig.from_pretrained(str(source), local_files_only=local_files_only)
+    return LoadedModel(hf, tokenizer, spec_from_config(config, dtype, WEIGHTLESS), str(source))
+
+
+def shell_from_config(config: Any, dtype: torch.dtype) -> Any:
+    """The HF model of `config` with every parameter and buffer on the meta device (nothing allocated)."""
+    with WEIGHTLESS:
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    hf.eval().requires_grad_(False)
+    return hf

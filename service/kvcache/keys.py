@@ -65,10 +65,14 @@ class FingerprintedModel(Protocol):
     hf: Any
     spec: ModelSpec
     source: str
+    fingerprint: str | None
 
 
 def model_fingerprint(model: FingerprintedModel) -> str:
-    """Stable hex digest of what the model computes: its config, its weights and the dtype it runs in."""
+    """Stable hex digest of what the model computes: its config, its weights and the dtype it runs in (or the
+    identity a model without weight files names itself, `LoadedModel.fingerprint`)."""
+    if model.fingerprint is not None:
+        return model.fingerprint
     digest = hashlib.sha256()
     _add_field(digest, f"kvstitch-model-fingerprint/{FINGERPRINT_VERSION}")
     _add_field(digest, canonical_config(model.hf.config.to_dict()))

@@ -10,6 +10,10 @@ An engine whose key space (model fingerprint, template version, dtype, stored fo
 answer with another model or never find a chunk the gateway names: it is never routed to, its mismatch is logged
 once and exported (`kvstitch_fleet_key_space_mismatch`), and `/readyz` names it.
 
+Ingestion goes through the fleet too: the gateway computes no KV (its model is a shell, `open_gateway_model`); each
+chunk missing from the KV index is sent to the engine it belongs to (`routing.owner`, the engine chunk-aware routing
+breaks ties toward) to be computed there (`place_kv`).
+
 The choice is `service.fleet.routing.route` over the placement view (the chunks' tiers per engine, from Redis) and
 the gateway's own count of the answers it has open on each engine (its load): counted here the moment a question is
 routed, so concurrent questions see each other at once.
@@ -21,14 +25,16 @@ import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from service.engine.kv_layout import TokenIds
 from service.fleet.placement import PlacementView
-from service.fleet.routing import ChunkRef, RouteDecision, RoutingMode, RoutingPolicy, round_robin, route
+from service.fleet.routing import ChunkRef, RouteDecision, RoutingMode, RoutingPolicy, owner, round_robin, route
 from service.fleet.tier_events import key_space_of
 from service.kvcache.keys import KeySpace
 from service.settings import Settings
@@ -36,6 +42,10 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.5
+# Chunk tokens per /precompute request at ingestion: bounds the KV an engine holds for one request; a batch of a 7B
+# model's chunks at this size takes seconds, well inside the timeout.
+PLACE_BATCH_TOKENS = 32_768
+PLACE_TIMEOUT_S = 600.0
 PROBE_TIMEOUT_S = 2.0
 RECENT_DECISIONS = 256  # kept for /readyz-style inspection and the tests
 
@@ -100,6 +110,7 @@ class Fleet:
         self.recent: deque[Routed] = deque(maxlen=RECENT_DECISIONS)
         self.reroutes = 0
         self._turn = 0  # round-robin mode: questions routed so far
+        self.unplaced = 0  # chunks ingestion could not have computed on an engine (computed at a first question)
 
     @property
     def view(self) -> PlacementView | None:
@@ -246,6 +257,54 @@ class Fleet:
             if state is not None and state.running > 0:
                 state.running -= 1
 
+    # ---- ingestion --------------------------------------------------------------------------------------------
+
+    def place_kv(
+        self,
+        keys: Sequence[str],
+        chunks: Sequence[TokenIds],
+        on_batch: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
+        """Have each chunk's KV computed (or found) on the routable engine it belongs to, all engines at once; a
+        chunk no engine takes (none routable, a failed request) is logged and counted, not an ingestion failure:
+        its first question computes it. `on_batch(indices)` hears of every batch sent, done or not."""
+        with self._lock:
+            urls = {s.engine_id: s.url for s in self._engines.values() if s.routable and s.engine_id is not None}
+        if not urls:
+            self._unplaced(len(keys), "no engine is routable")
+            if on_batch is not None:
+                on_batch(range(len(keys)))
+            return
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(owner(key, sorted(urls)), []).append(i)
+        with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="place-kv") as pool:
+            for engine_id, indices in groups.items():
+                pool.submit(self._place_on, urls[engine_id], indices, chunks, on_batch)
+
+    def _place_on(
+        self,
+        url: str,
+        indices: Sequence[int],
+        chunks: Sequence[TokenIds],
+        on_batch: Callable[[Sequence[int]], None] | None,
+    ) -> None:
+        for batch in token_batches(indices, [len(chunks[i]) for i in indices], PLACE_BATCH_TOKENS):
+            try:
+                body = {"chunks": [list(chunks[i]) for i in batch]}
+                self._client.post(f"{url}/precompute", json=body, timeout=PLACE_TIMEOUT_S).raise_for_status()
+            except httpx.HTTPError as err:
+                self._unplaced(len(batch), f"{url}/precompute: {type(err).__name__}: {err}")
+            if on_batch is not None:
+                on_batch(batch)
+
+    def _unplaced(self, count: int, why: str) -> None:
+        with self._lock:
+            self.unplaced += count
+        log.warning(
+            "%d chunks' KV not computed on an engine at ingestion (%s): their first question computes it", count, why
+        )
+
     def _why_none(self, exclude: Sequence[str]) -> str:
         if not self._engines:
             return "no engine known (KVSTITCH_ENGINES names none, or none announced itself in Redis)"
@@ -271,6 +330,20 @@ class Fleet:
         known = {s.engine_id for s in states}
         parts += [f"{e}: mismatched key space" for e in self._view_mismatched() if e not in known]
         return ok, "; ".join(parts) or "no engine known"
+
+
+def token_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """`indices` in order, cut into batches of at most `max_tokens` tokens (`lengths`: each index's); a chunk longer
+    than that goes alone."""
+    batches: list[list[int]] = []
+    tokens = 0
+    for index, length in zip(indices, lengths, strict=True):
+        if not batches or tokens + length > max_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(index)
+        tokens += length
+    return batches
 
 
 def _state(s: EngineState) -> str:

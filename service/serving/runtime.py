@@ -28,7 +28,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
 from service.engine.kv_path import COPY_PATH, KVPath, KVPathReason, choose_kv_path
 from service.engine.kv_pool import KVPool
-from service.engine.model import load_model
+from service.engine.model import LoadedModel, load_model, load_model_shell
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import BatchingOptions, build_scheduler
 from service.fleet.tier_events import TierPublisher
@@ -38,7 +38,7 @@ from service.jobs.queue import JobQueue, RedisStreamQueue
 from service.jobs.sqlite import SqliteDocumentOrder, SqliteJobQueue, SqliteJobStatusStore, jobs_path
 from service.jobs.status import JobStatusStore, RedisJobStatusStore
 from service.kvcache.index import KVIndex, open_index, repair
-from service.kvcache.keys import model_fingerprint
+from service.kvcache.keys import model_fingerprint, safetensors_files
 from service.kvcache.precompute import Precompute
 from service.kvcache.shared import SharedTier
 from service.kvcache.store import KVStore, TierBudgets
@@ -52,7 +52,14 @@ from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineLoop
 from service.serving.kv_source import StoreChunks, kv_store_for
 from service.settings import MIB, Settings
-from service.usecases.ingest import IngestCounts, Ingestor, IngestParts, sweep_unnamed_blocks, sweep_unpublished
+from service.usecases.ingest import (
+    IngestCounts,
+    Ingestor,
+    IngestParts,
+    KVPlacer,
+    sweep_unnamed_blocks,
+    sweep_unpublished,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +139,7 @@ class Runtime:
     tier_publisher: TierPublisher | None = None  # the store's tier changes to Redis, where `engine_id` is set
     blocks_swept: int = 0  # KV blocks the start-up sweep released (`sweep_dead_jobs`)
     kv_path: KVPath = COPY_PATH  # shared chunk arena or copy path, chosen at start (`kv_path.py`)
+    place_kv: KVPlacer | None = None  # a gateway's: ingestion's chunk KV made on its engines, not here
     closed: bool = field(default=False, init=False)
     _worker: BackgroundWorker | None = field(default=None, init=False, repr=False)
     _worker_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -163,6 +171,7 @@ class Runtime:
             self.collection,
             self.chunker,
             self.order,
+            self.place_kv,
         )
         return Ingestor(parts, self.settings.max_precompute_tokens)
 
@@ -335,16 +344,40 @@ def typical_tokens(settings: Settings, engine: StitchEngine) -> int:
 
 
 def open_engine(settings: Settings) -> StitchEngine:
+    """The engine of the settings' model; a gateway's (it answers nothing) over the model's shell where that keys
+    chunks as the engines do (`open_gateway_model`)."""
     if not settings.model:
         raise ValueError("no model configured: pass --model or set KVSTITCH_MODEL")
-    device = resolve_device(settings.device)
-    model = load_model(settings.model, device, resolve_dtype(settings.dtype, device))
+    if settings.gateway:
+        model = open_gateway_model(settings)
+    else:
+        device = resolve_device(settings.device)
+        model = load_model(settings.model, device, resolve_dtype(settings.dtype, device))
     return StitchEngine(
         model,
         chunk_context=settings.chunk_context,
         recompute_full_below=settings.recompute_full_below,
         context_temperature=settings.context_temperature,
     )
+
+
+def engines_dtype(settings: Settings) -> torch.dtype:
+    """The dtype engines of these settings run in (part of every KV key), found without a GPU: `cuda` (or `auto`
+    where this host has one) means bfloat16 unless `dtype` names another."""
+    cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+    return resolve_dtype(settings.dtype, torch.device("cuda" if cuda else "cpu"))
+
+
+def open_gateway_model(settings: Settings) -> LoadedModel:
+    """What a gateway keeps of the model: config, tokenizer and key space. A local folder with safetensors files
+    loads as a shell (parameters on the meta device: no weights in memory, no GPU), its fingerprint read from the
+    files as the engines read it. A hub id's fingerprint is computed from the weights themselves, so there the
+    weights are loaded, on the CPU."""
+    dtype = engines_dtype(settings)
+    if safetensors_files(settings.model):
+        return load_model_shell(settings.model, dtype)
+    log.warning("gateway: %s is no local folder of safetensors files: its weights load on the CPU", settings.model)
+    return load_model(settings.model, torch.device("cpu"), dtype)
 
 
 def open_shared_tier(settings: Settings, engine: StitchEngine) -> SharedTier | None:

@@ -165,10 +165,12 @@ class Server:
 
     def _start_fleet(self, runtime: Runtime) -> None:
         """Gateway mode: questions go to the engine processes (`KVSTITCH_ENGINES`); this process retrieves,
-        ingests and routes. Its model gives the tokenizer, the template and the key space engines must share."""
+        ingests and routes. Its model (a shell without weights, `open_gateway_model`, unless the caller gave one)
+        gives the tokenizer, the template and the key space engines must share."""
         self.gate = GateOutcome(True, None, None, skipped=True)  # each engine runs its own gate
         fleet = self.fleet = Fleet(self.settings, runtime.store.key_space)
         fleet.start()
+        runtime.place_kv = fleet.place_kv  # ingestion's chunk KV is computed on the engines (before the worker starts)
         self.metrics.watch_fleet(fleet.figures)
         if fleet.view is not None:
             self.metrics.watch_placement(fleet.view.stats)

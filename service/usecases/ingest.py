@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 GROUP_BATCHES = 4  # a group of documents feeds about this many full precompute batches
 SWEEP_PAGE = 1024  # block keys looked up in Qdrant at once by the sweep
+# A gateway's ingestion: the chunks' KV made where questions will read it (the engines), not here. Called with
+# the blocks' keys, their chunks' token ids and `on_batch(indices)` as each batch is done.
+KVPlacer = Callable[[Sequence[str], Sequence[TokenIds], Callable[[Sequence[int]], None]], None]
 EMBED_FORM = "title+heading:1"  # the document title and the innermost heading go before each chunk's text
 
 
@@ -171,7 +174,8 @@ class _Prepared:
 @dataclass(frozen=True)
 class IngestParts:
     """What ingestion works with. `precompute` computes chunk KV (the runtime binds it to its engine loop, the
-    one owner of the device); `template` wraps chunk ids into the blocks the engine stitches."""
+    one owner of the device); `template` wraps chunk ids into the blocks the engine stitches. `place_kv`, where
+    set (a gateway in front of engines), takes the missing blocks instead: nothing is computed or stored here."""
 
     template: PromptTemplate
     precompute: Precompute
@@ -180,6 +184,7 @@ class IngestParts:
     collection: ChunkCollection
     chunker: Chunker
     order: DocumentOrder
+    place_kv: KVPlacer | None = None
 
 
 class Ingestor:
@@ -195,6 +200,7 @@ class Ingestor:
         self.collection = parts.collection
         self.chunker = parts.chunker
         self.order = parts.order
+        self.place_kv = parts.place_kv
         self.max_precompute_tokens = max_precompute_tokens
         config = parts.chunker.config
         # `embed=`: what is embedded besides the chunk text; a change re-embeds a re-ingested document (its KV is
@@ -330,10 +336,12 @@ class Ingestor:
         """Compute and store the KV of every block not stored yet, in batches that fill the device; `progress`
         hears of the group's chunks once counted and after each batch (`chunks_done`)."""
         missing: dict[str, TokenIds] = {}
+        chunk_ids: dict[str, TokenIds] = {}
         for prepared in group:
-            for key, block in zip(prepared.keys, prepared.blocks, strict=True):
+            for key, block, chunk in zip(prepared.keys, prepared.blocks, prepared.chunks, strict=True):
                 if key not in missing and not self.store.contains(key):
                     missing[key] = block
+                    chunk_ids[key] = tuple(chunk.token_ids)
         counts.chunks += sum(len(p.keys) for p in group)
         counts.chunks_precomputed += len(missing)  # a block shared by several chunks is computed once
         counts.chunks_reused += sum(len(p.keys) for p in group) - len(missing)
@@ -351,7 +359,12 @@ class Ingestor:
 
         start = time.perf_counter()
         blocks = list(missing.values())
-        precompute_and_store(self.precompute, self.store.put, blocks, self.max_precompute_tokens, on_batch=batch_done)
+        if self.place_kv is not None:
+            self.place_kv(keys, [chunk_ids[k] for k in keys], batch_done)
+        else:
+            precompute_and_store(
+                self.precompute, self.store.put, blocks, self.max_precompute_tokens, on_batch=batch_done
+            )
         counts.tokens_precomputed += sum(len(ids) for ids in blocks)
         counts.add_time("precompute", time.perf_counter() - start)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from service.commands.engine import default_engine_id
+
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 120.0
 # Small tiers and pools: CPU engines of the tiny model.
@@ -30,15 +32,18 @@ ENGINE_ENV = {
 
 
 class EngineProcess:
-    """One `python -m service engine` on 127.0.0.1:`port`, its output in `log_path`."""
+    """One `python -m service engine` on 127.0.0.1:`port`, its output in `log_path`. Without Redis in `env` an
+    engine takes no id of its own (it publishes nothing): it goes by its default, `HOSTNAME-PORT`."""
 
     def __init__(self, engine_id: str, port: int, log_path: Path, env: dict[str, str]) -> None:
-        self.engine_id = engine_id
+        self.engine_id = engine_id if "KVSTITCH_REDIS_URL" in env else default_engine_id(port)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         command = [sys.executable, "-m", "service", "engine", "--host", "127.0.0.1", "--port", str(port)]
-        full_env = {**os.environ, **ENGINE_ENV, **env, "KVSTITCH_ENGINE_ID": engine_id, "PYTHONPATH": str(ROOT)}
+        full_env = {**os.environ, **ENGINE_ENV, **env, "PYTHONPATH": str(ROOT)}
+        if "KVSTITCH_REDIS_URL" in env:
+            full_env["KVSTITCH_ENGINE_ID"] = engine_id
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(command, env=full_env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -27,7 +27,7 @@ from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
 from service.facade.types import AnswerRequest, DoneEvent
-from service.fleet.routing import RouteDecision, RouteReason, RoutingMode, RoutingPolicy
+from service.fleet.routing import RouteDecision, RouteReason, RoutingMode, RoutingPolicy, owner
 from service.kvcache.tiers import Tier
 from service.retrieval.embedder import Embedder
 from service.serving.fleet_gateway import Fleet
@@ -99,6 +99,21 @@ class FleetUnderTest:
                 return keys
             time.sleep(0.05)
         raise AssertionError(f"the view never placed {keys} on {engine}: {self.fleet.view.tiers(keys)}")
+
+    def ingest_onto_owner(self, document: dict[str, str], question: str) -> tuple[str, str, list[str]]:
+        """Ingest a document of one chunk no other test uses: the gateway has it computed on the engine it belongs
+        to (`routing.owner`) alone; (that engine, the other one, the chunk's keys) once the view shows it so."""
+        ingest(self.client, [document])
+        runtime = self.server.runtime
+        assert runtime is not None and self.fleet.view is not None
+        keys = [runtime.store.key_of(runtime.engine.template.chunk_block(tuple(c))) for c in self.chunk_ids(question)]
+        holder = owner(keys[0], ["e1", "e2"])
+        other = "e2" if holder == "e1" else "e1"
+        deadline = time.monotonic() + 10
+        while self.fleet.view.tiers(keys).get(holder) != [Tier.HOST] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.fleet.view.tiers(keys) == {holder: [Tier.HOST], other: [Tier.MISS]}
+        return holder, other, keys
 
 
 @pytest.fixture(scope="module")
@@ -224,11 +239,9 @@ def test_the_gateway_answers_as_the_engine_alone_would(fleet: FleetUnderTest) ->
 
 @pytest.mark.usefixtures("policy")
 def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: FleetUnderTest) -> None:
-    """Chunks on e1 and a load term too small to outweigh them: every question would go to e1 but for the bound;
-    with balance_abs=2 the chosen engine never runs more than 2 answers over the idlest one."""
-    ingest(fleet.client, [GLACIER])  # a chunk no earlier test brought to any engine: e1 alone holds it
-    keys = fleet.place_on("e1", GLACIER_QUESTION)
-    assert fleet.fleet.view is not None and fleet.fleet.view.tiers(keys)["e2"] == [Tier.MISS]
+    """Chunks on one engine and a load term too small to outweigh them: every question would go there but for the
+    bound; with balance_abs=2 the chosen engine never runs more than 2 answers over the idlest one."""
+    holder, other, _ = fleet.ingest_onto_owner(GLACIER, GLACIER_QUESTION)
     fleet.fleet.policy = RoutingPolicy(load_cost_tokens=1.0, balance_abs=2, balance_rel=1.0)
     before = len(fleet.fleet.recent)
     running: dict[str, float] = {}
@@ -247,9 +260,9 @@ def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: Flee
     assert len(routed) == 6 and all(done is not None for _, done in answers)
     for r in routed:
         assert r.loads[r.decision.engine] - min(r.loads.values()) <= 2
-    # Opened together and held open: e1 takes three (0, 1, 2 answers over e2), then the bound sends the 4th to e2
-    # although e1 is cheaper (later ones may find the chunk on e2 too: it computed it for the 4th).
-    assert [r.decision.engine for r in routed[:4]] == ["e1", "e1", "e1", "e2"]
+    # Opened together and held open: the holder takes three (0, 1, 2 answers over the other), then the bound sends
+    # the 4th to the other although the holder is cheaper (later ones may find the chunk there too: it computed it).
+    assert [r.decision.engine for r in routed[:4]] == [holder] * 3 + [other]
     assert [r.decision.reason for r in routed[:4]] == [RouteReason.COST] * 3 + [RouteReason.BALANCE]
     assert routed[3].decision.cost > routed[3].decision.best_cost
     # While the six were open, the gateway's metrics counted them on their engines; all closed now.
@@ -260,10 +273,9 @@ def test_the_load_bound_sends_questions_past_it_to_the_idlest_engine(fleet: Flee
 
 @pytest.mark.usefixtures("policy")
 def test_round_robin_alternates_the_engines_where_chunk_aware_follows_the_chunks(fleet: FleetUnderTest) -> None:
-    """The same question, its chunk on e2 alone: chunk-aware sends it to e2 every time; with
+    """The same question, its chunk on one engine alone: chunk-aware sends it there every time; with
     KVSTITCH_FLEET_ROUTING=round-robin it goes to each engine in turn, counted under its own reason."""
-    ingest(fleet.client, [COMET])  # a chunk no earlier test brought to any engine: e2 alone will hold it
-    fleet.place_on("e2", COMET_QUESTION)
+    holder, _, _ = fleet.ingest_onto_owner(COMET, COMET_QUESTION)
 
     def ask(times: int) -> list[RouteDecision]:
         before = len(fleet.fleet.recent)
@@ -273,7 +285,7 @@ def test_round_robin_alternates_the_engines_where_chunk_aware_follows_the_chunks
             assert reply.status_code == 200, reply.text
         return [r.decision for r in list(fleet.fleet.recent)[before:]]
 
-    assert [d.engine for d in ask(2)] == ["e2", "e2"]
+    assert [d.engine for d in ask(2)] == [holder, holder]
 
     fleet.fleet.policy = RoutingPolicy(mode=RoutingMode.ROUND_ROBIN)
     rounds = ask(4)

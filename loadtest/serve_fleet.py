@@ -1,0 +1,532 @@
+"""The fleet benchmark through the real gateway over HTTP: one engine against N (one per GPU), and chunk-aware routing
+against round-robin when the corpus's KV outgrows an engine's GPU tier (issue 28).
+
+    python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases scale --concurrency 16 64
+    python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases routing --redis redis://127.0.0.1:6379/0
+
+Engines are separate processes, one per GPU (`CUDA_VISIBLE_DEVICES`): `python -m loadtest.random_engine`, a random
+Qwen2-7B-shaped model drawn on the device (`--model DIR` loads a folder instead), serving `kvstitch engine`'s API.
+The gateway runs in this process (uvicorn on a background thread, as `serve_random`'s), built from `Settings` in
+gateway mode over a shell of the same model (`bench_prefill.random_qwen2_7b_shell` or `load_model_shell`): no
+weights, no GPU, the engines' key space. Clients run in a second process (`loadtest.load`), so their work does not
+hold the gateway's GIL.
+
+Phases (`--phases`), each a series of configurations, each configuration a fresh gateway over some of the engines
+with its own Qdrant collection: the corpus is ingested into it (the gateway has each chunk's KV computed on the
+engine it belongs to), then per concurrency level an untimed warm-up and a timed run of Zipf-skewed questions.
+
+- `scale`: the first engine alone, then all of them, chunk-aware (engines' GPU tier `--gpu-cache-mb`). The issue's
+  target: 2 engines >= 1.9x one engine's tokens/s at 64 clients.
+- `routing`: all engines, chunk-aware then round-robin (`KVSTITCH_FLEET_ROUTING`), with a GPU tier of
+  `--routing-gpu-cache-mb` each, smaller than the corpus's KV: GPU-tier hit ratio and TTFT p50/p99 of both. Routing
+  sees where chunks sit only through Redis (the engines publish their tier moves there): without `--redis`
+  chunk-aware routing goes by load, ties to the chunk's ingestion engine, and the comparison says little.
+
+With `--redis` the engines and the gateway share one data dir and KV index (one host); without, each engine keeps its
+KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU tiers differ.
+
+Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
+engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
+`done` events report. Writes `report.json` and `table.md` under --out, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from loadtest import load
+from loadtest.bench_prefill import random_qwen2_7b_shell
+from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, wait_ready
+from service.api.app import create_app
+from service.engine.engine import StitchEngine
+from service.engine.model import load_model_shell
+from service.retrieval.embedder import Embedder
+from service.serving.server import Server
+from service.settings import Settings
+from workers.worker import in_process_worker
+
+log = logging.getLogger("serve_fleet")
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_READY_TIMEOUT_S = 600.0
+ENGINE_STOP_S = 20.0
+NEVER_SWEEP_S = 10**9  # a configuration's fresh collection must not make the gateway release the others' KV
+TIERS = ("gpu", "host", "disk", "miss")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One gateway: which engines (by index) it routes to, and how."""
+
+    phase: str
+    name: str
+    engines: tuple[int, ...]
+    routing: str
+
+
+# ---- engines ------------------------------------------------------------------------------------------------
+
+
+class EngineGroup:
+    """The engine processes of one or more phases (one per `--gpus` entry), started together; `stop` ends them."""
+
+    def __init__(self, args: argparse.Namespace, gpu_cache_mb: int, redis_prefix: str | None) -> None:
+        self.urls: list[str] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        self.gpu_cache_mb = gpu_cache_mb
+        for index, gpu in enumerate(args.gpus):
+            port = args.engine_port + index
+            log_path = args.out / f"engine-{index}-gpu{gpu_cache_mb}mb.log"
+            command = [sys.executable, "-m", "loadtest.random_engine", "--host", "127.0.0.1", "--port", str(port)]
+            command += ["--device", args.device, "--vocabulary", args.vocabulary_used]
+            command += ["--model", args.model] if args.model else []
+            env = engine_environment(args, index, gpu, gpu_cache_mb, redis_prefix)
+            with log_path.open("wb") as out:
+                self.processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out))
+            self.urls.append(f"http://127.0.0.1:{port}")
+            self.logs.append(log_path)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for url, process, log_path in zip(self.urls, self.processes, self.logs, strict=True):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"engine {url} exited: {log_path.read_text(errors='replace')[-3000:]}")
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine {url} not ready: {log_path.read_text(errors='replace')[-3000:]}")
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + ENGINE_STOP_S
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def engine_environment(
+    args: argparse.Namespace, index: int, gpu: int, gpu_cache_mb: int, redis_prefix: str | None
+) -> dict[str, str]:
+    """Engine `index`'s environment: its GPU, tiers, queue and data dir; with Redis its id, the shared data dir and
+    the run's key prefix. `--engine-env` entries go last."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTITCH_ENGINES", "KVSTITCH_ENGINE_URL")}
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "KVSTITCH_GPU_CACHE_MB": str(gpu_cache_mb),
+            "KVSTITCH_HOST_CACHE_MB": str(args.host_cache_mb),
+            "KVSTITCH_MAX_QUEUE": str(max(16, 2 * max(args.concurrency + args.routing_concurrency))),
+            "KVSTITCH_DEFAULT_MAX_NEW_TOKENS": str(args.max_new_tokens),
+            "KVSTITCH_DATA_DIR": str(args.data_dir if redis_prefix else args.data_dir / f"engine-{index}"),
+        }
+    )
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if redis_prefix is not None:
+        env.update({"KVSTITCH_REDIS_URL": args.redis, "KVSTITCH_REDIS_PREFIX": redis_prefix})
+        env["KVSTITCH_ENGINE_ID"] = f"engine{index}-gpu{gpu}"
+    else:
+        env.pop("KVSTITCH_REDIS_URL", None)
+        env.pop("KVSTITCH_ENGINE_ID", None)
+    env.update(args.engine_env)
+    return env
+
+
+# ---- the gateway --------------------------------------------------------------------------------------------
+
+
+def gateway_engine(args: argparse.Namespace) -> StitchEngine:
+    """The gateway's model: a shell of the engines' (tokenizer, template, key space; no weights)."""
+    if args.model:
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        return StitchEngine(load_model_shell(args.model, dtype))
+    return StitchEngine(random_qwen2_7b_shell(args.vocabulary_used, args.device))
+
+
+def gateway_settings(
+    args: argparse.Namespace, config: Configuration, urls: list[str], number: int, redis_prefix: str | None
+) -> Settings:
+    return Settings(
+        model=args.model or "random-qwen2-7b",
+        engines=",".join(urls),
+        fleet_routing=config.routing,  # type: ignore[arg-type]
+        device=args.device,
+        data_dir=args.data_dir if redis_prefix else args.data_dir / "gateway",
+        redis_url=args.redis if redis_prefix else None,
+        redis_prefix=redis_prefix or "kvstitch",
+        collection=f"fleetbench_{number}",
+        kv_sweep_grace_s=NEVER_SWEEP_S,
+        embedding_model=args.embedding_model,
+        embedding_device=args.embedding_device,
+        embedding_process="on" if args.device == "cuda" else "off",
+        chunk_size=args.chunk_size,
+        chunk_overlap=0,
+        default_max_new_tokens=args.max_new_tokens,
+        max_top_k=max(args.top_k, 1),
+        host="127.0.0.1",
+        port=args.port,
+    )
+
+
+# ---- the clients (a second process) -------------------------------------------------------------------------
+
+
+def run_clients(args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]) -> dict[str, Any]:
+    """`drive_configuration` in the clients' process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(drive_configuration(args, url, engine_urls, concurrency))
+
+
+async def drive_configuration(
+    args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]
+) -> dict[str, Any]:
+    """Ingest the corpus through the gateway, then a warm-up and a timed run per concurrency level."""
+    limits = httpx.Limits(max_connections=max(concurrency) + 2)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S)) as client:
+        began = time.perf_counter()
+        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
+        ingest_s = time.perf_counter() - began
+        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+        runs = []
+        for clients in concurrency:
+            warm = load_config(args, url, clients, args.warmup_s, args.warmup_requests)
+            await load.drive(client, warm)
+            before = await engine_pages(engine_urls)
+            results, duration_s = await load.drive(
+                client, load_config(args, url, clients, args.duration, args.max_requests)
+            )
+            after = await engine_pages(engine_urls)
+            runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
+            log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)
+    return {"chunks": chunks, "ingest_s": ingest_s, "runs": runs}
+
+
+def load_config(args: argparse.Namespace, url: str, clients: int, duration_s: float, requests: int) -> load.LoadConfig:
+    return load.LoadConfig(
+        url=url,
+        out_dir=args.out,
+        topics=args.topics,
+        sentences_per_topic=args.sentences,
+        concurrency=clients,
+        duration_s=duration_s,
+        max_requests=requests,
+        modes=tuple(args.modes),
+        zipf_s=args.zipf,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed + clients,
+    )
+
+
+async def engine_pages(urls: list[str]) -> list[str]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return [(await client.get(f"{url}/metrics")).text for url in urls]
+
+
+def run_report(
+    clients: int,
+    results: list[load.Result],
+    duration_s: float,
+    engine_urls: list[str],
+    before: list[str],
+    after: list[str],
+) -> dict[str, Any]:
+    """One timed run: all modes together, then each; per engine the answers it gave and the blocks it served by
+    tier over the run (the deltas of its /metrics)."""
+    overall = load.mode_report("all", results, duration_s)
+    engines = {}
+    for url, earlier, later in zip(engine_urls, before, after, strict=True):
+        blocks = grown(earlier, later, "kvstitch_kv_blocks_total", "tier")
+        answers = sum(grown(earlier, later, "kvstitch_ttft_seconds_count", "mode").values())
+        engines[url] = {"answers": int(answers), "blocks": {t: int(blocks.get(t, 0)) for t in TIERS}}
+    served = {t: sum(e["blocks"][t] for e in engines.values()) for t in TIERS}
+    modes = sorted({r.mode for r in results})
+    return {
+        "concurrency": clients,
+        "duration_s": duration_s,
+        **{k: v for k, v in asdict(overall).items() if k != "mode"},
+        "gpu_hit_ratio_done": hit_ratio(overall.kv),
+        "gpu_hit_ratio_engines": hit_ratio(served),
+        "engines": engines,
+        "modes": [asdict(load.mode_report(m, [r for r in results if r.mode == m], duration_s)) for m in modes],
+    }
+
+
+def grown(earlier: str, later: str, name: str, label: str) -> dict[str, float]:
+    """A counter's growth between two /metrics pages, by one label's value."""
+    before = summed_by_label(earlier, name, label)
+    return {k: v - before.get(k, 0.0) for k, v in summed_by_label(later, name, label).items()}
+
+
+def summed_by_label(page: str, name: str, label: str) -> dict[str, float]:
+    """A counter's samples summed by one label (other labels, as the TTFT histogram's positions, added up)."""
+    values: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            key = labels.split(f'{label}="')[1].split('"')[0]
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def hit_ratio(kv: dict[str, int]) -> float | None:
+    total = sum(kv.get(t, 0) for t in TIERS)
+    return round(kv.get("gpu", 0) / total, 4) if total else None
+
+
+# ---- phases -------------------------------------------------------------------------------------------------
+
+
+def configurations(args: argparse.Namespace) -> list[Configuration]:
+    every = tuple(range(len(args.gpus)))
+    plan = []
+    if "scale" in args.phases:
+        plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
+        plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
+    if "routing" in args.phases:
+        plan.append(Configuration("routing", "chunk-aware", every, "chunk-aware"))
+        plan.append(Configuration("routing", "round-robin", every, "round-robin"))
+    return plan
+
+
+def run_configuration(
+    args: argparse.Namespace,
+    config: Configuration,
+    group: EngineGroup,
+    number: int,
+    redis_prefix: str | None,
+    embedder: Embedder,
+) -> dict[str, Any]:
+    urls = [group.urls[i] for i in config.engines]
+    settings = gateway_settings(args, config, urls, number, redis_prefix)
+    concurrency = args.concurrency if config.phase == "scale" else args.routing_concurrency
+    gateway = Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
+    began = time.perf_counter()
+    with BackgroundServer(create_app(gateway), args.port) as server:
+        wait_ready(server.url)
+        log.info(
+            "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
+        )
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            outcome = pool.submit(run_clients, args, server.url, urls, concurrency).result()
+        fleet = gateway.fleet
+        unplaced = fleet.unplaced if fleet is not None else 0
+    return {
+        "phase": config.phase,
+        "name": config.name,
+        "routing": config.routing,
+        "engines": urls,
+        "gpu_cache_mb": group.gpu_cache_mb,
+        "unplaced_chunks": unplaced,
+        **outcome,
+    }
+
+
+def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
+    """Every configuration in order; engines (re)started where the GPU tier a phase asks for changes."""
+    outcomes = []
+    group: EngineGroup | None = None
+    embedder = Embedder(args.embedding_model, device=args.embedding_device)
+    try:
+        for number, config in enumerate(configurations(args)):
+            tier = args.gpu_cache_mb if config.phase == "scale" else args.routing_gpu_cache_mb
+            if group is None or group.gpu_cache_mb != tier:
+                if group is not None:
+                    group.stop()
+                began = time.perf_counter()
+                group = EngineGroup(args, tier, redis_prefix)
+                group.wait_ready(args.engine_ready_timeout_s)
+                log.info(
+                    "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
+                )
+            outcomes.append(run_configuration(args, config, group, number, redis_prefix, embedder))
+    finally:
+        if group is not None:
+            group.stop()
+    return outcomes
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+
+
+def table(outcomes: list[dict[str, Any]]) -> str:
+    head = (
+        "| phase | gateway over | clients | requests | errors | 503 | tokens/s | TTFT p50 | p95 | p99 (ms) "
+        "| GPU hits (done) | GPU hits (engines) | answers per engine |"
+    )
+    rows = [head, "|" + "---|" * 13]
+    for outcome in outcomes:
+        for run in outcome["runs"]:
+            t = run["ttft_ms"]
+            per_engine = " / ".join(str(e["answers"]) for e in run["engines"].values())
+            rows.append(
+                f"| {outcome['phase']} | {outcome['name']} | {run['concurrency']} | {run['requests']} | {run['errors']} "
+                f"| {run['refused']} | {run['output_tokens_per_s']:.1f} | {t['p50']:.1f} | {t['p95']:.1f} | {t['p99']:.1f} "
+                f"| {percent(run['gpu_hit_ratio_done'])} | {percent(run['gpu_hit_ratio_engines'])} | {per_engine} |"
+            )
+    return "\n".join(rows)
+
+
+def percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}%"
+
+
+def summary(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's two comparisons: tokens/s of all engines over one per concurrency; chunk-aware against
+    round-robin (GPU hit ratio, TTFT p50/p99) per concurrency."""
+    by_name = {(o["phase"], o["name"]): {r["concurrency"]: r for r in o["runs"]} for o in outcomes}
+    out: dict[str, Any] = {}
+    scale = [runs for (phase, name), runs in by_name.items() if phase == "scale"]
+    if len(scale) == 2:
+        one, many = scale
+        out["scale_tokens_per_s_ratio"] = {
+            c: round(many[c]["output_tokens_per_s"] / one[c]["output_tokens_per_s"], 3)
+            for c in one
+            if c in many and one[c]["output_tokens_per_s"] > 0
+        }
+    aware, robin = by_name.get(("routing", "chunk-aware")), by_name.get(("routing", "round-robin"))
+    if aware and robin:
+        out["routing"] = {
+            c: {
+                policy: {
+                    "gpu_hit_ratio": runs[c]["gpu_hit_ratio_done"],
+                    "ttft_p50_ms": runs[c]["ttft_ms"]["p50"],
+                    "ttft_p99_ms": runs[c]["ttft_ms"]["p99"],
+                }
+                for policy, runs in (("chunk-aware", aware), ("round-robin", robin))
+            }
+            for c in aware
+            if c in robin
+        }
+    return out
+
+
+def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began: float) -> int:
+    text = table(outcomes)
+    saved = {
+        "machine": machine(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_s": round(time.perf_counter() - began, 1),
+        "summary": summary(outcomes),
+        "configurations": outcomes,
+        "table": text,
+    }
+    (args.out / "report.json").write_text(json.dumps(saved, indent=2, default=str), encoding="utf-8")
+    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    print(json.dumps(saved["summary"], indent=2))
+    print(text)
+    return sum(run["errors"] for o in outcomes for run in o["runs"])
+
+
+# ---- entry --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder for engines and gateway; default: random Qwen2-7B")
+    parser.add_argument("--vocabulary", default="auto", choices=["auto", "qwen", "stand-in"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--gpus", default="0,1", help="one engine per entry (CUDA_VISIBLE_DEVICES; on cpu a count)")
+    parser.add_argument("--phases", nargs="+", default=["scale", "routing"], choices=["scale", "routing"])
+    parser.add_argument("--redis", default=None, help="redis:// URL: engines publish their tiers (routing needs it)")
+    parser.add_argument("--engine-port", type=int, default=8100, help="engine N listens on this + N")
+    parser.add_argument("--port", type=int, default=8765, help="the gateway's port")
+    parser.add_argument("--engine-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra engine settings")
+    parser.add_argument("--engine-ready-timeout-s", type=float, default=ENGINE_READY_TIMEOUT_S)
+    parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
+    parser.add_argument("--embedding-device", default="cpu")
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/kvstitch-fleet"))
+    parser.add_argument("--chunk-size", type=int, default=640, help="cap; sentence-aligned cuts average ~500")
+    parser.add_argument("--topics", type=int, default=48)
+    parser.add_argument("--sentences", type=int, default=66, help="sentences per topic document")
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", default=["turbo"], choices=["turbo", "naive"])
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the scale phase's levels")
+    parser.add_argument("--routing-concurrency", type=int, nargs="+", default=[64])
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of each timed run")
+    parser.add_argument("--max-requests", type=int, default=5000)
+    parser.add_argument("--warmup-s", type=float, default=10.0)
+    parser.add_argument("--warmup-requests", type=int, default=64)
+    parser.add_argument("--gpu-cache-mb", type=int, default=4096, help="engines' GPU tier in the scale phase")
+    parser.add_argument(
+        "--routing-gpu-cache-mb", type=int, default=1024, help="engines' GPU tier in the routing phase (< corpus KV)"
+    )
+    parser.add_argument("--host-cache-mb", type=int, default=12288)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("loadtest-out/fleet"))
+    args = parser.parse_args(argv)
+    args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    if len(args.gpus) < 2 and "routing" in args.phases:
+        parser.error("--phases routing needs at least two engines (--gpus)")
+    pairs = [item.partition("=") for item in args.engine_env]
+    if any(not key or not sep for key, sep, _ in pairs):
+        parser.error("--engine-env takes KEY=VALUE entries")
+    args.engine_env = {key: value for key, _, value in pairs}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
+        log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
+        return 2
+    if "routing" in args.phases and args.redis is None:
+        log.warning("no --redis: the gateway sees no engine's tiers, so chunk-aware routing goes by load alone")
+    args.vocabulary_used = chosen_vocabulary(args.vocabulary) if args.model is None else "stand-in"
+    shutil.rmtree(args.data_dir, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    redis_prefix = f"fleetbench-{uuid.uuid4().hex[:12]}" if args.redis else None
+    began = time.perf_counter()
+    try:
+        outcomes = run_all(args, redis_prefix)
+    finally:
+        if redis_prefix is not None:
+            forget_prefix(args.redis, redis_prefix)
+    return 1 if write_report(args, outcomes, began) else 0
+
+
+def forget_prefix(url: str, prefix: str) -> None:
+    """Delete the run's keys from Redis (its KV index, tier moves, queue)."""
+    import redis
+
+    connection = redis.Redis.from_url(url)
+    try:
+        keys = list(connection.scan_iter(match=f"{prefix}:*", count=1000))
+        for start in range(0, len(keys), 1000):
+            connection.delete(*keys[start : start + 1000])
+    finally:
+        connection.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
