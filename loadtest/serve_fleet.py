@@ -15,7 +15,7 @@ Phases (`--phases`), each a series of configurations, each configuration a fresh
 with its own Qdrant collection: the corpus is ingested into it (the gateway has each chunk's KV computed on the
 engine it belongs to), then per concurrency level an untimed warm-up and a timed run of Zipf-skewed questions.
 
-- `scale`: the first engine alone, then all of them, chunk-aware (engines' GPU tier `--gpu-cache-mb`). The issue's
+- `scale`: all engines, then the first alone, chunk-aware (engines' GPU tier `--gpu-cache-mb`). The issue's
   target: 2 engines >= 1.9x one engine's tokens/s at 64 clients.
 - `routing`: all engines, chunk-aware then round-robin (`KVSTITCH_FLEET_ROUTING`), with a GPU tier of
   `--routing-gpu-cache-mb` each, smaller than the corpus's KV: GPU-tier hit ratio and TTFT p50/p99 of both. Routing
@@ -272,8 +272,9 @@ def run_report(
         "concurrency": clients,
         "duration_s": duration_s,
         **{k: v for k, v in asdict(overall).items() if k != "mode"},
-        "gpu_hit_ratio_done": hit_ratio(overall.kv),
-        "gpu_hit_ratio_engines": hit_ratio(served),
+        "gpu_hit_ratio_done": hit_ratio(overall.kv, "gpu"),
+        "host_hit_ratio_done": hit_ratio(overall.kv, "host"),
+        "gpu_hit_ratio_engines": hit_ratio(served, "gpu"),
         "engines": engines,
         "modes": [asdict(load.mode_report(m, [r for r in results if r.mode == m], duration_s)) for m in modes],
     }
@@ -296,9 +297,10 @@ def summed_by_label(page: str, name: str, label: str) -> dict[str, float]:
     return values
 
 
-def hit_ratio(kv: dict[str, int]) -> float | None:
+def hit_ratio(kv: dict[str, int], tier: str) -> float | None:
+    """The share of chunk blocks served from `tier` (None for none served)."""
     total = sum(kv.get(t, 0) for t in TIERS)
-    return round(kv.get("gpu", 0) / total, 4) if total else None
+    return round(kv.get(tier, 0) / total, 4) if total else None
 
 
 # ---- phases -------------------------------------------------------------------------------------------------
@@ -308,8 +310,10 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
     every = tuple(range(len(args.gpus)))
     plan = []
     if "scale" in args.phases:
-        plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
+        # All engines first: their ingestion spreads the chunks over them (each on its owner), where after one
+        # engine's it would find every chunk on that engine and the others would start cold.
         plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
+        plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
     if "routing" in args.phases:
         plan.append(Configuration("routing", "chunk-aware", every, "chunk-aware"))
         plan.append(Configuration("routing", "round-robin", every, "round-robin"))
@@ -323,6 +327,7 @@ def run_configuration(
     number: int,
     redis_prefix: str | None,
     embedder: Embedder,
+    clients: ProcessPoolExecutor,
 ) -> dict[str, Any]:
     urls = [group.urls[i] for i in config.engines]
     settings = gateway_settings(args, config, urls, number, redis_prefix)
@@ -334,8 +339,7 @@ def run_configuration(
         log.info(
             "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
         )
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            outcome = pool.submit(run_clients, args, server.url, urls, concurrency).result()
+        outcome = clients.submit(run_clients, args, server.url, urls, concurrency).result()
         fleet = gateway.fleet
         unplaced = fleet.unplaced if fleet is not None else 0
     return {
@@ -354,6 +358,8 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
     outcomes = []
     group: EngineGroup | None = None
     embedder = Embedder(args.embedding_model, device=args.embedding_device)
+    # One clients' process for every configuration (spawned: no CUDA or threads inherited from the gateway's).
+    clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for number, config in enumerate(configurations(args)):
             tier = args.gpu_cache_mb if config.phase == "scale" else args.routing_gpu_cache_mb
@@ -366,8 +372,9 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
                 log.info(
                     "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
                 )
-            outcomes.append(run_configuration(args, config, group, number, redis_prefix, embedder))
+            outcomes.append(run_configuration(args, config, group, number, redis_prefix, embedder, clients))
     finally:
+        clients.shutdown()
         if group is not None:
             group.stop()
     return outcomes
@@ -379,18 +386,28 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
 def table(outcomes: list[dict[str, Any]]) -> str:
     head = (
         "| phase | gateway over | clients | requests | errors | 503 | tokens/s | TTFT p50 | p95 | p99 (ms) "
-        "| GPU hits (done) | GPU hits (engines) | answers per engine |"
+        "| GPU hits (done) | host hits (done) | GPU hits (engines) | answers per engine |"
     )
-    rows = [head, "|" + "---|" * 13]
+    rows = [head, "|" + "---|" * 14]
     for outcome in outcomes:
         for run in outcome["runs"]:
             t = run["ttft_ms"]
             per_engine = " / ".join(str(e["answers"]) for e in run["engines"].values())
-            rows.append(
-                f"| {outcome['phase']} | {outcome['name']} | {run['concurrency']} | {run['requests']} | {run['errors']} "
-                f"| {run['refused']} | {run['output_tokens_per_s']:.1f} | {t['p50']:.1f} | {t['p95']:.1f} | {t['p99']:.1f} "
-                f"| {percent(run['gpu_hit_ratio_done'])} | {percent(run['gpu_hit_ratio_engines'])} | {per_engine} |"
-            )
+            cells = [
+                outcome["phase"],
+                outcome["name"],
+                run["concurrency"],
+                run["requests"],
+                run["errors"],
+                run["refused"],
+                f"{run['output_tokens_per_s']:.1f}",
+                *(f"{t[q]:.1f}" for q in ("p50", "p95", "p99")),
+                percent(run["gpu_hit_ratio_done"]),
+                percent(run["host_hit_ratio_done"]),
+                percent(run["gpu_hit_ratio_engines"]),
+                per_engine,
+            ]
+            rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
 
 
@@ -405,7 +422,7 @@ def summary(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     scale = [runs for (phase, name), runs in by_name.items() if phase == "scale"]
     if len(scale) == 2:
-        one, many = scale
+        many, one = scale
         out["scale_tokens_per_s_ratio"] = {
             c: round(many[c]["output_tokens_per_s"] / one[c]["output_tokens_per_s"], 3)
             for c in one
@@ -417,6 +434,7 @@ def summary(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             c: {
                 policy: {
                     "gpu_hit_ratio": runs[c]["gpu_hit_ratio_done"],
+                    "host_hit_ratio": runs[c]["host_hit_ratio_done"],
                     "ttft_p50_ms": runs[c]["ttft_ms"]["p50"],
                     "ttft_p99_ms": runs[c]["ttft_ms"]["p99"],
                 }

@@ -268,6 +268,8 @@ class Fleet:
         """Have each chunk's KV computed (or found) on the routable engine it belongs to, all engines at once; a
         chunk no engine takes (none routable, a failed request) is logged and counted, not an ingestion failure:
         its first question computes it. `on_batch(indices)` hears of every batch sent, done or not."""
+        if not keys:
+            return
         with self._lock:
             urls = {s.engine_id: s.url for s in self._engines.values() if s.routable and s.engine_id is not None}
         if not urls:

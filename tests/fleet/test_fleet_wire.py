@@ -27,7 +27,7 @@ from service.facade.types import ChatMessage, DoneEvent, Logprob, TokenChoice, T
 from service.fleet.routing import ChunkRef, RoutingMode
 from service.fleet.tier_events import ENGINE_ID
 from service.kvcache.keys import KeySpace
-from service.serving.fleet_gateway import Fleet, NoEngineError
+from service.serving.fleet_gateway import Fleet, NoEngineError, token_batches
 from service.settings import Settings
 
 REQUEST = EngineAnswerRequest(
@@ -141,6 +141,11 @@ def test_a_fleet_with_no_engine_refuses_and_is_not_ready() -> None:
             fleet.choose([ChunkRef("k", 10)])
         assert fleet.readiness() == (False, "http://127.0.0.1:1: unreachable")
         assert fleet.figures()["http://127.0.0.1:1"].routable is False
+        done: list[list[int]] = []
+        fleet.place_kv([], [], lambda batch: done.append(list(batch)))  # nothing missing: nothing sent
+        assert (done, fleet.unplaced) == ([], 0)
+        fleet.place_kv(["k1", "k2"], [(1, 2), (3,)], lambda batch: done.append(list(batch)))
+        assert (done, fleet.unplaced) == ([[0, 1]], 2)  # no engine to take them: counted, ingestion goes on
     finally:
         fleet.close()
 
@@ -158,3 +163,8 @@ def test_the_routing_setting_reaches_the_fleets_policy(setting: str, mode: Routi
     assert Settings(_env_file=None).fleet_routing == "chunk-aware"  # type: ignore[call-arg]
     with pytest.raises(ValidationError):
         Settings(fleet_routing="random", _env_file=None)  # type: ignore[call-arg]
+
+
+def test_ingestion_batches_cut_by_tokens_in_order() -> None:
+    assert token_batches([4, 7, 9, 2], [10, 10, 25, 5], 20) == [[4, 7], [9], [2]]
+    assert token_batches([], [], 20) == []

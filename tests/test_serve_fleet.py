@@ -1,0 +1,64 @@
+"""The fleet benchmark end to end on the CPU: two engine processes of the tiny model, the gateway over HTTP, both phases
+(its timings are the GPU's; here the values that do not depend on the machine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.serve_fleet import main
+from tests.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ENV = [
+    "KVSTITCH_KV_POOL_MB=16",
+    "KVSTITCH_MAX_PRECOMPUTE_TOKENS=256",
+    "KVSTITCH_GATE_ON_START=false",
+    "KVSTITCH_DISK_CACHE_MB=512",
+]
+
+
+def test_the_fleet_benchmark_scales_out_and_compares_routing(
+    tiny_model_dirs: dict[str, Path], redis_url: str, tmp_path: Path
+) -> None:
+    """24 one-chunk topics of ~190 tokens (~90 KiB of KV each) against a 1 MiB host tier per engine (the CPU's
+    fastest tier; the "GPU" tier is the host's there): two engines' tiers hold the corpus only if each keeps its
+    own share, which chunk-aware routing lets them do and round-robin does not."""
+    out = tmp_path / "out"
+    first = free_port()
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--redis", redis_url]
+    argv += ["--engine-port", str(first), "--port", str(free_port()), "--engine-env", *ENGINE_ENV]
+    argv += ["--host-cache-mb", "1", "--gpu-cache-mb", "0", "--routing-gpu-cache-mb", "0", "--chunk-size", "192"]
+    argv += ["--topics", "24", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4", "--concurrency", "2"]
+    argv += ["--routing-concurrency", "4", "--duration", "3", "--warmup-s", "1", "--warmup-requests", "8"]
+    assert main([*argv, "--data-dir", str(tmp_path / "data"), "--out", str(out)]) == 0
+
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "table.md").read_text().startswith("| phase | gateway over |")
+    runs = {(c["phase"], c["name"]): c["runs"][0] for c in report["configurations"]}
+    assert list(runs) == [
+        ("scale", "2 engines"),
+        ("scale", "1 engine"),
+        ("routing", "chunk-aware"),
+        ("routing", "round-robin"),
+    ]
+    engines = [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"]
+    for run in runs.values():
+        assert run["requests"] > 0 and run["errors"] == run["refused"] == 0 and run["output_tokens_per_s"] > 0
+        # Every answer counted by the engines is one the clients had: no answer lost or counted twice.
+        assert sum(e["answers"] for e in run["engines"].values()) == run["requests"]
+    assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
+    assert report["summary"]["scale_tokens_per_s_ratio"]["2"] > 0
+
+    aware, robin = runs["routing", "chunk-aware"], runs["routing", "round-robin"]
+    assert all(aware["engines"][url]["answers"] > 0 for url in engines)
+    split = [robin["engines"][url]["answers"] for url in engines]
+    assert abs(split[0] - split[1]) <= 1  # in turn: one apart at most
+    # The tiers' hits the answers report agree with the blocks the engines say they served.
+    for run in (aware, robin):
+        assert run["kv"]["host"] == sum(e["blocks"]["host"] for e in run["engines"].values())
+    assert aware["host_hit_ratio_done"] > robin["host_hit_ratio_done"]
+    assert set(report["summary"]["routing"]["4"]) == {"chunk-aware", "round-robin"}
