@@ -66,7 +66,7 @@ def random_qwen2_7b(device: torch.device, vocabulary: str = "stand-in") -> Loade
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf.eval().requires_grad_(False)
     spec = spec_from_config(config, torch.bfloat16, device)
-    fingerprint = random_fingerprint(config, vocabulary, device.type)
+    fingerprint = random_fingerprint(vocabulary, device.type)
     return LoadedModel(hf, random_tokenizer(vocabulary), spec, random_source(vocabulary), fingerprint)
 
 
@@ -78,14 +78,18 @@ def random_qwen2_7b_shell(vocabulary: str, engine_device: str) -> LoadedModel:
     config = Qwen2Config(**QWEN2_7B)
     hf = shell_from_config(config, torch.bfloat16)
     spec = spec_from_config(config, torch.bfloat16, WEIGHTLESS)
-    fingerprint = random_fingerprint(config, vocabulary, engine_device)
+    fingerprint = random_fingerprint(vocabulary, engine_device)
     return LoadedModel(hf, random_tokenizer(vocabulary), spec, random_source(vocabulary), fingerprint)
 
 
-def random_fingerprint(config: Any, vocabulary: str, device_type: str) -> str:
+def random_fingerprint(vocabulary: str, device_type: str) -> str:
     """The random model's identity: its shape, vocabulary, seed and the kind of device that drew its weights (one
-    seed draws the same weights on the same kind of device, so every engine built so computes the same KV)."""
-    name = f"{random_source(vocabulary)}/seed-{RANDOM_SEED}/{device_type}/bfloat16/{canonical_config(config.to_dict())}"
+    seed draws the same weights on the same kind of device, so every engine built so computes the same KV). The
+    config is a fresh one: building a model writes fields into the config it is given."""
+    from transformers import Qwen2Config
+
+    config = canonical_config(Qwen2Config(**QWEN2_7B).to_dict())
+    name = f"{random_source(vocabulary)}/seed-{RANDOM_SEED}/{device_type}/bfloat16/{config}"
     return hashlib.sha256(name.encode()).hexdigest()
 
 

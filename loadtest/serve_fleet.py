@@ -176,7 +176,7 @@ def gateway_settings(
     return Settings(
         model=args.model or "random-qwen2-7b",
         engines=",".join(urls),
-        fleet_routing=config.routing,  # type: ignore[arg-type]
+        fleet_routing=config.routing,
         device=args.device,
         data_dir=args.data_dir if redis_prefix else args.data_dir / "gateway",
         redis_url=args.redis if redis_prefix else None,
@@ -261,7 +261,7 @@ def run_report(
     """One timed run: all modes together, then each; per engine the answers it gave and the blocks it served by
     tier over the run (the deltas of its /metrics)."""
     overall = load.mode_report("all", results, duration_s)
-    engines = {}
+    engines: dict[str, dict[str, Any]] = {}
     for url, earlier, later in zip(engine_urls, before, after, strict=True):
         blocks = grown(earlier, later, "kvstitch_kv_blocks_total", "tier")
         answers = sum(grown(earlier, later, "kvstitch_ttft_seconds_count", "mode").values())

@@ -62,3 +62,19 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         assert run["kv"]["host"] == sum(e["blocks"]["host"] for e in run["engines"].values())
     assert aware["host_hit_ratio_done"] > robin["host_hit_ratio_done"]
     assert set(report["summary"]["routing"]["4"]) == {"chunk-aware", "round-robin"}
+
+
+def test_the_gateways_random_shell_keys_chunks_as_the_engines_random_model() -> None:
+    """No 7B weights drawn here: the shell is built on the meta device and names the fingerprint
+    `random_qwen2_7b` gives the engines' models on CUDA."""
+    from loadtest.bench_prefill import random_fingerprint, random_qwen2_7b_shell
+    from service.kvcache.keys import model_fingerprint
+
+    shell = random_qwen2_7b_shell("stand-in", "cuda")
+
+    assert not shell.has_weights and shell.source == "random:qwen2-7b"
+    assert {p.device.type for p in shell.hf.parameters()} == {"meta"}
+    assert model_fingerprint(shell) == random_fingerprint("stand-in", "cuda")
+    assert random_qwen2_7b_shell("stand-in", "cuda").fingerprint == model_fingerprint(shell)  # a second build too
+    assert random_fingerprint("stand-in", "cpu") != random_fingerprint("stand-in", "cuda")
+    assert random_fingerprint("qwen", "cuda") != random_fingerprint("stand-in", "cuda")
