@@ -135,7 +135,7 @@ def serve_gpus(settings: Settings, gpus_text: str, base_port: int | None) -> int
         return 2
     engines = start_engines(settings, gpus, base)
     try:
-        # The gateway itself answers nothing: it keeps the model for tokenizing, keys and ingestion only.
+        # The gateway answers and computes nothing: it keeps a shell of the model (tokenizer, keys; no weights).
         gateway = settings.model_copy(update={"engines": ",".join(url for url, _ in engines)})
         return serve(gateway)
     finally:
