@@ -139,7 +139,8 @@ def engine_environment(
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTITCH_ENGINES", "KVSTITCH_ENGINE_URL")}
     env.update(
         {
-            "PYTHONPATH": str(REPO),
+            # The repo first, then whatever the caller added (on the GPU machine: the carried wheels' folder).
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             "KVSTITCH_GPU_CACHE_MB": str(gpu_cache_mb),
             "KVSTITCH_HOST_CACHE_MB": str(args.host_cache_mb),
             "KVSTITCH_MAX_QUEUE": str(max(16, 2 * max(args.concurrency + args.routing_concurrency))),

@@ -81,3 +81,25 @@ def test_the_gateways_random_shell_keys_chunks_as_the_engines_random_model() -> 
     assert random_qwen2_7b_shell("stand-in", "cuda").fingerprint == model_fingerprint(shell)  # a second build too
     assert random_fingerprint("stand-in", "cpu") != random_fingerprint("stand-in", "cuda")
     assert random_fingerprint("qwen", "cuda") != random_fingerprint("stand-in", "cuda")
+
+
+def test_an_engine_keeps_the_callers_python_path_and_gets_its_own_gpu_and_data_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On the GPU machine the carried wheels are on PYTHONPATH: the engines must import them too."""
+    from loadtest.serve_fleet import REPO, engine_environment, parse_args
+
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    monkeypatch.setenv("KVSTITCH_ENGINES", "http://elsewhere:1")
+    args = parse_args(["--gpus", "2,3", "--data-dir", str(tmp_path), "--engine-env", "KVSTITCH_MAX_BATCH=8"])
+
+    env = engine_environment(args, 1, 3, 1024, None)
+
+    assert env["PYTHONPATH"] == f"{REPO}:/tmp/site"
+    assert (env["CUDA_VISIBLE_DEVICES"], env["KVSTITCH_GPU_CACHE_MB"]) == ("3", "1024")
+    assert env["KVSTITCH_DATA_DIR"] == str(tmp_path / "engine-1") and "KVSTITCH_REDIS_URL" not in env
+    assert "KVSTITCH_ENGINES" not in env and env["KVSTITCH_MAX_BATCH"] == "8"
+    args.redis = "redis://127.0.0.1:6379/0"
+    shared = engine_environment(args, 1, 3, 1024, "fleetbench-x")
+    assert (shared["KVSTITCH_DATA_DIR"], shared["KVSTITCH_REDIS_URL"]) == (str(tmp_path), args.redis)
+    assert (shared["KVSTITCH_REDIS_PREFIX"], shared["KVSTITCH_ENGINE_ID"]) == ("fleetbench-x", "engine1-gpu3")
