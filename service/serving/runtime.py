@@ -28,7 +28,7 @@ from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
 from service.engine.kv_path import COPY_PATH, KVPath, KVPathReason, choose_kv_path
 from service.engine.kv_pool import KVPool
-from service.engine.model import LoadedModel, load_model, load_model_shell
+from service.engine.model import WEIGHTLESS, LoadedModel, load_model, load_model_shell
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import BatchingOptions, build_scheduler
 from service.fleet.tier_events import TierPublisher
@@ -111,9 +111,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def tier_budgets(settings: Settings, device: torch.device) -> TierBudgets:
-    """On a CPU host the "GPU" tier would be RAM beside the host tier; only the host tier is kept there."""
+    """On a CPU host the "GPU" tier would be RAM beside the host tier; only the host tier is kept there. A model
+    without weights (a gateway's shell) computes and serves no KV: no memory tier at all."""
     gpu = settings.gpu_cache_mb * MIB if device.type == "cuda" else 0
-    return TierBudgets(gpu_bytes=gpu, host_bytes=settings.host_cache_mb * MIB, disk_bytes=settings.disk_cache_mb * MIB)
+    host = 0 if device == WEIGHTLESS else settings.host_cache_mb * MIB
+    return TierBudgets(gpu_bytes=gpu, host_bytes=host, disk_bytes=settings.disk_cache_mb * MIB)
 
 
 @dataclass

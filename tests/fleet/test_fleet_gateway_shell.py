@@ -87,6 +87,7 @@ def test_ingestion_computes_each_chunk_on_its_engine_and_the_gateway_answers_thr
         runtime, fleet = server.runtime, server.fleet
         assert runtime is not None and fleet is not None
         assert not runtime.engine.model.has_weights
+        assert runtime.store.host.pool.capacity_bytes == 0  # no memory tier: it serves no KV
         ids = sorted(e.engine_id for e in engines)
         assert sorted(str(s.engine_id) for s in fleet.engines() if s.routable) == ids  # one key space
 
