@@ -201,7 +201,7 @@ def gateway_settings(
 
 def run_clients(args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]) -> dict[str, Any]:
     """`drive_configuration` in the clients' process."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    quiet_logging()
     return asyncio.run(drive_configuration(args, url, engine_urls, concurrency))
 
 
@@ -513,9 +513,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def quiet_logging() -> None:
+    """INFO, but not a line per HTTP request (the gateway probes every engine twice a second)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    quiet_logging()
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2

@@ -345,12 +345,12 @@ def typical_tokens(settings: Settings, engine: StitchEngine) -> int:
     return min(typical, engine.spec.max_context)
 
 
-def open_engine(settings: Settings) -> StitchEngine:
-    """The engine of the settings' model; a gateway's (it answers nothing) over the model's shell where that keys
-    chunks as the engines do (`open_gateway_model`)."""
+def open_engine(settings: Settings, gateway: bool = False) -> StitchEngine:
+    """The engine of the settings' model; with `gateway` (a gateway in front of engines: it computes nothing) over
+    the model's shell where that keys chunks as the engines do (`open_gateway_model`)."""
     if not settings.model:
         raise ValueError("no model configured: pass --model or set KVSTITCH_MODEL")
-    if settings.gateway:
+    if gateway:
         model = open_gateway_model(settings)
     else:
         device = resolve_device(settings.device)
@@ -572,7 +572,8 @@ def open_reranker(settings: Settings, embedder: Embedder) -> Reranker | None:
 def _open_components(
     settings: Settings, engine: StitchEngine | None, embedder: Embedder | None, answers: bool = True
 ) -> Runtime:
-    engine = engine or open_engine(settings)
+    # A gateway in front of engines keeps a shell; a worker or `kvstitch ingest` (no answers) computes KV itself.
+    engine = engine or open_engine(settings, gateway=answers and settings.gateway)
     loop = EngineLoop(settings.max_queue)
     precompute = loop.bind(engine.precompute)
     index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")

@@ -18,7 +18,7 @@ from service.engine.model import load_model
 from service.fleet.routing import owner
 from service.kvcache.keys import model_fingerprint
 from service.retrieval.embedder import Embedder
-from service.serving.runtime import engines_dtype, open_gateway_model
+from service.serving.runtime import engines_dtype, open_engine, open_gateway_model
 from service.serving.server import Server
 from service.settings import Settings
 from tests.ports import free_port
@@ -47,6 +47,9 @@ def test_a_gateway_model_is_a_shell_keyed_as_the_loaded_model(tiny_model_dirs: d
     # The engines' dtype comes from their device setting, without a GPU here: cuda means bfloat16.
     assert engines_dtype(settings.model_copy(update={"device": "cuda"})) is torch.bfloat16
     assert engines_dtype(settings.model_copy(update={"device": "cuda", "dtype": "float16"})) is torch.float16
+    # The shell is a serving gateway's alone: a worker or `kvstitch ingest` of the same settings computes KV.
+    assert not open_engine(settings, gateway=True).model.has_weights
+    assert open_engine(settings).model.has_weights
 
 
 @pytest.fixture(scope="module")
