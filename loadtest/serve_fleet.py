@@ -39,6 +39,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -356,7 +357,8 @@ def run_configuration(
 
 def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
     """Every configuration in order; engines (re)started where the GPU tier a phase asks for changes."""
-    outcomes = []
+    outcomes: list[dict[str, Any]] = []
+    began_all = time.perf_counter()
     group: EngineGroup | None = None
     embedder = Embedder(args.embedding_model, device=args.embedding_device)
     # One clients' process for every configuration (spawned: no CUDA or threads inherited from the gateway's).
@@ -374,6 +376,7 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
                     "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
                 )
             outcomes.append(run_configuration(args, config, group, number, redis_prefix, embedder, clients))
+            write_report(args, outcomes, began_all, final=False)
     finally:
         clients.shutdown()
         if group is not None:
@@ -447,7 +450,9 @@ def summary(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began: float) -> int:
+def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began: float, final: bool = True) -> int:
+    """report.json and table.md under --out (after every configuration, so a run stopped at its time limit keeps
+    what it measured); the final call prints the summary and the table. Returns the errors counted."""
     text = table(outcomes)
     saved = {
         "machine": machine(),
@@ -459,8 +464,9 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
     }
     (args.out / "report.json").write_text(json.dumps(saved, indent=2, default=str), encoding="utf-8")
     (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
-    print(json.dumps(saved["summary"], indent=2))
-    print(text)
+    if final:
+        print(json.dumps(saved["summary"], indent=2))
+        print(text)
     return sum(run["errors"] for o in outcomes for run in o["runs"])
 
 
@@ -522,6 +528,8 @@ def quiet_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logging()
+    # `timeout` stops the run with SIGTERM: unwound as an exit, the engines are stopped and the report kept.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2
