@@ -181,4 +181,3 @@ def test_an_instruction_goes_into_every_training_prompts_system_message(
     argv = ["finetune", "--model", str(tiny_model_dirs["qwen2"]), "--out", str(tmp_path / "o"), "--device", "cpu"]
     assert main([*argv, "--distill-data", "x.jsonl", "--instruction", "x" * 2001]) == 2
     assert "--instruction has 2001 characters; at most 2000" in capsys.readouterr().err
-
