@@ -54,9 +54,7 @@ def answer_body(chunks: list[list[int]], n: int) -> dict[str, Any]:
     return {
         "question": f"question {n}?",
         "max_new_tokens": 3,
-        "chunks": [
-            {"id": f"c{c}", "doc_id": "d", "score": 1.0, "text": "t", "token_ids": chunks[c]} for c in reads
-        ],
+        "chunks": [{"id": f"c{c}", "doc_id": "d", "score": 1.0, "text": "t", "token_ids": chunks[c]} for c in reads],
     }
 
 
