@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from service.engine.batch_request import BatchRequest
+from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock, TokenIds
@@ -106,10 +107,15 @@ def failing_precompute(engine: StitchEngine, corpus: Corpus) -> Callable[[Sequen
     return precompute
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
+@pytest.mark.parametrize(
+    ("overlap", "shared"),
+    [(False, False), (True, False), (False, True)],
+    ids=["read-each-step", "overlapped", "shared-chunks"],
+)
 def test_host_tier_blocks_are_freed_when_their_requests_end(
-    engine: StitchEngine, tmp_path: Path, no_collector: None, overlap: bool
+    engine: StitchEngine, tmp_path: Path, no_collector: None, overlap: bool, shared: bool
 ) -> None:
+    """Shared-chunk mode too: there the fetch pins the GPU tier's blocks and copies the others into the arena."""
     corpus = Corpus(engine)
     with small_gpu_tier_store(engine, tmp_path, engine.precompute) as store:
         store.fetch(corpus.blocks(range(CHUNKS)))  # every chunk computed once: the host pool holds them all
@@ -117,7 +123,11 @@ def test_host_tier_blocks_are_freed_when_their_requests_end(
         engine.prefix_block  # noqa: B018 (computed once, kept by the engine)
         blocks = Blocks()
         pool = KVPool(engine.spec, 4000 * engine.spec.kv_bytes_per_token())
-        scheduler = Scheduler(engine, pool, max_batch=4, overlap=overlap, kv_source=StoreChunks(store))
+        arena = ChunkArena(engine.spec, engine.forward.rotary, pool.capacity_bytes, base=engine.chunk_start)
+        source = StoreChunks(store)
+        scheduler = Scheduler(
+            engine, pool, max_batch=4, overlap=overlap, kv_source=source, arena=arena if shared else None
+        )
         fetched: list[weakref.ref[torch.Tensor]] = []
 
         def watch(request: BatchRequest) -> None:  # while it ends: its fetch is still there to read
@@ -138,7 +148,8 @@ def test_host_tier_blocks_are_freed_when_their_requests_end(
         assert alive == []
         assert blocks.new(store) == []
         assert [(r.chunk_kv, r.chunk_ready, r.fetch, r.on_finish) for r in requests] == [(None,) * 4] * REQUESTS
-        assert pool.used_slots == 0
+        assert pool.used_slots == 0 and store.gpu.pinned_bytes == 0
+        assert arena.chunks == (CHUNKS if shared else 0)
 
 
 def test_a_failed_fetch_leaves_no_block_in_its_errors_traceback(
