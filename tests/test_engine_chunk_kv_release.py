@@ -91,8 +91,9 @@ def small_gpu_tier_store(engine: StitchEngine, root: Path, precompute: Callable[
 
 
 @pytest.fixture
-def engine(get_engine: Callable[[str, str], StitchEngine]) -> StitchEngine:
-    return get_engine("qwen2", "cpu")
+def engine(get_engine: Callable[[str, str], StitchEngine], device: str) -> StitchEngine:
+    """The tiny Qwen2 on the CPU, and on CUDA where there is one (its copies then run on the store's streams)."""
+    return get_engine("qwen2", device)
 
 
 def failing_precompute(engine: StitchEngine, corpus: Corpus) -> Callable[[Sequence[Sequence[int]]], list[KVBlock]]:
