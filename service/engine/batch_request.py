@@ -34,10 +34,13 @@ class BatchRequest:
 
     `on_text(delta)` is called with each text delta and `on_finish(request)` once at the end, both on the
     scheduler's thread. A turbo request without `chunk_kv` gets it at admission from the scheduler's KV source
-    (`fetch` then keeps what the source reported: tiers, bytes, timings). `result.finish_reason` ends as
-    "length", "stop", "cancelled" or "error" (`error` then holds the exception); a `shadow` request (low
-    priority: admitted only while no other request waits) may also end "preempted", to make room for one that
-    does. `keep_first_logits`: the first token's logits are kept in `first_logits` (fp32, on the host).
+    (`fetch` then keeps what the source reported: tiers, bytes, timings, for `on_finish` to read). Once `on_finish`
+    returned, the request lets go of both callbacks and of its chunk KV (`let_go`): whoever still holds a finished
+    request (a listener it references back, an error's traceback) holds no device memory through it.
+    `result.finish_reason` ends as "length", "stop", "cancelled" or "error" (`error` then holds the exception); a
+    `shadow` request (low priority: admitted only while no other request waits) may also end "preempted", to make
+    room for one that does. `keep_first_logits`: the first token's logits are kept in `first_logits` (fp32, on the
+    host).
     """
 
     def __init__(
@@ -85,6 +88,18 @@ class BatchRequest:
         self.added_at = 0.0
         self.handed_at = 0.0  # perf_counter when handed to the engine loop (`EngineLoop.add_answer`); 0: never
         self.first_token_at = 0.0
+
+    def drop_chunk_kv(self) -> None:
+        """Let go of the chunk KV fetched at admission: the blocks, their arrivals and the fetch that holds them.
+        Blocks the KV source's device tier does not keep (host and disk hits beyond its budget) are then freed."""
+        self.chunk_kv, self.chunk_ready, self.fetch = None, None, None
+
+    def let_go(self) -> None:
+        """After the end was reported: nothing reads the chunk KV or calls the callbacks again. The callbacks are
+        usually bound to a listener that holds the request, a cycle only a full garbage collection would break
+        (which long-lived servers run rarely): while it waits, so would the chunk KV, on the device."""
+        self.drop_chunk_kv()
+        self.on_text, self.on_finish = None, None
 
     @property
     def tokens_needed(self) -> int:

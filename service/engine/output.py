@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -116,12 +117,14 @@ class OutputProcessor:
             request.queue_ms = max(request.queue_ms, timings.ttft_ms - timings.stages_ms)
 
     def fail(self, request: BatchRequest, error: BaseException) -> None:
-        """End a request with `error` (finish reason "error")."""
+        """End a request with `error` (finish reason "error"), whose traceback keeps no local of the failed work."""
+        forget_locals(error)
         request.error = error
         self.finish(request, "error")
 
     def finish(self, request: BatchRequest, reason: str) -> None:
-        """End a request wherever it is: free its slab, flush its text, report it."""
+        """End a request wherever it is: free its slab, flush its text, report it, then let go of its chunk KV and
+        callbacks (`BatchRequest.let_go`)."""
         self.planner.remove(request)
         self.planner.release_chunks(request)
         if request.slab is not None:
@@ -136,8 +139,11 @@ class OutputProcessor:
             request.result.timings.decode_ms = (time.perf_counter() - request.first_token_at) * 1e3
         request.result.finish_reason = reason
         request.status = RequestStatus.FINISHED
-        if request.on_finish is not None:
-            request.on_finish(request)
+        try:
+            if request.on_finish is not None:
+                request.on_finish(request)
+        finally:
+            request.let_go()  # its chunk KV is in its slab (or the arena), its end reported: nothing reads either
 
     @staticmethod
     def _emit(request: BatchRequest, delta: str) -> None:
@@ -148,3 +154,23 @@ class OutputProcessor:
         except Exception:  # the consumer is gone (a closed stream): treat it as a disconnect
             log.warning("text callback failed; cancelling the request", exc_info=True)
             request.cancelled = True
+
+
+def forget_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames an error (and those it was raised from) went through.
+
+    A failed request keeps its error, and the error's traceback every frame from where it was caught down to where
+    it was raised, each with its locals: a fetch's blocks already copied, a stitch's chunk KV, a step's buffers.
+    The request itself is among the catching frame's locals, so the cycle lives until a full garbage collection,
+    and with it that device memory (after an out-of-memory error: more of them). The catching frame is skipped (it
+    may still run, or be a generator suspended at handing the error on); every frame below it has returned. Line
+    numbers stay, so the traceback still prints.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        caught = current.__traceback__
+        if caught is not None:
+            traceback.clear_frames(caught.tb_next)
+        current = current.__cause__ or current.__context__

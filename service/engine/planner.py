@@ -217,7 +217,7 @@ class Planner:
         except ArenaFullError:
             self._unreserve(request)
             if request.fetch is not None:  # fetched again when it is next tried: no block held while it waits
-                request.chunk_kv, request.chunk_ready, request.fetch = None, None, None
+                request.drop_chunk_kv()
             raise
         except Exception as err:  # one request's failure (its KV index away, say) must not take the batch down
             self._unreserve(request)

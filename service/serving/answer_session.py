@@ -96,6 +96,9 @@ class AnswerSession:
         finally:
             self.admission.release()
             listener(None)
+            # The listener is called no more; it usually holds this session (to cancel it), a cycle that would keep
+            # the session, its request and whatever they hold until a full garbage collection.
+            self._listener = None
         if self._shadowed and self.done is not None and self.shadows is not None:
             self.shadows.follow(request)  # after the client's answer: its shadow runs off the critical path
 
