@@ -13,8 +13,8 @@ canned tokens, or one every `--token-interval-ms`.
 
 Clients run in a third process (`loadtest.load`): one ingestion of a generated corpus, then per concurrency level an
 untimed warm-up and a timed run. Per level: answers/s, tokens/s, client TTFT p50, errors, and the CPU each process
-spent per answer (the gateway's split by thread, from /proc). With `--profile` a last run at `--profile-concurrency`
-profiles every gateway thread with cProfile on a per-thread CPU clock: its top functions by own CPU time per answer.
+spent per answer (the gateway's split by thread, from /proc). With `--profile` py-spy samples the last level's timed
+run (`loadtest.stack_sampler`): per gateway thread, its top functions in µs of CPU per answer.
 Writes `report.json` and `profile.txt` under --out and prints the table.
 """
 
@@ -22,33 +22,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import json
 import logging
 import multiprocessing
 import os
-import pstats
 import shutil
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
 import uvicorn
 
 from loadtest import load
+from loadtest.canned_engine import CANNED_TOKEN, CannedConfig, serve_canned_engine
+from loadtest.stack_sampler import PySpy, find_py_spy, sample_table, thread_group
 from service.api.app import create_app
 from service.api.connections import ConnectionLimits, server_options
-from service.api.engine_app import create_engine_app
-from service.facade.engine import EngineAnswerRequest
-from service.facade.types import AnswerEvent, DoneEvent, TokenEvent
 from service.kvcache.keys import KeySpace
 from service.serving.server import Server
 from service.settings import Settings
@@ -57,106 +53,7 @@ from workers.worker import in_process_worker
 log = logging.getLogger("bench_gateway")
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300.0
-CANNED_TOKEN = " token"
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-# ---- the canned engine (its own process) --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CannedConfig:
-    key_space: dict[str, str]  # the gateway's, so it routes here
-    tokens: int
-    token_interval_s: float
-
-
-class CannedAnswer:
-    """An answer of `tokens` canned tokens, all at once or one per interval."""
-
-    def __init__(self, request: EngineAnswerRequest, config: CannedConfig) -> None:
-        self._request = request
-        self._config = config
-        self.cancelled = False
-
-    def __aiter__(self) -> AsyncIterator[AnswerEvent]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[AnswerEvent]:
-        tokens = min(self._config.tokens, self._request.max_new_tokens)
-        for _ in range(tokens):
-            if self._config.token_interval_s > 0:
-                await asyncio.sleep(self._config.token_interval_s)
-            yield TokenEvent(CANNED_TOKEN)
-        yield self._done(tokens)
-
-    def _done(self, tokens: int) -> DoneEvent:
-        context = sum(len(c.token_ids) for c in self._request.chunks)
-        return DoneEvent(
-            mode=self._request.mode,
-            positions=self._request.positions,
-            ttft_ms=0.0,
-            output_tokens=tokens,
-            finish_reason="length",
-            timings_ms={"queue": 0.0, "prefill": 0.0, "decode": 0.0},
-            kv={"gpu": len(self._request.chunks), "host": 0, "disk": 0, "miss": 0},
-            answer=CANNED_TOKEN * tokens,
-            prompt_tokens=context + 16,
-            context_tokens=context,
-        )
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class CannedEngine:
-    """`EngineFacade` that is always ready, holds every chunk on its "GPU" and answers at once."""
-
-    def __init__(self, config: CannedConfig, url: str) -> None:
-        self.config = config
-        self.url = url
-        self.running = 0
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def readiness(self) -> dict[str, Any]:
-        return {"ready": True, "checks": {"startup": "ok"}, "engine_id": "canned"}
-
-    def info(self) -> dict[str, Any]:
-        space = KeySpace(**self.config.key_space)
-        return {
-            "engine_id": "canned",
-            "url": self.url,
-            "model": "canned",
-            "ready": True,
-            "key_space": {**asdict(space), "digest": space.digest()},
-            **self.load(),
-        }
-
-    def load(self) -> dict[str, int]:
-        return {"running": self.running, "waiting": 0}
-
-    def tiers(self, limit: int) -> dict[str, Any]:
-        return {tier: {"blocks": 0, "keys": []} for tier in ("gpu", "host", "disk")}
-
-    async def answer(self, request: EngineAnswerRequest) -> CannedAnswer:
-        return CannedAnswer(request, self.config)
-
-    async def precompute(self, chunks: Sequence[Sequence[int]]) -> dict[str, int]:
-        return {"gpu": len(chunks), "host": 0, "disk": 0, "miss": 0}
-
-    def metrics_text(self) -> bytes:
-        return b""
-
-
-def serve_canned_engine(config: CannedConfig, port: int) -> None:
-    """The canned engine's process: its API on 127.0.0.1:`port` until terminated."""
-    app = create_engine_app(CannedEngine(config, f"http://127.0.0.1:{port}"))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 # ---- the gateway (this process) -----------------------------------------------------------------------------
@@ -237,7 +134,7 @@ def cpu_seconds(stat_path: Path) -> float:
 
 def gateway_threads() -> dict[str, float]:
     """CPU seconds of this process's live threads, by Python thread name (numbered names grouped)."""
-    names = {t.native_id: _group(t.name) for t in threading.enumerate()}
+    names = {t.native_id: thread_group(t.name) for t in threading.enumerate()}
     totals: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
         try:
@@ -247,10 +144,6 @@ def gateway_threads() -> dict[str, float]:
         name = names.get(int(task.name), "native")
         totals[name] = totals.get(name, 0.0) + seconds
     return totals
-
-
-def _group(name: str) -> str:
-    return name.rstrip("0123456789_ ").removesuffix("-").removesuffix(" (") or name
 
 
 @dataclass
@@ -285,77 +178,6 @@ def child_pids(clients: int) -> dict[str, int]:
         if child.pid is not None and child.pid != clients:
             children[child.name] = child.pid
     return children
-
-
-# ---- profiling every gateway thread ---------------------------------------------------------------------------
-
-
-class ThreadProfiles:
-    """cProfile on every thread started after `install`, each on its own CPU clock (`time.thread_time`), so time a
-    thread spends blocked is not counted; `clear` starts a window, `stats` reads it."""
-
-    def __init__(self) -> None:
-        self._profiles: list[cProfile.Profile] = []
-        self._lock = threading.Lock()
-
-    def install(self) -> None:
-        threading.setprofile(self._start_here)
-
-    def _start_here(self, frame: FrameType, event: str, arg: Any) -> None:
-        profile = cProfile.Profile(time.thread_time)
-        with self._lock:
-            self._profiles.append(profile)
-        profile.enable()  # replaces this hook on this thread
-
-    def clear(self) -> None:
-        with self._lock:
-            for profile in self._profiles:
-                profile.clear()
-
-    def stats(self) -> pstats.Stats | None:
-        """The window's statistics of every thread, without stopping any profiler."""
-        with self._lock:
-            snapshots = [_Snapshot(p) for p in self._profiles]
-        snapshots = [s for s in snapshots if s.stats]
-        if not snapshots:
-            return None
-        return pstats.Stats(*snapshots)  # type: ignore[arg-type]
-
-
-class _Snapshot:
-    """A running profiler's statistics in the form `pstats.Stats` loads (it would stop the profiler otherwise)."""
-
-    def __init__(self, profile: cProfile.Profile) -> None:
-        profile.snapshot_stats()
-        self.stats = dict(profile.stats)
-
-    def create_stats(self) -> None:
-        pass
-
-
-def profile_table(stats: pstats.Stats, answers: int, top: int) -> str:
-    """The top functions by own CPU time, and by CPU time including callees, in µs per answer."""
-    per = 1e6 / max(answers, 1)
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    rows = [(key, tt, ct, nc) for key, (_, nc, tt, ct, _) in raw.items()]
-    total = sum(r[1] for r in rows)
-    lines = [f"{answers} answers; profiled CPU {total * per:,.0f} µs per answer (cProfile adds its own overhead)", ""]
-    for title, index in (("own time", 1), ("including callees", 2)):
-        lines += [f"top {top} by {title}: µs/answer own | incl | calls/answer | function", ""]
-        for key, tt, ct, nc in sorted(rows, key=lambda r: r[index], reverse=True)[:top]:
-            lines.append(f"{tt * per:9.1f} | {ct * per:9.1f} | {nc / max(answers, 1):7.1f} | {_where(key)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _where(key: tuple[str, int, str]) -> str:
-    path, line, name = key
-    for marker in ("site-packages/", "/lib/python3."):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    if path.startswith(str(REPO)):
-        path = path[len(str(REPO)) + 1 :]
-    return f"{path}:{line}({name})" if line else name
 
 
 # ---- the clients (a second process) -------------------------------------------------------------------------
@@ -414,6 +236,7 @@ class LevelReport:
     tokens_per_s: float
     ttft_p50_ms: float
     complete: int  # answers whose streamed text is the canned answer, whole
+    token_events_per_answer: float
     cpu_ms_per_answer: dict[str, Any] = field(default_factory=dict)
     first_errors: list[str] = field(default_factory=list)
 
@@ -435,15 +258,18 @@ def level_report(
         tokens_per_s=round(sum(r.output_tokens for r in ok) / duration_s, 1),
         ttft_p50_ms=round(load.percentile(ttft, 0.5), 2),
         complete=sum(r.output_tokens == tokens and r.text == expected for r in ok),
+        token_events_per_answer=round(sum(r.token_events for r in ok) / max(len(ok), 1), 2),
         cpu_ms_per_answer=cpu,
         first_errors=[r.error for r in failed[:5] if r.error is not None],
     )
 
 
 def run_level(
-    args: argparse.Namespace, url: str, clients: int, pool: ProcessPoolExecutor, pids: dict[str, int]
-) -> LevelReport:
+    args: argparse.Namespace, url: str, clients: int, pool: ProcessPoolExecutor, pids: dict[str, int], sample: bool
+) -> tuple[LevelReport, str | None]:
+    """A warm-up, then a timed run: its report and, when `sample`, the profile of the timed run (py-spy's)."""
     pool.submit(client_drive, load_config(args, url, clients, args.warmup_s, args.max_requests)).result()
+    spy = PySpy(args.py_spy, os.getpid(), args.duration, args.out / "py-spy.txt") if sample else None
     before = cpu_snapshot(pids)
     results, duration_s = pool.submit(
         client_drive, load_config(args, url, clients, args.duration, args.max_requests)
@@ -452,20 +278,10 @@ def run_level(
     answers = sum(r.error is None for r in results)
     report = level_report(clients, results, duration_s, args.tokens, cpu_ms_per_answer(before, after, answers))
     log.info("%d clients: %.1f answers/s, %d errors", clients, report.answers_per_s, report.errors)
-    return report
-
-
-def run_profiled(
-    args: argparse.Namespace, url: str, pool: ProcessPoolExecutor, profiles: ThreadProfiles
-) -> tuple[int, str]:
-    """A warm-up, then a timed run whose profile is kept: (answers, the table)."""
-    clients = args.profile_concurrency
-    pool.submit(client_drive, load_config(args, url, clients, args.warmup_s, args.max_requests)).result()
-    profiles.clear()
-    results, _ = pool.submit(client_drive, load_config(args, url, clients, args.duration, args.max_requests)).result()
-    stats = profiles.stats()
-    answers = sum(r.error is None for r in results)
-    return answers, profile_table(stats, answers, args.profile_top) if stats is not None else "no profile"
+    if spy is None:
+        return report, None
+    profile = sample_table(spy.samples(60.0), report.cpu_ms_per_answer["gateway_threads"], args.profile_top)
+    return report, f"{clients} clients, {answers} answers (py-spy ran beside them)\n\n{profile}"
 
 
 @contextmanager
@@ -483,9 +299,8 @@ def canned_engine(args: argparse.Namespace, key_space: KeySpace) -> Iterator[str
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    profiles = ThreadProfiles()
-    if args.profile:
-        profiles.install()  # before any gateway thread starts
+    """The gateway over the canned engine, the corpus ingested, then each level (the last one sampled with
+    --profile)."""
     engine_url = f"http://127.0.0.1:{args.engine_port}"
     gateway = Server(gateway_settings(args, engine_url), worker_factory=in_process_worker)
     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
@@ -498,19 +313,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunks = pool.submit(client_ingest, served.url, args.topics, args.sentences, args.seed).result()
             log.info("ingested %d chunks", chunks)
             pids = {"gateway": os.getpid(), **child_pids(next(iter(pool._processes)))}  # the pool's one worker
-            levels = [run_level(args, served.url, clients, pool, pids) for clients in args.concurrency]
-            profile = run_profiled(args, served.url, pool, profiles) if args.profile else None
+            last = len(args.concurrency) - 1
+            runs = [
+                run_level(args, served.url, clients, pool, pids, args.profile and i == last)
+                for i, clients in enumerate(args.concurrency)
+            ]
     pool.shutdown()
-    return {"chunks": chunks, "levels": [asdict(level) for level in levels], "profile": profile}
+    return {"chunks": chunks, "levels": [asdict(report) for report, _ in runs], "profile": runs[-1][1]}
 
 
 def table(levels: list[dict[str, Any]]) -> str:
-    head = "| clients | answers | errors | 503 | answers/s | tokens/s | TTFT p50 (ms) | gateway CPU ms/answer |"
-    rows = [head, "|" + "---|" * 8]
+    head = "| clients | answers | errors | 503 | answers/s | tokens/s | TTFT p50 (ms) | gateway CPU ms/answer "
+    head += "| token events/answer |"
+    rows = [head, "|" + "---|" * 9]
     for level in levels:
         cpu = level["cpu_ms_per_answer"]["processes"]
         cells = [level["concurrency"], level["answers"], level["errors"], level["refused"], level["answers_per_s"]]
-        cells += [level["tokens_per_s"], level["ttft_p50_ms"], cpu.get("gateway", "-")]
+        cells += [
+            level["tokens_per_s"],
+            level["ttft_p50_ms"],
+            cpu.get("gateway", "-"),
+            level["token_events_per_answer"],
+        ]
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
 
@@ -532,15 +356,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sentences", type=int, default=20, help="sentences per topic document")
     parser.add_argument("--chunk-size", type=int, default=192, help="cap; the tiny model's context is 4K tokens")
     parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--profile", action="store_true", help="a last, profiled run (cProfile on every thread)")
-    parser.add_argument("--profile-concurrency", type=int, default=64)
+    parser.add_argument("--profile", action="store_true", help="sample the last level with py-spy (--py-spy)")
+    parser.add_argument("--py-spy", default=None, help="the py-spy executable; default: the one on PATH")
     parser.add_argument("--profile-top", type=int, default=40)
     parser.add_argument("--port", type=int, default=8790, help="the gateway's port")
     parser.add_argument("--engine-port", type=int, default=8791, help="the canned engine's port")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/kvstitch-bench-gateway"))
     parser.add_argument("--out", type=Path, default=Path("loadtest-out/gateway"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.py_spy = find_py_spy(args.py_spy)
+    if args.profile and args.py_spy is None:
+        parser.error("--profile needs py-spy: pip install py-spy, or pass --py-spy PATH")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -560,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = {"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(time.perf_counter() - began, 1)}
     profile = outcome.pop("profile")
     if profile is not None:
-        (args.out / "profile.txt").write_text(profile[1], encoding="utf-8")
+        (args.out / "profile.txt").write_text(profile, encoding="utf-8")
     (args.out / "report.json").write_text(json.dumps({**saved, **outcome, "table": text}, indent=2), encoding="utf-8")
     print(text)
     for level in outcome["levels"]:
@@ -568,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         for error in level["first_errors"]:
             print(f"error: {error}", file=sys.stderr)
     if profile is not None:
-        print(profile[1])
+        print(profile)
     return 1 if any(level["errors"] for level in outcome["levels"]) else 0
 
 

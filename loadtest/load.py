@@ -94,6 +94,7 @@ class Result:
     question_tokens: int = 0  # the done event's prompt tokens beyond the context (instruction tail + question)
     timings_ms: dict[str, float] = field(default_factory=dict)  # the done event's server stage times
     text: str = ""  # the answer as its token events streamed it
+    token_events: int = 0  # each carries whatever text was ready: one token, several, or none
     error: str | None = None
     refused: bool = False
 
@@ -219,6 +220,7 @@ async def ask(client: httpx.AsyncClient, config: LoadConfig, result: Result) -> 
                 if event == "token":
                     first = first or time.perf_counter()
                     result.text += json.loads(data)["text"]
+                    result.token_events += 1
                 elif event == "error":
                     result.error = f"error event: {data[:200]}"
                 elif event == "done":
