@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 import weakref
@@ -34,17 +35,24 @@ CONNECT_TIMEOUT_S = 2.0
 # An answer may wait in an engine's line and decode for minutes; a silent engine past this is taken for dead.
 READ_TIMEOUT_S = 300.0
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+# httpcore's pool checks every idle connection it holds (a poll and a getpeername call each) at every request and
+# every response's end: one pool of a connection per answer in flight costs the event loop O(answers) per answer.
+# Questions take the clients in turn, so each pool holds a share of the connections.
+CLIENT_POOLS = 16
+
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[httpx.AsyncClient]] = weakref.WeakKeyDictionary()
+_turns = itertools.count()
 
 
 def engine_client() -> httpx.AsyncClient:
-    """The running event loop's client to the engines (its connections belong to that loop)."""
+    """One of the running event loop's clients to the engines (their connections belong to that loop), in turn."""
     loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None:
+    clients = _clients.get(loop)
+    if clients is None:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-    return client
+        limits = httpx.Limits(max_connections=None)
+        clients = _clients[loop] = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(CLIENT_POOLS)]
+    return clients[next(_turns) % len(clients)]
 
 
 class _RetryError(Exception):
