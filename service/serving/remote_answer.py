@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import httpx
 
@@ -181,19 +181,21 @@ class RemoteAnswer:
         assert self._response is not None and self._routed is not None
         routed = self._routed
         try:
-            async for lines in _arrived_lines(self._response):
-                events, failure = _parsed(lines)
-                for event in merged_tokens(events):
-                    if isinstance(event, DoneEvent):
-                        yield self._finish(event)
-                        return
-                    if self._first_token_at is None:
-                        self._first_token_at = time.perf_counter()
-                    yield event
-                if isinstance(failure, EngineStreamError):
-                    raise RuntimeError(f"engine {routed.decision.engine}: {failure}") from failure
-                if failure is not None:
-                    raise failure
+            # Closed on the way out, so its reader task is gone before the response is closed.
+            async with contextlib.aclosing(_arrived_lines(self._response)) as arrived:
+                async for lines in arrived:
+                    events, failure = _parsed(lines)
+                    for event in merged_tokens(events):
+                        if isinstance(event, DoneEvent):
+                            yield self._finish(event)
+                            return
+                        if self._first_token_at is None:
+                            self._first_token_at = time.perf_counter()
+                        yield event
+                    if isinstance(failure, EngineStreamError):
+                        raise RuntimeError(f"engine {routed.decision.engine}: {failure}") from failure
+                    if failure is not None:
+                        raise failure
         except httpx.HTTPError as err:
             await self._drop(routed, f"{type(err).__name__}: {err}")
             raise _RetryError(f"{type(err).__name__}: {err}") from err
@@ -229,7 +231,7 @@ class RemoteAnswer:
             self._closing = asyncio.get_running_loop().create_task(self._close())
 
 
-async def _arrived_lines(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+async def _arrived_lines(response: httpx.Response) -> AsyncGenerator[list[bytes], None]:
     """The response's non-empty lines, in the batches that arrived together (a last line without its newline
     included). The body's HTTP chunks (one per engine event) are read by a task of their own as they arrive, so
     those that were already in the socket when this iteration woke come as one batch: httpx hands them over one
