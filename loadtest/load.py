@@ -93,6 +93,8 @@ class Result:
     context_tokens: int = 0  # the done event's: tokens of context the answer saw (stitched or prefilled)
     question_tokens: int = 0  # the done event's prompt tokens beyond the context (instruction tail + question)
     timings_ms: dict[str, float] = field(default_factory=dict)  # the done event's server stage times
+    text: str = ""  # the answer as its token events streamed it
+    token_events: int = 0  # each carries whatever text was ready: one token, several, or none
     error: str | None = None
     refused: bool = False
 
@@ -215,8 +217,10 @@ async def ask(client: httpx.AsyncClient, config: LoadConfig, result: Result) -> 
                 result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
                 return
             async for event, data in sse(reply.aiter_lines()):
-                if event == "token" and first is None:
-                    first = time.perf_counter()
+                if event == "token":
+                    first = first or time.perf_counter()
+                    result.text += json.loads(data)["text"]
+                    result.token_events += 1
                 elif event == "error":
                     result.error = f"error event: {data[:200]}"
                 elif event == "done":

@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import httpx
 
 from service.errors import BusyError, InvalidRequestError, UnavailableError
 from service.facade.engine import EngineAnswerRequest, EngineStreamError, parse_event
-from service.facade.types import AnswerEvent, DoneEvent, Source
+from service.facade.types import AnswerEvent, DoneEvent, Source, TokenEvent
 from service.fleet.routing import ChunkRef
 from service.metrics import Metrics
 from service.serving.answer_session import observe_done
@@ -34,17 +35,24 @@ CONNECT_TIMEOUT_S = 2.0
 # An answer may wait in an engine's line and decode for minutes; a silent engine past this is taken for dead.
 READ_TIMEOUT_S = 300.0
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+# httpcore's pool checks every idle connection it holds (a poll and a getpeername call each) at every request and
+# every response's end: one pool of a connection per answer in flight costs the event loop O(answers) per answer.
+# Questions take the clients in turn, so each pool holds a share of the connections.
+CLIENT_POOLS = 16
+
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[httpx.AsyncClient]] = weakref.WeakKeyDictionary()
+_turns = itertools.count()
 
 
 def engine_client() -> httpx.AsyncClient:
-    """The running event loop's client to the engines (its connections belong to that loop)."""
+    """One of the running event loop's clients to the engines (their connections belong to that loop), in turn."""
     loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None:
+    clients = _clients.get(loop)
+    if clients is None:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-    return client
+        limits = httpx.Limits(max_connections=None)
+        clients = _clients[loop] = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(CLIENT_POOLS)]
+    return clients[next(_turns) % len(clients)]
 
 
 class _RetryError(Exception):
@@ -173,20 +181,21 @@ class RemoteAnswer:
         assert self._response is not None and self._routed is not None
         routed = self._routed
         try:
-            async for line in self._response.aiter_lines():
-                if not line.strip():
-                    continue
-                try:
-                    event = parse_event(line)
-                except EngineStreamError as err:
-                    raise RuntimeError(f"engine {routed.decision.engine}: {err}") from err
-                if isinstance(event, DoneEvent):
-                    event = self._finish(event)
-                elif self._first_token_at is None:
-                    self._first_token_at = time.perf_counter()
-                yield event
-                if isinstance(event, DoneEvent):
-                    return
+            # Closed on the way out, so its reader task is gone before the response is closed.
+            async with contextlib.aclosing(_arrived_lines(self._response)) as arrived:
+                async for lines in arrived:
+                    events, failure = _parsed(lines)
+                    for event in merged_tokens(events):
+                        if isinstance(event, DoneEvent):
+                            yield self._finish(event)
+                            return
+                        if self._first_token_at is None:
+                            self._first_token_at = time.perf_counter()
+                        yield event
+                    if isinstance(failure, EngineStreamError):
+                        raise RuntimeError(f"engine {routed.decision.engine}: {failure}") from failure
+                    if failure is not None:
+                        raise failure
         except httpx.HTTPError as err:
             await self._drop(routed, f"{type(err).__name__}: {err}")
             raise _RetryError(f"{type(err).__name__}: {err}") from err
@@ -220,3 +229,68 @@ class RemoteAnswer:
             return
         with contextlib.suppress(RuntimeError):  # no loop running: nothing to close on
             self._closing = asyncio.get_running_loop().create_task(self._close())
+
+
+async def _arrived_lines(response: httpx.Response) -> AsyncGenerator[list[bytes], None]:
+    """The response's non-empty lines, in the batches that arrived together (a last line without its newline
+    included). The body's HTTP chunks (one per engine event) are read by a task of their own as they arrive, so
+    those that were already in the socket when this iteration woke come as one batch: httpx hands them over one
+    chunk, and one wake-up, at a time."""
+    arrived: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
+    reader = asyncio.create_task(_read_body(response, arrived))
+    pending = b""
+    try:
+        while True:
+            items = [await arrived.get()]
+            while not arrived.empty():
+                items.append(arrived.get_nowait())
+            *lines, pending = (pending + b"".join(i for i in items if isinstance(i, bytes))).split(b"\n")
+            batch = [line for line in lines if line.strip()]
+            if batch:
+                yield batch
+            if isinstance(items[-1], Exception):
+                raise items[-1]
+            if items[-1] is None:
+                break
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+    if pending.strip():
+        yield [pending]
+
+
+async def _read_body(response: httpx.Response, arrived: asyncio.Queue[bytes | Exception | None]) -> None:
+    """Every chunk of the body into `arrived`, then None, or the error that ended the reading."""
+    try:
+        async for data in response.aiter_bytes():
+            arrived.put_nowait(data)
+    except Exception as err:
+        arrived.put_nowait(err)
+        return
+    arrived.put_nowait(None)
+
+
+def _parsed(lines: Sequence[bytes]) -> tuple[list[AnswerEvent], Exception | None]:
+    """The events of the lines up to the first that fails to parse or is an `error` line, and that failure."""
+    events: list[AnswerEvent] = []
+    for line in lines:
+        try:
+            events.append(parse_event(line))
+        except (EngineStreamError, ValueError) as err:
+            return events, err
+    return events, None
+
+
+def merged_tokens(events: Sequence[AnswerEvent]) -> list[AnswerEvent]:
+    """Consecutive token events as one (their texts and log-probabilities joined, in order). Tokens that reached the
+    gateway together leave it together: one SSE event and one send apiece instead of one per token, which is what a
+    gateway that fell behind its engines spends its time on; a token is never held back to wait for another."""
+    merged: list[AnswerEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, TokenEvent) and isinstance(last, TokenEvent):
+            merged[-1] = TokenEvent(last.text + event.text, last.logprobs + event.logprobs)
+        else:
+            merged.append(event)
+    return merged
