@@ -54,7 +54,7 @@ import torch
 
 from loadtest import load
 from loadtest.bench_prefill import random_qwen2_7b_shell
-from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, wait_ready
+from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, phase_config, wait_ready
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model_shell
@@ -218,33 +218,16 @@ async def drive_configuration(
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
         runs = []
         for clients in concurrency:
-            warm = load_config(args, url, clients, args.warmup_s, args.warmup_requests)
+            warm = phase_config(args, url, clients, args.warmup_s, args.warmup_requests)
             await load.drive(client, warm)
             before = await engine_pages(engine_urls)
             results, duration_s = await load.drive(
-                client, load_config(args, url, clients, args.duration, args.max_requests)
+                client, phase_config(args, url, clients, args.duration, args.max_requests)
             )
             after = await engine_pages(engine_urls)
             runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
             log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)
     return {"chunks": chunks, "ingest_s": ingest_s, "runs": runs}
-
-
-def load_config(args: argparse.Namespace, url: str, clients: int, duration_s: float, requests: int) -> load.LoadConfig:
-    return load.LoadConfig(
-        url=url,
-        out_dir=args.out,
-        topics=args.topics,
-        sentences_per_topic=args.sentences,
-        concurrency=clients,
-        duration_s=duration_s,
-        max_requests=requests,
-        modes=tuple(args.modes),
-        zipf_s=args.zipf,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed + clients,
-    )
 
 
 async def engine_pages(urls: list[str]) -> list[str]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import socket
 from typing import TYPE_CHECKING
 
+from service.commands.logs import serving_logs
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     port = port or DEFAULT_ENGINE_PORT
     engine_id = settings.engine_id or default_engine_id(port)
     url = engine_url(settings, host, port)
-    logging.getLogger().setLevel(logging.INFO)
+    serving_logs()
     published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
     print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
     app = create_engine_app(EngineServer(settings, engine_id, url, engine))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 from service.commands.engine import DEFAULT_ENGINE_PORT, default_engine_id
+from service.commands.logs import serving_logs
 from service.settings import Settings
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -34,7 +34,7 @@ def serve(settings: Settings) -> int:
     # Before the port opens and the model loads: a data dir in use ends here with one line (DataDirInUseError,
     # reported by the CLI), not with a server answering 503 forever. Held until the process ends.
     data_dir_lock = hold_data_dir(settings)
-    logging.getLogger().setLevel(logging.INFO)
+    serving_logs()
     form = "embedded (local Qdrant and index)" if settings.embedded else "distributed (Redis)"
     if settings.gateway:
         form += f", gateway to the engines {settings.engines}"
