@@ -6,6 +6,7 @@ Where CUDA exists, engine tests also run in bf16 on the GPU (marked `gpu`).
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -108,3 +109,15 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     if leftovers:
         client.delete(*leftovers)
     client.close()
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """The cyclic collector off (after a full collection): only reference counting frees anything, so what a cycle
+    holds stays visible as alive (`gc_alive.py`)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

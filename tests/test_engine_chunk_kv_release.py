@@ -9,13 +9,13 @@ and checks what is still alive, through the real scheduler over a real KV store 
 
 from __future__ import annotations
 
-import gc
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from gc_alive import AliveSince
 
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ChunkArena
@@ -37,32 +37,9 @@ REQUESTS = 24
 FAILING_CHUNK = CHUNKS  # a chunk outside the corpus whose precompute fails
 
 
-@pytest.fixture
-def no_collector() -> Iterator[None]:
-    """The cyclic collector off (after a full collection): only reference counting frees anything, so what a cycle
-    holds stays visible as alive."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-class Blocks:
-    """The KV blocks alive when made (other tests' engines' prefixes, say); `new` lists those alive since, other
-    than the GPU tier's (tracked objects, collector off: what cyclic garbage holds counts as alive)."""
-
-    def __init__(self) -> None:
-        self._before = {id(o): weakref.ref(o) for o in gc.get_objects() if type(o) is KVBlock}
-
-    def new(self, store: KVStore) -> list[KVBlock]:
-        tier = {id(store.gpu.peek(key)) for key, _ in store.gpu.held()}
-        return [o for o in gc.get_objects() if type(o) is KVBlock and id(o) not in tier and not self._known(o)]
-
-    def _known(self, block: KVBlock) -> bool:
-        ref = self._before.get(id(block))
-        return ref is not None and ref() is block
+def gpu_tier_ids(store: KVStore) -> set[int]:
+    """The ids of the blocks the store's GPU tier holds (they stay: the tier keeps them)."""
+    return {id(store.gpu.peek(key)) for key, _ in store.gpu.held()}
 
 
 class Corpus:
@@ -122,7 +99,7 @@ def test_host_tier_blocks_are_freed_when_their_requests_end(
         store.fetch(corpus.blocks(range(CHUNKS)))  # every chunk computed once: the host pool holds them all
         store.flush()  # the disk writer holds the computed blocks until written
         engine.prefix_block  # noqa: B018 (computed once, kept by the engine)
-        blocks = Blocks()
+        blocks = AliveSince(KVBlock)
         pool = KVPool(engine.spec, 4000 * engine.spec.kv_bytes_per_token())
         arena = ChunkArena(engine.spec, engine.forward.rotary, pool.capacity_bytes, base=engine.chunk_start)
         source = StoreChunks(store)
@@ -147,7 +124,7 @@ def test_host_tier_blocks_are_freed_when_their_requests_end(
         tier = {id(store.gpu.peek(key).kv) for key, _ in store.gpu.held()}  # type: ignore[union-attr]
         alive = [ref() for ref in fetched if ref() is not None and id(ref()) not in tier]
         assert alive == []
-        assert blocks.new(store) == []
+        assert blocks.new(besides=gpu_tier_ids(store)) == []
         assert [(r.chunk_kv, r.chunk_ready, r.fetch, r.on_finish) for r in requests] == [(None,) * 4] * REQUESTS
         assert pool.used_slots == 0 and store.gpu.pinned_bytes == 0
         assert arena.chunks == (CHUNKS if shared else 0)
@@ -163,7 +140,7 @@ def test_a_failed_fetch_leaves_no_block_in_its_errors_traceback(
         store.fetch(corpus.blocks(range(CHUNKS)))
         store.flush()
         engine.prefix_block  # noqa: B018
-        blocks = Blocks()
+        blocks = AliveSince(KVBlock)
         pool = KVPool(engine.spec, 4000 * engine.spec.kv_bytes_per_token())
         scheduler = Scheduler(engine, pool, max_batch=4, kv_source=StoreChunks(store))
         failed = corpus.request(0, reads=[0, 1, 2, FAILING_CHUNK])  # three host hits, then the failing miss
@@ -175,5 +152,5 @@ def test_a_failed_fetch_leaves_no_block_in_its_errors_traceback(
         assert failed.result.finish_reason == "error" and "injected" in str(failed.error)
         assert served.result.finish_reason == "length"
         assert failed.error is not None and failed.error.__traceback__ is not None  # kept, and still printable
-        assert blocks.new(store) == []
+        assert blocks.new(besides=gpu_tier_ids(store)) == []
         assert pool.used_slots == 0

@@ -8,15 +8,10 @@ each answer's session and request referenced each other, which kept every answer
 
 from __future__ import annotations
 
-import gc
-import weakref
-from collections.abc import Iterator
-from typing import Any
-
-import pytest
 from api_support import QUESTION, ingest
 from app_server import MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
+from gc_alive import AliveSince, alive
 
 from service.engine.batch_request import BatchRequest
 from service.engine.kv_layout import KVBlock
@@ -24,21 +19,6 @@ from service.kvcache.tiers import Tier
 from service.serving.answer_session import AnswerSession
 
 ANSWERS = 6
-
-
-@pytest.fixture
-def no_collector() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def alive(kind: type) -> list[Any]:
-    """Tracked objects of exactly `kind` (with the collector off, cyclic garbage counts as alive)."""
-    return [o for o in gc.get_objects() if type(o) is kind]
 
 
 def test_answers_leave_no_request_or_chunk_kv_alive(make_app: MakeApp, no_collector: None) -> None:
@@ -52,7 +32,7 @@ def test_answers_leave_no_request_or_chunk_kv_alive(make_app: MakeApp, no_collec
         assert first.status_code == 200, first.text
         runtime.store.flush()  # the disk writer holds computed blocks until written
         runtime.loop.call(lambda: None)
-        before = {id(o): weakref.ref(o) for o in alive(KVBlock)}
+        blocks = AliveSince(KVBlock)
         hits = sum(runtime.store.stats().hits.values())
 
         for n in range(ANSWERS):
@@ -65,5 +45,4 @@ def test_answers_leave_no_request_or_chunk_kv_alive(make_app: MakeApp, no_collec
         assert runtime.store.stats().hits[Tier.GPU] == 0
         assert alive(BatchRequest) == []
         assert alive(AnswerSession) == []
-        new_blocks = [b for b in alive(KVBlock) if (ref := before.get(id(b))) is None or ref() is not b]
-        assert new_blocks == []
+        assert blocks.new() == []

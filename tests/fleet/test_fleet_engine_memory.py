@@ -10,14 +10,12 @@ collection: an H200 engine with a 1 GiB GPU tier ran out of memory after a few h
 
 from __future__ import annotations
 
-import gc
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
+from gc_alive import AliveSince, alive
 
 from service.api.engine_app import create_engine_app
 from service.engine.batch_request import BatchRequest
@@ -32,21 +30,6 @@ from service.settings import Settings
 CHUNKS = 10
 READS = 4
 ANSWERS = 12
-
-
-@pytest.fixture
-def no_collector() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def alive(kind: type) -> list[Any]:
-    """Tracked objects of exactly `kind` (with the collector off, cyclic garbage counts as alive)."""
-    return [o for o in gc.get_objects() if type(o) is kind]
 
 
 def answer_body(chunks: list[list[int]], n: int) -> dict[str, Any]:
@@ -81,7 +64,7 @@ def test_answered_requests_leave_no_chunk_kv_alive(
         assert warm.status_code == 200 and warm.json()["miss"] == CHUNKS
         runtime.store.flush()  # the disk writer holds computed blocks until written
         engine.prefix_block  # noqa: B018 (computed once, kept by the engine)
-        before = {id(o): weakref.ref(o) for o in alive(KVBlock)}
+        blocks = AliveSince(KVBlock)
 
         for n in range(ANSWERS):
             reply = client.post("/answer", json=answer_body(chunks, n))
@@ -91,5 +74,4 @@ def test_answered_requests_leave_no_chunk_kv_alive(
         assert runtime.store.stats().hits[Tier.HOST] == ANSWERS * READS
         assert alive(BatchRequest) == []
         assert alive(AnswerSession) == []
-        new_blocks = [b for b in alive(KVBlock) if (ref := before.get(id(b))) is None or ref() is not b]
-        assert new_blocks == []
+        assert blocks.new() == []
