@@ -33,6 +33,7 @@ class FakeSession:
     retrieval: Retrieval = field(default_factory=Retrieval)
     cancels: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    posted_all: threading.Event = field(default_factory=threading.Event)  # the engine thread's last post is made
 
     def sources(self) -> list[dict[str, Any]]:
         return [{"id": "c1", "score": 0.5}]
@@ -46,6 +47,7 @@ class FakeSession:
             if self.hold_open:
                 self.cancelled.wait(10)
                 listener(None)
+            self.posted_all.set()
 
         threading.Thread(target=engine, daemon=True).start()
 
@@ -88,6 +90,9 @@ def test_leaving_the_iteration_early_cancels_the_answer() -> None:
         iterator = stream.__aiter__()
         first = await anext(iterator)
         await iterator.aclose()  # what the SSE response does when its client goes away
+        # The server's loop outlives a client that left: the engine's last post lands on it (posted after the loop
+        # had closed, it would cancel again, as a session posting into a shut-down server does).
+        await asyncio.to_thread(session.posted_all.wait, 10)
         return [first]
 
     assert asyncio.run(leave_after_one()) == [TokenEvent("a")]
