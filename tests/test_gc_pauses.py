@@ -41,7 +41,9 @@ def test_freezing_moves_live_objects_out_of_the_collectors_walk() -> None:
     before = gc.get_freeze_count()
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > before
+        # A frozen object freed by its reference count (another thread's, pytest's) leaves the count at once, so
+        # the count read afterwards may be a little lower than the one freeze returned, never higher.
+        assert frozen > before and frozen - 100 < gc.get_freeze_count() <= frozen
         assert gc.get_count()[2] == 0  # nothing left waiting in the oldest generation
     finally:
         gc.unfreeze()
