@@ -46,6 +46,7 @@ from loadtest.stack_sampler import PySpy, find_py_spy, sample_table, thread_grou
 from service.api.app import create_app
 from service.api.connections import ConnectionLimits, server_options
 from service.kvcache.keys import KeySpace
+from service.retrieval.batcher import RetrievalBatcher, RetrievalStats
 from service.serving.server import Server
 from service.settings import Settings
 from workers.worker import in_process_worker
@@ -238,11 +239,28 @@ class LevelReport:
     complete: int  # answers whose streamed text is the canned answer, whole
     token_events_per_answer: float
     cpu_ms_per_answer: dict[str, Any] = field(default_factory=dict)
+    retrieval: dict[str, float] = field(default_factory=dict)  # `retrieval_summary` of the timed run
     first_errors: list[str] = field(default_factory=list)
 
 
+def retrieval_summary(before: RetrievalStats, after: RetrievalStats) -> dict[str, float]:
+    """The retrieval batcher over a run: questions per round (the embedder's batch) and a question's mean ms
+    waiting for the round before its own, embedding and searching."""
+    questions = max(after.questions - before.questions, 1)
+    rounds = max(after.rounds - before.rounds, 1)
+    summary = {"questions_per_round": round(questions / rounds, 2)}
+    for stage, seconds in after.seconds().items():
+        summary[f"{stage}_ms"] = round((seconds - before.seconds()[stage]) * 1e3 / questions, 2)
+    return summary
+
+
 def level_report(
-    clients: int, results: list[load.Result], duration_s: float, tokens: int, cpu: dict[str, Any]
+    clients: int,
+    results: list[load.Result],
+    duration_s: float,
+    tokens: int,
+    cpu: dict[str, Any],
+    retrieval: dict[str, float],
 ) -> LevelReport:
     ok = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
@@ -260,23 +278,33 @@ def level_report(
         complete=sum(r.output_tokens == tokens and r.text == expected for r in ok),
         token_events_per_answer=round(sum(r.token_events for r in ok) / max(len(ok), 1), 2),
         cpu_ms_per_answer=cpu,
+        retrieval=retrieval,
         first_errors=[r.error for r in failed[:5] if r.error is not None],
     )
 
 
 def run_level(
-    args: argparse.Namespace, url: str, clients: int, pool: ProcessPoolExecutor, pids: dict[str, int], sample: bool
+    args: argparse.Namespace,
+    url: str,
+    clients: int,
+    pool: ProcessPoolExecutor,
+    pids: dict[str, int],
+    retrieval: RetrievalBatcher,
+    sample: bool,
 ) -> tuple[LevelReport, str | None]:
     """A warm-up, then a timed run: its report and, when `sample`, the profile of the timed run (py-spy's)."""
     pool.submit(client_drive, load_config(args, url, clients, args.warmup_s, args.max_requests)).result()
     spy = PySpy(args.py_spy, os.getpid(), args.duration, args.out / "py-spy.txt") if sample else None
-    before = cpu_snapshot(pids)
+    before, rounds_before = cpu_snapshot(pids), retrieval.stats()
     results, duration_s = pool.submit(
         client_drive, load_config(args, url, clients, args.duration, args.max_requests)
     ).result()
-    after = cpu_snapshot(pids)
+    after, rounds_after = cpu_snapshot(pids), retrieval.stats()
     answers = sum(r.error is None for r in results)
-    report = level_report(clients, results, duration_s, args.tokens, cpu_ms_per_answer(before, after, answers))
+    cpu = cpu_ms_per_answer(before, after, answers)
+    report = level_report(
+        clients, results, duration_s, args.tokens, cpu, retrieval_summary(rounds_before, rounds_after)
+    )
     log.info("%d clients: %.1f answers/s, %d errors", clients, report.answers_per_s, report.errors)
     if spy is None:
         return report, None
@@ -315,7 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pids = {"gateway": os.getpid(), **child_pids(next(iter(pool._processes)))}  # the pool's one worker
             last = len(args.concurrency) - 1
             runs = [
-                run_level(args, served.url, clients, pool, pids, args.profile and i == last)
+                run_level(args, served.url, clients, pool, pids, runtime.retrieval, args.profile and i == last)
                 for i, clients in enumerate(args.concurrency)
             ]
     pool.shutdown()
@@ -393,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     for level in outcome["levels"]:
         print(f"{level['concurrency']} clients, CPU ms per answer: {json.dumps(level['cpu_ms_per_answer'])}")
+        print(f"{level['concurrency']} clients, retrieval: {json.dumps(level['retrieval'])}")
         for error in level["first_errors"]:
             print(f"error: {error}", file=sys.stderr)
     if profile is not None:
