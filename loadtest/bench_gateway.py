@@ -93,6 +93,7 @@ def gateway_settings(args: argparse.Namespace, engine_url: str) -> Settings:
         data_dir=args.data_dir,
         embedding_model=args.embedding_model,
         embedding_process="on",  # as on a GPU host (`auto` means on there): the question embedded in a child
+        **({} if args.embedding_processes is None else {"embedding_processes": args.embedding_processes}),
         chunk_size=args.chunk_size,
         chunk_overlap=0,
         default_max_new_tokens=args.tokens,
@@ -153,13 +154,16 @@ class CpuSnapshot:
     threads: dict[str, float]
 
 
-def cpu_snapshot(pids: dict[str, int]) -> CpuSnapshot:
+def cpu_snapshot(pids: dict[str, list[int]]) -> CpuSnapshot:
+    """CPU seconds by process name (processes of one name, as the question embedder's children, summed)."""
     processes = {}
-    for name, pid in pids.items():
-        try:
-            processes[name] = cpu_seconds(Path(f"/proc/{pid}/stat"))
-        except OSError:
-            processes[name] = 0.0
+    for name, group in pids.items():
+        processes[name] = 0.0
+        for pid in group:
+            try:
+                processes[name] += cpu_seconds(Path(f"/proc/{pid}/stat"))
+            except OSError:
+                continue
     return CpuSnapshot(processes, gateway_threads())
 
 
@@ -172,12 +176,12 @@ def cpu_ms_per_answer(before: CpuSnapshot, after: CpuSnapshot, answers: int) -> 
     return {"processes": processes, "gateway_threads": {k: v for k, v in threads.items() if v > 0}}
 
 
-def child_pids(clients: int) -> dict[str, int]:
-    """This process's live children by what they run (the question embedder, the canned engine, the clients)."""
-    children = {"clients": clients}
+def child_pids(clients: int) -> dict[str, list[int]]:
+    """This process's live children by what they run (the question embedder's, the canned engine, the clients)."""
+    children = {"clients": [clients]}
     for child in multiprocessing.active_children():
         if child.pid is not None and child.pid != clients:
-            children[child.name] = child.pid
+            children.setdefault(child.name, []).append(child.pid)
     return children
 
 
@@ -288,7 +292,7 @@ def run_level(
     url: str,
     clients: int,
     pool: ProcessPoolExecutor,
-    pids: dict[str, int],
+    pids: dict[str, list[int]],
     retrieval: RetrievalBatcher,
     sample: bool,
 ) -> tuple[LevelReport, str | None]:
@@ -340,7 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait_for(lambda: gateway_ready(served.url), "the gateway")
             chunks = pool.submit(client_ingest, served.url, args.topics, args.sentences, args.seed).result()
             log.info("ingested %d chunks", chunks)
-            pids = {"gateway": os.getpid(), **child_pids(next(iter(pool._processes)))}  # the pool's one worker
+            pids = {"gateway": [os.getpid()], **child_pids(next(iter(pool._processes)))}  # the pool's one worker
             last = len(args.concurrency) - 1
             runs = [
                 run_level(args, served.url, clients, pool, pids, runtime.retrieval, args.profile and i == last)
@@ -374,6 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None, help="HF folder; default: the tiny qwen2, built")
     parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
+    parser.add_argument(
+        "--embedding-processes", type=int, default=None, help="question-embedder children; default: the setting's"
+    )
     parser.add_argument("--tokens", type=int, default=32, help="canned tokens per answer")
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="0: every token at once")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 128])

@@ -191,6 +191,13 @@ class Settings(BaseSettings):
         description="Embed questions in a child process, so the forward never waits for the gateway's GIL (engine "
         "thread, event loop); auto = on when the LLM runs on CUDA.",
     )
+    embedding_processes: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Child processes embedding questions where they are embedded in a child (1..8): as many "
+        "retrieval rounds run at once, each child on an equal share of the cores (at most 4 torch threads).",
+    )
     rerank_model: str | None = Field(
         None,
         description="sentence-transformers CrossEncoder model folder that reorders the retrieved candidates "

@@ -5,6 +5,9 @@ blocks. One retrieval thread takes every question waiting at that moment, embeds
 them in one batched query, then wakes each caller with its hits. Nothing waits for a batch to fill: a lone question
 goes at once (no added latency at one client), and under load the questions that arrive while a round runs form
 the next round. Retrieval never runs on the engine loop, so it overlaps the GPU's work.
+
+With `rounds` > 1 (one per question-embedder child, `QueryEmbedPool`) as many retrieval threads each take a round:
+while one searches Qdrant for its round, another's questions are embedded, and rounds embed side by side.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from service.errors import UnavailableError
 from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
 
 DEFAULT_MAX_BATCH = 64
+MAX_ROUNDS = 8
 
 EmbedMany = Callable[[Sequence[str]], list[list[float]]]
 # (question vectors, top_k of each, question texts[, search options of each]) → hits of each; the texts make the
@@ -57,9 +61,13 @@ class RetrievalBatcher:
     """Batches concurrent `retrieve` calls; `rounds`, `largest_round` and `stats()` tell what it did (tests,
     metrics)."""
 
-    def __init__(self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+    def __init__(
+        self, embed: EmbedMany, search: SearchMany, max_batch: int = DEFAULT_MAX_BATCH, rounds: int = 1
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
+        if not 1 <= rounds <= MAX_ROUNDS:
+            raise ValueError(f"rounds must be 1 to {MAX_ROUNDS}, got {rounds}")
         self._embed = embed
         self._search = search
         self.max_batch = max_batch
@@ -67,9 +75,12 @@ class RetrievalBatcher:
         self._waiting: queue.Queue[list[_Pending] | None] = queue.Queue()
         self.rounds = 0
         self.largest_round = 0
+        self._counting = threading.Lock()  # rounds end on several threads
         self._stats = RetrievalStats()  # replaced whole after each round, so a reader never sees half an update
-        self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
-        self._thread.start()
+        names = ["retrieval"] if rounds == 1 else [f"retrieval-{i}" for i in range(rounds)]
+        self._threads = [threading.Thread(target=self._run, name=name, daemon=True) for name in names]
+        for thread in self._threads:
+            thread.start()
 
     def retrieve(self, text: str, top_k: int, options: SearchOptions = PLAIN_SEARCH) -> list[RetrievedChunk]:
         """The top-k chunks for one question (blocks; errors of the embedder or Qdrant are raised here)."""
@@ -87,8 +98,11 @@ class RetrievalBatcher:
         return self._stats
 
     def close(self) -> None:
-        self._waiting.put(None)
-        self._thread.join(timeout=10)
+        """Each thread ends at a None of its own, after the questions queued before it."""
+        for _ in self._threads:
+            self._waiting.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     def _run(self) -> None:
         while (first := self._waiting.get()) is not None:
@@ -108,8 +122,9 @@ class RetrievalBatcher:
                 return
 
     def _round(self, batch: list[_Pending]) -> None:
-        self.rounds += 1
-        self.largest_round = max(self.largest_round, len(batch))
+        with self._counting:
+            self.rounds += 1
+            self.largest_round = max(self.largest_round, len(batch))
         began = time.perf_counter()
         try:
             texts = [p.text for p in batch]
@@ -125,15 +140,17 @@ class RetrievalBatcher:
             pending.result.set_result(found)
 
     def _count(self, batch: list[_Pending], began: float, embedded: float, searched: float) -> None:
-        n, stats = len(batch), self._stats
-        self._stats = replace(
-            stats,
-            questions=stats.questions + n,
-            rounds=stats.rounds + 1,
-            wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
-            embed_s=stats.embed_s + n * (embedded - began),
-            search_s=stats.search_s + n * (searched - embedded),
-        )
+        n = len(batch)
+        with self._counting:
+            stats = self._stats
+            self._stats = replace(
+                stats,
+                questions=stats.questions + n,
+                rounds=stats.rounds + 1,
+                wait_s=stats.wait_s + sum(began - p.queued_at for p in batch),
+                embed_s=stats.embed_s + n * (embedded - began),
+                search_s=stats.search_s + n * (searched - embedded),
+            )
 
     def _searched(
         self, vectors: list[list[float]], top_ks: list[int], texts: list[str], options: list[SearchOptions]

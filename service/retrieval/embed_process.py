@@ -47,9 +47,11 @@ class EmbedProcessError(RuntimeError):
     """The child could not start, or answered a request with an error (its own exception, or a bad message)."""
 
 
-def child_threads() -> int:
-    """Torch threads of the child: a few cores, never more than the machine has."""
-    return max(1, min(4, os.cpu_count() or 1))
+def child_threads(children: int = 1) -> int:
+    """Torch threads of each of `children` children: a few cores each, never more than the machine has between
+    them (one at least). An idle torch thread spins between the forward's hundreds of small ops, so threads beyond
+    the free cores burn a core's time waiting for one that was descheduled."""
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, children)))
 
 
 class QueryEmbedProcess:
@@ -61,9 +63,13 @@ class QueryEmbedProcess:
         device: str = "cpu",
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        self.threads = threads if threads is not None else child_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
         self._lock = threading.Lock()  # one request in flight: the pipe carries one exchange at a time
@@ -155,7 +161,7 @@ class QueryEmbedProcess:
         parent_end, child_end = context.Pipe(duplex=True)
         process = context.Process(
             target=serve_embeddings,
-            args=(child_end, self.model, self.device),
+            args=(child_end, self.model, self.device, self.threads),
             name="kvstitch-embed",
             daemon=True,  # ended by multiprocessing's exit handler if the parent exits without close()
         )
@@ -233,13 +239,13 @@ def _short(value: Any) -> str:
 # ---- the child ----------------------------------------------------------------------------------------------
 
 
-def serve_embeddings(conn: Connection, model: str | None, device: str) -> None:
+def serve_embeddings(conn: Connection, model: str | None, device: str, threads: int) -> None:
     """The child's main: load the embedder, say ready with its dimension, then answer requests until told to
     exit or the parent goes away (its end of the pipe closes)."""
     # Ctrl-C reaches the whole process group; the parent's shutdown ends the child, a traceback here would not.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        embedder = _load_embedder(model, device)
+        embedder = _load_embedder(model, device, threads)
     except Exception as err:  # the parent raises it, with this reason, at start-up
         conn.send((FAILED, f"{type(err).__name__}: {err}"))
         return
@@ -254,8 +260,8 @@ def serve_embeddings(conn: Connection, model: str | None, device: str) -> None:
         conn.send(_answer(embedder, message))
 
 
-def _load_embedder(model: str | None, device: str) -> Embedder:
-    torch.set_num_threads(child_threads())  # its own cores: the parent's threads are not competing for them here
+def _load_embedder(model: str | None, device: str, threads: int) -> Embedder:
+    torch.set_num_threads(threads)  # its own cores: the parent's threads are not competing for them here
     embedder = Embedder(model, device=device)
     embedder.embed_queries(["warm-up"])  # the first forward pays lazy set-up (~200 ms): at start, not a user's
     return embedder

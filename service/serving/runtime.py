@@ -45,7 +45,7 @@ from service.kvcache.store import KVStore, TierBudgets
 from service.retrieval.batcher import RetrievalBatcher
 from service.retrieval.chunker import Chunker, ChunkerConfig
 from service.retrieval.collection import PLAIN_SEARCH, ChunkCollection, RetrievedChunk, SearchOptions
-from service.retrieval.embed_process import QueryEmbedProcess
+from service.retrieval.embed_pool import QueryEmbedPool
 from service.retrieval.embedder import Embedder
 from service.retrieval.reranker import RerankedSearch, Reranker
 from service.serving.data_dir_lock import DataDirLock, claim_data_dir
@@ -135,7 +135,7 @@ class Runtime:
     order: DocumentOrder
     precompute: Precompute  # the engine's precompute, run on the engine loop (the store's misses, ingestion)
     retrieval: RetrievalBatcher  # questions' embeddings and searches, batched across concurrent requests
-    question_embedder: QueryEmbedProcess | None = None  # the child process that embeds questions, where one runs
+    question_embedder: QueryEmbedPool | None = None  # the child processes that embed questions, where they run
     reranker: Reranker | None = None  # the cross-encoder that reorders retrieved candidates, where one is set
     data_dir_lock: DataDirLock | None = None  # held while embedded Qdrant or the SQLite stores are open
     tier_publisher: TierPublisher | None = None  # the store's tier changes to Redis, where `engine_id` is set
@@ -549,16 +549,27 @@ def question_embedder_in_child(mode: str, engine_device: torch.device) -> bool:
     return mode == "on"
 
 
-def open_question_embedder(settings: Settings, engine: StitchEngine, embedder: Embedder) -> QueryEmbedProcess | None:
-    """The child process for questions' embeddings when the settings call for one (the in-process `embedder`
+def open_question_embedder(settings: Settings, engine: StitchEngine, embedder: Embedder) -> QueryEmbedPool | None:
+    """The child processes for questions' embeddings when the settings call for them (the in-process `embedder`
     keeps the documents' and the collection's dimension); None = questions embedded in this process."""
     if not question_embedder_in_child(settings.embedding_process, engine.spec.device):
         return None
-    child = QueryEmbedProcess(settings.embedding_model, device=settings.embedding_device)
-    if child.dimension != embedder.dimension:  # two models: its vectors would not fit the collection
-        child.close()
-        raise RuntimeError(f"question embedder dimension {child.dimension} != embedder's {embedder.dimension}")
-    return child
+    pool = QueryEmbedPool(settings.embedding_processes, settings.embedding_model, device=settings.embedding_device)
+    if pool.dimension != embedder.dimension:  # two models: its vectors would not fit the collection
+        pool.close()
+        raise RuntimeError(f"question embedder dimension {pool.dimension} != embedder's {embedder.dimension}")
+    return pool
+
+
+def open_retrieval(
+    question_embedder: QueryEmbedPool | None, embedder: Embedder, collection: ChunkCollection
+) -> RetrievalBatcher:
+    """The retrieval batcher: a round in flight per question-embedder child (in this process one: the embedder
+    serves one batch at a time)."""
+    if question_embedder is None:
+        return RetrievalBatcher(embedder.embed_queries, collection.search_many)
+    rounds = len(question_embedder.children)
+    return RetrievalBatcher(question_embedder.embed_queries, collection.search_many, rounds=rounds)
 
 
 def open_reranker(settings: Settings, embedder: Embedder) -> Reranker | None:
@@ -586,8 +597,7 @@ def _open_components(
     queue, jobs, order = open_jobs(settings)
     blocks_swept = sweep_dead_jobs(queue, collection, store, settings.kv_sweep_grace_s)
     question_embedder = open_question_embedder(settings, engine, embedder) if answers else None
-    embed_questions = question_embedder.embed_queries if question_embedder is not None else embedder.embed_queries
-    retrieval = RetrievalBatcher(embed_questions, collection.search_many)
+    retrieval = open_retrieval(question_embedder, embedder, collection)
     return Runtime(
         settings,
         engine,

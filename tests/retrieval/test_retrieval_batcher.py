@@ -140,3 +140,41 @@ def test_a_conversations_texts_share_one_round_and_each_gets_its_own_hits() -> N
 
     assert backend.embed_batches == [["q", "earlier\nq"]] and batcher.rounds == 1
     assert [[c.id for c in hits] for hits in found] == [["len1-0", "len1-1"], ["len9-0", "len9-1"]]
+
+
+def test_with_two_rounds_a_round_runs_while_another_is_still_embedding() -> None:
+    """Round 1 ("a") blocks in its embedding; with `rounds=2` a question asked meanwhile gets its hits from the
+    second thread before round 1 is released, and the stats count both rounds once each."""
+    backend = SlowBackend()
+    batcher = RetrievalBatcher(backend.embed, backend.search, rounds=2)
+    results: dict[str, list[RetrievedChunk]] = {}
+
+    def ask(text: str, k: int) -> None:
+        results[text] = batcher.retrieve(text, k)
+
+    first = threading.Thread(target=ask, args=("a", 1))
+    first.start()
+    while not backend.embed_batches:
+        pass
+    second = threading.Thread(target=ask, args=("bb", 2))
+    second.start()
+    second.join(10)
+
+    assert not second.is_alive() and first.is_alive()  # answered while round 1 is held
+    assert [c.id for c in results["bb"]] == ["len2-0", "len2-1"]
+    backend.release.set()
+    first.join(10)
+    batcher.close()
+
+    assert [c.id for c in results["a"]] == ["len1-0"]
+    assert backend.embed_batches == [["a"], ["bb"]]
+    assert (batcher.rounds, batcher.stats().rounds, batcher.stats().questions) == (2, 2, 2)
+    assert not any(t.is_alive() for t in batcher._threads)  # close ended both threads
+    assert [t.name for t in batcher._threads] == ["retrieval-0", "retrieval-1"]
+
+
+def test_the_rounds_in_flight_are_bounded() -> None:
+    backend = SlowBackend()
+    for wrong in (0, 9):
+        with pytest.raises(ValueError, match=f"rounds must be 1 to 8, got {wrong}"):
+            RetrievalBatcher(backend.embed, backend.search, rounds=wrong)
