@@ -70,6 +70,11 @@ class EngineAnswerRequest:
         body["history"] = [{"role": m.role, "text": m.text} for m in self.history]
         return body
 
+    def body(self) -> bytes:
+        """The request's JSON body, as an HTTP client encodes `to_json()` (compact, UTF-8, no NaN)."""
+        text = json.dumps(self.to_json(), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+
 
 def _chunk_json(chunk: WireChunk) -> dict[str, Any]:
     return {

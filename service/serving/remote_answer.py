@@ -34,11 +34,14 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
 # An answer may wait in an engine's line and decode for minutes; a silent engine past this is taken for dead.
 READ_TIMEOUT_S = 300.0
+# The end of an answer's body after its done event: on the same write, or just after it.
+END_OF_BODY_TIMEOUT_S = 0.5
 
 # httpcore's pool checks every idle connection it holds (a poll and a getpeername call each) at every request and
 # every response's end: one pool of a connection per answer in flight costs the event loop O(answers) per answer.
 # Questions take the clients in turn, so each pool holds a share of the connections.
 CLIENT_POOLS = 16
+JSON_BODY = {"content-type": "application/json"}
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[httpx.AsyncClient]] = weakref.WeakKeyDictionary()
 _turns = itertools.count()
@@ -75,6 +78,9 @@ class RemoteAnswer:
         self._fleet = fleet
         self._metrics = metrics
         self._request = request
+        # Encoded here, on the caller's worker thread: the token ids of every chunk take a millisecond to encode,
+        # which the event loop would spend at each post (and each retry).
+        self._body = request.body()
         self._chunks = chunks
         self._sources = sources
         self._started = started
@@ -132,7 +138,7 @@ class RemoteAnswer:
 
     async def _post(self, routed: Routed) -> httpx.Response:
         client = engine_client()
-        request = client.build_request("POST", f"{routed.url}/answer", json=self._request.to_json())
+        request = client.build_request("POST", f"{routed.url}/answer", content=self._body, headers=JSON_BODY)
         try:
             response = await client.send(request, stream=True)
         except httpx.TransportError as err:
@@ -188,6 +194,7 @@ class RemoteAnswer:
                     for event in merged_tokens(events):
                         if isinstance(event, DoneEvent):
                             yield self._finish(event)
+                            await _read_to_the_end(arrived)
                             return
                         if self._first_token_at is None:
                             self._first_token_at = time.perf_counter()
@@ -258,6 +265,18 @@ async def _arrived_lines(response: httpx.Response) -> AsyncGenerator[list[bytes]
             await reader
     if pending.strip():
         yield [pending]
+
+
+async def _read_to_the_end(arrived: AsyncIterator[list[bytes]]) -> None:
+    """What follows the done event (the body's last chunk), so that closing the response gives its connection back
+    to the pool: httpcore drops a connection whose response was closed unread, and the next answer then pays a new
+    TCP connection on both sides. An engine that sends more than that, or not at once, or fails now, only loses
+    the connection: the answer is whole."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(END_OF_BODY_TIMEOUT_S):
+            async for lines in arrived:
+                log.warning("engine sent %d lines after its done event; ignored", len(lines))
+                return
 
 
 async def _read_body(response: httpx.Response, arrived: asyncio.Queue[bytes | Exception | None]) -> None:

@@ -1,16 +1,31 @@
 """How the gateway reads an engine's JSON lines: tokens that arrived together leave as one event, none waits for
-another, a line cut across reads is whole, and an error line still lets the tokens before it out."""
+another, a line cut across reads is whole, an error line still lets the tokens before it out, and a finished
+answer's connection is kept for the next."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import httpx
+import pytest
+import uvicorn
 
-from service.facade.engine import EngineAnswerRequest, EngineStreamError, error_line, event_line
+from loadtest.canned_engine import CANNED_TOKEN, CannedConfig, CannedEngine
+from service.api.engine_app import create_engine_app
+from service.facade.engine import EngineAnswerRequest, EngineStreamError, WireChunk, error_line, event_line
 from service.facade.types import AnswerEvent, DoneEvent, Logprob, TokenEvent
-from service.serving.remote_answer import _arrived_lines, _parsed, merged_tokens
+from service.fleet.routing import ChunkRef
+from service.kvcache.keys import KeySpace
+from service.metrics import Metrics
+from service.serving.fleet_gateway import Fleet
+from service.serving.remote_answer import CLIENT_POOLS, RemoteAnswer, _arrived_lines, _clients, _parsed, merged_tokens
+from service.settings import Settings
+from tests.ports import free_port
 
 DONE = DoneEvent("turbo", "reordered", 1.0, 3, "length", {}, {"gpu": 1}, "abc", 10, 5)
 
@@ -92,3 +107,66 @@ def test_the_request_json_keeps_every_field() -> None:
     request = EngineAnswerRequest("why?", ())
 
     assert set(request.to_json()) == set(EngineAnswerRequest.__dataclass_fields__)
+
+
+class AnswerClients:
+    """ASGI middleware: the client port of every POST /answer (one port per TCP connection)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.ports: list[int] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/answer":
+            self.ports.append(scope["client"][1])
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def canned_engine() -> Iterator[tuple[str, AnswerClients, KeySpace]]:
+    """The benchmark's canned engine (`kvstitch engine`'s app, 3 tokens an answer) on a thread of its own."""
+    space = KeySpace("fp", "tpl", "float32")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    counted = AnswerClients(create_engine_app(CannedEngine(CannedConfig(dataclasses.asdict(space), 3, 0.0), url)))
+    server = uvicorn.Server(uvicorn.Config(counted, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the canned engine did not start"
+        time.sleep(0.02)
+    yield url, counted, space
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_answers_in_turn_reuse_the_gateways_connections_to_the_engine(
+    canned_engine: tuple[str, AnswerClients, KeySpace],
+) -> None:
+    """An answer's body is read to its end after the done event, so its connection goes back to its client's pool:
+    3 answers per pool in turn open one connection per pool, not one per answer."""
+    url, counted, space = canned_engine
+    fleet = Fleet(Settings(engines=url, _env_file=None), space)  # type: ignore[call-arg]
+    fleet.probe()
+    request = EngineAnswerRequest("why?", (WireChunk("c", "d", 1.0, "text", (1, 2, 3)),))
+    answers = 3 * CLIENT_POOLS
+
+    async def ask_in_turn() -> list[list[AnswerEvent]]:
+        got = []
+        for _ in range(answers):
+            remote = RemoteAnswer(fleet, Metrics(), request, [ChunkRef("k", 3)], [], time.perf_counter(), 0.0)
+            await remote.open()
+            got.append([event async for event in remote])
+        for client in _clients.pop(asyncio.get_running_loop(), []):
+            await client.aclose()
+        return got
+
+    events = asyncio.run(ask_in_turn())
+    fleet.close()
+
+    assert all(e[-1].answer == CANNED_TOKEN * 3 for e in events if isinstance(e[-1], DoneEvent))
+    assert [type(e[-1]) for e in events] == [DoneEvent] * answers
+    assert len(counted.ports) == answers
+    assert len(set(counted.ports)) == CLIENT_POOLS
+    assert [s.running for s in fleet.engines()] == [0]  # every answer gave its place back

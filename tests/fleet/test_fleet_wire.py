@@ -3,12 +3,15 @@ settings, `--gpus` and the engine ids, and a fleet with nothing to route to."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -49,6 +52,16 @@ REQUEST = EngineAnswerRequest(
 
 def test_a_request_survives_its_json_form() -> None:
     assert parse_answer_request(REQUEST.to_json()) == REQUEST
+
+
+def test_the_request_body_is_what_the_http_client_would_encode() -> None:
+    """The gateway encodes the body on its worker thread (`body`) instead of handing httpx `to_json()` on the event
+    loop: the bytes on the wire are the same, text outside ASCII included."""
+    request = dataclasses.replace(REQUEST, question="pourquoi « ça » ? 🙂", stop=("\n", "fin ✓"))
+    for each in (REQUEST, request, EngineAnswerRequest("why?", ())):
+        sent = httpx.Request("POST", "http://engine/answer", json=each.to_json())
+        assert each.body() == sent.read()
+        assert parse_answer_request(json.loads(each.body())) == each
 
 
 @pytest.mark.parametrize(
