@@ -20,7 +20,9 @@ from service.facade.errors import (
 )
 
 
-def get_facade(request: Request) -> Facade:
+async def get_facade(request: Request) -> Facade:
+    """Async though it never waits: FastAPI runs a plain function dependency on its thread pool, a thread hop (and
+    a wake-up) per request for one attribute read."""
     facade: Facade = request.app.state.facade
     return facade
 
