@@ -202,7 +202,9 @@ def client_drive(config: load.LoadConfig) -> tuple[list[load.Result], float]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     async def run() -> tuple[list[load.Result], float]:
-        limits = httpx.Limits(max_connections=config.concurrency + 2)
+        # Every client keeps its connection between questions: httpx keeps 20 idle ones by default, so answers that end
+        # together past 20 closed theirs and the next questions paid new connections on both sides.
+        limits = httpx.Limits(max_connections=config.concurrency + 2, max_keepalive_connections=config.concurrency + 2)
         timeout = httpx.Timeout(load.REQUEST_TIMEOUT_S)
         async with httpx.AsyncClient(base_url=config.url, limits=limits, timeout=timeout) as client:
             return await load.drive(client, config)

@@ -248,7 +248,9 @@ async def ask(client: httpx.AsyncClient, config: LoadConfig, result: Result) -> 
 async def run_load(config: LoadConfig) -> LoadReport:
     """Ingest, load, report (table, JSON and plot under `config.out_dir`)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency + 2)
+    # Every client keeps its connection between questions: httpx keeps 20 idle ones by default, so answers that end
+    # together past 20 closed theirs and the next questions paid new connections on both sides.
+    limits = httpx.Limits(max_connections=config.concurrency + 2, max_keepalive_connections=config.concurrency + 2)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits, timeout=timeout) as client:
         began = time.perf_counter()
