@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,8 +271,12 @@ async def run_load(config: LoadConfig) -> LoadReport:
     return report
 
 
-async def drive(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Result], float]:
-    """The load phase alone (the corpus already ingested): every question's result and the seconds it ran."""
+async def drive(
+    client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig
+) -> tuple[list[Result], float]:
+    """The load phase alone (the corpus already ingested): every question's result and the seconds it ran. Given
+    several HTTP clients, the simulated clients take them in turn."""
+    clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
     # Drawn up front from one seeded generator, so a run's sequence of questions is reproducible.
@@ -284,14 +288,14 @@ async def drive(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Res
     start = time.perf_counter()
     deadline = start + config.duration_s
 
-    async def client_loop() -> None:
+    async def client_loop(http: httpx.AsyncClient) -> None:
         while time.perf_counter() < deadline and len(results) < len(plan):
             mode, topic = plan[len(results)]
             result = Result(mode, topic, time.perf_counter() - start)
             results.append(result)  # claimed before awaiting, so no two clients take the same slot
-            await ask(client, config, result)
+            await ask(http, config, result)
 
-    await asyncio.gather(*(client_loop() for _ in range(config.concurrency)))
+    await asyncio.gather(*(client_loop(clients[i % len(clients)]) for i in range(config.concurrency)))
     return results, time.perf_counter() - start
 
 
