@@ -38,6 +38,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     import uvicorn
 
     from service.api.engine_app import create_engine_app
+    from service.facade.engine import ENGINE_KEEP_ALIVE_S
     from service.serving.engine_server import EngineServer
 
     if not settings.model:
@@ -57,6 +58,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
         port=port,
         log_level="info",
         access_log=False,
+        timeout_keep_alive=ENGINE_KEEP_ALIVE_S,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
     )
     return 0

@@ -28,6 +28,11 @@ MAX_NEW_TOKENS = 1 << 16
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant")
+# How long an engine keeps an idle connection from a gateway open (seconds). A gateway retires its idle connections
+# to an engine well before (`GATEWAY_KEEP_ALIVE_S`): one reused just as the engine closed it would fail the question's
+# post, and a failed post takes the engine out of routing until its next probe.
+ENGINE_KEEP_ALIVE_S = 5
+GATEWAY_KEEP_ALIVE_S = ENGINE_KEEP_ALIVE_S / 2
 
 
 @dataclass(frozen=True)

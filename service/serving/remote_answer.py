@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 import httpx
 
 from service.errors import BusyError, InvalidRequestError, UnavailableError
-from service.facade.engine import EngineAnswerRequest, EngineStreamError, parse_event
+from service.facade.engine import GATEWAY_KEEP_ALIVE_S, EngineAnswerRequest, EngineStreamError, parse_event
 from service.facade.types import AnswerEvent, DoneEvent, Source, TokenEvent
 from service.fleet.routing import ChunkRef
 from service.metrics import Metrics
@@ -53,7 +53,7 @@ def engine_client() -> httpx.AsyncClient:
     clients = _clients.get(loop)
     if clients is None:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        limits = httpx.Limits(max_connections=None)
+        limits = httpx.Limits(max_connections=None, keepalive_expiry=GATEWAY_KEEP_ALIVE_S)
         clients = _clients[loop] = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(CLIENT_POOLS)]
     return clients[next(_turns) % len(clients)]
 

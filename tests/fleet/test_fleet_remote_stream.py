@@ -17,13 +17,29 @@ import uvicorn
 
 from loadtest.canned_engine import CANNED_TOKEN, CannedConfig, CannedEngine
 from service.api.engine_app import create_engine_app
-from service.facade.engine import EngineAnswerRequest, EngineStreamError, WireChunk, error_line, event_line
+from service.facade.engine import (
+    ENGINE_KEEP_ALIVE_S,
+    GATEWAY_KEEP_ALIVE_S,
+    EngineAnswerRequest,
+    EngineStreamError,
+    WireChunk,
+    error_line,
+    event_line,
+)
 from service.facade.types import AnswerEvent, DoneEvent, Logprob, TokenEvent
 from service.fleet.routing import ChunkRef
 from service.kvcache.keys import KeySpace
 from service.metrics import Metrics
 from service.serving.fleet_gateway import Fleet
-from service.serving.remote_answer import CLIENT_POOLS, RemoteAnswer, _arrived_lines, _clients, _parsed, merged_tokens
+from service.serving.remote_answer import (
+    CLIENT_POOLS,
+    RemoteAnswer,
+    _arrived_lines,
+    _clients,
+    _parsed,
+    engine_client,
+    merged_tokens,
+)
 from service.settings import Settings
 from tests.ports import free_port
 
@@ -129,7 +145,10 @@ def canned_engine() -> Iterator[tuple[str, AnswerClients, KeySpace]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     counted = AnswerClients(create_engine_app(CannedEngine(CannedConfig(dataclasses.asdict(space), 3, 0.0), url)))
-    server = uvicorn.Server(uvicorn.Config(counted, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(
+        counted, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=ENGINE_KEEP_ALIVE_S
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -170,3 +189,19 @@ def test_answers_in_turn_reuse_the_gateways_connections_to_the_engine(
     assert len(counted.ports) == answers
     assert len(set(counted.ports)) == CLIENT_POOLS
     assert [s.running for s in fleet.engines()] == [0]  # every answer gave its place back
+
+
+def test_the_gateway_retires_an_idle_engine_connection_before_the_engine_closes_it() -> None:
+    """A connection the engine closes for idleness just as the gateway reuses it fails that question's post (and takes
+    the engine out of routing): the gateway's idle expiry is below the engine server's keep-alive."""
+
+    async def expiry() -> float:
+        client = engine_client()
+        try:
+            seconds: float = client._transport._pool._keepalive_expiry  # type: ignore[attr-defined]
+            return seconds
+        finally:
+            for each in _clients.pop(asyncio.get_running_loop(), []):
+                await each.aclose()
+
+    assert asyncio.run(expiry()) == GATEWAY_KEEP_ALIVE_S <= ENGINE_KEEP_ALIVE_S / 2
