@@ -55,7 +55,6 @@ log = logging.getLogger("bench_gateway")
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300.0
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-CLIENTS_PER_POOL = 8  # simulated clients sharing one HTTP connection pool
 
 
 # ---- the gateway (this process) -----------------------------------------------------------------------------
@@ -203,20 +202,8 @@ def client_drive(config: load.LoadConfig) -> tuple[list[load.Result], float]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     async def run() -> tuple[list[load.Result], float]:
-        # A connection pool per CLIENTS_PER_POOL clients, each keeping all its connections between questions:
-        # httpcore scans every connection of a pool at each request and response end, which in one pool of 128
-        # took most of this process's CPU (taken from the gateway on a small machine), and httpx keeps 20 idle
-        # connections by default, so answers ending together past 20 reconnected.
-        pools = -(-config.concurrency // CLIENTS_PER_POOL)
-        size = CLIENTS_PER_POOL + 2
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        timeout = httpx.Timeout(load.REQUEST_TIMEOUT_S)
-        clients = [httpx.AsyncClient(base_url=config.url, limits=limits, timeout=timeout) for _ in range(pools)]
-        try:
+        async with load.client_pools(config.url, config.concurrency) as clients:
             return await load.drive(clients, config)
-        finally:
-            for client in clients:
-                await client.aclose()
 
     return asyncio.run(run())
 

@@ -219,11 +219,13 @@ async def drive_configuration(
         runs = []
         for clients in concurrency:
             warm = phase_config(args, url, clients, args.warmup_s, args.warmup_requests)
-            await load.drive(client, warm)
+            async with load.client_pools(url, clients) as pools:
+                await load.drive(pools, warm)
             before = await engine_pages(engine_urls)
-            results, duration_s = await load.drive(
-                client, phase_config(args, url, clients, args.duration, args.max_requests)
-            )
+            async with load.client_pools(url, clients) as pools:
+                results, duration_s = await load.drive(
+                    pools, phase_config(args, url, clients, args.duration, args.max_requests)
+                )
             after = await engine_pages(engine_urls)
             runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
             log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)

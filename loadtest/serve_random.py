@@ -180,11 +180,13 @@ async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> 
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
         for concurrency in args.concurrency:
             warm = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
-            warm_results, _ = await load.drive(client, warm)
+            async with load.client_pools(url, concurrency) as clients:
+                warm_results, _ = await load.drive(clients, warm)
             warm_errors = [r.error for r in warm_results if r.error]
             config = phase_config(args, url, concurrency, args.duration, args.max_requests)
             before_page = (await client.get("/metrics")).text
-            results, duration_s = await load.drive(client, config)
+            async with load.client_pools(url, concurrency) as clients:
+                results, duration_s = await load.drive(clients, config)
             after_page = (await client.get("/metrics")).text
             before, after = engine_seconds(before_page), engine_seconds(after_page)
             modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
