@@ -28,6 +28,25 @@ KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU 
 Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
 engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
 `done` events report. Writes `report.json` and `table.md` under --out, and prints the table.
+
+Where the time went (`loadtest.proc_cpu`, from /proc around each timed run; `cpu` in report.json, the second table
+of table.md): CPU ms per answer and cores busy (CPU seconds / wall seconds) of the gateway's process, split by thread
+group (`event_loop`: uvicorn's thread; `retrieval`: the batcher that embeds and searches; `request_threads`: anyio's
+workers, each request's retrieval wait, preparation and routing; `other`: the rest, threads that ended included), of
+the question embedder's child (on CUDA: `embedding_process` on), of each engine process of the configuration
+(`engine-N`), of the clients' process and of any other child of the gateway's process; per process also its busiest
+thread's cores. Python threads share their process's GIL: a gateway whose event loop, or whose Python threads
+together, sit near 1.0 core is bound by it; an engine whose busiest thread is near 1.0 has a saturated scheduler;
+all of them well below 1.0 means the run waits (on the GPU, or on a queue). The clients' process near 1.0 would
+make the clients the wall.
+
+    python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases scale --concurrency 64 --profile
+
+`--profile`: py-spy (`loadtest.stack_sampler`; `--py-spy PATH`, else found on PATH, beside this Python or in a
+`bin` folder of the import path, as `pip install --target` leaves it) samples the gateway's process and the
+configuration's first engine over each configuration's last timed level: per thread, its top functions in µs of
+CPU per answer, in `profile.txt` (raw stacks under py-spy/). Without py-spy the runs go on, unprofiled, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -54,7 +73,9 @@ import torch
 
 from loadtest import load
 from loadtest.bench_prefill import random_qwen2_7b_shell
+from loadtest.proc_cpu import children_of, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
 from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, phase_config, wait_ready
+from loadtest.stack_sampler import Profiles, find_py_spy
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model_shell
@@ -69,6 +90,7 @@ ENGINE_READY_TIMEOUT_S = 600.0
 ENGINE_STOP_S = 20.0
 NEVER_SWEEP_S = 10**9  # a configuration's fresh collection must not make the gateway release the others' KV
 TIERS = ("gpu", "host", "disk", "miss")
+PROFILE_SKIPPED = "no profile: py-spy was not found (pip install py-spy, or pass --py-spy PATH)"
 
 
 @dataclass(frozen=True)
@@ -200,34 +222,49 @@ def gateway_settings(
 # ---- the clients (a second process) -------------------------------------------------------------------------
 
 
-def run_clients(args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]) -> dict[str, Any]:
-    """`drive_configuration` in the clients' process."""
+def http_client(url: str, connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections + 2)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S))
+
+
+def clients_ingest(args: argparse.Namespace, url: str) -> tuple[int, float]:
+    """In the clients' process: the corpus ingested through the gateway; its chunks and seconds."""
     quiet_logging()
-    return asyncio.run(drive_configuration(args, url, engine_urls, concurrency))
+
+    async def ingest() -> tuple[int, float]:
+        async with http_client(url, 1) as client:
+            began = time.perf_counter()
+            chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
+            return chunks, time.perf_counter() - began
+
+    return asyncio.run(ingest())
 
 
-async def drive_configuration(
-    args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]
-) -> dict[str, Any]:
-    """Ingest the corpus through the gateway, then a warm-up and a timed run per concurrency level."""
-    limits = httpx.Limits(max_connections=max(concurrency) + 2)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S)) as client:
-        began = time.perf_counter()
-        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
-        ingest_s = time.perf_counter() - began
-        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        runs = []
-        for clients in concurrency:
-            warm = phase_config(args, url, clients, args.warmup_s, args.warmup_requests)
-            await load.drive(client, warm)
+def clients_warm_up(args: argparse.Namespace, url: str, clients: int) -> int:
+    """In the clients' process: a level's untimed warm-up; the questions it asked."""
+    quiet_logging()
+
+    async def warm_up() -> int:
+        async with http_client(url, clients) as client:
+            results, _ = await load.drive(client, phase_config(args, url, clients, args.warmup_s, args.warmup_requests))
+            return len(results)
+
+    return asyncio.run(warm_up())
+
+
+def clients_timed(args: argparse.Namespace, url: str, engine_urls: list[str], clients: int) -> dict[str, Any]:
+    """In the clients' process: a level's timed run between two reads of the engines' /metrics (`run_report`)."""
+    quiet_logging()
+
+    async def timed() -> dict[str, Any]:
+        async with http_client(url, clients) as client:
             before = await engine_pages(engine_urls)
-            results, duration_s = await load.drive(
-                client, phase_config(args, url, clients, args.duration, args.max_requests)
-            )
+            config = phase_config(args, url, clients, args.duration, args.max_requests)
+            results, duration_s = await load.drive(client, config)
             after = await engine_pages(engine_urls)
-            runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
-            log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)
-    return {"chunks": chunks, "ingest_s": ingest_s, "runs": runs}
+        return run_report(clients, results, duration_s, engine_urls, before, after)
+
+    return asyncio.run(timed())
 
 
 async def engine_pages(urls: list[str]) -> list[str]:
@@ -324,7 +361,15 @@ def run_configuration(
         log.info(
             "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
         )
-        outcome = clients.submit(run_clients, args, server.url, urls, concurrency).result()
+        chunks, ingest_s = clients.submit(clients_ingest, args, server.url).result()
+        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+        watched = Watched(gateway, group, config.engines, clients.submit(os.getpid).result())
+        runs, profile = [], None
+        for index, clients_count in enumerate(concurrency):
+            sample = args.profile and index == len(concurrency) - 1
+            run, text = run_level(args, server.url, urls, clients_count, clients, watched, sample)
+            runs.append(run)
+            profile = text if text is not None else profile
         fleet = gateway.fleet
         unplaced = fleet.unplaced if fleet is not None else 0
     return {
@@ -334,8 +379,71 @@ def run_configuration(
         "engines": urls,
         "gpu_cache_mb": group.gpu_cache_mb,
         "unplaced_chunks": unplaced,
-        **outcome,
+        "chunks": chunks,
+        "ingest_s": ingest_s,
+        "runs": runs,
+        "profile": profile,
     }
+
+
+class Watched:
+    """The processes whose CPU a configuration's runs account (`loadtest.proc_cpu`), by role: the gateway (this
+    process), its question embedder's child, this configuration's engines (`engine-N`, N its index in --gpus), the
+    clients' process, and any other child of this process (`other children`: not the idle engines, not py-spy)."""
+
+    def __init__(self, gateway: Server, group: EngineGroup, engines: tuple[int, ...], clients_pid: int) -> None:
+        self.gateway = gateway
+        self.engines = {f"engine-{i}": group.processes[i].pid for i in engines}
+        self.all_engines = {process.pid for process in group.processes}
+        self.clients_pid = clients_pid
+
+    def roles(self, samplers: list[int]) -> dict[str, int | list[int] | None]:
+        """Read at each snapshot: a replaced embedder child is counted from its start."""
+        runtime = self.gateway.runtime
+        child = runtime.question_embedder if runtime is not None else None
+        embedder = child.pid if child is not None else None
+        known = {self.clients_pid, embedder, *self.all_engines, *samplers}
+        others = [pid for pid in children_of(os.getpid()) if pid not in known]
+        roles: dict[str, int | list[int] | None] = {"gateway": os.getpid(), "embedder": embedder, **self.engines}
+        return {**roles, "clients": self.clients_pid, "other children": others}
+
+
+def run_level(
+    args: argparse.Namespace,
+    url: str,
+    engine_urls: list[str],
+    clients_count: int,
+    clients: ProcessPoolExecutor,
+    watched: Watched,
+    profile: bool,
+) -> tuple[dict[str, Any], str | None]:
+    """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
+    py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
+    asked = clients.submit(clients_warm_up, args, url, clients_count).result()
+    log.info("%d clients: warm-up of %d questions", clients_count, asked)
+    first_engine = dict(list(watched.engines.items())[:1])
+    spies = start_profiles(args, {"gateway": os.getpid(), **first_engine}, profile)
+    samplers = spies.sampler_pids if spies is not None else []
+    before = cpu_snapshot(watched.roles(samplers))
+    run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
+    after = cpu_snapshot(watched.roles(samplers))
+    answers = run["requests"] - run["errors"] - run["refused"]
+    run["cpu"] = cpu_use(before, after, answers)
+    busy = {role: (found or {}).get("cores") for role, found in run["cpu"]["processes"].items()}
+    log.info(
+        "%d clients: %d questions in %.1f s; cores busy %s", clients_count, run["requests"], run["duration_s"], busy
+    )
+    if spies is None:
+        return run, (PROFILE_SKIPPED if profile else None)
+    seconds = {role: thread_deltas(before, after, role) for role in spies.pids}
+    text = spies.report(seconds, answers, args.profile_top)
+    return run, f"{clients_count} clients (py-spy ran beside them)\n\n{text}"
+
+
+def start_profiles(args: argparse.Namespace, pids: dict[str, int], profile: bool) -> Profiles | None:
+    if not profile or args.py_spy is None:
+        return None
+    return Profiles(args.py_spy, pids, args.out / "py-spy")
 
 
 def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
@@ -398,6 +506,34 @@ def table(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+CPU_CAPTION = (
+    "CPU per timed run, in cores busy (CPU seconds / wall seconds); a process's busiest thread in brackets; "
+    "ms per answer in report.json (`cpu`)"
+)
+
+
+def cpu_table(outcomes: list[dict[str, Any]]) -> str:
+    """Per configuration and concurrency: the gateway's CPU ms per answer, its thread groups' cores, then each
+    process's cores (the engines in --gpus order)."""
+    head = (
+        "| phase | gateway over | clients | gateway ms/answer | event loop | retrieval | request threads "
+        "| gateway other | gateway | embedder | engines | clients' process | other children |"
+    )
+    rows = [CPU_CAPTION, "", head, "|" + "---|" * 13]
+    for outcome in outcomes:
+        for run in outcome["runs"]:
+            use = run.get("cpu")
+            gateway = (use or {}).get("processes", {}).get("gateway") or {}
+            engines = sorted(role for role in (use or {}).get("processes", {}) if role.startswith("engine-"))
+            ms = gateway.get("ms_per_answer")
+            cells = [outcome["phase"], outcome["name"], run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+            cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
+            cells += [cores(use, "gateway"), cores(use, "embedder"), " / ".join(cores(use, e) for e in engines)]
+            cells += [cores(use, "clients"), cores(use, "other children")]
+            rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
 def percent(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * ratio:.1f}%"
 
@@ -437,6 +573,7 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
     """report.json and table.md under --out (after every configuration, so a run stopped at its time limit keeps
     what it measured); the final call prints the summary and the table. Returns the errors counted."""
     text = table(outcomes)
+    cpu_text = cpu_table(outcomes)
     saved = {
         "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -444,12 +581,17 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
         "summary": summary(outcomes),
         "configurations": outcomes,
         "table": text,
+        "cpu_table": cpu_text,
     }
     (args.out / "report.json").write_text(json.dumps(saved, indent=2, default=str), encoding="utf-8")
-    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    (args.out / "table.md").write_text(f"{text}\n\n{cpu_text}\n", encoding="utf-8")
+    profiles = [f"## {o['phase']} / {o['name']}: {o['profile']}" for o in outcomes if o.get("profile")]
+    if profiles:
+        (args.out / "profile.txt").write_text("\n\n".join(profiles) + "\n", encoding="utf-8")
     if final:
         print(json.dumps(saved["summary"], indent=2))
         print(text)
+        print(cpu_text)
     return sum(run["errors"] for o in outcomes for run in o["runs"])
 
 
@@ -491,7 +633,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-cache-mb", type=int, default=12288)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("loadtest-out/fleet"))
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy on the gateway and engine 0 over each configuration's last level"
+    )
+    parser.add_argument("--py-spy", default=None, help="the py-spy executable; default: found (stack_sampler)")
+    parser.add_argument("--profile-top", type=int, default=40, help="functions per thread and ranking")
     args = parser.parse_args(argv)
+    args.py_spy = find_py_spy(args.py_spy)
     args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
@@ -516,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2
+    if args.profile and args.py_spy is None:
+        log.warning("--profile: %s; the runs go on without it", PROFILE_SKIPPED)
     if "routing" in args.phases and args.redis is None:
         log.warning("no --redis: the gateway sees no engine's tiers, so chunk-aware routing goes by load alone")
     args.vocabulary_used = chosen_vocabulary(args.vocabulary) if args.model is None else "stand-in"
