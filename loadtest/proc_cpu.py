@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,26 @@ def cpu_snapshot(roles: Mapping[str, int | Iterable[int] | None]) -> CpuSnapshot
         processes[role] = found
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     return CpuSnapshot(time.monotonic(), processes, own_role, names)
+
+
+@dataclass
+class Watched:
+    """What a load test accounts, by role, read anew at each snapshot (`roles`): this process (`gateway`), the
+    question embedder's child (`embedder`, by the pid `embedder_pid` gives then: a replaced child counts from its
+    start), the engine processes, the clients' process, and every other child of this process found in /proc
+    (`other children`) but those in `ignored` (idle engines) and the samplers given."""
+
+    embedder_pid: Callable[[], int | None]
+    clients_pid: int
+    engines: dict[str, int] = field(default_factory=dict)
+    ignored: set[int] = field(default_factory=set)
+
+    def roles(self, samplers: Iterable[int] = ()) -> dict[str, int | list[int] | None]:
+        embedder = self.embedder_pid()
+        known = {self.clients_pid, embedder, *self.engines.values(), *self.ignored, *samplers}
+        others = [pid for pid in children_of(os.getpid()) if pid not in known]
+        roles: dict[str, int | list[int] | None] = {"gateway": os.getpid(), "embedder": embedder, **self.engines}
+        return {**roles, "clients": self.clients_pid, "other children": others}
 
 
 # ---- between two snapshots --------------------------------------------------------------------------------------

@@ -73,9 +73,20 @@ import torch
 
 from loadtest import load
 from loadtest.bench_prefill import random_qwen2_7b_shell
-from loadtest.proc_cpu import children_of, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
-from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, phase_config, wait_ready
-from loadtest.stack_sampler import Profiles, find_py_spy
+from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
+from loadtest.serve_random import (
+    BackgroundServer,
+    chosen_vocabulary,
+    clients_ingest,
+    clients_warm_up,
+    http_client,
+    machine,
+    phase_config,
+    question_embedder_pid,
+    quiet_logging,
+    wait_ready,
+)
+from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model_shell
@@ -90,7 +101,6 @@ ENGINE_READY_TIMEOUT_S = 600.0
 ENGINE_STOP_S = 20.0
 NEVER_SWEEP_S = 10**9  # a configuration's fresh collection must not make the gateway release the others' KV
 TIERS = ("gpu", "host", "disk", "miss")
-PROFILE_SKIPPED = "no profile: py-spy was not found (pip install py-spy, or pass --py-spy PATH)"
 
 
 @dataclass(frozen=True)
@@ -222,36 +232,6 @@ def gateway_settings(
 # ---- the clients (a second process) -------------------------------------------------------------------------
 
 
-def http_client(url: str, connections: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections + 2)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S))
-
-
-def clients_ingest(args: argparse.Namespace, url: str) -> tuple[int, float]:
-    """In the clients' process: the corpus ingested through the gateway; its chunks and seconds."""
-    quiet_logging()
-
-    async def ingest() -> tuple[int, float]:
-        async with http_client(url, 1) as client:
-            began = time.perf_counter()
-            chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
-            return chunks, time.perf_counter() - began
-
-    return asyncio.run(ingest())
-
-
-def clients_warm_up(args: argparse.Namespace, url: str, clients: int) -> int:
-    """In the clients' process: a level's untimed warm-up; the questions it asked."""
-    quiet_logging()
-
-    async def warm_up() -> int:
-        async with http_client(url, clients) as client:
-            results, _ = await load.drive(client, phase_config(args, url, clients, args.warmup_s, args.warmup_requests))
-            return len(results)
-
-    return asyncio.run(warm_up())
-
-
 def clients_timed(args: argparse.Namespace, url: str, engine_urls: list[str], clients: int) -> dict[str, Any]:
     """In the clients' process: a level's timed run between two reads of the engines' /metrics (`run_report`)."""
     quiet_logging()
@@ -363,7 +343,12 @@ def run_configuration(
         )
         chunks, ingest_s = clients.submit(clients_ingest, args, server.url).result()
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        watched = Watched(gateway, group, config.engines, clients.submit(os.getpid).result())
+        watched = Watched(
+            embedder_pid=lambda: question_embedder_pid(gateway),
+            clients_pid=clients.submit(os.getpid).result(),
+            engines={f"engine-{i}": group.processes[i].pid for i in config.engines},
+            ignored={process.pid for process in group.processes},  # the configuration's others sit idle
+        )
         runs, profile = [], None
         for index, clients_count in enumerate(concurrency):
             sample = args.profile and index == len(concurrency) - 1
@@ -386,28 +371,6 @@ def run_configuration(
     }
 
 
-class Watched:
-    """The processes whose CPU a configuration's runs account (`loadtest.proc_cpu`), by role: the gateway (this
-    process), its question embedder's child, this configuration's engines (`engine-N`, N its index in --gpus), the
-    clients' process, and any other child of this process (`other children`: not the idle engines, not py-spy)."""
-
-    def __init__(self, gateway: Server, group: EngineGroup, engines: tuple[int, ...], clients_pid: int) -> None:
-        self.gateway = gateway
-        self.engines = {f"engine-{i}": group.processes[i].pid for i in engines}
-        self.all_engines = {process.pid for process in group.processes}
-        self.clients_pid = clients_pid
-
-    def roles(self, samplers: list[int]) -> dict[str, int | list[int] | None]:
-        """Read at each snapshot: a replaced embedder child is counted from its start."""
-        runtime = self.gateway.runtime
-        child = runtime.question_embedder if runtime is not None else None
-        embedder = child.pid if child is not None else None
-        known = {self.clients_pid, embedder, *self.all_engines, *samplers}
-        others = [pid for pid in children_of(os.getpid()) if pid not in known]
-        roles: dict[str, int | list[int] | None] = {"gateway": os.getpid(), "embedder": embedder, **self.engines}
-        return {**roles, "clients": self.clients_pid, "other children": others}
-
-
 def run_level(
     args: argparse.Namespace,
     url: str,
@@ -419,10 +382,10 @@ def run_level(
 ) -> tuple[dict[str, Any], str | None]:
     """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
     py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
-    asked = clients.submit(clients_warm_up, args, url, clients_count).result()
-    log.info("%d clients: warm-up of %d questions", clients_count, asked)
+    asked, errors = clients.submit(clients_warm_up, args, url, clients_count).result()
+    log.info("%d clients: warm-up of %d questions, errors %s", clients_count, asked, errors)
     first_engine = dict(list(watched.engines.items())[:1])
-    spies = start_profiles(args, {"gateway": os.getpid(), **first_engine}, profile)
+    spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
     samplers = spies.sampler_pids if spies is not None else []
     before = cpu_snapshot(watched.roles(samplers))
     run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
@@ -434,16 +397,10 @@ def run_level(
         "%d clients: %d questions in %.1f s; cores busy %s", clients_count, run["requests"], run["duration_s"], busy
     )
     if spies is None:
-        return run, (PROFILE_SKIPPED if profile else None)
+        return run, (NO_PY_SPY if profile else None)
     seconds = {role: thread_deltas(before, after, role) for role in spies.pids}
     text = spies.report(seconds, answers, args.profile_top)
     return run, f"{clients_count} clients (py-spy ran beside them)\n\n{text}"
-
-
-def start_profiles(args: argparse.Namespace, pids: dict[str, int], profile: bool) -> Profiles | None:
-    if not profile or args.py_spy is None:
-        return None
-    return Profiles(args.py_spy, pids, args.out / "py-spy")
 
 
 def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
@@ -650,12 +607,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def quiet_logging() -> None:
-    """INFO, but not a line per HTTP request (the gateway probes every engine twice a second)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logging()
@@ -665,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2
     if args.profile and args.py_spy is None:
-        log.warning("--profile: %s; the runs go on without it", PROFILE_SKIPPED)
+        log.warning("--profile: %s; the runs go on without it", NO_PY_SPY)
     if "routing" in args.phases and args.redis is None:
         log.warning("no --redis: the gateway sees no engine's tiers, so chunk-aware routing goes by load alone")
     args.vocabulary_used = chosen_vocabulary(args.vocabulary) if args.model is None else "stand-in"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 THREAD = re.compile(r"thread \((\d+)\)(?:: (.*))?$")  # `thread (OS id): name`; no name where Python has none
 UNNAMED = "unnamed"
+NO_PY_SPY = "no profile: py-spy was not found (pip install py-spy, or pass --py-spy PATH)"
 NUMBERED = re.compile(r"[-_ ]?[\d_]+( \(.*\))?$")  # `ThreadPoolExecutor-0_3`, `Thread-2 (run)`
 # Innermost frames of a waiting thread, should py-spy not see it idle (it reads the OS's thread state, which some
 # containers hide): the event loop's poll, lock, condition and queue waits, a child process's pipe.
@@ -160,3 +161,10 @@ class Profiles:
             cpu_ms = cpu_ms_by_group(threads, thread_seconds.get(role, {}), answers)
             sections.append(f"{title}\n\n{sample_table(threads, cpu_ms, top)}")
         return "\n".join(sections)
+
+
+def start_profiles(executable: str | None, pids: Mapping[str, int], out_dir: Path, wanted: bool) -> Profiles | None:
+    """`Profiles` of `pids` when `wanted` and py-spy was found; else None (the caller reports `NO_PY_SPY`)."""
+    if not wanted or executable is None:
+        return None
+    return Profiles(executable, pids, out_dir)
