@@ -388,7 +388,12 @@ def run_level(
     spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
     samplers = spies.sampler_pids if spies is not None else []
     before = cpu_snapshot(watched.roles(samplers))
-    run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
+    try:
+        run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
     after = cpu_snapshot(watched.roles(samplers))
     answers = run["requests"] - run["errors"] - run["refused"]
     run["cpu"] = cpu_use(before, after, answers)
@@ -481,7 +486,7 @@ def cpu_table(outcomes: list[dict[str, Any]]) -> str:
         for run in outcome["runs"]:
             use = run.get("cpu")
             gateway = (use or {}).get("processes", {}).get("gateway") or {}
-            engines = sorted(role for role in (use or {}).get("processes", {}) if role.startswith("engine-"))
+            engines = sorted((r for r in (use or {}).get("processes", {}) if r.startswith("engine-")), key=engine_index)
             ms = gateway.get("ms_per_answer")
             cells = [outcome["phase"], outcome["name"], run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
             cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
@@ -489,6 +494,10 @@ def cpu_table(outcomes: list[dict[str, Any]]) -> str:
             cells += [cores(use, "clients"), cores(use, "other children")]
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
+
+
+def engine_index(role: str) -> int:
+    return int(role.removeprefix("engine-"))
 
 
 def percent(ratio: float | None) -> str:

@@ -314,7 +314,12 @@ def run_phase(
     spies = start_profiles(args.py_spy, {"gateway": os.getpid()}, out / "py-spy", profile)
     samplers = spies.sampler_pids if spies is not None else []
     before = cpu_snapshot(watched.roles(samplers))
-    timed = clients.submit(clients_timed, args, url, concurrency).result()
+    try:
+        timed = clients.submit(clients_timed, args, url, concurrency).result()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
     after = cpu_snapshot(watched.roles(samplers))
     answers = sum(m["requests"] - m["errors"] - m["refused"] for m in timed["modes"])
     cpu = cpu_use(before, after, answers)

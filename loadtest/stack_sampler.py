@@ -142,13 +142,17 @@ class Profiles:
         """The py-spy processes' own ids (children of this process that are not the measured run's)."""
         return [spy.process.pid for spy in self.spies.values()]
 
+    def stop(self) -> None:
+        """End every recording (a run that failed: nothing is read)."""
+        for spy in self.spies.values():
+            spy.stop()
+
     def report(
         self, thread_seconds: Mapping[str, Mapping[int, float]], answers: int, top: int, timeout_s: float = 60.0
     ) -> str:
         """Stop every sampler, then per process its thread groups' top functions in µs per answer (`sample_table`);
         a sampler that failed is named with py-spy's error instead."""
-        for spy in self.spies.values():
-            spy.stop()
+        self.stop()
         sections = []
         for role, spy in self.spies.items():
             title = f"=== {role} (pid {self.pids[role]}), {answers} answers"
