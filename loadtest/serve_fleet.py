@@ -28,6 +28,25 @@ KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU 
 Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
 engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
 `done` events report. Writes `report.json` and `table.md` under --out, and prints the table.
+
+Where the time went (`loadtest.proc_cpu`, from /proc around each timed run; `cpu` in report.json, the second table
+of table.md): CPU ms per answer and cores busy (CPU seconds / wall seconds) of the gateway's process, split by thread
+group (`event_loop`: uvicorn's thread; `retrieval`: the batcher that embeds and searches; `request_threads`: anyio's
+workers, each request's retrieval wait, preparation and routing; `other`: the rest, threads that ended included), of
+the question embedder's child (on CUDA: `embedding_process` on), of each engine process of the configuration
+(`engine-N`), of the clients' process and of any other child of the gateway's process; per process also its busiest
+thread's cores. Python threads share their process's GIL: a gateway whose event loop, or whose Python threads
+together, sit near 1.0 core is bound by it; an engine whose busiest thread is near 1.0 has a saturated scheduler;
+all of them well below 1.0 means the run waits (on the GPU, or on a queue). The clients' process near 1.0 would
+make the clients the wall.
+
+    python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases scale --concurrency 64 --profile
+
+`--profile`: py-spy (`loadtest.stack_sampler`; `--py-spy PATH`, else found on PATH, beside this Python or in a
+`bin` folder of the import path, as `pip install --target` leaves it) samples the gateway's process and the
+configuration's first engine over each configuration's last timed level: per thread, its top functions in µs of
+CPU per answer, in `profile.txt` (raw stacks under py-spy/). Without py-spy the runs go on, unprofiled, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -54,7 +73,20 @@ import torch
 
 from loadtest import load
 from loadtest.bench_prefill import random_qwen2_7b_shell
-from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, phase_config, wait_ready
+from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
+from loadtest.serve_random import (
+    BackgroundServer,
+    chosen_vocabulary,
+    clients_ingest,
+    clients_warm_up,
+    http_client,
+    machine,
+    phase_config,
+    question_embedder_pid,
+    quiet_logging,
+    wait_ready,
+)
+from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model_shell
@@ -200,34 +232,19 @@ def gateway_settings(
 # ---- the clients (a second process) -------------------------------------------------------------------------
 
 
-def run_clients(args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]) -> dict[str, Any]:
-    """`drive_configuration` in the clients' process."""
+def clients_timed(args: argparse.Namespace, url: str, engine_urls: list[str], clients: int) -> dict[str, Any]:
+    """In the clients' process: a level's timed run between two reads of the engines' /metrics (`run_report`)."""
     quiet_logging()
-    return asyncio.run(drive_configuration(args, url, engine_urls, concurrency))
 
-
-async def drive_configuration(
-    args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]
-) -> dict[str, Any]:
-    """Ingest the corpus through the gateway, then a warm-up and a timed run per concurrency level."""
-    limits = httpx.Limits(max_connections=max(concurrency) + 2)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S)) as client:
-        began = time.perf_counter()
-        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
-        ingest_s = time.perf_counter() - began
-        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        runs = []
-        for clients in concurrency:
-            warm = phase_config(args, url, clients, args.warmup_s, args.warmup_requests)
-            await load.drive(client, warm)
+    async def timed() -> dict[str, Any]:
+        async with http_client(url, clients) as client:
             before = await engine_pages(engine_urls)
-            results, duration_s = await load.drive(
-                client, phase_config(args, url, clients, args.duration, args.max_requests)
-            )
+            config = phase_config(args, url, clients, args.duration, args.max_requests)
+            results, duration_s = await load.drive(client, config)
             after = await engine_pages(engine_urls)
-            runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
-            log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)
-    return {"chunks": chunks, "ingest_s": ingest_s, "runs": runs}
+        return run_report(clients, results, duration_s, engine_urls, before, after)
+
+    return asyncio.run(timed())
 
 
 async def engine_pages(urls: list[str]) -> list[str]:
@@ -324,7 +341,20 @@ def run_configuration(
         log.info(
             "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
         )
-        outcome = clients.submit(run_clients, args, server.url, urls, concurrency).result()
+        chunks, ingest_s = clients.submit(clients_ingest, args, server.url).result()
+        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+        watched = Watched(
+            embedder_pid=lambda: question_embedder_pid(gateway),
+            clients_pid=clients.submit(os.getpid).result(),
+            engines={f"engine-{i}": group.processes[i].pid for i in config.engines},
+            ignored={process.pid for process in group.processes},  # the configuration's others sit idle
+        )
+        runs, profile = [], None
+        for index, clients_count in enumerate(concurrency):
+            sample = args.profile and index == len(concurrency) - 1
+            run, text = run_level(args, server.url, urls, clients_count, clients, watched, sample)
+            runs.append(run)
+            profile = text if text is not None else profile
         fleet = gateway.fleet
         unplaced = fleet.unplaced if fleet is not None else 0
     return {
@@ -334,8 +364,48 @@ def run_configuration(
         "engines": urls,
         "gpu_cache_mb": group.gpu_cache_mb,
         "unplaced_chunks": unplaced,
-        **outcome,
+        "chunks": chunks,
+        "ingest_s": ingest_s,
+        "runs": runs,
+        "profile": profile,
     }
+
+
+def run_level(
+    args: argparse.Namespace,
+    url: str,
+    engine_urls: list[str],
+    clients_count: int,
+    clients: ProcessPoolExecutor,
+    watched: Watched,
+    profile: bool,
+) -> tuple[dict[str, Any], str | None]:
+    """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
+    py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
+    asked, errors = clients.submit(clients_warm_up, args, url, clients_count).result()
+    log.info("%d clients: warm-up of %d questions, errors %s", clients_count, asked, errors)
+    first_engine = dict(list(watched.engines.items())[:1])
+    spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
+    samplers = spies.sampler_pids if spies is not None else []
+    before = cpu_snapshot(watched.roles(samplers))
+    try:
+        run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
+    after = cpu_snapshot(watched.roles(samplers))
+    answers = run["requests"] - run["errors"] - run["refused"]
+    run["cpu"] = cpu_use(before, after, answers)
+    busy = {role: (found or {}).get("cores") for role, found in run["cpu"]["processes"].items()}
+    log.info(
+        "%d clients: %d questions in %.1f s; cores busy %s", clients_count, run["requests"], run["duration_s"], busy
+    )
+    if spies is None:
+        return run, (NO_PY_SPY if profile else None)
+    seconds = {role: thread_deltas(before, after, role) for role in spies.pids}
+    text = spies.report(seconds, answers, args.profile_top)
+    return run, f"{clients_count} clients (py-spy ran beside them)\n\n{text}"
 
 
 def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
@@ -398,6 +468,38 @@ def table(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+CPU_CAPTION = (
+    "CPU per timed run, in cores busy (CPU seconds / wall seconds); a process's busiest thread in brackets; "
+    "ms per answer in report.json (`cpu`)"
+)
+
+
+def cpu_table(outcomes: list[dict[str, Any]]) -> str:
+    """Per configuration and concurrency: the gateway's CPU ms per answer, its thread groups' cores, then each
+    process's cores (the engines in --gpus order)."""
+    head = (
+        "| phase | gateway over | clients | gateway ms/answer | event loop | retrieval | request threads "
+        "| gateway other | gateway | embedder | engines | clients' process | other children |"
+    )
+    rows = [CPU_CAPTION, "", head, "|" + "---|" * 13]
+    for outcome in outcomes:
+        for run in outcome["runs"]:
+            use = run.get("cpu")
+            gateway = (use or {}).get("processes", {}).get("gateway") or {}
+            engines = sorted((r for r in (use or {}).get("processes", {}) if r.startswith("engine-")), key=engine_index)
+            ms = gateway.get("ms_per_answer")
+            cells = [outcome["phase"], outcome["name"], run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+            cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
+            cells += [cores(use, "gateway"), cores(use, "embedder"), " / ".join(cores(use, e) for e in engines)]
+            cells += [cores(use, "clients"), cores(use, "other children")]
+            rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def engine_index(role: str) -> int:
+    return int(role.removeprefix("engine-"))
+
+
 def percent(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * ratio:.1f}%"
 
@@ -437,6 +539,7 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
     """report.json and table.md under --out (after every configuration, so a run stopped at its time limit keeps
     what it measured); the final call prints the summary and the table. Returns the errors counted."""
     text = table(outcomes)
+    cpu_text = cpu_table(outcomes)
     saved = {
         "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -444,12 +547,17 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
         "summary": summary(outcomes),
         "configurations": outcomes,
         "table": text,
+        "cpu_table": cpu_text,
     }
     (args.out / "report.json").write_text(json.dumps(saved, indent=2, default=str), encoding="utf-8")
-    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    (args.out / "table.md").write_text(f"{text}\n\n{cpu_text}\n", encoding="utf-8")
+    profiles = [f"## {o['phase']} / {o['name']}: {o['profile']}" for o in outcomes if o.get("profile")]
+    if profiles:
+        (args.out / "profile.txt").write_text("\n\n".join(profiles) + "\n", encoding="utf-8")
     if final:
         print(json.dumps(saved["summary"], indent=2))
         print(text)
+        print(cpu_text)
     return sum(run["errors"] for o in outcomes for run in o["runs"])
 
 
@@ -491,7 +599,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-cache-mb", type=int, default=12288)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("loadtest-out/fleet"))
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy on the gateway and engine 0 over each configuration's last level"
+    )
+    parser.add_argument("--py-spy", default=None, help="the py-spy executable; default: found (stack_sampler)")
+    parser.add_argument("--profile-top", type=int, default=40, help="functions per thread and ranking")
     args = parser.parse_args(argv)
+    args.py_spy = find_py_spy(args.py_spy)
     args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
@@ -502,12 +616,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def quiet_logging() -> None:
-    """INFO, but not a line per HTTP request (the gateway probes every engine twice a second)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logging()
@@ -516,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2
+    if args.profile and args.py_spy is None:
+        log.warning("--profile: %s; the runs go on without it", NO_PY_SPY)
     if "routing" in args.phases and args.redis is None:
         log.warning("no --redis: the gateway sees no engine's tiers, so chunk-aware routing goes by load alone")
     args.vocabulary_used = chosen_vocabulary(args.vocabulary) if args.model is None else "stand-in"

@@ -54,6 +54,22 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         # Every answer counted by the engines is one the clients had: no answer lost or counted twice.
         assert sum(e["answers"] for e in run["engines"].values()) == run["requests"]
     assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
+    for (_, name), run in runs.items():
+        cpu = run["cpu"]  # where the CPU went, from /proc around the timed run
+        assert cpu["answers"] == run["requests"] == 40 and cpu["wall_s"] > 0
+        working = ["gateway", "clients", *(f"engine-{i}" for i in range(1 if name == "1 engine" else 2))]
+        for role in working:
+            assert cpu["processes"][role]["ms_per_answer"] > 0 and cpu["processes"][role]["cores"] > 0, role
+            assert 0 < cpu["processes"][role]["busiest_thread_cores"] <= cpu["processes"][role]["cores"] + 0.01
+        assert "engine-1" not in cpu["processes"] if name == "1 engine" else "engine-1" in cpu["processes"]
+        assert cpu["processes"]["embedder"] is None  # on the CPU questions are embedded in the gateway's process
+        groups = cpu["thread_groups"]
+        assert groups["event_loop"]["cores"] > 0 and groups["retrieval"]["cores"] > 0
+        assert groups["request_threads"]["cores"] > 0
+        gateway = cpu["processes"]["gateway"]["ms_per_answer"]
+        assert sum(g["ms_per_answer"] for g in groups.values()) == pytest.approx(gateway, abs=0.01)
+    cpu_table = (out / "table.md").read_text().split("\n\n", 1)[1]
+    assert cpu_table.startswith("CPU per timed run") and cpu_table.count("\n| scale |") == 2
     assert report["summary"]["scale_tokens_per_s_ratio"]["2"] > 0
 
     aware, robin = runs["routing", "chunk-aware"], runs["routing", "round-robin"]
