@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,7 @@ class Result:
     token_events: int = 0  # each carries whatever text was ready: one token, several, or none
     error: str | None = None
     refused: bool = False
+    gateway: int = 0  # which of the clients given to `drive` asked (one per gateway replica)
 
 
 @dataclass
@@ -269,8 +270,13 @@ async def run_load(config: LoadConfig) -> LoadReport:
     return report
 
 
-async def drive(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Result], float]:
-    """The load phase alone (the corpus already ingested): every question's result and the seconds it ran."""
+async def drive(
+    client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig
+) -> tuple[list[Result], float]:
+    """The load phase alone (the corpus already ingested): every question's result and the seconds it ran. Given
+    several clients (one per gateway replica), client loop i asks through client i mod N, as a Service spreads
+    connections over its pods; each result names its client (`gateway`)."""
+    clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
     # Drawn up front from one seeded generator, so a run's sequence of questions is reproducible.
@@ -282,14 +288,14 @@ async def drive(client: httpx.AsyncClient, config: LoadConfig) -> tuple[list[Res
     start = time.perf_counter()
     deadline = start + config.duration_s
 
-    async def client_loop() -> None:
+    async def client_loop(gateway: int) -> None:
         while time.perf_counter() < deadline and len(results) < len(plan):
             mode, topic = plan[len(results)]
-            result = Result(mode, topic, time.perf_counter() - start)
+            result = Result(mode, topic, time.perf_counter() - start, gateway=gateway)
             results.append(result)  # claimed before awaiting, so no two clients take the same slot
-            await ask(client, config, result)
+            await ask(clients[gateway], config, result)
 
-    await asyncio.gather(*(client_loop() for _ in range(config.concurrency)))
+    await asyncio.gather(*(client_loop(i % len(clients)) for i in range(config.concurrency)))
     return results, time.perf_counter() - start
 
 

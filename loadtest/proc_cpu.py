@@ -122,18 +122,24 @@ class Watched:
     """What a load test accounts, by role, read anew at each snapshot (`roles`): this process (`gateway`), the
     question embedder's child (`embedder`, by the pid `embedder_pid` gives then: a replaced child counts from its
     start), the engine processes, the clients' process, and every other child of this process found in /proc
-    (`other children`) but those in `ignored` (idle engines) and the samplers given."""
+    (`other children`) but those in `ignored` (idle engines) and the samplers given; with gateway replicas, their
+    processes summed (`gateway replicas`) and their children (`replica embedders`)."""
 
     embedder_pid: Callable[[], int | None]
     clients_pid: int
     engines: dict[str, int] = field(default_factory=dict)
     ignored: set[int] = field(default_factory=set)
+    replicas: Callable[[], list[int]] = list  # further gateway processes (serve_fleet --gateways), summed
 
     def roles(self, samplers: Iterable[int] = ()) -> dict[str, int | list[int] | None]:
         embedder = self.embedder_pid()
-        known = {self.clients_pid, embedder, *self.engines.values(), *self.ignored, *samplers}
+        replicas = self.replicas()
+        known = {self.clients_pid, embedder, *self.engines.values(), *self.ignored, *samplers, *replicas}
         others = [pid for pid in children_of(os.getpid()) if pid not in known]
         roles: dict[str, int | list[int] | None] = {"gateway": os.getpid(), "embedder": embedder, **self.engines}
+        if replicas:
+            roles["gateway replicas"] = replicas
+            roles["replica embedders"] = [child for pid in replicas for child in children_of(pid)]
         return {**roles, "clients": self.clients_pid, "other children": others}
 
 

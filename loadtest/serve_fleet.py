@@ -9,7 +9,9 @@ Qwen2-7B-shaped model drawn on the device (`--model DIR` loads a folder instead)
 The gateway runs in this process (uvicorn on a background thread, as `serve_random`'s), built from `Settings` in
 gateway mode over a shell of the same model (`bench_prefill.random_qwen2_7b_shell` or `load_model_shell`): no
 weights, no GPU, the engines' key space. Clients run in a second process (`loadtest.load`), so their work does not
-hold the gateway's GIL.
+hold the gateway's GIL. `--gateways N` adds N - 1 gateway processes over the same engines on the next ports
+(`loadtest.fleet_gateways`: each with its own embedded Qdrant, the corpus ingested into each, as the fleet's
+Kubernetes Deployment runs several gateway pods over one Qdrant server); client i asks through gateway i mod N.
 
 Phases (`--phases`), each a series of configurations, each configuration a fresh gateway over some of the engines
 with its own Qdrant collection: the corpus is ingested into it (the gateway has each chunk's KV computed on the
@@ -64,7 +66,8 @@ import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import AsyncExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +75,18 @@ import httpx
 import torch
 
 from loadtest import load
-from loadtest.bench_prefill import random_qwen2_7b_shell
+from loadtest.fleet_gateways import (
+    MAX_GATEWAYS,
+    Configuration,
+    GatewayReplicas,
+    gateway_engine,
+    gateway_settings,
+)
 from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
 from loadtest.serve_random import (
     BackgroundServer,
     chosen_vocabulary,
     clients_ingest,
-    clients_warm_up,
     http_client,
     machine,
     phase_config,
@@ -88,29 +96,15 @@ from loadtest.serve_random import (
 )
 from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
-from service.engine.engine import StitchEngine
-from service.engine.model import load_model_shell
 from service.retrieval.embedder import Embedder
 from service.serving.server import Server
-from service.settings import Settings
 from workers.worker import in_process_worker
 
 log = logging.getLogger("serve_fleet")
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_READY_TIMEOUT_S = 600.0
 ENGINE_STOP_S = 20.0
-NEVER_SWEEP_S = 10**9  # a configuration's fresh collection must not make the gateway release the others' KV
 TIERS = ("gpu", "host", "disk", "miss")
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One gateway: which engines (by index) it routes to, and how."""
-
-    phase: str
-    name: str
-    engines: tuple[int, ...]
-    routing: str
 
 
 # ---- engines ------------------------------------------------------------------------------------------------
@@ -193,56 +187,46 @@ def engine_environment(
     return env
 
 
-# ---- the gateway --------------------------------------------------------------------------------------------
-
-
-def gateway_engine(args: argparse.Namespace) -> StitchEngine:
-    """The gateway's model: a shell of the engines' (tokenizer, template, key space; no weights)."""
-    if args.model:
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        return StitchEngine(load_model_shell(args.model, dtype))
-    return StitchEngine(random_qwen2_7b_shell(args.vocabulary_used, args.device))
-
-
-def gateway_settings(
-    args: argparse.Namespace, config: Configuration, urls: list[str], number: int, redis_prefix: str | None
-) -> Settings:
-    return Settings(
-        model=args.model or "random-qwen2-7b",
-        engines=",".join(urls),
-        fleet_routing=config.routing,
-        device=args.device,
-        data_dir=args.data_dir if redis_prefix else args.data_dir / "gateway",
-        redis_url=args.redis if redis_prefix else None,
-        redis_prefix=redis_prefix or "kvstitch",
-        collection=f"fleetbench_{number}",
-        kv_sweep_grace_s=NEVER_SWEEP_S,
-        embedding_model=args.embedding_model,
-        embedding_device=args.embedding_device,
-        embedding_process="on" if args.device == "cuda" else "off",
-        chunk_size=args.chunk_size,
-        chunk_overlap=0,
-        default_max_new_tokens=args.max_new_tokens,
-        max_top_k=max(args.top_k, 1),
-        host="127.0.0.1",
-        port=args.port,
-    )
-
-
 # ---- the clients (a second process) -------------------------------------------------------------------------
 
 
-def clients_timed(args: argparse.Namespace, url: str, engine_urls: list[str], clients: int) -> dict[str, Any]:
-    """In the clients' process: a level's timed run between two reads of the engines' /metrics (`run_report`)."""
+def clients_ingest_all(args: argparse.Namespace, urls: list[str]) -> tuple[int, float]:
+    """In the clients' process: the corpus ingested through every gateway replica in turn (each has its own
+    embedded Qdrant); the first one's chunks and the seconds all took."""
+    began = time.perf_counter()
+    chunks = [clients_ingest(args, url)[0] for url in urls]
+    if len(set(chunks)) != 1:
+        raise RuntimeError(f"the gateway replicas ingested different chunk counts: {chunks}")
+    return chunks[0], time.perf_counter() - began
+
+
+def clients_warm_up_all(args: argparse.Namespace, urls: list[str], clients: int) -> tuple[int, list[str]]:
+    """In the clients' process: a level's untimed warm-up over every replica; the questions and the first errors."""
+    quiet_logging()
+
+    async def warm_up() -> tuple[int, list[str]]:
+        async with AsyncExitStack() as stack:
+            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
+            config = phase_config(args, urls[0], clients, args.warmup_s, args.warmup_requests)
+            results, _ = await load.drive(pool, config)
+        return len(results), [r.error for r in results if r.error][:5]
+
+    return asyncio.run(warm_up())
+
+
+def clients_timed(args: argparse.Namespace, urls: list[str], engine_urls: list[str], clients: int) -> dict[str, Any]:
+    """In the clients' process: a level's timed run over every gateway replica between two reads of the engines'
+    /metrics (`run_report`)."""
     quiet_logging()
 
     async def timed() -> dict[str, Any]:
-        async with http_client(url, clients) as client:
+        async with AsyncExitStack() as stack:
+            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
             before = await engine_pages(engine_urls)
-            config = phase_config(args, url, clients, args.duration, args.max_requests)
-            results, duration_s = await load.drive(client, config)
+            config = phase_config(args, urls[0], clients, args.duration, args.max_requests)
+            results, duration_s = await load.drive(pool, config)
             after = await engine_pages(engine_urls)
-        return run_report(clients, results, duration_s, engine_urls, before, after)
+        return run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
 
     return asyncio.run(timed())
 
@@ -259,9 +243,10 @@ def run_report(
     engine_urls: list[str],
     before: list[str],
     after: list[str],
+    gateways: int = 1,
 ) -> dict[str, Any]:
     """One timed run: all modes together, then each; per engine the answers it gave and the blocks it served by
-    tier over the run (the deltas of its /metrics)."""
+    tier over the run (the deltas of its /metrics); per gateway replica the questions asked through it."""
     overall = load.mode_report("all", results, duration_s)
     engines: dict[str, dict[str, Any]] = {}
     for url, earlier, later in zip(engine_urls, before, after, strict=True):
@@ -278,6 +263,7 @@ def run_report(
         "host_hit_ratio_done": hit_ratio(overall.kv, "host"),
         "gpu_hit_ratio_engines": hit_ratio(served, "gpu"),
         "engines": engines,
+        "requests_per_gateway": [sum(r.gateway == g for r in results) for g in range(gateways)],
         "modes": [asdict(load.mode_report(m, [r for r in results if r.mode == m], duration_s)) for m in modes],
     }
 
@@ -336,23 +322,34 @@ def run_configuration(
     concurrency = args.concurrency if config.phase == "scale" else args.routing_concurrency
     gateway = Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
     began = time.perf_counter()
-    with BackgroundServer(create_app(gateway), args.port) as server:
+    with (
+        BackgroundServer(create_app(gateway), args.port) as server,
+        GatewayReplicas(args, config, urls, number, redis_prefix, args.gateways) as replicas,
+    ):
         wait_ready(server.url)
+        replicas.wait_ready()
+        gateways = [server.url, *replicas.urls]
         log.info(
-            "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
+            "%s / %s: %d gateways ready over %s in %.1f s",
+            config.phase,
+            config.name,
+            len(gateways),
+            urls,
+            time.perf_counter() - began,
         )
-        chunks, ingest_s = clients.submit(clients_ingest, args, server.url).result()
+        chunks, ingest_s = clients.submit(clients_ingest_all, args, gateways).result()
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
         watched = Watched(
             embedder_pid=lambda: question_embedder_pid(gateway),
             clients_pid=clients.submit(os.getpid).result(),
             engines={f"engine-{i}": group.processes[i].pid for i in config.engines},
             ignored={process.pid for process in group.processes},  # the configuration's others sit idle
+            replicas=lambda: replicas.pids,
         )
         runs, profile = [], None
         for index, clients_count in enumerate(concurrency):
             sample = args.profile and index == len(concurrency) - 1
-            run, text = run_level(args, server.url, urls, clients_count, clients, watched, sample)
+            run, text = run_level(args, gateways, urls, clients_count, clients, watched, sample)
             runs.append(run)
             profile = text if text is not None else profile
         fleet = gateway.fleet
@@ -362,6 +359,7 @@ def run_configuration(
         "name": config.name,
         "routing": config.routing,
         "engines": urls,
+        "gateways": args.gateways,
         "gpu_cache_mb": group.gpu_cache_mb,
         "unplaced_chunks": unplaced,
         "chunks": chunks,
@@ -373,7 +371,7 @@ def run_configuration(
 
 def run_level(
     args: argparse.Namespace,
-    url: str,
+    gateways: list[str],
     engine_urls: list[str],
     clients_count: int,
     clients: ProcessPoolExecutor,
@@ -382,14 +380,14 @@ def run_level(
 ) -> tuple[dict[str, Any], str | None]:
     """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
     py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
-    asked, errors = clients.submit(clients_warm_up, args, url, clients_count).result()
+    asked, errors = clients.submit(clients_warm_up_all, args, gateways, clients_count).result()
     log.info("%d clients: warm-up of %d questions, errors %s", clients_count, asked, errors)
     first_engine = dict(list(watched.engines.items())[:1])
     spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
     samplers = spies.sampler_pids if spies is not None else []
     before = cpu_snapshot(watched.roles(samplers))
     try:
-        run = clients.submit(clients_timed, args, url, engine_urls, clients_count).result()
+        run = clients.submit(clients_timed, args, gateways, engine_urls, clients_count).result()
     except BaseException:
         if spies is not None:
             spies.stop()
@@ -452,7 +450,7 @@ def table(outcomes: list[dict[str, Any]]) -> str:
             per_engine = " / ".join(str(e["answers"]) for e in run["engines"].values())
             cells = [
                 outcome["phase"],
-                outcome["name"],
+                gateway_over(outcome),
                 run["concurrency"],
                 run["requests"],
                 run["errors"],
@@ -468,6 +466,12 @@ def table(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def gateway_over(outcome: dict[str, Any]) -> str:
+    """The configuration's name, with its gateway processes where there are several."""
+    gateways = outcome.get("gateways", 1)
+    return outcome["name"] if gateways == 1 else f"{outcome['name']}, {gateways} gateways"
+
+
 CPU_CAPTION = (
     "CPU per timed run, in cores busy (CPU seconds / wall seconds); a process's busiest thread in brackets; "
     "ms per answer in report.json (`cpu`)"
@@ -479,18 +483,21 @@ def cpu_table(outcomes: list[dict[str, Any]]) -> str:
     process's cores (the engines in --gpus order)."""
     head = (
         "| phase | gateway over | clients | gateway ms/answer | event loop | retrieval | request threads "
-        "| gateway other | gateway | embedder | engines | clients' process | other children |"
+        "| gateway other | gateway | embedder | gateway replicas | replica embedders | engines | clients' process "
+        "| other children |"
     )
-    rows = [CPU_CAPTION, "", head, "|" + "---|" * 13]
+    rows = [CPU_CAPTION, "", head, "|" + "---|" * 15]
     for outcome in outcomes:
         for run in outcome["runs"]:
             use = run.get("cpu")
             gateway = (use or {}).get("processes", {}).get("gateway") or {}
             engines = sorted((r for r in (use or {}).get("processes", {}) if r.startswith("engine-")), key=engine_index)
             ms = gateway.get("ms_per_answer")
-            cells = [outcome["phase"], outcome["name"], run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+            cells = [outcome["phase"], gateway_over(outcome), run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
             cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
-            cells += [cores(use, "gateway"), cores(use, "embedder"), " / ".join(cores(use, e) for e in engines)]
+            cells += [cores(use, "gateway"), cores(use, "embedder")]
+            cells += [cores(use, "gateway replicas"), cores(use, "replica embedders")]
+            cells += [" / ".join(cores(use, e) for e in engines)]
             cells += [cores(use, "clients"), cores(use, "other children")]
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
@@ -573,7 +580,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--phases", nargs="+", default=["scale", "routing"], choices=["scale", "routing"])
     parser.add_argument("--redis", default=None, help="redis:// URL: engines publish their tiers (routing needs it)")
     parser.add_argument("--engine-port", type=int, default=8100, help="engine N listens on this + N")
-    parser.add_argument("--port", type=int, default=8765, help="the gateway's port")
+    parser.add_argument("--port", type=int, default=8765, help="the gateway's port (replica N's: this + N)")
+    parser.add_argument(
+        "--gateways", type=int, default=1, help=f"gateway processes over the engines (1-{MAX_GATEWAYS}; default 1)"
+    )
     parser.add_argument("--engine-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra engine settings")
     parser.add_argument("--engine-ready-timeout-s", type=float, default=ENGINE_READY_TIMEOUT_S)
     parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
@@ -607,6 +617,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.py_spy = find_py_spy(args.py_spy)
     args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    if not 1 <= args.gateways <= MAX_GATEWAYS:
+        parser.error(f"--gateways takes 1-{MAX_GATEWAYS}")
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
     pairs = [item.partition("=") for item in args.engine_env]

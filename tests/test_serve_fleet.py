@@ -83,6 +83,31 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
     assert set(report["summary"]["routing"]["4"]) == {"chunk-aware", "round-robin"}
 
 
+def test_gateway_replicas_share_the_engines_and_the_clients(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """`--gateways 2`: a second gateway process over the same engines, its own embedded Qdrant, half the clients."""
+    out = tmp_path / "out"
+    port = free_port()  # the replica listens on the next one
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--phases", "scale"]
+    argv += ["--engine-port", str(free_port()), "--port", str(port), "--gateways", "2", "--engine-env", *ENGINE_ENV]
+    argv += ["--chunk-size", "192", "--topics", "12", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4"]
+    argv += ["--concurrency", "4", "--duration", "30", "--max-requests", "24", "--warmup-s", "1"]
+    argv += ["--warmup-requests", "4"]
+    assert main([*argv, "--data-dir", str(tmp_path / "data"), "--out", str(out)]) == 0
+
+    report = json.loads((out / "report.json").read_text())
+    assert [c["gateways"] for c in report["configurations"]] == [2, 2]
+    for configuration in report["configurations"]:
+        run = configuration["runs"][0]
+        assert run["requests"] == 24 and run["errors"] == run["refused"] == 0
+        per_gateway = run["requests_per_gateway"]  # clients 0 and 2 ask the first gateway, 1 and 3 the second
+        assert len(per_gateway) == 2 and min(per_gateway) > 0 and sum(per_gateway) == 24
+        assert sum(e["answers"] for e in run["engines"].values()) == 24  # both gateways' answers reach the engines
+        replicas = run["cpu"]["processes"]["gateway replicas"]
+        assert replicas["cores"] > 0 and replicas["ms_per_answer"] > 0
+    table = (out / "table.md").read_text()
+    assert "| scale | 2 engines, 2 gateways | 4 |" in table and "| scale | 1 engine, 2 gateways | 4 |" in table
+
+
 def test_the_gateways_random_shell_keys_chunks_as_the_engines_random_model() -> None:
     """No 7B weights drawn here: the shell is built on the meta device and names the fingerprint
     `random_qwen2_7b` gives the engines' models on CUDA."""
