@@ -300,7 +300,8 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
     if "scale" in args.phases:
         # All engines first: their ingestion spreads the chunks over them (each on its owner), where after one
         # engine's it would find every chunk on that engine and the others would start cold.
-        plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
+        if len(every) > 1:
+            plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
         plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
     if "routing" in args.phases:
         plan.append(Configuration("routing", "chunk-aware", every, "chunk-aware"))
