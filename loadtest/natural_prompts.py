@@ -8,9 +8,10 @@ one of them asked about with `corpus_prompts`' question forms (the ones `finetun
 Sources, of the eval's four kinds: Python standard-library modules' docstrings (module, classes, functions),
 Debian's section-1 manual pages, licence texts (`/usr/share/common-licenses` and a sample of the packages'
 `/usr/share/doc/*/copyright` files) and installed Python distributions' long descriptions (their READMEs), minus
-every source named in `loadtest/qa/real_passages.jsonl` (a module, page, licence or package the eval reads is
-skipped whole, with its aliases and kin). Copyright files quote licences verbatim, so any passage sharing eight
-consecutive words with an eval chunk is dropped as well: no eval passage is trained on, whatever file it sits in.
+every source named in the real-passage sets, `loadtest/qa/real_passages.jsonl` and `real_passages_b.jsonl` (a
+module, page, licence or package either set reads is skipped whole, with its aliases and kin). Copyright files
+quote licences verbatim, so any passage sharing eight consecutive words with a chunk of either set is dropped as
+well: no eval passage is trained on, whatever file it sits in.
 
     python -m loadtest.natural_prompts --out natural.jsonl --samples 2048 --seed 0
 
@@ -35,10 +36,13 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from workers.training.corpus_prompts import EDGE_PUNCTUATION, question_from, sentences
 
-EVAL_SET = Path(__file__).resolve().parent / "qa" / "real_passages.jsonl"
+QA_DIR = Path(__file__).resolve().parent / "qa"
+# Every real-passage eval set: set B confirms what set A finds, so neither may be trained on.
+EVAL_SETS = (QA_DIR / "real_passages.jsonl", QA_DIR / "real_passages_b.jsonl")
 PASSAGE_WORDS = (90, 200)  # the eval's passages are 60-200 words; joining stops at the first bound, so ~100 on average
 CHUNKS_PER_SAMPLE = 4
 MAN_PAGES = 400  # manual pages read at most (rendering is ~50 ms each)
@@ -63,14 +67,12 @@ class EvalSources:
     shingles: frozenset[tuple[str, ...]]
 
 
-def eval_sources(path: Path = EVAL_SET) -> EvalSources:
-    """The eval's sources (`python:json.JSONDecoder.__init__` excludes all of `json`) and its chunks' shingles."""
+def eval_sources(paths: Iterable[Path] = EVAL_SETS) -> EvalSources:
+    """The eval sets' sources (`python:json.JSONDecoder.__init__` excludes all of `json`) and their chunks'
+    shingles, over every set in `paths`."""
     names: dict[str, set[str]] = {"python": set(), "man": set(), "license": set(), "pkg": set()}
     shingles: set[tuple[str, ...]] = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in _records(paths):
         for source in {record["source"], *record.get("chunk_sources", [])}:
             kind, _, name = source.partition(":")
             if kind in names:
@@ -84,6 +86,13 @@ def eval_sources(path: Path = EVAL_SET) -> EvalSources:
         packages=frozenset(_distribution_key(name) for name in names["pkg"]),
         shingles=frozenset(shingles),
     )
+
+
+def _records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                yield json.loads(line)
 
 
 def shingles_of(text: str) -> set[tuple[str, ...]]:

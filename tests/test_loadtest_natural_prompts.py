@@ -10,7 +10,7 @@ import pytest
 
 from loadtest.natural_prompts import (
     CHUNKS_PER_SAMPLE,
-    EVAL_SET,
+    EVAL_SETS,
     EvalSources,
     copyright_texts,
     eval_sources,
@@ -36,8 +36,28 @@ def test_the_eval_sources_name_each_kind_and_its_chunks_shingles() -> None:
     assert {"turtle", "hashlib", "json"} <= found.modules  # `python:json.JSONDecoder.__init__` excludes all of json
     assert {"gpl-3", "apache-2.0", "mpl-2.0"} <= found.licences
     assert {"sympy", "defusedxml"} <= found.packages
-    first = json.loads(EVAL_SET.read_text(encoding="utf-8").splitlines()[0])
+    first = json.loads(EVAL_SETS[0].read_text(encoding="utf-8").splitlines()[0])
     assert shingles_of(first["chunks"][0]) <= found.shingles
+
+
+def test_set_b_sources_and_chunks_are_excluded_too() -> None:
+    """Set B (real_passages_b.jsonl) confirms results found on set A: its sources are eval sources as well."""
+    found = eval_sources()
+    assert {"wget", "gawk", "find"} <= found.pages
+    assert {"difflib", "configparser", "urllib", "email"} <= found.modules  # `python:urllib.parse` excludes urllib
+    assert {"gpl-2", "lgpl-2.1", "gfdl-1.3"} <= found.licences
+    assert {"xxhash", "sortedcontainers"} <= found.packages
+    last = json.loads(EVAL_SETS[1].read_text(encoding="utf-8").splitlines()[-1])
+    assert all(shingles_of(chunk) <= found.shingles for chunk in last["chunks"])
+    assert eval_sources(EVAL_SETS[:1]).pages.isdisjoint({"wget", "gawk"})  # the assertions above can fail
+
+
+def test_set_b_licences_and_their_aliases_are_not_trained_on(tmp_path: Path) -> None:
+    for name in ("GPL-2", "LGPL-2.1", "GFDL-1.3", "GFDL-1.2", "BSD"):
+        (tmp_path / name).write_text(f"text of {name}", encoding="utf-8")
+    (tmp_path / "GFDL").symlink_to(tmp_path / "GFDL-1.3")
+    found = dict(licence_texts(tmp_path, eval_sources().licences))
+    assert set(found) == {"license:GFDL-1.2", "license:BSD"}
 
 
 def test_shingles_ignore_case_and_edge_punctuation_and_need_eight_words() -> None:
