@@ -17,6 +17,8 @@ model's eval takes --base-eval-args too (recompute rows, say); `--base-answers G
 instead. A variant whose folder already holds a finished fine-tune is not trained again, so a sweep cut off by a
 time limit resumes where it stopped. Writes under --out: the models, `logs/`, `answers/NAME_i.jsonl`, and
 `scores.md` / `scores.json` (every row of every model paired against the base model's naive row); prints the table.
+Several --eval-data files (the real-passage sets A and B, say) are evaluated as one joined file (`eval_data.jsonl`,
+their ids must differ) and scored together and then each alone.
 A failed step is named with its log's last lines, and the sweep goes on with what is left (exit status 1).
 """
 
@@ -36,6 +38,7 @@ from pathlib import Path
 from loadtest.score_answers import NAIVE, parse_runs, read_run, score, table
 from workers.training.finetune import REPORT_NAME
 
+Record = dict[str, object]
 BASE = "base"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 FLAG = re.compile(r"[a-z][a-z0-9-]*")
@@ -116,7 +119,7 @@ def eval_jobs(args: argparse.Namespace, models: dict[str, str]) -> list[Job]:
     jobs = []
     for name, model in models.items():
         extra = shlex.split(args.base_eval_args) if name == BASE else []
-        for index, (offset, limit) in enumerate(shard_bounds(sample_count(args.eval_data), args.shards)):
+        for index, (offset, limit) in enumerate(shard_bounds(sample_count(joined_eval_data(args)), args.shards)):
             answers = args.out / "answers" / f"{name}_{index}.jsonl"
             command = (
                 *kvstitch(),
@@ -124,7 +127,7 @@ def eval_jobs(args: argparse.Namespace, models: dict[str, str]) -> list[Job]:
                 "--model",
                 model,
                 "--data",
-                str(args.eval_data),
+                str(joined_eval_data(args)),
                 *shlex.split(args.eval_args),
                 *extra,
                 "--offset",
@@ -136,6 +139,31 @@ def eval_jobs(args: argparse.Namespace, models: dict[str, str]) -> list[Job]:
             )
             jobs.append(Job(f"eval {name} shard {index}", command, args.out / "logs" / f"{name}_{index}.eval.log"))
     return jobs
+
+
+def joined_eval_data(args: argparse.Namespace) -> Path:
+    return Path(args.out) / "eval_data.jsonl"
+
+
+def join_eval_data(paths: list[Path], out: Path) -> dict[str, set[str]]:
+    """The eval files as one (written to `out`), and each file's sample ids; an id in two files is an error."""
+    sets: dict[str, set[str]] = {}
+    lines: list[str] = []
+    seen: set[str] = set()
+    for path in paths:
+        ids: set[str] = set()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            key = str(json.loads(line).get("id") or f"{path.name}:{number}")
+            if key in seen:
+                raise ValueError(f"{path}:{number}: sample id {key} is in two eval files")
+            seen.add(key)
+            ids.add(key)
+            lines.append(line)
+        sets[path.stem] = ids
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return sets
 
 
 def kvstitch() -> tuple[str, ...]:
@@ -172,19 +200,35 @@ def report_failures(outcomes: list[Outcome]) -> bool:
     return not failed
 
 
-def scores(args: argparse.Namespace, names: list[str]) -> str:
-    """Every row of every model against the base model's naive row, written as scores.md and scores.json."""
+def scores(args: argparse.Namespace, names: list[str], sets: dict[str, set[str]]) -> str:
+    """Every row of every model against the base model's naive row over all samples, then over each eval file's
+    alone (where there are several), written as scores.md and scores.json."""
     patterns = [f"{BASE}={args.base_answers or args.out / 'answers' / f'{BASE}_*.jsonl'}"]
     patterns += [f"{name}={args.out / 'answers' / f'{name}_*.jsonl'}" for name in names]
     runs = {name: read_run(files) for name, files in parse_runs(patterns).items()}
-    scored = score(runs, (BASE, NAIVE))
-    rows = table(scored)
+    parts = {"all": None, **(sets if len(sets) > 1 else {})}
+    texts, records = [], {}
+    for part, ids in parts.items():
+        scored = score(runs if ids is None else only(runs, ids), (BASE, NAIVE))
+        texts.append(f"{part}:\n\n{table(scored)}" if len(parts) > 1 else table(scored))
+        records[part] = [asdict(s) for s in scored]
+    rows = "\n\n".join(texts)
     (args.out / "scores.md").write_text(rows + "\n", encoding="utf-8")
-    (args.out / "scores.json").write_text(json.dumps([asdict(s) for s in scored], indent=2) + "\n", encoding="utf-8")
+    flat = records["all"] if len(parts) == 1 else records
+    (args.out / "scores.json").write_text(json.dumps(flat, indent=2) + "\n", encoding="utf-8")
     return rows
 
 
+def only(runs: dict[str, dict[str, dict[str, Record]]], ids: set[str]) -> dict[str, dict[str, dict[str, Record]]]:
+    """The runs' records of the samples `ids` names."""
+    return {
+        run: {variant: {k: r for k, r in records.items() if k in ids} for variant, records in rows.items()}
+        for run, rows in runs.items()
+    }
+
+
 def sweep(args: argparse.Namespace, variants: list[Variant]) -> int:
+    sets = join_eval_data(args.eval_data, joined_eval_data(args))
     trained = run_jobs(finetune_jobs(args, variants), parallel=len(variants))
     ok = report_failures(trained)
     ready = [v.name for v in variants if (args.out / v.name / REPORT_NAME).is_file()]
@@ -197,7 +241,7 @@ def sweep(args: argparse.Namespace, variants: list[Variant]) -> int:
     if BASE in failed_models:
         print("the base model's eval failed: nothing to score against", file=sys.stderr)
         return 1
-    print(scores(args, [name for name in ready if name not in failed_models]))
+    print(scores(args, [name for name in ready if name not in failed_models], sets))
     for outcome in trained:
         print(f"{outcome.label}: {outcome.seconds:.0f} s")
     return 0 if ok else 1
@@ -207,7 +251,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Variant
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the base model's folder")
     parser.add_argument("--distill-data", type=Path, required=True, help="finetune --distill-data prompts")
-    parser.add_argument("--eval-data", type=Path, required=True, help="eval --data file")
+    parser.add_argument(
+        "--eval-data", type=Path, action="append", required=True, help="eval --data file (repeatable: joined)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", action="append", default=[], help="NAME:flag=value,... (repeatable)")
     parser.add_argument("--finetune-args", default="", help="flags every fine-tune gets (one shell-quoted string)")
@@ -219,7 +265,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Variant
     args = parser.parse_args(argv)
     if not 1 <= args.shards <= 64 or not 1 <= args.parallel <= 128:
         parser.error("--shards takes 1-64 and --parallel 1-128")
-    for path in (args.distill_data, args.eval_data):
+    for path in (args.distill_data, *args.eval_data):
         if not path.is_file():
             parser.error(f"{path}: no such file")
     try:
@@ -234,7 +280,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Variant
 def main(argv: list[str] | None = None) -> int:
     args, variants = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    return sweep(args, variants)
+    try:
+        return sweep(args, variants)
+    except ValueError as err:  # eval files sharing a sample id
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
