@@ -42,7 +42,8 @@ import uvicorn
 
 from loadtest import load
 from loadtest.canned_engine import CANNED_TOKEN, CannedConfig, serve_canned_engine
-from loadtest.stack_sampler import PySpy, find_py_spy, sample_table, thread_group
+from loadtest.proc_cpu import CpuSnapshot, cpu_snapshot, cpu_use
+from loadtest.stack_sampler import PySpy, find_py_spy, sample_table
 from service.api.app import create_app
 from service.api.connections import ConnectionLimits, server_options
 from service.kvcache.keys import KeySpace
@@ -54,7 +55,6 @@ from workers.worker import in_process_worker
 log = logging.getLogger("bench_gateway")
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300.0
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 # ---- the gateway (this process) -----------------------------------------------------------------------------
@@ -125,55 +125,14 @@ def gateway_ready(url: str) -> bool:
     return bool(state.get("ready"))
 
 
-# ---- CPU accounting -----------------------------------------------------------------------------------------
-
-
-def cpu_seconds(stat_path: Path) -> float:
-    """utime + stime of a /proc stat file (a process's or a thread's)."""
-    fields = stat_path.read_text(encoding="ascii").rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
-def gateway_threads() -> dict[str, float]:
-    """CPU seconds of this process's live threads, by Python thread name (numbered names grouped)."""
-    names = {t.native_id: thread_group(t.name) for t in threading.enumerate()}
-    totals: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            seconds = cpu_seconds(task / "stat")
-        except OSError:
-            continue
-        name = names.get(int(task.name), "native")
-        totals[name] = totals.get(name, 0.0) + seconds
-    return totals
-
-
-@dataclass
-class CpuSnapshot:
-    processes: dict[str, float]
-    threads: dict[str, float]
-
-
-def cpu_snapshot(pids: dict[str, list[int]]) -> CpuSnapshot:
-    """CPU seconds by process name (processes of one name, as the question embedder's children, summed)."""
-    processes = {}
-    for name, group in pids.items():
-        processes[name] = 0.0
-        for pid in group:
-            try:
-                processes[name] += cpu_seconds(Path(f"/proc/{pid}/stat"))
-            except OSError:
-                continue
-    return CpuSnapshot(processes, gateway_threads())
+# ---- CPU accounting (loadtest.proc_cpu) ---------------------------------------------------------------------
 
 
 def cpu_ms_per_answer(before: CpuSnapshot, after: CpuSnapshot, answers: int) -> dict[str, Any]:
-    """Each process's CPU (and the gateway's per thread group) over a run, in ms per answer. A thread that ended in
-    between is missed: the gateway total comes from the process."""
-    per = 1e3 / max(answers, 1)
-    processes = {k: round((after.processes[k] - before.processes.get(k, 0.0)) * per, 3) for k in after.processes}
-    threads = {k: round((v - before.threads.get(k, 0.0)) * per, 3) for k, v in after.threads.items()}
-    return {"processes": processes, "gateway_threads": {k: v for k, v in threads.items() if v > 0}}
+    """Each process's CPU (and the gateway's per thread, by name) over a run, in ms per answer."""
+    use = cpu_use(before, after, answers)
+    processes = {role: (found or {}).get("ms_per_answer", 0.0) for role, found in use["processes"].items()}
+    return {"processes": processes, "gateway_threads": {k: v["ms_per_answer"] for k, v in use["threads"].items()}}
 
 
 def child_pids(clients: int) -> dict[str, list[int]]:

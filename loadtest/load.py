@@ -98,6 +98,7 @@ class Result:
     token_events: int = 0  # each carries whatever text was ready: one token, several, or none
     error: str | None = None
     refused: bool = False
+    gateway: int = 0  # which of the clients given to `drive` asked (one per gateway replica)
 
 
 @dataclass
@@ -278,7 +279,8 @@ async def client_pools(
     """HTTP clients for `drive`, one per CLIENTS_PER_POOL simulated clients, each keeping all its connections. One
     pool for every client costs the load generator O(connections) at each request and response end (httpcore scans
     its whole pool): 5-10 ms of CPU an answer at 128 clients, which caps a one-process load generator near 100-200
-    answers/s and, on a small machine, takes the server's cores."""
+    answers/s and, on a small machine, takes the server's cores. For one gateway: `drive` labels each result with
+    its client's index (`gateway`), here the pool's."""
     size = CLIENTS_PER_POOL + 2  # httpx keeps 20 idle connections by default: answers ending together reconnected
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
@@ -295,7 +297,8 @@ async def drive(
     client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig
 ) -> tuple[list[Result], float]:
     """The load phase alone (the corpus already ingested): every question's result and the seconds it ran. Given
-    several HTTP clients, the simulated clients take them in turn."""
+    several clients (one per gateway replica), client loop i asks through client i mod N, as a Service spreads
+    connections over its pods; each result names its client (`gateway`)."""
     clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
@@ -308,14 +311,14 @@ async def drive(
     start = time.perf_counter()
     deadline = start + config.duration_s
 
-    async def client_loop(http: httpx.AsyncClient) -> None:
+    async def client_loop(gateway: int) -> None:
         while time.perf_counter() < deadline and len(results) < len(plan):
             mode, topic = plan[len(results)]
-            result = Result(mode, topic, time.perf_counter() - start)
+            result = Result(mode, topic, time.perf_counter() - start, gateway=gateway)
             results.append(result)  # claimed before awaiting, so no two clients take the same slot
-            await ask(http, config, result)
+            await ask(clients[gateway], config, result)
 
-    await asyncio.gather(*(client_loop(clients[i % len(clients)]) for i in range(config.concurrency)))
+    await asyncio.gather(*(client_loop(i % len(clients)) for i in range(config.concurrency)))
     return results, time.perf_counter() - start
 
 

@@ -5,9 +5,13 @@ them). `kvstitch make-qa`'s synthetic passages are templated sentences about inv
 manual pages, docstrings and licences. This writes prompts shaped like the eval's samples over other texts of
 the same kinds: four passages of one source (90-200 words each, consecutive paragraphs, whitespace collapsed),
 one of them asked about with `corpus_prompts`' question forms (the ones `finetune --data-dir` asks), shuffled.
-Sources: Python standard-library modules' docstrings (module, classes, functions) and Debian's section-1 manual
-pages, minus every source named in `loadtest/qa/real_passages.jsonl` (a module or page the eval reads is skipped
-whole, so no eval passage or its neighbours is trained on).
+Sources, of the eval's four kinds: Python standard-library modules' docstrings (module, classes, functions),
+Debian's section-1 manual pages, licence texts (`/usr/share/common-licenses` and a sample of the packages'
+`/usr/share/doc/*/copyright` files) and installed Python distributions' long descriptions (their READMEs), minus
+every source named in the real-passage sets, `loadtest/qa/real_passages.jsonl` and `real_passages_b.jsonl` (a
+module, page, licence or package either set reads is skipped whole, with its aliases and kin). Copyright files
+quote licences verbatim, so any passage sharing eight consecutive words with a chunk of either set is dropped as
+well: no eval passage is trained on, whatever file it sits in.
 
     python -m loadtest.natural_prompts --out natural.jsonl --samples 2048 --seed 0
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib
+import importlib.metadata
 import inspect
 import json
 import random
@@ -28,35 +33,73 @@ import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from workers.training.corpus_prompts import question_from, sentences
+from workers.training.corpus_prompts import EDGE_PUNCTUATION, question_from, sentences
 
-EVAL_SET = Path(__file__).resolve().parent / "qa" / "real_passages.jsonl"
+QA_DIR = Path(__file__).resolve().parent / "qa"
+# Every real-passage eval set: set B confirms what set A finds, so neither may be trained on.
+EVAL_SETS = (QA_DIR / "real_passages.jsonl", QA_DIR / "real_passages_b.jsonl")
 PASSAGE_WORDS = (90, 200)  # the eval's passages are 60-200 words; joining stops at the first bound, so ~100 on average
 CHUNKS_PER_SAMPLE = 4
 MAN_PAGES = 400  # manual pages read at most (rendering is ~50 ms each)
 MAN_DIR = Path("/usr/share/man/man1")
+LICENCE_DIR = Path("/usr/share/common-licenses")
+DOC_DIR = Path("/usr/share/doc")
+COPYRIGHT_FILES = 150  # copyright files read at most: most are boilerplate, a few hundred would outvote the rest
+OWN_DISTRIBUTION = "kvstitch"  # this project's README is not a third party's text
+SHINGLE_WORDS = 8  # a passage sharing this many consecutive words with an eval chunk is the eval's text
 # Modules whose import has side effects (opens windows, prints, starts things) or is slow.
 SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtledemo", "lib2to3", "test", "pydoc_data"}
 
 
-def eval_sources() -> tuple[set[str], set[str]]:
-    """(module roots, manual pages) the eval reads; `python:json.JSONDecoder.__init__` excludes all of `json`."""
-    modules: set[str] = set()
-    pages: set[str] = set()
-    for line in EVAL_SET.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+@dataclass(frozen=True)
+class EvalSources:
+    """What the eval reads, by kind: module roots, manual pages, licences and packages (lower-case names)."""
+
+    modules: frozenset[str]
+    pages: frozenset[str]
+    licences: frozenset[str]
+    packages: frozenset[str]
+    shingles: frozenset[tuple[str, ...]]
+
+
+def eval_sources(paths: Iterable[Path] = EVAL_SETS) -> EvalSources:
+    """The eval sets' sources (`python:json.JSONDecoder.__init__` excludes all of `json`) and their chunks'
+    shingles, over every set in `paths`."""
+    names: dict[str, set[str]] = {"python": set(), "man": set(), "license": set(), "pkg": set()}
+    shingles: set[tuple[str, ...]] = set()
+    for record in _records(paths):
         for source in {record["source"], *record.get("chunk_sources", [])}:
             kind, _, name = source.partition(":")
-            if kind == "python":
-                modules.add(name.split(".")[0])
-            elif kind == "man":
-                pages.add(name)
-    return modules, pages
+            if kind in names:
+                names[kind].add(name.split(".")[0] if kind == "python" else name.lower())
+        for chunk in record["chunks"]:
+            shingles.update(shingles_of(chunk))
+    return EvalSources(
+        modules=frozenset(names["python"]),
+        pages=frozenset(names["man"]),
+        licences=frozenset(names["license"]),
+        packages=frozenset(_distribution_key(name) for name in names["pkg"]),
+        shingles=frozenset(shingles),
+    )
+
+
+def _records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def shingles_of(text: str) -> set[tuple[str, ...]]:
+    """Every run of SHINGLE_WORDS consecutive words, lower-cased, punctuation at the words' edges dropped."""
+    words = [word.strip(EDGE_PUNCTUATION).lower() for word in text.split()]
+    words = [word for word in words if word]
+    return {tuple(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)}
 
 
 def passages(text: str) -> list[str]:
@@ -137,6 +180,51 @@ def man_texts(skip: set[str], limit: int, rng: random.Random) -> Iterator[tuple[
             yield f"man:{name}", done.stdout
 
 
+def licence_texts(directory: Path, skip: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """(source, text) per licence file; an eval licence, its aliases (`GPL` links to `GPL-3`) and its other
+    versions' files of the same family (`LGPL-3` beside `GPL-3`) are left out."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.iterdir()):
+        names = {path.name.lower(), path.resolve().name.lower()}
+        if path.is_file() and not any(_licence_kin(name, skip) for name in names):
+            yield f"license:{path.name}", path.read_text(encoding="utf-8", errors="replace")
+
+
+def _licence_kin(name: str, skip: frozenset[str]) -> bool:
+    return any(name == licence or name.endswith(licence) for licence in skip)
+
+
+def copyright_texts(directory: Path, skip: frozenset[str], limit: int, rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(source, text) of `limit` packages' copyright files in a seeded order, packages named like an eval source
+    (`openssh-client` of `ssh` is caught by the shingles instead) left out."""
+    if not directory.is_dir():
+        return
+    files = sorted(path for path in directory.glob("*/copyright") if path.is_file() and not path.is_symlink())
+    files = [path for path in files if not any(name in path.parent.name.lower() for name in skip)]
+    rng.shuffle(files)
+    for path in files[:limit]:
+        yield f"copyright:{path.parent.name}", path.read_text(encoding="utf-8", errors="replace")
+
+
+def package_texts(skip: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """(source, text) per installed distribution's long description, the eval's packages and this one left out."""
+    seen: set[str] = set()
+    for distribution in importlib.metadata.distributions():
+        name = _distribution_key(distribution.metadata["Name"] or "")
+        if not name or name in seen or name in skip or name == OWN_DISTRIBUTION:
+            continue
+        seen.add(name)
+        description = distribution.metadata.get_payload() or distribution.metadata["Description"] or ""  # type: ignore[attr-defined]
+        if description.strip():
+            yield f"pkg:{name}", description
+
+
+def _distribution_key(name: str) -> str:
+    """A distribution's name as pip compares them (`Foo_Bar` is `foo-bar`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _kin(name: str, pages: set[str]) -> bool:
     """A page of the same tool family as an eval page (`ssh-add` of `ssh`, `rrsync` of `rsync`)."""
     return any(name.startswith(page + "-") or name.endswith(page) for page in pages)
@@ -149,13 +237,25 @@ def _own_page(path: Path) -> bool:
         return not page.read(64).startswith(".so ")
 
 
-def samples(count: int, seed: int) -> list[dict[str, object]]:
-    """`count` prompts, sources visited round-robin in a seeded order so that no source dominates."""
+def source_texts(eval_set: EvalSources, rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(source, text) of every kind this machine ships, the eval's own sources left out."""
+    yield from module_texts(set(eval_set.modules))
+    yield from man_texts(set(eval_set.pages), MAN_PAGES, rng)
+    yield from licence_texts(LICENCE_DIR, eval_set.licences)
+    yield from copyright_texts(DOC_DIR, eval_set.pages | eval_set.packages, COPYRIGHT_FILES, rng)
+    yield from package_texts(eval_set.packages)
+
+
+def samples(
+    count: int, seed: int, texts: Iterable[tuple[str, str]] | None = None, eval_set: EvalSources | None = None
+) -> list[dict[str, object]]:
+    """`count` prompts, sources visited round-robin in a seeded order so that no source dominates; `texts`
+    defaults to every source this machine ships (`source_texts`)."""
     rng = random.Random(seed)
-    modules, pages = eval_sources()
+    eval_set = eval_set or eval_sources()
     pools: list[tuple[str, list[str]]] = []
-    for source, text in [*module_texts(modules), *man_texts(pages, MAN_PAGES, rng)]:
-        found = passages(text)
+    for source, text in texts if texts is not None else source_texts(eval_set, rng):
+        found = [p for p in passages(text) if not shingles_of(p) & eval_set.shingles]
         if len(found) >= CHUNKS_PER_SAMPLE and any(sentences(p) for p in found):
             pools.append((source, found))
     if not pools:
@@ -166,22 +266,26 @@ def samples(count: int, seed: int) -> list[dict[str, object]]:
         for source, found in pools:
             if len(made) == count:
                 break
-            chunks = rng.sample(found, CHUNKS_PER_SAMPLE)
-            asked = [c for c in chunks if sentences(c)]
-            if not asked:
-                continue
-            gold = rng.choice(asked)
-            sentence = rng.choice(sentences(gold))
-            made.append(
-                {
-                    "id": f"{source}-{len(made)}",
-                    "question": question_from(sentence, rng),
-                    "chunks": chunks,
-                    "answers": [sentence],
-                    "source": source,
-                }
-            )
+            sample = _sample(source, found, len(made), rng)
+            if sample is not None:
+                made.append(sample)
     return made
+
+
+def _sample(source: str, found: list[str], index: int, rng: random.Random) -> dict[str, object] | None:
+    """Four of a source's passages, a question on a sentence of one of them (None if none has a sentence)."""
+    chunks = rng.sample(found, CHUNKS_PER_SAMPLE)
+    asked = [c for c in chunks if sentences(c)]
+    if not asked:
+        return None
+    sentence = rng.choice(sentences(rng.choice(asked)))
+    return {
+        "id": f"{source}-{index}",
+        "question": question_from(sentence, rng),
+        "chunks": chunks,
+        "answers": [sentence],
+        "source": source,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,9 @@ Qwen2-7B-shaped model drawn on the device (`--model DIR` loads a folder instead)
 The gateway runs in this process (uvicorn on a background thread, as `serve_random`'s), built from `Settings` in
 gateway mode over a shell of the same model (`bench_prefill.random_qwen2_7b_shell` or `load_model_shell`): no
 weights, no GPU, the engines' key space. Clients run in a second process (`loadtest.load`), so their work does not
-hold the gateway's GIL.
+hold the gateway's GIL. `--gateways N` adds N - 1 gateway processes over the same engines on the next ports
+(`loadtest.fleet_gateways`: each with its own embedded Qdrant, the corpus ingested into each, as the fleet's
+Kubernetes Deployment runs several gateway pods over one Qdrant server); client i asks through gateway i mod N.
 
 Phases (`--phases`), each a series of configurations, each configuration a fresh gateway over some of the engines
 with its own Qdrant collection: the corpus is ingested into it (the gateway has each chunk's KV computed on the
@@ -28,6 +30,25 @@ KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU 
 Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
 engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
 `done` events report. Writes `report.json` and `table.md` under --out, and prints the table.
+
+Where the time went (`loadtest.proc_cpu`, from /proc around each timed run; `cpu` in report.json, the second table
+of table.md): CPU ms per answer and cores busy (CPU seconds / wall seconds) of the gateway's process, split by thread
+group (`event_loop`: uvicorn's thread; `retrieval`: the batcher that embeds and searches; `request_threads`: anyio's
+workers, each request's retrieval wait, preparation and routing; `other`: the rest, threads that ended included), of
+the question embedder's child (on CUDA: `embedding_process` on), of each engine process of the configuration
+(`engine-N`), of the clients' process and of any other child of the gateway's process; per process also its busiest
+thread's cores. Python threads share their process's GIL: a gateway whose event loop, or whose Python threads
+together, sit near 1.0 core is bound by it; an engine whose busiest thread is near 1.0 has a saturated scheduler;
+all of them well below 1.0 means the run waits (on the GPU, or on a queue). The clients' process near 1.0 would
+make the clients the wall.
+
+    python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases scale --concurrency 64 --profile
+
+`--profile`: py-spy (`loadtest.stack_sampler`; `--py-spy PATH`, else found on PATH, beside this Python or in a
+`bin` folder of the import path, as `pip install --target` leaves it) samples the gateway's process and the
+configuration's first engine over each configuration's last timed level: per thread, its top functions in µs of
+CPU per answer, in `profile.txt` (raw stacks under py-spy/). Without py-spy the runs go on, unprofiled, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -45,7 +66,8 @@ import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import AsyncExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,32 +75,36 @@ import httpx
 import torch
 
 from loadtest import load
-from loadtest.bench_prefill import random_qwen2_7b_shell
-from loadtest.serve_random import BackgroundServer, chosen_vocabulary, machine, phase_config, wait_ready
+from loadtest.fleet_gateways import (
+    MAX_GATEWAYS,
+    Configuration,
+    GatewayReplicas,
+    gateway_engine,
+    gateway_settings,
+)
+from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
+from loadtest.serve_random import (
+    BackgroundServer,
+    chosen_vocabulary,
+    clients_ingest,
+    http_client,
+    machine,
+    phase_config,
+    question_embedder_pids,
+    quiet_logging,
+    wait_ready,
+)
+from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
-from service.engine.engine import StitchEngine
-from service.engine.model import load_model_shell
 from service.retrieval.embedder import Embedder
 from service.serving.server import Server
-from service.settings import Settings
 from workers.worker import in_process_worker
 
 log = logging.getLogger("serve_fleet")
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_READY_TIMEOUT_S = 600.0
 ENGINE_STOP_S = 20.0
-NEVER_SWEEP_S = 10**9  # a configuration's fresh collection must not make the gateway release the others' KV
 TIERS = ("gpu", "host", "disk", "miss")
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One gateway: which engines (by index) it routes to, and how."""
-
-    phase: str
-    name: str
-    engines: tuple[int, ...]
-    routing: str
 
 
 # ---- engines ------------------------------------------------------------------------------------------------
@@ -161,75 +187,48 @@ def engine_environment(
     return env
 
 
-# ---- the gateway --------------------------------------------------------------------------------------------
-
-
-def gateway_engine(args: argparse.Namespace) -> StitchEngine:
-    """The gateway's model: a shell of the engines' (tokenizer, template, key space; no weights)."""
-    if args.model:
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        return StitchEngine(load_model_shell(args.model, dtype))
-    return StitchEngine(random_qwen2_7b_shell(args.vocabulary_used, args.device))
-
-
-def gateway_settings(
-    args: argparse.Namespace, config: Configuration, urls: list[str], number: int, redis_prefix: str | None
-) -> Settings:
-    return Settings(
-        model=args.model or "random-qwen2-7b",
-        engines=",".join(urls),
-        fleet_routing=config.routing,
-        device=args.device,
-        data_dir=args.data_dir if redis_prefix else args.data_dir / "gateway",
-        redis_url=args.redis if redis_prefix else None,
-        redis_prefix=redis_prefix or "kvstitch",
-        collection=f"fleetbench_{number}",
-        kv_sweep_grace_s=NEVER_SWEEP_S,
-        embedding_model=args.embedding_model,
-        embedding_device=args.embedding_device,
-        embedding_process="on" if args.device == "cuda" else "off",
-        chunk_size=args.chunk_size,
-        chunk_overlap=0,
-        default_max_new_tokens=args.max_new_tokens,
-        max_top_k=max(args.top_k, 1),
-        host="127.0.0.1",
-        port=args.port,
-    )
-
-
 # ---- the clients (a second process) -------------------------------------------------------------------------
 
 
-def run_clients(args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]) -> dict[str, Any]:
-    """`drive_configuration` in the clients' process."""
+def clients_ingest_all(args: argparse.Namespace, urls: list[str]) -> tuple[int, float]:
+    """In the clients' process: the corpus ingested through every gateway replica in turn (each has its own
+    embedded Qdrant); the first one's chunks and the seconds all took."""
+    began = time.perf_counter()
+    chunks = [clients_ingest(args, url)[0] for url in urls]
+    if len(set(chunks)) != 1:
+        raise RuntimeError(f"the gateway replicas ingested different chunk counts: {chunks}")
+    return chunks[0], time.perf_counter() - began
+
+
+def clients_warm_up_all(args: argparse.Namespace, urls: list[str], clients: int) -> tuple[int, list[str]]:
+    """In the clients' process: a level's untimed warm-up over every replica; the questions and the first errors."""
     quiet_logging()
-    return asyncio.run(drive_configuration(args, url, engine_urls, concurrency))
+
+    async def warm_up() -> tuple[int, list[str]]:
+        async with AsyncExitStack() as stack:
+            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
+            config = phase_config(args, urls[0], clients, args.warmup_s, args.warmup_requests)
+            results, _ = await load.drive(pool, config)
+        return len(results), [r.error for r in results if r.error][:5]
+
+    return asyncio.run(warm_up())
 
 
-async def drive_configuration(
-    args: argparse.Namespace, url: str, engine_urls: list[str], concurrency: list[int]
-) -> dict[str, Any]:
-    """Ingest the corpus through the gateway, then a warm-up and a timed run per concurrency level."""
-    limits = httpx.Limits(max_connections=max(concurrency) + 2)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S)) as client:
-        began = time.perf_counter()
-        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
-        ingest_s = time.perf_counter() - began
-        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        runs = []
-        for clients in concurrency:
-            warm = phase_config(args, url, clients, args.warmup_s, args.warmup_requests)
-            async with load.client_pools(url, clients) as pools:
-                await load.drive(pools, warm)
+def clients_timed(args: argparse.Namespace, urls: list[str], engine_urls: list[str], clients: int) -> dict[str, Any]:
+    """In the clients' process: a level's timed run over every gateway replica between two reads of the engines'
+    /metrics (`run_report`)."""
+    quiet_logging()
+
+    async def timed() -> dict[str, Any]:
+        async with AsyncExitStack() as stack:
+            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
             before = await engine_pages(engine_urls)
-            async with load.client_pools(url, clients) as pools:
-                results, duration_s = await load.drive(
-                    pools, phase_config(args, url, clients, args.duration, args.max_requests)
-                )
+            config = phase_config(args, urls[0], clients, args.duration, args.max_requests)
+            results, duration_s = await load.drive(pool, config)
             after = await engine_pages(engine_urls)
-            runs.append(run_report(clients, results, duration_s, engine_urls, before, after))
-            log.info("%d clients: %d questions in %.1f s", clients, len(results), duration_s)
-    return {"chunks": chunks, "ingest_s": ingest_s, "runs": runs}
+        return run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
+
+    return asyncio.run(timed())
 
 
 async def engine_pages(urls: list[str]) -> list[str]:
@@ -244,9 +243,10 @@ def run_report(
     engine_urls: list[str],
     before: list[str],
     after: list[str],
+    gateways: int = 1,
 ) -> dict[str, Any]:
     """One timed run: all modes together, then each; per engine the answers it gave and the blocks it served by
-    tier over the run (the deltas of its /metrics)."""
+    tier over the run (the deltas of its /metrics); per gateway replica the questions asked through it."""
     overall = load.mode_report("all", results, duration_s)
     engines: dict[str, dict[str, Any]] = {}
     for url, earlier, later in zip(engine_urls, before, after, strict=True):
@@ -263,6 +263,7 @@ def run_report(
         "host_hit_ratio_done": hit_ratio(overall.kv, "host"),
         "gpu_hit_ratio_engines": hit_ratio(served, "gpu"),
         "engines": engines,
+        "requests_per_gateway": [sum(r.gateway == g for r in results) for g in range(gateways)],
         "modes": [asdict(load.mode_report(m, [r for r in results if r.mode == m], duration_s)) for m in modes],
     }
 
@@ -299,7 +300,8 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
     if "scale" in args.phases:
         # All engines first: their ingestion spreads the chunks over them (each on its owner), where after one
         # engine's it would find every chunk on that engine and the others would start cold.
-        plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
+        if len(every) > 1:
+            plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
         plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
     if "routing" in args.phases:
         plan.append(Configuration("routing", "chunk-aware", every, "chunk-aware"))
@@ -321,12 +323,36 @@ def run_configuration(
     concurrency = args.concurrency if config.phase == "scale" else args.routing_concurrency
     gateway = Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
     began = time.perf_counter()
-    with BackgroundServer(create_app(gateway), args.port) as server:
+    with (
+        BackgroundServer(create_app(gateway), args.port) as server,
+        GatewayReplicas(args, config, urls, number, redis_prefix, args.gateways) as replicas,
+    ):
         wait_ready(server.url)
+        replicas.wait_ready()
+        gateways = [server.url, *replicas.urls]
         log.info(
-            "%s / %s: gateway ready over %s in %.1f s", config.phase, config.name, urls, time.perf_counter() - began
+            "%s / %s: %d gateways ready over %s in %.1f s",
+            config.phase,
+            config.name,
+            len(gateways),
+            urls,
+            time.perf_counter() - began,
         )
-        outcome = clients.submit(run_clients, args, server.url, urls, concurrency).result()
+        chunks, ingest_s = clients.submit(clients_ingest_all, args, gateways).result()
+        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+        watched = Watched(
+            embedder_pids=lambda: question_embedder_pids(gateway),
+            clients_pid=clients.submit(os.getpid).result(),
+            engines={f"engine-{i}": group.processes[i].pid for i in config.engines},
+            ignored={process.pid for process in group.processes},  # the configuration's others sit idle
+            replicas=lambda: replicas.pids,
+        )
+        runs, profile = [], None
+        for index, clients_count in enumerate(concurrency):
+            sample = args.profile and index == len(concurrency) - 1
+            run, text = run_level(args, gateways, urls, clients_count, clients, watched, sample)
+            runs.append(run)
+            profile = text if text is not None else profile
         fleet = gateway.fleet
         unplaced = fleet.unplaced if fleet is not None else 0
     return {
@@ -334,10 +360,51 @@ def run_configuration(
         "name": config.name,
         "routing": config.routing,
         "engines": urls,
+        "gateways": args.gateways,
         "gpu_cache_mb": group.gpu_cache_mb,
         "unplaced_chunks": unplaced,
-        **outcome,
+        "chunks": chunks,
+        "ingest_s": ingest_s,
+        "runs": runs,
+        "profile": profile,
     }
+
+
+def run_level(
+    args: argparse.Namespace,
+    gateways: list[str],
+    engine_urls: list[str],
+    clients_count: int,
+    clients: ProcessPoolExecutor,
+    watched: Watched,
+    profile: bool,
+) -> tuple[dict[str, Any], str | None]:
+    """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
+    py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
+    asked, errors = clients.submit(clients_warm_up_all, args, gateways, clients_count).result()
+    log.info("%d clients: warm-up of %d questions, errors %s", clients_count, asked, errors)
+    first_engine = dict(list(watched.engines.items())[:1])
+    spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
+    samplers = spies.sampler_pids if spies is not None else []
+    before = cpu_snapshot(watched.roles(samplers))
+    try:
+        run = clients.submit(clients_timed, args, gateways, engine_urls, clients_count).result()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
+    after = cpu_snapshot(watched.roles(samplers))
+    answers = run["requests"] - run["errors"] - run["refused"]
+    run["cpu"] = cpu_use(before, after, answers)
+    busy = {role: (found or {}).get("cores") for role, found in run["cpu"]["processes"].items()}
+    log.info(
+        "%d clients: %d questions in %.1f s; cores busy %s", clients_count, run["requests"], run["duration_s"], busy
+    )
+    if spies is None:
+        return run, (NO_PY_SPY if profile else None)
+    seconds = {role: thread_deltas(before, after, role) for role in spies.pids}
+    text = spies.report(seconds, answers, args.profile_top)
+    return run, f"{clients_count} clients (py-spy ran beside them)\n\n{text}"
 
 
 def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str, Any]]:
@@ -384,7 +451,7 @@ def table(outcomes: list[dict[str, Any]]) -> str:
             per_engine = " / ".join(str(e["answers"]) for e in run["engines"].values())
             cells = [
                 outcome["phase"],
-                outcome["name"],
+                gateway_over(outcome),
                 run["concurrency"],
                 run["requests"],
                 run["errors"],
@@ -398,6 +465,47 @@ def table(outcomes: list[dict[str, Any]]) -> str:
             ]
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
+
+
+def gateway_over(outcome: dict[str, Any]) -> str:
+    """The configuration's name, with its gateway processes where there are several."""
+    gateways = outcome.get("gateways", 1)
+    return outcome["name"] if gateways == 1 else f"{outcome['name']}, {gateways} gateways"
+
+
+CPU_CAPTION = (
+    "CPU per timed run, in cores busy (CPU seconds / wall seconds); a process's busiest thread in brackets; "
+    "ms per answer in report.json (`cpu`)"
+)
+
+
+def cpu_table(outcomes: list[dict[str, Any]]) -> str:
+    """Per configuration and concurrency: the gateway's CPU ms per answer, its thread groups' cores, then each
+    process's cores (the engines in --gpus order)."""
+    head = (
+        "| phase | gateway over | clients | gateway ms/answer | event loop | retrieval | request threads "
+        "| gateway other | gateway | embedder | gateway replicas | replica embedders | engines | clients' process "
+        "| other children |"
+    )
+    rows = [CPU_CAPTION, "", head, "|" + "---|" * 15]
+    for outcome in outcomes:
+        for run in outcome["runs"]:
+            use = run.get("cpu")
+            gateway = (use or {}).get("processes", {}).get("gateway") or {}
+            engines = sorted((r for r in (use or {}).get("processes", {}) if r.startswith("engine-")), key=engine_index)
+            ms = gateway.get("ms_per_answer")
+            cells = [outcome["phase"], gateway_over(outcome), run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+            cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
+            cells += [cores(use, "gateway"), cores(use, "embedder")]
+            cells += [cores(use, "gateway replicas"), cores(use, "replica embedders")]
+            cells += [" / ".join(cores(use, e) for e in engines)]
+            cells += [cores(use, "clients"), cores(use, "other children")]
+            rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def engine_index(role: str) -> int:
+    return int(role.removeprefix("engine-"))
 
 
 def percent(ratio: float | None) -> str:
@@ -439,6 +547,7 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
     """report.json and table.md under --out (after every configuration, so a run stopped at its time limit keeps
     what it measured); the final call prints the summary and the table. Returns the errors counted."""
     text = table(outcomes)
+    cpu_text = cpu_table(outcomes)
     saved = {
         "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -446,12 +555,17 @@ def write_report(args: argparse.Namespace, outcomes: list[dict[str, Any]], began
         "summary": summary(outcomes),
         "configurations": outcomes,
         "table": text,
+        "cpu_table": cpu_text,
     }
     (args.out / "report.json").write_text(json.dumps(saved, indent=2, default=str), encoding="utf-8")
-    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    (args.out / "table.md").write_text(f"{text}\n\n{cpu_text}\n", encoding="utf-8")
+    profiles = [f"## {o['phase']} / {o['name']}: {o['profile']}" for o in outcomes if o.get("profile")]
+    if profiles:
+        (args.out / "profile.txt").write_text("\n\n".join(profiles) + "\n", encoding="utf-8")
     if final:
         print(json.dumps(saved["summary"], indent=2))
         print(text)
+        print(cpu_text)
     return sum(run["errors"] for o in outcomes for run in o["runs"])
 
 
@@ -467,7 +581,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--phases", nargs="+", default=["scale", "routing"], choices=["scale", "routing"])
     parser.add_argument("--redis", default=None, help="redis:// URL: engines publish their tiers (routing needs it)")
     parser.add_argument("--engine-port", type=int, default=8100, help="engine N listens on this + N")
-    parser.add_argument("--port", type=int, default=8765, help="the gateway's port")
+    parser.add_argument("--port", type=int, default=8765, help="the gateway's port (replica N's: this + N)")
+    parser.add_argument(
+        "--gateways", type=int, default=1, help=f"gateway processes over the engines (1-{MAX_GATEWAYS}; default 1)"
+    )
     parser.add_argument("--engine-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra engine settings")
     parser.add_argument("--engine-ready-timeout-s", type=float, default=ENGINE_READY_TIMEOUT_S)
     parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
@@ -493,8 +610,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-cache-mb", type=int, default=12288)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("loadtest-out/fleet"))
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy on the gateway and engine 0 over each configuration's last level"
+    )
+    parser.add_argument("--py-spy", default=None, help="the py-spy executable; default: found (stack_sampler)")
+    parser.add_argument("--profile-top", type=int, default=40, help="functions per thread and ranking")
     args = parser.parse_args(argv)
+    args.py_spy = find_py_spy(args.py_spy)
     args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    if not 1 <= args.gateways <= MAX_GATEWAYS:
+        parser.error(f"--gateways takes 1-{MAX_GATEWAYS}")
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
     pairs = [item.partition("=") for item in args.engine_env]
@@ -502,12 +627,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--engine-env takes KEY=VALUE entries")
     args.engine_env = {key: value for key, _, value in pairs}
     return args
-
-
-def quiet_logging() -> None:
-    """INFO, but not a line per HTTP request (the gateway probes every engine twice a second)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -518,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus) + 1:
         log.error("--gpus %s: only %d CUDA devices", args.gpus, torch.cuda.device_count())
         return 2
+    if args.profile and args.py_spy is None:
+        log.warning("--profile: %s; the runs go on without it", NO_PY_SPY)
     if "routing" in args.phases and args.redis is None:
         log.warning("no --redis: the gateway sees no engine's tiers, so chunk-aware routing goes by load alone")
     args.vocabulary_used = chosen_vocabulary(args.vocabulary) if args.model is None else "stand-in"

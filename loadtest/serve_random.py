@@ -21,6 +21,21 @@ taken at the first token rather than after the whole decode.
 
 Writes `report.json` (settings, machine, per-phase reports and every request), `table.md` and `ttft.png` under
 --out, and prints the table last.
+
+Where the time went (`loadtest.proc_cpu`, from /proc around each timed phase; `cpu` in report.json, the second
+table of table.md): CPU ms per answer and cores busy (CPU seconds / wall seconds) of this process, the gateway's and
+the engine's, split by thread group (`event_loop`: uvicorn's thread; `retrieval`: the batcher that embeds and
+searches; `request_threads`: anyio's workers, each request's retrieval wait and preparation; `engine`: the
+scheduler's thread, which launches the GPU's work; `other`: the rest, threads that ended included), of the question
+embedder's child (on CUDA), of the clients' process and of any other child of this process; per process also its
+busiest thread's cores. All of this process's Python threads share one GIL: their sum near 1.0 core, or the engine
+thread alone near it, means the GIL or the scheduler's Python is the wall; everything well below means the run
+waits (on the GPU, or on a queue).
+
+`--profile`: py-spy (`loadtest.stack_sampler`; `--py-spy PATH`, else found on PATH, beside this Python or in a
+`bin` folder of the import path, as `pip install --target` leaves it) samples this process over each pass's last
+timed phase: per thread, its top functions in µs of CPU per answer, in `profile.txt` (raw stacks under py-spy/).
+Without py-spy the run goes on, unprofiled, and the report says so.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import gc
 import json
 import logging
 import multiprocessing
+import os
 import platform
 import shutil
 import sys
@@ -47,7 +63,9 @@ import uvicorn
 
 from loadtest import load
 from loadtest.bench_prefill import build_engine
+from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
 from loadtest.qwen_vocab import installed_qwen_vocab
+from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
 from service.engine.engine import StitchEngine
 from service.serving.gc_pauses import set_young_threshold
@@ -167,52 +185,153 @@ def phase_config(
     )
 
 
-async def drive_all(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[str, Any]:
-    """Ingest once (unless the corpus is already in: a second pass over the same server), then a warm-up and a
-    timed phase per concurrency level."""
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 2)
-    timeout = httpx.Timeout(load.REQUEST_TIMEOUT_S)
-    phases: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        began = time.perf_counter()
-        chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed)) if ingest else 0
-        ingest_s = time.perf_counter() - began
-        log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        for concurrency in args.concurrency:
-            warm = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
-            async with load.client_pools(url, concurrency) as clients:
-                warm_results, _ = await load.drive(clients, warm)
-            warm_errors = [r.error for r in warm_results if r.error]
+# ---- the clients (a second process: their SSE parsing must not share the server's GIL) -----------------------
+
+
+def quiet_logging() -> None:
+    """INFO, but not httpx's line per request (the clients ask hundreds a second; a fleet's gateway probes every
+    engine twice a second)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def http_client(url: str, connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections + 2)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(load.REQUEST_TIMEOUT_S))
+
+
+def clients_ingest(args: argparse.Namespace, url: str) -> tuple[int, float]:
+    """In the clients' process: the corpus ingested through the gateway; its chunks and seconds."""
+    quiet_logging()
+
+    async def ingest() -> tuple[int, float]:
+        async with http_client(url, 1) as client:
+            began = time.perf_counter()
+            chunks = await load.ingest(client, load.corpus(args.topics, args.sentences, args.seed))
+            return chunks, time.perf_counter() - began
+
+    return asyncio.run(ingest())
+
+
+def clients_warm_up(args: argparse.Namespace, url: str, concurrency: int) -> tuple[int, list[str]]:
+    """In the clients' process: a level's untimed warm-up (it captures the CUDA graphs of the large context
+    bucket); the questions asked and the first errors."""
+    quiet_logging()
+
+    async def warm_up() -> tuple[int, list[str]]:
+        async with http_client(url, concurrency) as client:
+            config = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
+            results, _ = await load.drive(client, config)
+        return len(results), [r.error for r in results if r.error][:5]
+
+    return asyncio.run(warm_up())
+
+
+def clients_timed(args: argparse.Namespace, url: str, concurrency: int) -> dict[str, Any]:
+    """In the clients' process: a level's timed phase between two reads of the gateway's /metrics; its report."""
+    quiet_logging()
+
+    async def timed() -> dict[str, Any]:
+        async with http_client(url, concurrency) as client:
             config = phase_config(args, url, concurrency, args.duration, args.max_requests)
             before_page = (await client.get("/metrics")).text
-            async with load.client_pools(url, concurrency) as clients:
-                results, duration_s = await load.drive(clients, config)
+            results, duration_s = await load.drive(client, config)
             after_page = (await client.get("/metrics")).text
-            before, after = engine_seconds(before_page), engine_seconds(after_page)
-            modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
-            contexts = sorted(r.context_tokens for r in results if r.context_tokens)
-            questions = sorted(r.question_tokens for r in results if r.context_tokens)
-            log.info("concurrency %d: %d questions in %.1f s", concurrency, len(results), duration_s)
-            phases.append(
-                {
-                    "concurrency": concurrency,
-                    "duration_s": duration_s,
-                    "warmup_requests": len(warm_results),
-                    "warmup_errors": warm_errors[:5],
-                    "modes": [asdict(m) for m in modes],
-                    "context_tokens": {"min": contexts[0], "median": contexts[len(contexts) // 2], "max": contexts[-1]}
-                    if contexts
-                    else {},
-                    "question_tokens_median": questions[len(questions) // 2] if questions else 0,
-                    "stage_ms_median": _stage_medians(results),
-                    "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
-                    "gc_pauses": gc_pause_growth(before_page, after_page),
-                    "retrieval_ms_per_question": retrieval_split(before_page, after_page),
-                    "results": [asdict(r) for r in results],
-                }
-            )
-        metrics = (await client.get("/metrics")).text
-    return {"chunks": chunks, "ingest_s": ingest_s, "phases": phases, "metrics_tail": _kvstitch_lines(metrics)}
+        return phase_report(config, results, duration_s, before_page, after_page)
+
+    return asyncio.run(timed())
+
+
+def phase_report(
+    config: load.LoadConfig, results: list[load.Result], duration_s: float, before_page: str, after_page: str
+) -> dict[str, Any]:
+    before, after = engine_seconds(before_page), engine_seconds(after_page)
+    modes = [load.mode_report(m, [r for r in results if r.mode == m], duration_s) for m in config.modes]
+    contexts = sorted(r.context_tokens for r in results if r.context_tokens)
+    questions = sorted(r.question_tokens for r in results if r.context_tokens)
+    log.info("concurrency %d: %d questions in %.1f s", config.concurrency, len(results), duration_s)
+    return {
+        "concurrency": config.concurrency,
+        "duration_s": duration_s,
+        "modes": [asdict(m) for m in modes],
+        "context_tokens": {"min": contexts[0], "median": contexts[len(contexts) // 2], "max": contexts[-1]}
+        if contexts
+        else {},
+        "question_tokens_median": questions[len(questions) // 2] if questions else 0,
+        "stage_ms_median": _stage_medians(results),
+        "engine_share": {k: round((after[k] - before.get(k, 0.0)) / duration_s, 3) for k in after},
+        "gc_pauses": gc_pause_growth(before_page, after_page),
+        "retrieval_ms_per_question": retrieval_split(before_page, after_page),
+        "results": [asdict(r) for r in results],
+    }
+
+
+# ---- a pass over every level (this process: the server's) ----------------------------------------------------
+
+
+def question_embedder_pids(server: Server) -> list[int]:
+    """The pids of the children that embed the gateway's questions (none where they are embedded in its process)."""
+    runtime = server.runtime
+    pool = runtime.question_embedder if runtime is not None else None
+    return [pid for pid in pool.pids if pid is not None] if pool is not None else []
+
+
+def drive_pass(
+    args: argparse.Namespace, url: str, clients: ProcessPoolExecutor, watched: Watched, ingest: bool, out: Path
+) -> dict[str, Any]:
+    """Ingest once (unless the corpus is already in: a second pass over the same server), then a warm-up and a
+    timed phase per concurrency level, the last one profiled with --profile (py-spy's files under `out`)."""
+    chunks, ingest_s = clients.submit(clients_ingest, args, url).result() if ingest else (0, 0.0)
+    log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
+    phases, profile = [], None
+    for index, concurrency in enumerate(args.concurrency):
+        sample = args.profile and index == len(args.concurrency) - 1
+        phase, text = run_phase(args, url, concurrency, clients, watched, sample, out)
+        phases.append(phase)
+        profile = text if text is not None else profile
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        "chunks": chunks,
+        "ingest_s": ingest_s,
+        "phases": phases,
+        "metrics_tail": _kvstitch_lines(metrics),
+        "profile": profile,
+    }
+
+
+def run_phase(
+    args: argparse.Namespace,
+    url: str,
+    concurrency: int,
+    clients: ProcessPoolExecutor,
+    watched: Watched,
+    profile: bool,
+    out: Path,
+) -> tuple[dict[str, Any], str | None]:
+    """A warm-up, then a timed phase with each watched process's CPU read before and after it (`cpu`); with
+    `profile` py-spy samples the gateway's process over the timed phase (the profile's text, else None)."""
+    warm_requests, warm_errors = clients.submit(clients_warm_up, args, url, concurrency).result()
+    spies = start_profiles(args.py_spy, {"gateway": os.getpid()}, out / "py-spy", profile)
+    samplers = spies.sampler_pids if spies is not None else []
+    before = cpu_snapshot(watched.roles(samplers))
+    try:
+        timed = clients.submit(clients_timed, args, url, concurrency).result()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
+    after = cpu_snapshot(watched.roles(samplers))
+    answers = sum(m["requests"] - m["errors"] - m["refused"] for m in timed["modes"])
+    cpu = cpu_use(before, after, answers)
+    log.info(
+        "concurrency %d: cores busy %s", concurrency, {k: (v or {}).get("cores") for k, v in cpu["processes"].items()}
+    )
+    head = {"concurrency": concurrency, "duration_s": timed["duration_s"]}  # keys first, as before the split
+    phase = {**head, "warmup_requests": warm_requests, "warmup_errors": warm_errors, **timed, "cpu": cpu}
+    if spies is None:
+        return phase, (NO_PY_SPY if profile else None)
+    text = spies.report({"gateway": thread_deltas(before, after, "gateway")}, answers, args.profile_top)
+    return phase, f"{concurrency} clients (py-spy ran beside them)\n\n{text}"
 
 
 def engine_seconds(metrics: str) -> dict[str, float]:
@@ -269,12 +388,6 @@ def retrieval_split(before: str, after: str) -> dict[str, float]:
     spent = counter_by_label(after, "kvstitch_retrieval_seconds_total", "stage")
     split = {stage: round((s - spent_before.get(stage, 0.0)) / questions * 1e3, 2) for stage, s in spent.items()}
     return {**split, "round_size": round(questions / max(rounds, 1), 2)}
-
-
-def run_driver(args: argparse.Namespace, url: str, ingest: bool = True) -> dict[str, Any]:
-    """`drive_all` in its own process (the clients' SSE parsing must not share the server's GIL)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(drive_all(args, url, ingest))
 
 
 # Each pass: (overlapped decode steps, overlapped admissions); None keeps the server's setting.
@@ -351,6 +464,30 @@ def table(phases: list[dict[str, Any]]) -> str:
                 f"| {d['p50']:.2f} | {d['p95']:.2f} | {m['output_tokens_per_s']:.1f} "
                 f"| {kv['gpu']} | {kv['host']} | {kv['disk']} | {kv['miss']} |"
             )
+    return "\n".join(rows)
+
+
+CPU_CAPTION = (
+    "CPU per timed phase, in cores busy (CPU seconds / wall seconds); a process's busiest thread in brackets; "
+    "ms per answer in report.json (`cpu`)"
+)
+
+
+def cpu_table(phases: list[dict[str, Any]]) -> str:
+    """Per concurrency level: the gateway's CPU ms per answer, its thread groups' cores (its engine's scheduler
+    thread among them), then each process's cores."""
+    head = (
+        "| clients | gateway ms/answer | event loop | retrieval | request threads | engine thread | gateway other "
+        "| gateway | embedder | clients' process | other children |"
+    )
+    rows = [CPU_CAPTION, "", head, "|" + "---|" * 11]
+    for phase in phases:
+        use = phase.get("cpu")
+        ms = ((use or {}).get("processes", {}).get("gateway") or {}).get("ms_per_answer")
+        cells = [phase["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+        cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "engine", "other")]
+        cells += [cores(use, role) for role in ("gateway", "embedder", "clients", "other children")]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
 
 
@@ -460,10 +597,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway's youngest-generation GC threshold (KVSTITCH_GC_GEN0_THRESHOLD) per pass, in this order: "
         "every other pass once per value, in one server (paired); reports in gc<N>/ (joined to the others' names)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy on the gateway's process over each pass's last level"
+    )
+    parser.add_argument("--py-spy", default=None, help="the py-spy executable; default: found (stack_sampler)")
+    parser.add_argument("--profile-top", type=int, default=40, help="functions per thread and ranking")
     args = parser.parse_args(argv)
     if args.gc_gen0 is not None and min(args.gc_gen0) < 1:
         parser.error("--gc-gen0 thresholds must be positive")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.py_spy = find_py_spy(args.py_spy)
+    quiet_logging()
+    if args.profile and args.py_spy is None:
+        log.warning("--profile: %s; the run goes on without it", NO_PY_SPY)
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
         return 2
@@ -483,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready after %.1f s: %s", time.perf_counter() - began, readiness["checks"])
         # The clients run in a separate process: in this one they would take the GIL from the server they load.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
+            watched = Watched(lambda: question_embedder_pids(gateway), clients.submit(os.getpid).result())
             for number, (name, with_decode, folder, young) in enumerate(gc_passes(args)):
                 if young is not None:
                     set_young_threshold(young)
@@ -492,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
                     scheduler.overlap, scheduler.overlap_admissions = OVERLAP_MODES[name]
                 if with_decode is not None and scheduler is not None:
                     scheduler.prefill_with_decode = with_decode
-                outcome = clients.submit(run_driver, args, server.url, number == 0).result()
+                out = args.out if folder is None else args.out / folder
+                outcome = drive_pass(args, server.url, clients, watched, number == 0, out)
                 used = name or ("on" if scheduler is not None and scheduler.overlap else "off")
                 piggyback = scheduler is not None and scheduler.prefill_with_decode
                 threshold = f", GC gen-0 threshold {gc.get_threshold()[0]}"
@@ -517,6 +664,10 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     text = table(outcome["phases"])
+    cpu_text = cpu_table(outcome["phases"])
+    profile = outcome.pop("profile", None)
+    if profile is not None:
+        (out / "profile.txt").write_text(profile + "\n", encoding="utf-8")
     title = (
         f"kvstitch gateway, {info['device']}, {engine.model.source}, top-k {args.top_k} x {args.chunk_size}-token "
         f"chunks, {args.max_new_tokens} new tokens"
@@ -530,9 +681,10 @@ def report(
         "readiness": readiness,
         **outcome,
         "table": text,
+        "cpu_table": cpu_text,
     }
     (out / "report.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
-    (out / "table.md").write_text(text + "\n", encoding="utf-8")
+    (out / "table.md").write_text(f"{text}\n\n{cpu_text}\n", encoding="utf-8")
     print(f"overlapped decode: {overlap}")
     print(f"{info}; ingested {outcome['chunks']} chunks in {outcome['ingest_s']:.1f} s; plot {png}")
     for line in outcome["metrics_tail"]:
@@ -547,6 +699,7 @@ def report(
             f"gc pauses (s, count) by generation {phase.get('gc_pauses')}"
         )
     print(text)
+    print(cpu_text)
     return sum(m["errors"] for phase in outcome["phases"] for m in phase["modes"])
 
 

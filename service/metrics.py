@@ -293,7 +293,8 @@ class Metrics:
         self.kv_path.labels(mode, reason).set(1)
 
     def watch_arena(self, stats: Callable[[], ArenaStats]) -> None:
-        """The shared chunk arena's bytes, chunks, pins, readers, admissions and evictions at every scrape."""
+        """The shared chunk arena's bytes, chunks, pins, readers, admissions, evictions and resident reads at every
+        scrape."""
         self.registry.register(_ArenaCollector(stats))
 
     def watch_engine(self, seconds: Callable[[], dict[str, float]]) -> None:
@@ -443,6 +444,11 @@ class _ArenaCollector(Collector):
         )  # fmt: skip
         yield CounterMetricFamily(
             "kvstitch_arena_evictions", "Unpinned chunks evicted from the shared arena", value=stats.evictions
+        )
+        yield CounterMetricFamily(
+            "kvstitch_arena_resident_reads",
+            "Chunks shared answers found in the arena at admission: no fetch (tier gpu in kvstitch_kv_blocks)",
+            value=stats.resident_reads,
         )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.bench_gateway import main
-from loadtest.stack_sampler import parse_collapsed, thread_group
+from loadtest.stack_sampler import cpu_ms_by_group, parse_collapsed, thread_group
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,8 @@ def test_py_spy_stacks_are_counted_per_thread_group_without_waits() -> None:
             "thread (11): gateway-loop;run (a.py:1);EpollSelector.select (selectors.py:468) 50",
             "thread (12): AnyIO worker thread;run (a.py:1);retrieve (c.py:3) 2",
             "thread (13): ThreadPoolExecutor-0_3;work (d.py:4) 1",
+            "thread (14): ThreadPoolExecutor-0_4;work (d.py:4) 2",
+            "thread (15);work (e.py:5) 4",  # no name: the process never imported threading
         ]
     )
 
@@ -56,5 +58,12 @@ def test_py_spy_stacks_are_counted_per_thread_group_without_waits() -> None:
 
     loop = threads["gateway-loop"]
     assert (loop.samples, loop.own["send (b.py:2)"], loop.including["run (a.py:1)"]) == (3, 3, 3)
-    assert threads["AnyIO worker thread"].samples == 2 and threads["ThreadPoolExecutor"].samples == 1
+    assert threads["AnyIO worker thread"].samples == 2 and threads["ThreadPoolExecutor"].samples == 3
+    assert threads["ThreadPoolExecutor"].thread_ids == {13, 14} and loop.thread_ids == {11}
+    assert (threads["unnamed"].samples, threads["unnamed"].thread_ids) == (4, {15})
+    # CPU per group from /proc by the OS ids sampled (the idle thread 16 is no group's).
+    cpu = cpu_ms_by_group(threads, {11: 0.2, 13: 0.1, 14: 0.3, 16: 5.0}, answers=100)
+    assert cpu == pytest.approx(
+        {"gateway-loop": 2.0, "AnyIO worker thread": 0.0, "ThreadPoolExecutor": 4.0, "unnamed": 0.0}
+    )
     assert thread_group("Thread-2 (run)") == "Thread" and thread_group("retrieval") == "retrieval"

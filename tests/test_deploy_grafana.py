@@ -69,7 +69,7 @@ def exported() -> dict[str, set[str]]:
     metrics.gate_diff.set(1e-6)
     metrics.gate_zero_copy_diff.set(2e-6)
     metrics.set_kv_path("shared", "on")
-    metrics.watch_arena(lambda: ArenaStats(1 << 20, 8 << 20, 3, 2, 2, 5, 1, 4))
+    metrics.watch_arena(lambda: ArenaStats(1 << 20, 8 << 20, 3, 2, 2, 5, 1, 4, 6))
     for status in INGEST_STATUSES:
         metrics.ingest_jobs.labels(status).inc()
     metrics.observe_shadow("reordered", "none", {"first_token": True, "answer": False}, kl=0.01)

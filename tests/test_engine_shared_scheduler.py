@@ -208,13 +208,15 @@ def test_cancelled_and_failed_requests_give_their_pins_back(
     def broken_copy() -> None:
         raise RuntimeError("the host tier lost the block")
 
+    # The failing copy is chunk 4's, which the arena lacks (a resident chunk is read without waiting for a copy);
+    # chunk 1, resident, was pinned before the copy failed and is given back.
     corpus = synthetic_ids(engine, LENGTHS, seed=21)
-    broken_prompt = prompt(engine, corpus, ASKS[0])
+    broken_prompt = prompt(engine, corpus, Ask((4, 1)))
     broken = BatchRequest(
         broken_prompt,
         SamplingParams(max_new_tokens=4),
         chunk_kv=engine.precompute(broken_prompt.blocks),
-        chunk_ready=[None, broken_copy, None],
+        chunk_ready=[broken_copy, None],
     )
     again = Run(engine, asks[:2])
     for request in (broken, *again.requests):
@@ -222,7 +224,9 @@ def test_cancelled_and_failed_requests_give_their_pins_back(
     scheduler.step()
     assert broken.result.finish_reason == "error" and isinstance(broken.error, RuntimeError)
     assert broken.slab is None and broken.arena_ranges == ()
-    assert arena.pinned_chunks == 3 and store.gpu.pinned_bytes > 0  # chunks 0, 1, 2 of the two running
+    assert arena.pins(engine.kv_version, broken_prompt.blocks[0]) is None  # chunk 4 never placed
+    assert arena.pins(engine.kv_version, broken_prompt.blocks[1]) == 1  # chunk 1: request 0 of the two running
+    assert arena.pinned_chunks == 3 and store.gpu.pinned_bytes == 0  # chunks 0, 1, 2 of the two running, resident
 
     def failing_step(*_: object) -> torch.Tensor:
         raise RuntimeError("the device fell over")
@@ -254,9 +258,9 @@ def test_a_request_whose_chunks_do_not_fit_the_arena_now_waits_then_runs(
         scheduler.shared.may_fit = lambda request: True  # type: ignore[method-assign]
         place = scheduler.shared.place
 
-        def counted_place(request: BatchRequest) -> None:
+        def counted_place(request: BatchRequest, missing: Sequence[int]) -> None:
             try:
-                place(request)
+                place(request, missing)
             except ArenaFullError:
                 refusals.append(request)
                 raise

@@ -54,6 +54,22 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         # Every answer counted by the engines is one the clients had: no answer lost or counted twice.
         assert sum(e["answers"] for e in run["engines"].values()) == run["requests"]
     assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
+    for (_, name), run in runs.items():
+        cpu = run["cpu"]  # where the CPU went, from /proc around the timed run
+        assert cpu["answers"] == run["requests"] == 40 and cpu["wall_s"] > 0
+        working = ["gateway", "clients", *(f"engine-{i}" for i in range(1 if name == "1 engine" else 2))]
+        for role in working:
+            assert cpu["processes"][role]["ms_per_answer"] > 0 and cpu["processes"][role]["cores"] > 0, role
+            assert 0 < cpu["processes"][role]["busiest_thread_cores"] <= cpu["processes"][role]["cores"] + 0.01
+        assert "engine-1" not in cpu["processes"] if name == "1 engine" else "engine-1" in cpu["processes"]
+        assert cpu["processes"]["embedder"] is None  # on the CPU questions are embedded in the gateway's process
+        groups = cpu["thread_groups"]
+        assert groups["event_loop"]["cores"] > 0 and groups["retrieval"]["cores"] > 0
+        assert groups["request_threads"]["cores"] > 0
+        gateway = cpu["processes"]["gateway"]["ms_per_answer"]
+        assert sum(g["ms_per_answer"] for g in groups.values()) == pytest.approx(gateway, abs=0.01)
+    cpu_table = (out / "table.md").read_text().split("\n\n", 1)[1]
+    assert cpu_table.startswith("CPU per timed run") and cpu_table.count("\n| scale |") == 2
     assert report["summary"]["scale_tokens_per_s_ratio"]["2"] > 0
 
     aware, robin = runs["routing", "chunk-aware"], runs["routing", "round-robin"]
@@ -65,6 +81,31 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         assert run["kv"]["host"] == sum(e["blocks"]["host"] for e in run["engines"].values())
     assert aware["host_hit_ratio_done"] >= robin["host_hit_ratio_done"]
     assert set(report["summary"]["routing"]["4"]) == {"chunk-aware", "round-robin"}
+
+
+def test_gateway_replicas_share_the_engines_and_the_clients(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """`--gateways 2`: a second gateway process over the same engines, its own embedded Qdrant, half the clients."""
+    out = tmp_path / "out"
+    port = free_port()  # the replica listens on the next one
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--phases", "scale"]
+    argv += ["--engine-port", str(free_port()), "--port", str(port), "--gateways", "2", "--engine-env", *ENGINE_ENV]
+    argv += ["--chunk-size", "192", "--topics", "12", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4"]
+    argv += ["--concurrency", "4", "--duration", "30", "--max-requests", "24", "--warmup-s", "1"]
+    argv += ["--warmup-requests", "4"]
+    assert main([*argv, "--data-dir", str(tmp_path / "data"), "--out", str(out)]) == 0
+
+    report = json.loads((out / "report.json").read_text())
+    assert [c["gateways"] for c in report["configurations"]] == [2, 2]
+    for configuration in report["configurations"]:
+        run = configuration["runs"][0]
+        assert run["requests"] == 24 and run["errors"] == run["refused"] == 0
+        per_gateway = run["requests_per_gateway"]  # clients 0 and 2 ask the first gateway, 1 and 3 the second
+        assert len(per_gateway) == 2 and min(per_gateway) > 0 and sum(per_gateway) == 24
+        assert sum(e["answers"] for e in run["engines"].values()) == 24  # both gateways' answers reach the engines
+        replicas = run["cpu"]["processes"]["gateway replicas"]
+        assert replicas["cores"] > 0 and replicas["ms_per_answer"] > 0
+    table = (out / "table.md").read_text()
+    assert "| scale | 2 engines, 2 gateways | 4 |" in table and "| scale | 1 engine, 2 gateways | 4 |" in table
 
 
 def test_the_gateways_random_shell_keys_chunks_as_the_engines_random_model() -> None:

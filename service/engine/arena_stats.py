@@ -18,6 +18,7 @@ class ArenaStats:
     answers: int  # answers admitted onto the shared path since start
     waited: int  # of those, answers that waited in line for arena room first
     evictions: int  # unpinned chunks evicted to make room
+    resident_reads: int = 0  # chunks admitted answers found resident: read without a fetch or a copy
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -81,6 +81,8 @@ class BatchRequest:
         # Shared-chunk mode (`shared_chunks.py`): set at `add` for a request that reads its chunks from the arena.
         self.tail_tokens: int | None = None  # its slab's size: prefix, question, answer budget
         self.arena_ranges: tuple[ChunkRange, ...] = ()  # the chunks it pins while it runs
+        # Its chunks (by index) the arena held at admission: read there without a fetch (`fetch` holds the others').
+        self.resident_chunks: tuple[int, ...] = ()
         self.reads: Reads = Reads()  # each chunk's range and offset (empty: its slab holds its context)
         self.sampler: Sampler | None = None
         self.detok: IncrementalDetokenizer | None = None

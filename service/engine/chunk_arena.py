@@ -7,9 +7,9 @@ the model's own rotary (fp32, cast once), values kept as they are; segment atten
 chunk's offset in its request instead, so the same copy serves a chunk at any position in any request.
 
 Chunks are keyed by (KV version, token ids), never by Python's `hash()`. A request pins the chunks it reads
-(`acquire`) and unpins them when it ends (`release`); a full arena evicts the least recently used UNPINNED chunks
-and refuses (`ArenaFullError`, a `PoolExhaustedError`: the request waits) when pinned chunks leave no room, so a
-chunk is never freed or rewritten while someone reads it.
+(`pin_held` those resident, then `acquire` the others with their KV) and unpins them when it ends (`release`); a
+full arena evicts the least recently used UNPINNED chunks and refuses (`ArenaFullError`, a `PoolExhaustedError`:
+the request waits) when pinned chunks leave no room, so a chunk is never freed or rewritten while someone reads it.
 """
 
 from __future__ import annotations
@@ -91,8 +91,18 @@ class ChunkArena:
             raise
         return tuple(ranges)
 
+    def pin_held(self, version: str, blocks: Sequence[Sequence[int]]) -> list[ChunkRange | None]:
+        """Pin the chunks (by token ids) the arena holds now, in order, None for each one it lacks; places nothing,
+        so it never evicts. A reader pins what it finds this way before `acquire` places the rest: placing may
+        evict unpinned chunks, never then one it reads (and whose KV it did not fetch)."""
+        held: list[ChunkRange | None] = []
+        for ids in blocks:
+            key = ChunkKey(version, tuple(ids))
+            held.append(self._pin(key) if key in self._entries else None)
+        return held
+
     def release(self, ranges: Sequence[ChunkRange]) -> None:
-        """Unpin chunks `acquire` returned (each range once per time it was returned)."""
+        """Unpin chunks `acquire` or `pin_held` returned (each range once per time it was returned)."""
         for chunk in ranges:
             key = self._by_start.get(chunk.start)
             entry = self._entries.get(key) if key is not None else None
@@ -101,9 +111,10 @@ class ChunkArena:
             entry.pins -= 1
             self._pinned -= entry.pins == 0
 
-    def _pin(self, key: ChunkKey, block: KVBlock) -> ChunkRange:
+    def _pin(self, key: ChunkKey, block: KVBlock | None = None) -> ChunkRange:
         entry = self._entries.get(key)
         if entry is None:
+            assert block is not None, "a chunk the arena lacks is pinned with its KV"
             entry = _Entry(self._place(block))
             self._used += entry.slab.size
             self._entries[key] = entry

@@ -245,7 +245,11 @@ class StitchEngine:
 
     def plan(self, positions: PositionMode | str, blocks: Sequence[KVBlock]) -> StitchPlan:
         """Where prefix + chunk `blocks` go in a stitch."""
-        return plan_positions(positions, [b.num_tokens for b in blocks], self.chunk_start, self.context_temperature)
+        return self.plan_lengths(positions, [b.num_tokens for b in blocks])
+
+    def plan_lengths(self, positions: PositionMode | str, lengths: Sequence[int]) -> StitchPlan:
+        """Where prefix + chunks of these token counts go in a stitch (the KV itself is not needed to plan)."""
+        return plan_positions(positions, lengths, self.chunk_start, self.context_temperature)
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()

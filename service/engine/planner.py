@@ -16,8 +16,9 @@ ended, its slab freed, not run again), so a request never waits longer for a sha
 A running naive shadow's prompt chunks also go after every other request's.
 
 Shared-chunk mode (`shared`, `shared_chunks.py`): a request reading its chunks from the arena reserves a slab of
-its tail only, has its chunk KV fetched pinned (where the source pins) and its chunks pinned in the arena at
-admission; when pinned chunks leave the arena no room it waits at the head of the line, as for a full pool.
+its tail only; at admission the chunks the arena holds are pinned there, and only the others' KV is fetched
+(pinned where the source pins; nothing when all are resident) and placed in the arena, pinned too. When pinned
+chunks leave the arena no room it waits at the head of the line, as for a full pool, holding no pin and no block.
 Every end of a request gives both pins back (`release_chunks`).
 """
 
@@ -211,9 +212,10 @@ class Planner:
         request.slab = self.pool.allocate(request.slab_tokens)
         request.kv = self.pool.buffer(request.slab)
         try:
-            self._fetch(request)
             if shared is not None:
-                shared.place(request)
+                self._place_shared(request, shared)
+            else:
+                self._fetch(request)
         except ArenaFullError:
             self._unreserve(request)
             if request.fetch is not None:  # fetched again when it is next tried: no block held while it waits
@@ -246,18 +248,33 @@ class Planner:
 
     def _fetch(self, request: BatchRequest) -> None:
         """The chunks' KV from the source's tiers, at admission, so blocks occupy device memory only once the
-        request runs; copies may still land after this returns (the stitch waits for each block). A shared
-        request's device-tier blocks are pinned where the source can (released with its arena ranges)."""
+        request runs; copies may still land after this returns (the stitch waits for each block)."""
         if self.kv_source is None or request.mode is not GenerationMode.TURBO or request.chunk_kv is not None:
             return
-        source = self.kv_source
-        if request.tail_tokens is not None and isinstance(source, PinningChunkSource):
-            fetched = source.fetch(request.prompt.blocks, pin=True)
-        else:
-            fetched = source.fetch(request.prompt.blocks)
+        fetched = self.kv_source.fetch(request.prompt.blocks)
         request.fetch = fetched
         request.chunk_kv = fetched.blocks
         request.chunk_ready = check_request(self.engine, request.prompt, fetched.blocks, fetched.ready or None)
+
+    def _place_shared(self, request: BatchRequest, shared: SharedChunks) -> None:
+        """A shared request's chunks into the arena: those it holds pinned first, then only the others' KV fetched
+        (nothing when every chunk is resident) and placed. Raises `ArenaFullError` when they find no room."""
+        missing = shared.pin_resident(request)
+        self._fetch_missing(request, missing)
+        shared.place(request, missing)
+
+    def _fetch_missing(self, request: BatchRequest, missing: Sequence[int]) -> None:
+        """The KV of a shared request's chunks the arena lacks (`missing`, by index), from the source's tiers; its
+        device-tier blocks pinned where the source can (released with the arena ranges). Nothing when the arena
+        holds every chunk or the KV was handed in with the request."""
+        if self.kv_source is None or request.chunk_kv is not None or not missing:
+            return
+        wanted = [request.prompt.blocks[i] for i in missing]
+        source = self.kv_source
+        fetched = source.fetch(wanted, pin=True) if isinstance(source, PinningChunkSource) else source.fetch(wanted)
+        request.fetch = fetched  # first: whatever is checked below, the release finds what the fetch pinned
+        if [b.token_ids for b in fetched.blocks] != wanted or len(fetched.ready) not in (0, len(wanted)):
+            raise ValueError("the KV source's blocks do not hold the chunks asked for")
 
     def _chunked(self, request: BatchRequest) -> bool:
         return (

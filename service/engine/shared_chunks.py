@@ -29,7 +29,7 @@ from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
-from service.engine.segment_attention import ContextScaling
+from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.shared_decode import (
     Reads,
     SharedDecoder,
@@ -41,6 +41,7 @@ from service.engine.shared_decode import (
 from service.engine.shared_extend_graph import SharedExtendGraphs
 from service.engine.shared_graph import SharedStepGraphs
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
+from service.engine.stitch import BlockReady
 
 
 class SharedChunks:
@@ -65,6 +66,7 @@ class SharedChunks:
         # back are kept weakly: one cancelled while it waits is simply forgotten.
         self.answers = 0
         self.waited = 0
+        self.resident_reads = 0  # chunks answers read from the arena as they found it: no fetch, no copy
         self._held_back: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
         self._reading: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
 
@@ -94,24 +96,36 @@ class SharedChunks:
             self._held_back.add(request)
         return fits
 
-    def place(self, request: BatchRequest) -> None:
-        """Pin the request's chunks in the arena (`ArenaFullError`, pinning nothing, when pinned chunks leave no
-        room) and put the prefix in its slab. Its chunk KV must be on the device (fetched or given)."""
+    def pin_resident(self, request: BatchRequest) -> list[int]:
+        """Pin the request's chunks the arena holds now; the indices of those it lacks, the only ones whose KV
+        admission fetches (then `place`). Pinned before any missing chunk is placed: placing one may evict unpinned
+        chunks, never then one this request reads. The pins are the request's `arena_ranges` at once, so however
+        its admission ends, its `release` gives them back."""
+        held = self.arena.pin_held(self.engine.kv_version, request.prompt.blocks)
+        request.arena_ranges = tuple(chunk for chunk in held if chunk is not None)
+        request.resident_chunks = tuple(i for i, chunk in enumerate(held) if chunk is not None)
+        return [i for i, chunk in enumerate(held) if chunk is None]
+
+    def place(self, request: BatchRequest, missing: Sequence[int]) -> None:
+        """Place the chunks `pin_resident` found `missing` (their KV on the device: fetched, given or computed) and
+        pin them beside the resident ones, then put the prefix in the slab. `ArenaFullError`, having placed and
+        pinned none of them, when pinned chunks leave no room (the resident pins stay for `release`)."""
         assert request.slab is not None
-        blocks = self._blocks(request)
-        for ready in request.chunk_ready or ():
-            if ready is not None:
-                ready()  # the stream waits for the block's copy before the arena copies it
+        blocks, ready = self._missing_kv(request, missing)
+        for arrival in ready:
+            if arrival is not None:
+                arrival()  # the stream waits for the block's copy before the arena copies it
         engine = self.engine
         try:
-            ranges = self.arena.acquire(blocks, engine.kv_version)
+            placed = self.arena.acquire(blocks, engine.kv_version)
         except ArenaFullError:
             self._held_back.add(request)
             raise
-        self._count_placed(request)
-        plan = engine.plan(request.positions, [engine.prefix_block, *blocks])
-        request.arena_ranges = ranges
-        request.reads = placements(plan, ranges)
+        request.arena_ranges = _in_request_order(request.arena_ranges, placed, missing)
+        self._count_placed(request, len(request.arena_ranges) - len(placed))
+        lengths = [engine.prefix_block.num_tokens, *(len(ids) for ids in request.prompt.blocks)]
+        plan = engine.plan_lengths(request.positions, lengths)
+        request.reads = placements(plan, request.arena_ranges)
         request.kv = place_prefix(self.decoder.decoder.pool, request.slab, engine.prefix_block, engine.forward.rotary)
         # The question goes at its true index, after the chunks the slab does not hold.
         request.kv.truncate(request.kv.length, plan.question_start)
@@ -123,8 +137,9 @@ class SharedChunks:
         if ranges:
             self.arena.release(ranges)
 
-    def _count_placed(self, request: BatchRequest) -> None:
+    def _count_placed(self, request: BatchRequest, resident: int) -> None:
         self.answers += 1
+        self.resident_reads += resident
         self._reading.add(request)
         if request in self._held_back:
             self._held_back.discard(request)
@@ -142,15 +157,22 @@ class SharedChunks:
             self.answers,
             self.waited,
             arena.evictions,
+            self.resident_reads,
         )
 
-    def _blocks(self, request: BatchRequest) -> Sequence[KVBlock]:
-        """The chunks' KV as fetched at admission, or computed (and kept, should the request wait) when none was
-        given (offline use, tests)."""
-        if request.chunk_kv is None:
-            blocks = request.prompt.blocks
-            request.chunk_kv = self.engine.precompute(blocks) if blocks else []
-        return request.chunk_kv
+    def _missing_kv(
+        self, request: BatchRequest, missing: Sequence[int]
+    ) -> tuple[Sequence[KVBlock], Sequence[BlockReady | None]]:
+        """The KV of the `missing` chunks, in order, with the waits for their copies: as fetched at admission (the
+        fetch asked for those alone), else picked from the KV handed in with the request, else computed (offline
+        use, tests)."""
+        if request.fetch is not None:
+            return request.fetch.blocks, request.fetch.ready
+        if request.chunk_kv is not None:
+            ready = request.chunk_ready or [None] * len(request.chunk_kv)
+            return [request.chunk_kv[i] for i in missing], [ready[i] for i in missing]
+        blocks = request.prompt.blocks
+        return (self.engine.precompute([blocks[i] for i in missing]) if missing else []), ()
 
     # ---- the forwards -----------------------------------------------------------------------------------
 
@@ -196,3 +218,13 @@ class SharedChunks:
         if self.extend_graphs is not None:
             self.extend_graphs.close()
             self.extend_graphs = None
+
+
+def _in_request_order(
+    resident: Sequence[ChunkRange], placed: Sequence[ChunkRange], missing: Sequence[int]
+) -> tuple[ChunkRange, ...]:
+    """Every chunk's range in the request's order, from those pinned resident and those placed at `missing`."""
+    resident_ranges, placed_ranges = iter(resident), iter(placed)
+    at_missing = set(missing)
+    count = len(resident) + len(placed)
+    return tuple(next(placed_ranges) if i in at_missing else next(resident_ranges) for i in range(count))

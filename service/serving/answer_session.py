@@ -106,7 +106,8 @@ class AnswerSession:
         ttft_ms = (request.first_token_at - self.started) * 1e3
         fetch = request.fetch
         assert fetch is None or isinstance(fetch, FetchResult), "the server's KV source is the KV store"
-        done = self.answerer.done_event(self.question, self.retrieval, fetch, request.result, ttft_ms)
+        resident = [len(request.prompt.blocks[i]) for i in request.resident_chunks]
+        done = self.answerer.done_event(self.question, self.retrieval, fetch, request.result, ttft_ms, resident)
         admitted_at = request.added_at + request.queue_ms / 1e3
         done.timings_ms["queue"] = max(0.0, (admitted_at - self.started) * 1e3 - self.retrieval.retrieve_ms)
         # The part of it spent with the engine loop: its running step, then the line (the rest is the hand-over).

@@ -62,6 +62,13 @@ class EngineState:
     failed: bool = False  # its last probe or connection failed
     running: int = 0  # answers this gateway has open on it
     reported: dict[str, int] = field(default_factory=dict)  # running/waiting as it last said
+    others: int = 0  # answers other gateways had on it at the last probe (its count less this gateway's then)
+
+    @property
+    def load(self) -> int:
+        """What routing weighs: this gateway's open answers now, plus the other gateways' as of the last probe
+        (their changes since are not seen; with one gateway `others` stays near 0)."""
+        return self.running + self.others
 
     @property
     def routable(self) -> bool:
@@ -176,6 +183,7 @@ class Fleet:
             state.engine_id = str(info.get("engine_id") or url)
             state.ready = bool(info.get("ready"))
             state.reported = {k: int(info.get(k, 0)) for k in ("running", "waiting")}
+            state.others = max(0, sum(state.reported.values()) - state.running)
             state.failed = False
             state.key_space = space
             before, state.mismatch = state.mismatch, self._mismatch(space)
@@ -239,7 +247,7 @@ class Fleet:
             candidates = {s.engine_id: s for s in self._engines.values() if s.routable and s.url not in exclude}
             if not candidates:
                 raise NoEngineError(self._why_none(exclude))
-            loads = {engine_id: s.running for engine_id, s in candidates.items() if engine_id is not None}
+            loads = {engine_id: s.load for engine_id, s in candidates.items() if engine_id is not None}
             if self.policy.mode is RoutingMode.ROUND_ROBIN:
                 decision = round_robin(chunks, placement, loads, self._turn, self.policy)
                 self._turn += 1

@@ -146,8 +146,13 @@ class Answerer:
         fetch: FetchResult | None,
         result: GenerationResult,
         ttft_ms: float,
+        resident: Sequence[int] = (),
     ) -> DoneEvent:
-        """The `done` event of a finished answer: TTFT and its breakdown, where the chunks' KV came from."""
+        """The `done` event of a finished answer: TTFT and its breakdown, where the chunks' KV came from.
+        `resident`: the token counts of the chunks read from the shared chunk arena as found, without a fetch
+        (`fetch` counts the others): counted as GPU hits, the arena being device memory the answer copied nothing
+        into."""
+        arena = ArenaReads(len(resident), sum(resident) * self.engine.spec.kv_bytes_per_token())
         return DoneEvent(
             mode=question.mode.value,
             positions=question.positions.value,
@@ -155,8 +160,8 @@ class Answerer:
             output_tokens=len(result.token_ids),
             finish_reason=result.finish_reason,
             timings_ms=_timings(retrieval, fetch, result.timings),
-            kv=_tier_counts(fetch),
-            kv_bytes=_tier_bytes(fetch),
+            kv=_tier_counts(fetch, arena),
+            kv_bytes=_tier_bytes(fetch, arena),
             answer=result.text,
             prompt_tokens=result.prompt_tokens,
             context_tokens=result.context_tokens,
@@ -200,17 +205,27 @@ def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: An
     }
 
 
-def _tier_counts(fetch: FetchResult | None) -> dict[str, int]:
+@dataclass(frozen=True)
+class ArenaReads:
+    """Chunks an answer read from the shared chunk arena without a fetch, and their bytes."""
+
+    chunks: int = 0
+    nbytes: int = 0
+
+
+def _tier_counts(fetch: FetchResult | None, arena: ArenaReads = ArenaReads()) -> dict[str, int]:
     counts = {tier.value: 0 for tier in Tier}
     if fetch is not None:
         for tier, n in fetch.counts.items():
             counts[tier.value] += n
+    counts[Tier.GPU.value] += arena.chunks
     return counts
 
 
-def _tier_bytes(fetch: FetchResult | None) -> dict[str, int]:
+def _tier_bytes(fetch: FetchResult | None, arena: ArenaReads = ArenaReads()) -> dict[str, int]:
     sizes = {tier.value: 0 for tier in Tier}
     if fetch is not None:
         for tier, n in fetch.bytes_loaded.items():
             sizes[tier.value] += n
+    sizes[Tier.GPU.value] += arena.nbytes
     return sizes

@@ -36,10 +36,13 @@ def samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     }
 
 
-def ask(client: TestClient, mode: str) -> None:
+def ask(client: TestClient, mode: str) -> dict[str, int]:
+    """The answer's chunk counts by tier (its `kv`)."""
     body = {"question": QUESTION, "stream": False, "top_k": 2, "max_new_tokens": 6, "mode": mode}
     reply = client.post("/ask", json=body)
     assert reply.status_code == 200, reply.text
+    kv: dict[str, int] = reply.json()["kv"]
+    return kv
 
 
 def test_shared_chunks_on_are_reported_with_the_arenas_figures(make_app: MakeApp) -> None:
@@ -61,9 +64,12 @@ def test_shared_chunks_on_are_reported_with_the_arenas_figures(make_app: MakeApp
         arena = ready["arena"]
         assert arena["capacity_bytes"] > 0 and arena["answers"] == 0 and arena["chunks"] == 0
         ingest(client)
-        for mode in ("turbo", "turbo", "naive"):
-            ask(client, mode)
+        first, again, _ = (ask(client, mode) for mode in ("turbo", "turbo", "naive"))
+        # The second answer reads the same chunks: resident in the arena, fetched no more, counted as GPU hits.
+        chunks = sum(first.values())
+        assert chunks >= 1 and again == {"gpu": chunks, "host": 0, "disk": 0, "miss": 0}
         arena = client.get("/readyz").json()["arena"]
+        assert arena["resident_reads"] == chunks
         assert arena["answers"] == 2 and arena["readers"] == 0 and arena["pinned_chunks"] == 0
         assert arena["chunks"] >= 2 and 0 < arena["used_bytes"] <= arena["capacity_bytes"]
         assert arena["waited"] == 0 and arena["evictions"] == 0
@@ -78,6 +84,7 @@ def test_shared_chunks_on_are_reported_with_the_arenas_figures(make_app: MakeApp
     assert got[("kvstitch_arena_answers_total", ())] == 2
     assert got[("kvstitch_arena_waits_total", ())] == 0
     assert got[("kvstitch_arena_evictions_total", ())] == 0
+    assert got[("kvstitch_arena_resident_reads_total", ())] == arena["resident_reads"]
 
 
 def test_shared_chunks_off_report_the_copy_path_and_no_arena(make_app: MakeApp) -> None:

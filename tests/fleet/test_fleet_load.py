@@ -1,0 +1,73 @@
+"""A gateway's load view of its engines counts other gateways' answers (from the engines' own counts at each probe),
+so several gateway replicas over the same engines still balance them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import httpx
+import pytest
+
+from service.fleet.routing import ChunkRef
+from service.kvcache.keys import KeySpace
+from service.serving.fleet_gateway import Fleet
+from service.settings import Settings
+
+SPACE = KeySpace(fingerprint="f" * 16, template_version="t1", dtype="bfloat16")
+URLS = ("http://e0:8100", "http://e1:8100")
+
+
+class Engines:
+    """Two engines' /info as a mock transport: each reports the running and waiting counts it is given."""
+
+    def __init__(self) -> None:
+        self.counts = {url: {"running": 0, "waiting": 0} for url in URLS}
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        space: dict[str, Any] = {**dataclasses.asdict(SPACE), "digest": SPACE.digest()}
+        info = {"engine_id": url.split("//")[1].split(":")[0], "ready": True, "key_space": space, **self.counts[url]}
+        return httpx.Response(200, json=info)
+
+
+@pytest.fixture
+def fleet_and_engines() -> tuple[Fleet, Engines]:
+    engines = Engines()
+    settings = Settings(engines=",".join(URLS), fleet_routing="chunk-aware")
+    fleet = Fleet(settings, SPACE)
+    fleet._client = httpx.Client(transport=httpx.MockTransport(engines.handler))
+    fleet.probe()
+    return fleet, engines
+
+
+def chunk(key: str) -> list[ChunkRef]:
+    return [ChunkRef(key, 64)]
+
+
+def test_an_engine_busy_with_another_gateways_answers_is_loaded_in_this_ones_view(
+    fleet_and_engines: tuple[Fleet, Engines],
+) -> None:
+    fleet, engines = fleet_and_engines
+    engines.counts[URLS[0]] = {"running": 30, "waiting": 6}  # another gateway's answers
+    fleet.probe()
+
+    loads = {s.engine_id: s.load for s in fleet.engines()}
+    assert loads == {"e0": 36, "e1": 0}
+    chosen = {fleet.choose(chunk(f"k{i}")).url for i in range(8)}
+    assert chosen == {URLS[1]}  # the bound sends every new question to the idle engine
+
+
+def test_this_gateways_own_answers_are_not_counted_twice(fleet_and_engines: tuple[Fleet, Engines]) -> None:
+    fleet, engines = fleet_and_engines
+    routed = [fleet.choose(chunk(f"k{i}")) for i in range(6)]
+    mine = {url: sum(r.url == url for r in routed) for url in URLS}
+    for url in URLS:  # the engines report exactly this gateway's answers
+        engines.counts[url] = {"running": mine[url], "waiting": 0}
+    fleet.probe()
+
+    states = {s.url: s for s in fleet.engines()}
+    assert all(states[url].others == 0 and states[url].load == mine[url] for url in URLS)
+    for r in routed:
+        fleet.finished(r.url)
+    assert all(s.load == 0 for s in fleet.engines())  # until the next probe says otherwise

@@ -1,0 +1,100 @@
+"""The fine-tune / eval / score sweep (loadtest/quality_sweep.py) over a tiny model on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.quality_sweep import Variant, main, parse_variant, shard_bounds
+from service.quality.generator import write_qa_file
+from workers.training.finetune import REPORT_NAME
+
+
+def test_a_variant_is_a_name_and_flag_value_pairs() -> None:
+    assert parse_variant("a:steps=150,full-attention-share=0.3") == Variant(
+        "a", ("--steps", "150", "--full-attention-share", "0.3")
+    )
+    assert parse_variant("plain") == Variant("plain", ())
+    for bad in ("base:steps=1", "a:steps", "a:Steps=1", "a:steps=", ":steps=1", "a b:steps=1"):
+        with pytest.raises(ValueError, match="variant"):
+            parse_variant(bad)
+
+
+@pytest.mark.parametrize(("samples", "shards"), [(146, 8), (10, 3), (2, 8), (8, 8), (1, 1)])
+def test_shards_cover_every_sample_once_and_none_is_empty(samples: int, shards: int) -> None:
+    bounds = shard_bounds(samples, shards)
+    covered = [i for offset, limit in bounds for i in range(offset, offset + limit)]
+    assert covered == list(range(samples))
+    assert len(bounds) <= shards and all(limit > 0 for _, limit in bounds)
+
+
+def test_the_sweep_trains_evaluates_scores_names_a_failure_and_resumes(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = write_qa_file(tmp_path / "prompts.jsonl", questions=4, chunks=2, seed=1)
+    data = write_qa_file(tmp_path / "eval_a.jsonl", questions=2, chunks=2, seed=2)
+    second = with_id_prefix(write_qa_file(tmp_path / "eval_b.jsonl", questions=1, chunks=2, seed=3), "b-")
+    out = tmp_path / "sweep"
+    common = [
+        "--model",
+        str(tiny_model_dirs["llama"]),
+        "--distill-data",
+        str(prompts),
+        "--eval-data",
+        str(data),
+        "--eval-data",
+        str(second),
+        "--out",
+        str(out),
+        "--finetune-args",
+        "--device cpu --batch-size 2 --answer-tokens 3 --warmup-steps 0 --lr 1e-3",
+        "--eval-args",
+        "--device cpu --max-new-tokens 3",
+        "--shards",
+        "2",
+    ]
+    code = main([*common, "--variant", "a:steps=1", "--variant", "bad:steps=0"])
+    printed = capsys.readouterr()
+
+    assert code == 1  # the refused variant fails the sweep, the rest is still scored
+    assert "finetune bad failed (exit 2)" in printed.err and "bad.finetune.log" in printed.err
+    assert (out / "a" / REPORT_NAME).is_file() and not (out / "bad").exists()
+    answers = sorted(p.name for p in (out / "answers").iterdir())
+    assert answers == ["a_0.jsonl", "a_1.jsonl", "base_0.jsonl", "base_1.jsonl"]
+    parts = json.loads((out / "scores.json").read_text(encoding="utf-8"))
+    assert list(parts) == ["all", "eval_a", "eval_b"]  # both files scored together, then each alone
+    assert [r["samples"] for r in parts["eval_a"]] == [2] * 6 and [r["samples"] for r in parts["eval_b"]] == [1] * 6
+    rows = {(r["run"], r["variant"]): r for r in parts["all"]}
+    reference = rows[("base", "naive/-/none")]
+    assert reference["samples"] == 3 and reference["difference"] == 0.0 and reference["p_value"] == 1.0
+    assert ("a", "naive/-/none") in rows and ("a", "turbo@prefix/reordered/none") in rows
+    assert all(r["samples"] == 3 for r in rows.values())
+    assert "| a | turbo@prefix/reordered/none | 3 |" in (out / "scores.md").read_text(encoding="utf-8")
+    assert "| a | turbo@prefix/reordered/none | 1 |" in (out / "scores.md").read_text(encoding="utf-8")
+
+    trained_log = out / "logs" / "a.finetune.log"
+    written = trained_log.stat().st_mtime_ns
+    code = main([*common, "--variant", "a:steps=1", "--base-answers", str(out / "answers" / "base_*.jsonl")])
+    assert code == 0
+    assert trained_log.stat().st_mtime_ns == written  # a finished fine-tune is not trained again
+    again = json.loads((out / "scores.json").read_text(encoding="utf-8"))
+    assert again == parts
+
+
+def with_id_prefix(path: Path, prefix: str) -> Path:
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({**r, "id": prefix + r["id"]}) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_eval_files_sharing_a_sample_id_are_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_qa_file(tmp_path / "eval.jsonl", questions=2, chunks=2, seed=2)
+    out = tmp_path / "sweep"
+    argv = ["--model", "unused", "--distill-data", str(data), "--eval-data", str(data), "--eval-data", str(data)]
+    assert main([*argv, "--out", str(out), "--variant", "a:steps=1"]) == 2
+    assert "is in two eval files" in capsys.readouterr().err
+    assert not (out / "logs").exists()
