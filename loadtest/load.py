@@ -293,13 +293,27 @@ async def client_pools(
             await client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def gateway_pools(
+    urls: Sequence[str], concurrency: int, headers: dict[str, str] | None = None
+) -> AsyncIterator[tuple[list[httpx.AsyncClient], list[int]]]:
+    """`client_pools` for each of several gateway replicas, interleaved so that `drive`'s client loop i asks
+    gateway i mod N (as a Service spreads connections over its pods), with each pool's gateway index as its label."""
+    per_gateway = -(-concurrency // len(urls))
+    async with contextlib.AsyncExitStack() as stack:
+        pools = [await stack.enter_async_context(client_pools(url, per_gateway, headers)) for url in urls]
+        order = [(j, g) for j in range(max(len(p) for p in pools)) for g in range(len(pools)) if j < len(pools[g])]
+        yield [pools[g][j] for j, g in order], [g for _, g in order]
+
+
 async def drive(
-    client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig
+    client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig, labels: Sequence[int] = ()
 ) -> tuple[list[Result], float]:
     """The load phase alone (the corpus already ingested): every question's result and the seconds it ran. Given
-    several clients (one per gateway replica), client loop i asks through client i mod N, as a Service spreads
-    connections over its pods; each result names its client (`gateway`)."""
+    several clients, client loop i asks through client i mod N; each result names its client (`gateway`): its index,
+    or its entry in `labels` (`gateway_pools`' gateway of each pool)."""
     clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
+    names = list(labels) or list(range(len(clients)))
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
     # Drawn up front from one seeded generator, so a run's sequence of questions is reproducible.
@@ -311,12 +325,12 @@ async def drive(
     start = time.perf_counter()
     deadline = start + config.duration_s
 
-    async def client_loop(gateway: int) -> None:
+    async def client_loop(index: int) -> None:
         while time.perf_counter() < deadline and len(results) < len(plan):
             mode, topic = plan[len(results)]
-            result = Result(mode, topic, time.perf_counter() - start, gateway=gateway)
+            result = Result(mode, topic, time.perf_counter() - start, gateway=names[index])
             results.append(result)  # claimed before awaiting, so no two clients take the same slot
-            await ask(clients[gateway], config, result)
+            await ask(clients[index], config, result)
 
     await asyncio.gather(*(client_loop(i % len(clients)) for i in range(config.concurrency)))
     return results, time.perf_counter() - start

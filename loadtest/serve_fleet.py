@@ -66,7 +66,6 @@ import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import AsyncExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,6 @@ from loadtest.serve_random import (
     BackgroundServer,
     chosen_vocabulary,
     clients_ingest,
-    http_client,
     machine,
     phase_config,
     question_embedder_pids,
@@ -205,10 +203,9 @@ def clients_warm_up_all(args: argparse.Namespace, urls: list[str], clients: int)
     quiet_logging()
 
     async def warm_up() -> tuple[int, list[str]]:
-        async with AsyncExitStack() as stack:
-            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
+        async with load.gateway_pools(urls, clients) as (pools, gateways):
             config = phase_config(args, urls[0], clients, args.warmup_s, args.warmup_requests)
-            results, _ = await load.drive(pool, config)
+            results, _ = await load.drive(pools, config, gateways)
         return len(results), [r.error for r in results if r.error][:5]
 
     return asyncio.run(warm_up())
@@ -220,11 +217,10 @@ def clients_timed(args: argparse.Namespace, urls: list[str], engine_urls: list[s
     quiet_logging()
 
     async def timed() -> dict[str, Any]:
-        async with AsyncExitStack() as stack:
-            pool = [await stack.enter_async_context(http_client(url, clients)) for url in urls]
+        async with load.gateway_pools(urls, clients) as (pools, gateways):
             before = await engine_pages(engine_urls)
             config = phase_config(args, urls[0], clients, args.duration, args.max_requests)
-            results, duration_s = await load.drive(pool, config)
+            results, duration_s = await load.drive(pools, config, gateways)
             after = await engine_pages(engine_urls)
         return run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
 

@@ -219,9 +219,9 @@ def clients_warm_up(args: argparse.Namespace, url: str, concurrency: int) -> tup
     quiet_logging()
 
     async def warm_up() -> tuple[int, list[str]]:
-        async with http_client(url, concurrency) as client:
+        async with load.client_pools(url, concurrency) as pools:
             config = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
-            results, _ = await load.drive(client, config)
+            results, _ = await load.drive(pools, config, [0] * len(pools))
         return len(results), [r.error for r in results if r.error][:5]
 
     return asyncio.run(warm_up())
@@ -232,11 +232,11 @@ def clients_timed(args: argparse.Namespace, url: str, concurrency: int) -> dict[
     quiet_logging()
 
     async def timed() -> dict[str, Any]:
-        async with http_client(url, concurrency) as client:
+        async with load.client_pools(url, concurrency) as pools:
             config = phase_config(args, url, concurrency, args.duration, args.max_requests)
-            before_page = (await client.get("/metrics")).text
-            results, duration_s = await load.drive(client, config)
-            after_page = (await client.get("/metrics")).text
+            before_page = (await pools[0].get("/metrics")).text
+            results, duration_s = await load.drive(pools, config, [0] * len(pools))
+            after_page = (await pools[0].get("/metrics")).text
         return phase_report(config, results, duration_s, before_page, after_page)
 
     return asyncio.run(timed())

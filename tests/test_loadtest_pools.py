@@ -42,3 +42,31 @@ def test_simulated_clients_share_a_pool_per_eight_and_every_answer_is_read(tmp_p
     # 20 simulated clients over 3 pools in turn: 7, 7 and 6 of them; each pool serves its clients' questions.
     assert sum(served.values()) == 60 and set(served) == {0, 1, 2}
     assert served[2] < served[0] and served[2] < served[1]  # 6 clients against 7: fewer questions by the run's end
+
+
+def test_gateway_pools_alternate_gateways_and_label_each_result_with_its_gateway(tmp_path: Path) -> None:
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    config = load.LoadConfig(urls[0], tmp_path, concurrency=20, duration_s=30, max_requests=60, modes=("turbo",))
+    served: collections.Counter[str] = collections.Counter()
+
+    async def run() -> tuple[list[httpx.AsyncClient], list[int], list[load.Result]]:
+        async with load.gateway_pools(urls, config.concurrency) as (clients, labels):
+            for client in clients:
+
+                async def answer(request: httpx.Request) -> httpx.Response:
+                    served[f"{request.url.host}:{request.url.port}"] += 1
+                    await asyncio.sleep(0.001)
+                    return httpx.Response(200, content=ANSWER, headers={"content-type": "text/event-stream"})
+
+                client._transport = httpx.MockTransport(answer)
+            results, _ = await load.drive(clients, config, labels)
+        return clients, labels, results
+
+    clients, labels, results = asyncio.run(run())
+
+    # 10 simulated clients a gateway, 2 pools each, interleaved: client loop i asks gateway i mod 2.
+    assert labels == [0, 1, 0, 1] and [str(c.base_url).rstrip("/") for c in clients] == [*urls, *urls]
+    assert all(client.is_closed for client in clients)
+    assert len(results) == 60 and all(r.error is None for r in results)
+    by_label = collections.Counter(r.gateway for r in results)
+    assert by_label == {0: served["127.0.0.1:9"], 1: served["127.0.0.1:10"]} and min(by_label.values()) > 0
