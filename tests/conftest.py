@@ -18,6 +18,9 @@ import torch
 from service.devtools.tiny_model import ARCHITECTURES, build_tiny_model
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
+from service.kvcache.index import SqliteIndex
+from service.kvcache.store import KVStore, TierBudgets
+from service.serving.kv_source import kv_store_for
 
 # The servers tests start must not freeze the test process's heap out of the garbage collector (every earlier
 # test's leftovers would stay): the tests that check the freeze turn it on themselves.
@@ -63,6 +66,18 @@ def engine_for(dirs: dict[str, Path], arch: str, device: str) -> StitchEngine:
 def get_engine(tiny_model_dirs: dict[str, Path]) -> Callable[[str, str], StitchEngine]:
     """engine(arch, device) for tests that pick a family themselves."""
     return lambda arch, device="cpu": engine_for(tiny_model_dirs, arch, device)
+
+
+@pytest.fixture
+def qwen2_kv_store(get_engine: Callable[[str, str], StitchEngine], tmp_path: Path) -> Iterator[KVStore]:
+    """A real KV store over the tiny qwen2 engine, its device tier (the CPU here) large enough to hold every chunk."""
+    engine = get_engine("qwen2", "cpu")
+    index = SqliteIndex(tmp_path / "index.sqlite")
+    try:
+        with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(1 << 24, 1 << 24, 1 << 26)) as opened:
+            yield opened
+    finally:
+        index.close()
 
 
 @pytest.fixture(params=ARCHITECTURES)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -22,14 +21,13 @@ from service.engine.gate import synthetic_ids
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
 from service.facade.types import DoneEvent
-from service.kvcache.index import SqliteIndex
-from service.kvcache.store import FetchResult, KVStore, TierBudgets
+from service.kvcache.store import FetchResult, KVStore
 from service.kvcache.tiers import Tier
 from service.metrics import Metrics
 from service.retrieval.collection import RetrievedChunk
 from service.serving.answer_session import AnswerItem, AnswerSession
 from service.serving.engine_loop import EngineLoop
-from service.serving.kv_source import StoreChunks, kv_store_for
+from service.serving.kv_source import StoreChunks
 from service.usecases.answer import Answerer, Question, Retrieval
 from tests.test_engine_shared_scheduler import (
     LENGTHS,
@@ -60,15 +58,8 @@ class SpyingSource:
 
 
 @pytest.fixture
-def store(get_engine: Callable[[str, str], StitchEngine], tmp_path: Path) -> Iterator[KVStore]:
-    """A real KV store over the qwen2 engine, its device tier (the CPU here) large enough to hold every chunk."""
-    engine = get_engine("qwen2", "cpu")
-    index = SqliteIndex(tmp_path / "index.sqlite")
-    try:
-        with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(1 << 24, 1 << 24, 1 << 26)) as opened:
-            yield opened
-    finally:
-        index.close()
+def store(qwen2_kv_store: KVStore) -> KVStore:
+    return qwen2_kv_store
 
 
 def shared_scheduler(engine: StitchEngine, store: KVStore, arena: ChunkArena) -> tuple[Scheduler, SpyingSource]:

@@ -8,9 +8,8 @@ device-tier block stays pinned, whichever way the requests ended.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +24,8 @@ from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
-from service.kvcache.index import SqliteIndex
-from service.kvcache.store import KVStore, TierBudgets
-from service.serving.kv_source import StoreChunks, kv_store_for
+from service.kvcache.store import KVStore
+from service.serving.kv_source import StoreChunks
 from service.serving.runtime import open_arena
 from service.settings import MIB, Settings
 
@@ -126,15 +124,8 @@ def assert_nothing_pinned(scheduler: Scheduler) -> None:
 
 
 @pytest.fixture
-def store(get_engine: Callable[[str, str], StitchEngine], tmp_path: Path) -> Iterator[KVStore]:
-    """A real KV store over the qwen2 engine, its device tier (the CPU here) large enough to hold every chunk."""
-    engine = get_engine("qwen2", "cpu")
-    index = SqliteIndex(tmp_path / "index.sqlite")
-    try:
-        with kv_store_for(engine, tmp_path / "cache", index, TierBudgets(1 << 24, 1 << 24, 1 << 26)) as opened:
-            yield opened
-    finally:
-        index.close()
+def store(qwen2_kv_store: KVStore) -> KVStore:
+    return qwen2_kv_store
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
