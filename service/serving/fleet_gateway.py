@@ -48,6 +48,10 @@ PLACE_BATCH_TOKENS = 8192
 PLACE_TIMEOUT_S = 600.0
 PROBE_TIMEOUT_S = 2.0
 RECENT_DECISIONS = 256  # kept for /readyz-style inspection and the tests
+# An engine's count and a gateway's differ by an answer now and then with no other gateway (one sent and not yet
+# received, one finished and not yet read, a running shadow); only a larger difference is other gateways' load, so a
+# lone gateway's routing does not swing on a unit of noise at each probe.
+COUNT_SKEW = 1
 
 
 @dataclass
@@ -62,7 +66,7 @@ class EngineState:
     failed: bool = False  # its last probe or connection failed
     running: int = 0  # answers this gateway has open on it
     reported: dict[str, int] = field(default_factory=dict)  # running/waiting as it last said
-    others: int = 0  # answers other gateways had on it at the last probe (its count less this gateway's then)
+    others: int = 0  # answers other gateways had on it at the last probe (its count less this gateway's, less skew)
 
     @property
     def load(self) -> int:
@@ -183,7 +187,7 @@ class Fleet:
             state.engine_id = str(info.get("engine_id") or url)
             state.ready = bool(info.get("ready"))
             state.reported = {k: int(info.get(k, 0)) for k in ("running", "waiting")}
-            state.others = max(0, sum(state.reported.values()) - state.running)
+            state.others = max(0, sum(state.reported.values()) - state.running - COUNT_SKEW)
             state.failed = False
             state.key_space = space
             before, state.mismatch = state.mismatch, self._mismatch(space)
