@@ -67,7 +67,8 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         assert groups["event_loop"]["cores"] > 0 and groups["retrieval"]["cores"] > 0
         assert groups["request_threads"]["cores"] > 0
         gateway = cpu["processes"]["gateway"]["ms_per_answer"]
-        assert sum(g["ms_per_answer"] for g in groups.values()) == pytest.approx(gateway, abs=0.01)
+        # The threads are read just after their process, so their sum may exceed its total by what ran in between.
+        assert sum(g["ms_per_answer"] for g in groups.values()) == pytest.approx(gateway, rel=0.02, abs=0.01)
     cpu_table = (out / "table.md").read_text().split("\n\n", 1)[1]
     assert cpu_table.startswith("CPU per timed run") and cpu_table.count("\n| scale |") == 2
     assert report["summary"]["scale_tokens_per_s_ratio"]["2"] > 0
