@@ -82,10 +82,6 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, tuple(flags))
 
 
-def sample_count(path: Path) -> int:
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
-
-
 def shard_bounds(samples: int, shards: int) -> list[tuple[int, int]]:
     """(offset, limit) of each shard, together covering every sample once; no empty shard."""
     size = math.ceil(samples / shards)
@@ -114,12 +110,13 @@ def finetune_jobs(args: argparse.Namespace, variants: list[Variant]) -> list[Job
     return jobs
 
 
-def eval_jobs(args: argparse.Namespace, models: dict[str, str]) -> list[Job]:
-    """A job per model and shard; the base model's carry --base-eval-args."""
+def eval_jobs(args: argparse.Namespace, models: dict[str, str], samples: int) -> list[Job]:
+    """A job per model and shard of the joined eval file's `samples`; the base model's carry --base-eval-args."""
     jobs = []
+    bounds = shard_bounds(samples, args.shards)
     for name, model in models.items():
         extra = shlex.split(args.base_eval_args) if name == BASE else []
-        for index, (offset, limit) in enumerate(shard_bounds(sample_count(joined_eval_data(args)), args.shards)):
+        for index, (offset, limit) in enumerate(bounds):
             answers = args.out / "answers" / f"{name}_{index}.jsonl"
             command = (
                 *kvstitch(),
@@ -146,7 +143,8 @@ def joined_eval_data(args: argparse.Namespace) -> Path:
 
 
 def join_eval_data(paths: list[Path], out: Path) -> dict[str, set[str]]:
-    """The eval files as one (written to `out`), and each file's sample ids; an id in two files is an error."""
+    """The eval files as one (written to `out`), and each file's samples keyed as `score_answers` keys the answers:
+    by id, or where a sample has none by its line in the joined file; a key in two files is an error."""
     sets: dict[str, set[str]] = {}
     lines: list[str] = []
     seen: set[str] = set()
@@ -155,7 +153,8 @@ def join_eval_data(paths: list[Path], out: Path) -> dict[str, set[str]]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            key = str(json.loads(line).get("id") or f"{path.name}:{number}")
+            sample_id = json.loads(line).get("id")
+            key = str(sample_id if sample_id is not None else len(lines) + 1)
             if key in seen:
                 raise ValueError(f"{path}:{number}: sample id {key} is in two eval files")
             seen.add(key)
@@ -235,7 +234,8 @@ def sweep(args: argparse.Namespace, variants: list[Variant]) -> int:
     models = {} if args.base_answers else {BASE: args.model}
     models |= {name: str(args.out / name) for name in ready}
     (args.out / "answers").mkdir(exist_ok=True)
-    evaluated = run_jobs(eval_jobs(args, models), parallel=args.parallel)
+    samples = sum(len(ids) for ids in sets.values())
+    evaluated = run_jobs(eval_jobs(args, models, samples), parallel=args.parallel)
     ok = report_failures(evaluated) and ok
     failed_models = {o.label.split()[1] for o in evaluated if o.returncode != 0}
     if BASE in failed_models:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.quality_sweep import Variant, main, parse_variant, shard_bounds
+from loadtest.quality_sweep import Variant, join_eval_data, main, parse_variant, shard_bounds
+from loadtest.score_answers import read_run
 from service.quality.generator import write_qa_file
 from workers.training.finetune import REPORT_NAME
 
@@ -98,3 +99,23 @@ def test_eval_files_sharing_a_sample_id_are_refused_before_anything_runs(
     assert main([*argv, "--out", str(out), "--variant", "a:steps=1"]) == 2
     assert "is in two eval files" in capsys.readouterr().err
     assert not (out / "logs").exists()
+
+
+def test_joined_samples_are_keyed_as_their_answers_are_read_with_or_without_ids(tmp_path: Path) -> None:
+    """Per-file scores pick each file's samples from the answers by these keys: an id where a sample has one, else
+    its line in the joined file (what `kvstitch eval --answers` writes as `line` and `score_answers` falls back to)."""
+    plain = write_qa_file(tmp_path / "plain.jsonl", questions=2, chunks=2, seed=2)
+    records = [json.loads(line) for line in plain.read_text(encoding="utf-8").splitlines()]
+    plain.write_text("\n" + "".join(json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n" for r in records))
+    named = with_id_prefix(write_qa_file(tmp_path / "named.jsonl", questions=1, chunks=2, seed=3), "b-")
+    joined = tmp_path / "joined.jsonl"
+
+    sets = join_eval_data([named, plain], joined)
+
+    assert sets == {"named": {"b-q000000"}, "plain": {"2", "3"}}
+    lines = joined.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3 and "id" not in json.loads(lines[1]) and json.loads(lines[0])["id"] == "b-q000000"
+    answers = tmp_path / "answers.jsonl"
+    rows = [{"id": "b-q000000", "line": 1}, {"id": None, "line": 2}, {"id": None, "line": 3}]
+    answers.write_text("".join(json.dumps({**r, "variant": "naive/-/none"}) + "\n" for r in rows))
+    assert set(read_run([str(answers)])["naive/-/none"]) == sets["named"] | sets["plain"]
