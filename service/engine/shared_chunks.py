@@ -122,7 +122,7 @@ class SharedChunks:
             self._held_back.add(request)
             raise
         request.arena_ranges = _in_request_order(request.arena_ranges, placed, missing)
-        self._count_placed(request, len(request.arena_ranges) - len(placed))
+        self._count_placed(request, len(request.resident_chunks))
         lengths = [engine.prefix_block.num_tokens, *(len(ids) for ids in request.prompt.blocks)]
         plan = engine.plan_lengths(request.positions, lengths)
         request.reads = placements(plan, request.arena_ranges)
