@@ -86,6 +86,20 @@ def gateway_settings(
     )
 
 
+def gateway_server(
+    args: argparse.Namespace,
+    config: Configuration,
+    urls: list[str],
+    number: int,
+    redis_prefix: str | None,
+    embedder: Embedder,
+    replica: int = 0,
+) -> Server:
+    """Replica `replica`'s gateway (not started): its settings, the model shell, the embedder, the ingest worker."""
+    settings = gateway_settings(args, config, urls, number, redis_prefix, replica)
+    return Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
+
+
 def serve_replica(
     args: argparse.Namespace,
     config: Configuration,
@@ -96,10 +110,10 @@ def serve_replica(
 ) -> None:
     """A replica process's whole life: build the gateway, serve until SIGTERM (uvicorn's own handler)."""
     quiet_logging()
-    settings = gateway_settings(args, config, urls, number, redis_prefix, replica)
     embedder = Embedder(args.embedding_model, device=args.embedding_device)
-    gateway = Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
-    uvicorn.run(create_app(gateway), host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+    gateway = gateway_server(args, config, urls, number, redis_prefix, embedder, replica)
+    port = gateway.settings.port
+    uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 
 
 class GatewayReplicas:

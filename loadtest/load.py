@@ -98,7 +98,7 @@ class Result:
     token_events: int = 0  # each carries whatever text was ready: one token, several, or none
     error: str | None = None
     refused: bool = False
-    gateway: int = 0  # which of the clients given to `drive` asked (one per gateway replica)
+    gateway: int = 0  # which gateway replica it asked (`drive`'s labels)
 
 
 @dataclass
@@ -279,8 +279,7 @@ async def client_pools(
     """HTTP clients for `drive`, one per CLIENTS_PER_POOL simulated clients, each keeping all its connections. One
     pool for every client costs the load generator O(connections) at each request and response end (httpcore scans
     its whole pool): 5-10 ms of CPU an answer at 128 clients, which caps a one-process load generator near 100-200
-    answers/s and, on a small machine, takes the server's cores. For one gateway: `drive` labels each result with
-    its client's index (`gateway`), here the pool's."""
+    answers/s and, on a small machine, takes the server's cores."""
     size = CLIENTS_PER_POOL + 2  # httpx keeps 20 idle connections by default: answers ending together reconnected
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
@@ -310,10 +309,10 @@ async def drive(
     client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig, labels: Sequence[int] = ()
 ) -> tuple[list[Result], float]:
     """The load phase alone (the corpus already ingested): every question's result and the seconds it ran. Given
-    several clients, client loop i asks through client i mod N; each result names its client (`gateway`): its index,
-    or its entry in `labels` (`gateway_pools`' gateway of each pool)."""
+    several clients, client loop i asks through client i mod N; each result names the gateway it asked: its
+    client's entry in `labels` (`gateway_pools`' gateway of each pool), 0 without labels (one gateway)."""
     clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
-    names = list(labels) or list(range(len(clients)))
+    names = list(labels) or [0] * len(clients)
     rng = random.Random(config.seed)
     weights = zipf_weights(config.topics, config.zipf_s)
     # Drawn up front from one seeded generator, so a run's sequence of questions is reproducible.

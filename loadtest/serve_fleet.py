@@ -78,8 +78,7 @@ from loadtest.fleet_gateways import (
     MAX_GATEWAYS,
     Configuration,
     GatewayReplicas,
-    gateway_engine,
-    gateway_settings,
+    gateway_server,
 )
 from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores, thread_deltas
 from loadtest.serve_random import (
@@ -95,8 +94,6 @@ from loadtest.serve_random import (
 from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
 from service.retrieval.embedder import Embedder
-from service.serving.server import Server
-from workers.worker import in_process_worker
 
 log = logging.getLogger("serve_fleet")
 REPO = Path(__file__).resolve().parent.parent
@@ -315,9 +312,8 @@ def run_configuration(
     clients: ProcessPoolExecutor,
 ) -> dict[str, Any]:
     urls = [group.urls[i] for i in config.engines]
-    settings = gateway_settings(args, config, urls, number, redis_prefix)
     concurrency = args.concurrency if config.phase == "scale" else args.routing_concurrency
-    gateway = Server(settings, gateway_engine(args), embedder, worker_factory=in_process_worker)
+    gateway = gateway_server(args, config, urls, number, redis_prefix, embedder)
     began = time.perf_counter()
     with (
         BackgroundServer(create_app(gateway), args.port) as server,

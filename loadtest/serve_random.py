@@ -221,7 +221,7 @@ def clients_warm_up(args: argparse.Namespace, url: str, concurrency: int) -> tup
     async def warm_up() -> tuple[int, list[str]]:
         async with load.client_pools(url, concurrency) as pools:
             config = phase_config(args, url, concurrency, args.warmup_s, args.warmup_requests)
-            results, _ = await load.drive(pools, config, [0] * len(pools))
+            results, _ = await load.drive(pools, config)
         return len(results), [r.error for r in results if r.error][:5]
 
     return asyncio.run(warm_up())
@@ -235,7 +235,7 @@ def clients_timed(args: argparse.Namespace, url: str, concurrency: int) -> dict[
         async with load.client_pools(url, concurrency) as pools:
             config = phase_config(args, url, concurrency, args.duration, args.max_requests)
             before_page = (await pools[0].get("/metrics")).text
-            results, duration_s = await load.drive(pools, config, [0] * len(pools))
+            results, duration_s = await load.drive(pools, config)
             after_page = (await pools[0].get("/metrics")).text
         return phase_report(config, results, duration_s, before_page, after_page)
 
