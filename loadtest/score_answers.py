@@ -10,7 +10,8 @@ naive answer.
 
 Each argument is `NAME=GLOB` (or a bare glob, named by its first file; the glob is in the file name only);
 `--reference NAME:VARIANT` names the row the others are paired against (default: the first run's naive row).
-Rows whose samples differ from the reference's are reported as such, not tested.
+Rows whose samples differ from the reference's are reported as such, not tested; `--common` instead scores every
+row on the samples that every row answered (a run cut off by a time limit), and says how many that is.
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def score(runs: dict[str, dict[str, dict[str, dict[str, object]]]], reference: t
     return scored
 
 
+def common_samples(runs: dict[str, dict[str, dict[str, dict[str, object]]]]) -> set[str]:
+    """The ids of the samples that every row of every run answered."""
+    rows = [set(records) for variants in runs.values() for records in variants.values()]
+    return set.intersection(*rows) if rows else set()
+
+
+def restricted(
+    runs: dict[str, dict[str, dict[str, dict[str, object]]]], ids: set[str]
+) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
+    """`runs` with every row cut to the samples in `ids`."""
+    return {
+        run: {variant: {key: rec for key, rec in records.items() if key in ids} for variant, records in rows.items()}
+        for run, rows in runs.items()
+    }
+
+
 def table(scored: list[Scored]) -> str:
     lines = [
         "| run | row | n | accuracy | kept | Δ vs reference [95 % CI] | p | first token = naive |",
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="NAME=GLOB of answers files (a run's shards)")
     parser.add_argument("--reference", default=None, help="NAME:VARIANT of the row to pair against")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--common", action="store_true", help="score every row on the samples all rows answered")
     args = parser.parse_args(argv)
     try:
         paths = parse_runs(args.runs)
@@ -131,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if variant not in runs.get(name, {}):
         print(f"error: no row {variant!r} in run {name!r}", file=sys.stderr)
         return 2
+    if args.common:
+        ids = common_samples(runs)
+        if not ids:
+            print("error: no sample was answered by every row", file=sys.stderr)
+            return 2
+        print(f"{len(ids)} samples answered by every row")
+        runs = restricted(runs, ids)
     scored = score(runs, (name, variant))
     print(table(scored))
     if args.json is not None:
