@@ -44,6 +44,10 @@ QA_DIR = Path(__file__).resolve().parent / "qa"
 # Every real-passage eval set: set B confirms what set A finds, so neither may be trained on.
 EVAL_SETS = (QA_DIR / "real_passages.jsonl", QA_DIR / "real_passages_b.jsonl")
 PASSAGE_WORDS = (90, 200)  # the eval's passages are 60-200 words; joining stops at the first bound, so ~100 on average
+# The eval's passages are at most ~1,550 characters. A passage of 200 words but many more characters is markup, an
+# embedded image or a run of URLs (one package README gave a 50,000-character "passage" of 28,000 tokens, past the
+# model's context): not prose of the eval's kind, and too long to train on in a batch.
+PASSAGE_CHARS = 1600
 CHUNKS_PER_SAMPLE = 4
 MAN_PAGES = 400  # manual pages read at most (rendering is ~50 ms each)
 MAN_DIR = Path("/usr/share/man/man1")
@@ -103,7 +107,8 @@ def shingles_of(text: str) -> set[tuple[str, ...]]:
 
 
 def passages(text: str) -> list[str]:
-    """Consecutive paragraphs joined until each passage has 60-200 words; longer paragraphs are cut at sentences."""
+    """Consecutive paragraphs joined until each passage has 90-200 words; longer paragraphs are cut at sentences.
+    A passage over PASSAGE_CHARS characters is dropped."""
     low, high = PASSAGE_WORDS
     found: list[str] = []
     current: list[str] = []
@@ -138,7 +143,7 @@ def _bounded(paragraph: str, high: int) -> Iterator[str]:
 
 def _keep(found: list[str], pieces: list[str], low: int) -> None:
     text = " ".join(pieces)
-    if len(text.split()) >= low:
+    if len(text.split()) >= low and len(text) <= PASSAGE_CHARS:
         found.append(text)
 
 

@@ -11,11 +11,13 @@ import pytest
 from loadtest.natural_prompts import (
     CHUNKS_PER_SAMPLE,
     EVAL_SETS,
+    PASSAGE_CHARS,
     EvalSources,
     copyright_texts,
     eval_sources,
     licence_texts,
     package_texts,
+    passages,
     samples,
     shingles_of,
 )
@@ -114,3 +116,14 @@ def test_package_descriptions_skip_the_eval_packages_and_this_project() -> None:
     found = dict(package_texts(frozenset({"sympy", "pydantic-core"})))
     assert "pkg:sympy" not in found and "pkg:pydantic-core" not in found and "pkg:kvstitch" not in found
     assert "pkg:pydantic" in found and "Pydantic" in found["pkg:pydantic"]
+
+
+def test_a_passage_of_few_words_but_many_characters_is_dropped() -> None:
+    """A README's badge row: under 200 words, 50,000 characters, 28,000 tokens; the prose beside it stays."""
+    long_url = "https://example.org/" + "x" * 400
+    badges = " ".join(f"[![badge{i}]({long_url}/{i}.svg)](https://example.org/{i})" for i in range(100))
+    prose = paragraph("p")
+    found = passages(f"{prose}\n\n{badges}\n\n{paragraph('q')}")
+    assert len(badges.split()) <= 200 < len(badges) // PASSAGE_CHARS * 100
+    assert found == [prose, paragraph("q")]
+    assert all(len(passage) <= PASSAGE_CHARS for passage in found)
