@@ -55,6 +55,9 @@ def run_finetune(args: Namespace, dtype: torch.dtype | None, compute_dtype: torc
         report = finetune(config)
     except refusals as err:
         return _error(str(err))
+    except torch.cuda.OutOfMemoryError as err:  # attention memory grows with the square of a sample's length
+        hint = "smaller --micro-batch-size (samples per forward; a step still has --batch-size samples)"
+        return _error(f"{str(err).splitlines()[0]} Long prompts need a {hint}")
     except RuntimeError as err:  # embedded Qdrant's lock: a server still owns the data dir
         return _error(f"{args.data_dir}: {err}" if args.data_dir else str(err))
     last = report.losses[-1]

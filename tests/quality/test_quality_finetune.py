@@ -240,3 +240,27 @@ def test_lora_merges_into_a_plain_folder_that_passes_the_gate(
     assert "model.layers.0.self_attn.q_proj.weight" in changed
     assert not any("mlp" in name for name in changed)  # adapters only on the attention projections
     assert run_gate(StitchEngine(load_model(out))).passed
+
+
+def test_running_out_of_gpu_memory_names_the_micro_batch_flag(
+    tiny_model_dirs: dict[str, Path],
+    qa_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A batch of long prompts runs a GPU out of memory mid-step: the error says which flag fixes it, nothing is
+    saved."""
+    import workers.training.finetune as training
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 168.00 MiB.\nmore detail")
+
+    monkeypatch.setattr(training, "sample_losses", out_of_memory)
+    out = tmp_path / "o"
+    args = ["finetune", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(qa_file), "--out", str(out)]
+    assert main([*args, "--device", "cpu", "--steps", "1", "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA out of memory. Tried to allocate 168.00 MiB." in err and "smaller --micro-batch-size" in err
+    assert "more detail" not in err
+    assert not out.exists()
