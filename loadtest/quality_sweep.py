@@ -14,9 +14,12 @@ A variant is `NAME:flag=value,...`, each pair passed to `kvstitch finetune` as `
 --finetune-args. Fine-tunes run side by side (a 135M model leaves an H100 mostly idle; its launches, not its
 arithmetic, set the pace), then every model's eval shards side by side (at most --parallel processes). The base
 model's eval takes --base-eval-args too (recompute rows, say); `--base-answers GLOB` reuses an earlier base run
-instead. A variant whose folder already holds a finished fine-tune is not trained again, so a sweep cut off by a
-time limit resumes where it stopped. Writes under --out: the models, `logs/`, `answers/NAME_i.jsonl`, and
-`scores.md` / `scores.json` (every row of every model paired against the base model's naive row); prints the table.
+instead. A sweep cut off by a time limit resumes where it stopped: a variant whose folder already holds a finished
+fine-tune is not trained again, and every eval shard runs with `--resume`, answering only the samples its answers
+file lacks. Writes under --out: the models, `logs/`, `answers/NAME_i.jsonl`, and `scores.md` / `scores.json`
+(every row of every model paired against the base model's naive row); prints the table. Where some row lacks
+samples (a failed shard, an earlier base run cut off), every row is scored on the samples all rows answered, and
+the table says how many that is.
 Several --eval-data files (the real-passage sets A and B, say) are evaluated as one joined file (`eval_data.jsonl`,
 their ids must differ) and scored together and then each alone.
 A failed step is named with its log's last lines, and the sweep goes on with what is left (exit status 1).
@@ -35,10 +38,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.score_answers import NAIVE, parse_runs, read_run, score, table
+from loadtest.score_answers import NAIVE, common_samples, parse_runs, read_run, restricted, score, table
 from workers.training.finetune import REPORT_NAME
 
 Record = dict[str, object]
+Runs = dict[str, dict[str, dict[str, Record]]]  # {run: {row: {sample key: record}}}, as score_answers reads them
 BASE = "base"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 FLAG = re.compile(r"[a-z][a-z0-9-]*")
@@ -133,6 +137,7 @@ def eval_jobs(args: argparse.Namespace, models: dict[str, str], samples: int) ->
                 str(limit),
                 "--answers",
                 str(answers),
+                "--resume",
             )
             jobs.append(Job(f"eval {name} shard {index}", command, args.out / "logs" / f"{name}_{index}.eval.log"))
     return jobs
@@ -201,29 +206,41 @@ def report_failures(outcomes: list[Outcome]) -> bool:
 
 def scores(args: argparse.Namespace, names: list[str], sets: dict[str, set[str]]) -> str:
     """Every row of every model against the base model's naive row over all samples, then over each eval file's
-    alone (where there are several), written as scores.md and scores.json."""
+    alone (where there are several), written as scores.md and scores.json; on the samples every row answered
+    where some row lacks some (`common_rows`)."""
     patterns = [f"{BASE}={args.base_answers or args.out / 'answers' / f'{BASE}_*.jsonl'}"]
     patterns += [f"{name}={args.out / 'answers' / f'{name}_*.jsonl'}" for name in names]
-    runs = {name: read_run(files) for name, files in parse_runs(patterns).items()}
+    runs, note = common_rows({name: read_run(files) for name, files in parse_runs(patterns).items()})
     parts = {"all": None, **(sets if len(sets) > 1 else {})}
-    texts, records = [], {}
+    texts: list[str] = []
+    records: dict[str, list[Record]] = {}
     for part, ids in parts.items():
-        scored = score(runs if ids is None else only(runs, ids), (BASE, NAIVE))
+        part_runs = runs if ids is None else restricted(runs, ids)
+        if not part_runs[BASE][NAIVE]:
+            texts.append(f"{part}: no sample answered by every row")
+            records[part] = []
+            continue
+        scored = score(part_runs, (BASE, NAIVE))
         texts.append(f"{part}:\n\n{table(scored)}" if len(parts) > 1 else table(scored))
         records[part] = [asdict(s) for s in scored]
-    rows = "\n\n".join(texts)
+    rows = "\n\n".join([note, *texts] if note else texts)
     (args.out / "scores.md").write_text(rows + "\n", encoding="utf-8")
     flat = records["all"] if len(parts) == 1 else records
     (args.out / "scores.json").write_text(json.dumps(flat, indent=2) + "\n", encoding="utf-8")
     return rows
 
 
-def only(runs: dict[str, dict[str, dict[str, Record]]], ids: set[str]) -> dict[str, dict[str, dict[str, Record]]]:
-    """The runs' records of the samples `ids` names."""
-    return {
-        run: {variant: {k: r for k, r in records.items() if k in ids} for variant, records in rows.items()}
-        for run, rows in runs.items()
-    }
+def common_rows(runs: Runs) -> tuple[Runs, str]:
+    """`runs` cut to the samples every row of every run answered, with a line saying how many of how many that is,
+    where some row lacks samples (else `runs` and no line); ValueError where no sample is common to all rows."""
+    answered = [set(records) for rows in runs.values() for records in rows.values()]
+    every = set().union(*answered)
+    common = common_samples(runs)
+    if common == every:
+        return runs, ""
+    if not common:
+        raise ValueError(f"no sample of the {len(every)} answered was answered by every row of every run")
+    return restricted(runs, common), f"scored on the {len(common)} of {len(every)} samples answered by every row"
 
 
 def sweep(args: argparse.Namespace, variants: list[Variant]) -> int:
@@ -282,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         return sweep(args, variants)
-    except ValueError as err:  # eval files sharing a sample id
+    except ValueError as err:  # eval files sharing a sample id, rows with no sample in common
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -251,6 +251,13 @@ def _add_eval(commands: Any) -> None:
         help="write every answer as JSONL to OUT: one line per sample per row (answer, correct, f1, agreement)",
     )
     evaluate.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --data and --answers: keep the samples of this range that OUT holds for every row, answer only "
+        "the rest (appended; a partly answered sample is answered again) and table them all; without it OUT is "
+        "overwritten",
+    )
+    evaluate.add_argument(
         "--instruction",
         default=None,
         metavar="TEXT",

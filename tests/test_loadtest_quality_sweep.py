@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from loadtest.quality_sweep import Variant, join_eval_data, main, parse_variant, shard_bounds
-from loadtest.score_answers import read_run
+from loadtest.quality_sweep import (
+    BASE,
+    Variant,
+    eval_jobs,
+    join_eval_data,
+    main,
+    parse_variant,
+    scores,
+    shard_bounds,
+)
+from loadtest.score_answers import NAIVE, read_run
 from service.quality.generator import write_qa_file
 from workers.training.finetune import REPORT_NAME
 
@@ -77,9 +87,20 @@ def test_the_sweep_trains_evaluates_scores_names_a_failure_and_resumes(
 
     trained_log = out / "logs" / "a.finetune.log"
     written = trained_log.stat().st_mtime_ns
+    cut_shard, whole_shard = out / "answers" / "a_0.jsonl", out / "answers" / "a_1.jsonl"
+    answered = cut_shard.read_text(encoding="utf-8").splitlines()
+    cut_shard.write_text("\n".join(answered[:-1]) + "\n", encoding="utf-8")  # cut off before its last row
+    whole = whole_shard.read_bytes()
     code = main([*common, "--variant", "a:steps=1", "--base-answers", str(out / "answers" / "base_*.jsonl")])
     assert code == 0
     assert trained_log.stat().st_mtime_ns == written  # a finished fine-tune is not trained again
+    assert whole_shard.read_bytes() == whole  # a finished shard is not answered again
+    before = [json.loads(line) for line in answered]
+    resumed = [json.loads(line) for line in cut_shard.read_text(encoding="utf-8").splitlines()]
+    assert len(before) == len(resumed) == 2 * 3  # 2 samples, 3 rows each
+    assert resumed[:3] == before[:3]  # the finished sample is kept as it was (its TTFTs included)
+    untimed = [[{k: v for k, v in r.items() if k != "ttft_ms"} for r in rs[3:]] for rs in (before, resumed)]
+    assert untimed[0] == untimed[1]  # the cut-off sample answered again, every row once
     again = json.loads((out / "scores.json").read_text(encoding="utf-8"))
     assert again == parts
 
@@ -119,3 +140,55 @@ def test_joined_samples_are_keyed_as_their_answers_are_read_with_or_without_ids(
     rows = [{"id": "b-q000000", "line": 1}, {"id": None, "line": 2}, {"id": None, "line": 3}]
     answers.write_text("".join(json.dumps({**r, "variant": "naive/-/none"}) + "\n" for r in rows))
     assert set(read_run([str(answers)])["naive/-/none"]) == sets["named"] | sets["plain"]
+
+
+def test_every_eval_shard_resumes() -> None:
+    args = argparse.Namespace(out=Path("sweep"), shards=2, eval_args="--device cpu", base_eval_args="")
+    jobs = eval_jobs(args, {BASE: "base-model", "a": "sweep/a"}, samples=3)
+    assert [j.label for j in jobs] == ["eval base shard 0", "eval base shard 1", "eval a shard 0", "eval a shard 1"]
+    for job in jobs:
+        answers = job.command[job.command.index("--answers") + 1]
+        assert Path(answers).parent == Path("sweep/answers") and "--resume" in job.command
+
+
+def _answers(path: Path, rows: dict[str, list[int]]) -> None:
+    """Records of samples s0, s1, ... per row: correct where the sample's number is even."""
+    records = [
+        {"id": f"s{i}", "line": i + 1, "variant": row, "correct": i % 2 == 0, "first_token_agreement": True}
+        for row, numbers in rows.items()
+        for i in numbers
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+TURBO = "turbo@prefix/reordered/none"
+
+
+def test_rows_lacking_samples_are_all_scored_on_the_samples_every_row_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = argparse.Namespace(out=tmp_path, base_answers=None)
+    _answers(tmp_path / "answers" / "base_0.jsonl", {NAIVE: [0, 1, 2, 3], TURBO: [0, 1, 2, 3]})
+    _answers(tmp_path / "answers" / "a_0.jsonl", {NAIVE: [0, 1, 2, 3], TURBO: [0, 1, 3]})  # cut off before s2
+    _answers(tmp_path / "answers" / "b_0.jsonl", {NAIVE: [0, 1, 2]})  # a shard of s3 failed
+    sets = {"x": {"s0", "s1"}, "y": {"s1", "s2"}, "z": {"s2", "s3"}}
+
+    text = scores(args, ["a", "b"], sets)
+
+    assert text.startswith("scored on the 2 of 4 samples answered by every row\n")
+    assert text == (tmp_path / "scores.md").read_text(encoding="utf-8").rstrip("\n")
+    assert "z: no sample answered by every row" in text and "not tested" not in capsys.readouterr().out
+    parts = json.loads((tmp_path / "scores.json").read_text(encoding="utf-8"))
+    tested = [(r["run"], r["variant"], r["samples"]) for r in parts["all"]]
+    assert tested == [("base", NAIVE, 2), ("base", TURBO, 2), ("a", NAIVE, 2), ("a", TURBO, 2), ("b", NAIVE, 2)]
+    assert all(r["accuracy"] == 0.5 for r in parts["all"])  # s0 right, s1 wrong: s2 and s3 left out
+    assert [r["samples"] for r in parts["x"]] == [2] * 5 and [r["samples"] for r in parts["y"]] == [1] * 5
+    assert parts["z"] == []
+
+
+def test_rows_with_no_sample_in_common_are_refused(tmp_path: Path) -> None:
+    _answers(tmp_path / "answers" / "base_0.jsonl", {NAIVE: [0, 1]})
+    _answers(tmp_path / "answers" / "a_0.jsonl", {NAIVE: [2]})
+    with pytest.raises(ValueError, match="no sample of the 3 answered was answered by every row of every run"):
+        scores(argparse.Namespace(out=tmp_path, base_answers=None), ["a"], {"x": {"s0", "s1", "s2"}})

@@ -10,7 +10,7 @@ import contextlib
 import json
 import sys
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,9 @@ from service.settings import CONTEXT_TEMPERATURE_RANGE, MAX_INSTRUCTION_CHARS
 
 if TYPE_CHECKING:  # the commands import their modules late: the CLI starts fast
     from service.engine.engine import StitchEngine
-    from service.quality.eval import AnswerSink, EvalReport, Variant
+    from service.quality.answers import AnswerSink, Resume
+    from service.quality.dataset import QASample
+    from service.quality.eval import EvalReport, Variant
 
 # The eval's default system-message addition for QA files: the rows score short answers, and a model that explains
 # its answer would be scored on its first sentence. The corpus form defaults to none (it measures what /ask serves).
@@ -57,6 +59,8 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         return _error(f"--instruction has {len(args.instruction)} characters; at most {MAX_INSTRUCTION_CHARS}")
     if args.max_new_tokens < 1:
         return _error("--max-new-tokens must be at least 1")
+    if args.resume and (args.answers is None or corpus_form):
+        return _error("--resume takes --data FILE.jsonl and --answers FILE: it reads back the answers written")
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
         contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
@@ -73,27 +77,53 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
 
 
 def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Variant]) -> int:
+    from service.quality.answers import NOTHING_TO_RESUME, sample_key
     from service.quality.dataset import QADataError, read_samples
-    from service.quality.eval import evaluate
+    from service.quality.eval import evaluate, restored_report
     from service.quality.progress import Progress
 
     try:
         samples = read_samples(args.data, args.limit, args.offset)
+        resumed = _resume(args.answers, samples, variants) if args.resume else NOTHING_TO_RESUME
     except (QADataError, OSError) as err:
         return _error(str(err))
+    remaining = [s for s in samples if sample_key(s.id, s.line) not in resumed.done]
     instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
+    record = {"model": args.model, "data": args.data, **_window_record(args, instruction)}
+    if not remaining:  # every sample of the range was answered: no model to load
+        return _report(args, restored_report(variants, resumed.kept, args.max_new_tokens), record)
     engine = _engine(args, dtype, instruction)
     if engine is None:
         return 2
     try:
-        with _answers_file(args.answers) as answers:
-            progress = Progress(len(samples), sys.stderr)
+        with _answers_file(args.answers, append=args.resume) as answers:
+            progress = Progress(len(remaining), sys.stderr)
             source = Path(args.data).name
             shared = args.kv_path == "shared"
-            report = evaluate(engine, samples, variants, args.max_new_tokens, source, answers, progress, shared)
+            report = evaluate(
+                engine, remaining, variants, args.max_new_tokens, source, answers, progress, shared, resumed.kept
+            )
     except (QADataError, OSError) as err:
         return _error(str(err))
-    return _report(args, report, {"model": args.model, "data": args.data, **_window_record(args, instruction)})
+    return _report(args, report, record)
+
+
+def _resume(path: str, samples: Sequence[QASample], variants: Sequence[Variant]) -> Resume:
+    """`--resume`: the answers file's finished samples of this range, the partial one's records removed; says on
+    stderr what it found."""
+    from service.quality.answers import resume_answers, sample_key
+    from service.quality.dataset import QADataError
+
+    golds = {sample_key(s.id, s.line): s.answers for s in samples}
+    if len(golds) < len(samples):
+        raise QADataError(f"{path}: two samples of the range share an id: --resume cannot tell their answers apart")
+    resumed = resume_answers(Path(path), golds, [v.label for v in variants])
+    print(
+        f"resuming {path}: {len(resumed.done)} of {len(samples)} samples answered by every row, "
+        f"{resumed.dropped} records of partly answered samples removed, {len(samples) - len(resumed.done)} to answer",
+        file=sys.stderr,
+    )
+    return resumed
 
 
 def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Variant]) -> int:
@@ -132,18 +162,15 @@ def _window_record(args: Namespace, instruction: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _answers_file(path: str | None) -> Iterator[AnswerSink | None]:
+def _answers_file(path: str | None, append: bool = False) -> Iterator[AnswerSink | None]:
     """`--answers OUT.jsonl`: one JSON line per sample per row, written as each is scored (a stopped run keeps
-    what it finished)."""
+    what it finished); emptied first unless `append` (`--resume`)."""
+    from service.quality.answers import answers_sink
+
     if path is None:
         yield None
         return
-    with Path(path).open("w", encoding="utf-8") as out:
-
-        def write(record: dict[str, Any]) -> None:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-
+    with answers_sink(Path(path), append) as write:
         yield write
 
 

@@ -17,7 +17,7 @@ accuracy is the short-answer rule of `metrics.py`.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from service.engine.prompt import PromptIds, encode_text
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
+from service.quality.answers import AnswerRecord, AnswerSink, sample_key
 from service.quality.dataset import QADataError, QASample
 from service.quality.metrics import answer_span, best_f1, contains_answer, kl_divergence, short_answer_correct
 from service.quality.progress import Progress
@@ -171,9 +172,6 @@ def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling
     return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
 
 
-AnswerSink = Callable[[dict[str, Any]], None]  # receives one record per sample per row (`--answers`)
-
-
 @dataclass
 class Scores:
     """Per-sample scores of one variant; `row` reduces them. `reference_correct` is the naive reference run's
@@ -189,24 +187,15 @@ class Scores:
     kl: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
 
-    def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> dict[str, Any]:
-        """Score one answer; returns its record for the answers file."""
-        correct = contains = f1 = None
+    def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> AnswerRecord:
+        """Score one answer; returns its record for the answers file, which holds all the row reads of it."""
+        correct = contains = f1 = reference_correct = None
         if sample.answers:  # a question of a user's own corpus has none: agreement and KL only
             correct = short_answer_correct(outcome.text, sample.answers, sample.question)
             contains = contains_answer(outcome.text, sample.answers)
             f1 = best_f1(answer_span(outcome.text), sample.answers)
-            self.correct.append(correct)
-            self.contains.append(contains)
-            self.f1.append(f1)
-            self.reference_correct.append(short_answer_correct(reference.text, sample.answers, sample.question))
-        first_same = outcome.token_ids[:1] == reference.token_ids[:1]
-        answer_same = outcome.token_ids == reference.token_ids
-        self.first_token_same.append(first_same)
-        self.answer_same.append(answer_same)
-        self.kl.append(kl_divergence(reference.first_logits, outcome.first_logits))
-        self.ttft_ms.append(outcome.ttft_ms)
-        return {
+            reference_correct = short_answer_correct(reference.text, sample.answers, sample.question)
+        record: AnswerRecord = {
             "id": sample.id,
             "line": sample.line,
             "variant": self.variant.label,
@@ -215,9 +204,27 @@ class Scores:
             "correct": correct,
             "contains": contains,
             "f1": f1,
-            "first_token_agreement": first_same,
-            "answer_agreement": answer_same,
+            "reference_correct": reference_correct,
+            "first_token_agreement": outcome.token_ids[:1] == reference.token_ids[:1],
+            "answer_agreement": outcome.token_ids == reference.token_ids,
+            "kl_first_token": kl_divergence(reference.first_logits, outcome.first_logits),
+            "ttft_ms": outcome.ttft_ms,
         }
+        self.take(record)
+        return record
+
+    def take(self, record: AnswerRecord) -> None:
+        """Count one answer's record: one just scored, or one read back from the answers file of a resumed run
+        (`answers.parse_record` has checked its fields), so a resumed table covers the samples of both."""
+        if record["correct"] is not None:  # the four answer fields are set together (or none: no gold answers)
+            self.correct.append(record["correct"])
+            self.contains.append(record["contains"])
+            self.f1.append(record["f1"])
+            self.reference_correct.append(record["reference_correct"])
+        self.first_token_same.append(record["first_token_agreement"])
+        self.answer_same.append(record["answer_agreement"])
+        self.kl.append(record["kl_first_token"])
+        self.ttft_ms.append(record["ttft_ms"])
 
     def row(self) -> Row:
         vs_naive = paired(self.correct, self.reference_correct) if self.correct else None
@@ -270,16 +277,34 @@ class Row:
 
 @dataclass(frozen=True)
 class EvalReport:
-    samples: int
+    samples: int  # every sample the rows cover, those read back from a resumed run's answers file included
     max_new_tokens: int
     rows: list[Row]
+    resumed: int = 0  # of `samples`, those answered by an earlier run and read back (`kvstitch eval --resume`)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "samples": self.samples,
+            "resumed_samples": self.resumed,
             "max_new_tokens": self.max_new_tokens,
             "rows": [r.as_json() for r in self.rows],
         }
+
+
+def restored_scores(variants: Sequence[Variant], records: Sequence[AnswerRecord]) -> list[Scores]:
+    """Each variant's scores holding the records read back from a resumed run's answers file (every record's row
+    is one of `variants`: `answers.resume_answers` refuses others)."""
+    scores = [Scores(v) for v in variants]
+    by_label = {s.variant.label: s for s in scores}
+    for record in records:
+        by_label[record["variant"]].take(record)
+    return scores
+
+
+def restored_report(variants: Sequence[Variant], records: Sequence[AnswerRecord], max_new_tokens: int) -> EvalReport:
+    """The report of a resumed run that had nothing left to answer: the records read back alone."""
+    samples = len({sample_key(r["id"], r["line"]) for r in records})
+    return EvalReport(samples, max_new_tokens, [s.row() for s in restored_scores(variants, records)], samples)
 
 
 def evaluate(
@@ -291,15 +316,17 @@ def evaluate(
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
     shared: bool = False,
+    restored: Sequence[AnswerRecord] = (),
 ) -> EvalReport:
     """Score every variant on every sample against the answers and a naive reference run.
 
     Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
     allocator growth would otherwise land in the first TTFTs). `shared`: turbo answers read their chunks from a
     shared chunk arena, as a server with `KVSTITCH_SHARED_CHUNKS=on` serves them (`OfflineScheduler`).
+    `restored`: records of other samples answered by an earlier run (`--resume`), counted in the rows too.
     """
     cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
-    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared)
+    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared, restored)
 
 
 def evaluate_cases(
@@ -310,12 +337,15 @@ def evaluate_cases(
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
     shared: bool = False,
+    restored: Sequence[AnswerRecord] = (),
 ) -> EvalReport:
     """`evaluate` over cases already built: a QA file's samples, or a user's questions with the chunks retrieved
     for them. `answers` receives each sample's record per row as it is scored; `progress` advances per sample;
-    `shared`: as `evaluate`'s (the first-token distribution of the KL column stays the copy path's prefill)."""
+    `shared` and `restored`: as `evaluate`'s (the first-token distribution of the KL column stays the copy path's
+    prefill)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    scores = [Scores(v) for v in variants]
+    scores = restored_scores(variants, restored)
+    resumed = len({sample_key(r["id"], r["line"]) for r in restored})
     done = 0
     runner = OfflineScheduler(engine, shared=shared)
     try:
@@ -333,7 +363,7 @@ def evaluate_cases(
                 progress.advance()
     finally:
         runner.close()
-    return EvalReport(done, max_new_tokens, [s.row() for s in scores])
+    return EvalReport(resumed + done, max_new_tokens, [s.row() for s in scores], resumed)
 
 
 _COLUMNS = (
@@ -356,7 +386,8 @@ _COLUMNS = (
 def format_table(report: EvalReport) -> str:
     """A fixed-width table of the rows, for the terminal. `vs_naive`, `ci95` and `p`: the accuracy difference
     from the naive reference, its bootstrap 95 % interval and McNemar's exact p."""
-    lines = [f"{report.samples} samples, greedy, up to {report.max_new_tokens} new tokens"]
+    resumed = f" ({report.resumed} read back from the answers file)" if report.resumed else ""
+    lines = [f"{report.samples} samples{resumed}, greedy, up to {report.max_new_tokens} new tokens"]
     lines.append(" ".join(name.ljust(width) for name, width in _COLUMNS).rstrip())
     for row in report.rows:
         ci = "-" if row.ci95_low is None or row.ci95_high is None else f"[{row.ci95_low:+.3f},{row.ci95_high:+.3f}]"
