@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -47,6 +48,7 @@ BASE = "base"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 FLAG = re.compile(r"[a-z][a-z0-9-]*")
 LOG_TAIL = 6
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,20 @@ def kvstitch() -> tuple[str, ...]:
     return (sys.executable, "-m", "service")
 
 
+def child_environment(processes: int, cores: int | None = None) -> dict[str, str]:
+    """This process's environment, with the CPU threads of each of `processes` children bounded to its share of the
+    cores (unless set already): torch starts a thread per core in every process, and two dozen eval shards on 16
+    cores then spend their CPU spinning against each other instead of launching the GPU's kernels."""
+    environment = dict(os.environ)
+    share = max(1, (cores or os.cpu_count() or 1) // max(1, processes))
+    for name in THREAD_VARIABLES:
+        environment.setdefault(name, str(share))
+    return environment
+
+
 def run_jobs(jobs: list[Job], parallel: int) -> list[Outcome]:
     """Every job, at most `parallel` at once; each one's stdout and stderr go to its log."""
+    environment = child_environment(min(parallel, len(jobs)))
     waiting, done = list(jobs), []
     running: list[tuple[Job, subprocess.Popen[bytes], float]] = []
     while waiting or running:
@@ -184,7 +198,7 @@ def run_jobs(jobs: list[Job], parallel: int) -> list[Outcome]:
             job = waiting.pop(0)
             job.log.parent.mkdir(parents=True, exist_ok=True)
             with job.log.open("w", encoding="utf-8") as log:
-                process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT)
+                process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, env=environment)
             running.append((job, process, time.monotonic()))
         time.sleep(0.2)
         for entry in [r for r in running if r[1].poll() is not None]:

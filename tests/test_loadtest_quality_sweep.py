@@ -192,3 +192,14 @@ def test_rows_with_no_sample_in_common_are_refused(tmp_path: Path) -> None:
     _answers(tmp_path / "answers" / "a_0.jsonl", {NAIVE: [2]})
     with pytest.raises(ValueError, match="no sample of the 3 answered was answered by every row of every run"):
         scores(argparse.Namespace(out=tmp_path, base_answers=None), ["a"], {"x": {"s0", "s1", "s2"}})
+
+
+def test_children_share_the_cores_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest.quality_sweep import child_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    environment = child_environment(processes=24, cores=16)
+    assert environment["OMP_NUM_THREADS"] == "1" and environment["MKL_NUM_THREADS"] == "3"
+    assert child_environment(processes=4, cores=16)["OMP_NUM_THREADS"] == "4"
+    assert child_environment(processes=0, cores=16)["OMP_NUM_THREADS"] == "16"
