@@ -274,6 +274,15 @@ def _add_eval(commands: Any) -> None:
         help="shared: turbo rows read their chunks from a shared chunk arena, as KVSTITCH_SHARED_CHUNKS=on serves "
         "them (default copy: each answer stitches its own context)",
     )
+    evaluate.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="answer N samples at a time, each row's N answers in one scheduler run (1..256; default 1: one at a "
+        "time). The answers are the same; with N > 1 the ttft_ms column is not measured (shown '-', null in JSON) "
+        "and the KL column reads each answer's own first-token logits rather than a separate prefill",
+    )
 
 
 def _add_finetune(commands: Any) -> None:

@@ -5,7 +5,8 @@ generates outside the server (`kvstitch eval`, the quality demo, the benchmark t
 (`scheduler_config.build_scheduler`) over a `KVPool` with room for all of them at once, steps it until each has
 ended, and returns their results in order. The scheduler (its pool and its captured graphs) is kept for the next
 run while that run's requests fit its pool, so a loop of single requests (an eval) captures its graphs once.
-`generate` is the one-request form: a prompt in, a `GenerationResult` out, text deltas through `on_text`.
+`generate` is the one-request form: a prompt in, a `GenerationResult` out, text deltas through `on_text`;
+`answer_request` builds its request, for callers that run several at once.
 
 `shared=True` runs the scheduler in shared-chunk mode (`KVSTITCH_SHARED_CHUNKS=on`, `shared_chunks.py`) over a
 chunk arena sized for the run's chunks, so turbo answers read them from the arena as a server with the setting on
@@ -133,8 +134,7 @@ def generate(
     Turbo without `chunk_kv` precomputes the chunks at admission; `chunk_ready` goes with `chunk_kv` (blocks
     still landing on the device). `runner`: a kept `OfflineScheduler` (its graphs reused), else a new one, closed
     after."""
-    spec = parse_recompute(recompute) if isinstance(recompute, str) else recompute
-    request = BatchRequest(prompt, sampling, mode, positions, chunk_kv, chunk_ready, on_text=on_text, recompute=spec)
+    request = answer_request(prompt, sampling, mode, positions, chunk_kv, chunk_ready, recompute, on_text)
     if runner is not None:
         return runner.run([request])[0]
     alone = OfflineScheduler(engine)
@@ -142,3 +142,30 @@ def generate(
         return alone.run([request])[0]
     finally:
         alone.close()
+
+
+def answer_request(
+    prompt: PromptIds,
+    sampling: SamplingParams,
+    mode: GenerationMode | str = GenerationMode.TURBO,
+    positions: PositionMode | str = PositionMode.REORDERED,
+    chunk_kv: Sequence[KVBlock] | None = None,
+    chunk_ready: Sequence[BlockReady | None] | None = None,
+    recompute: RecomputeSpec | str = NO_RECOMPUTE,
+    on_text: TextSink | None = None,
+    keep_first_logits: bool = False,
+) -> BatchRequest:
+    """The request `generate` runs (a recompute spec given as text parsed), for callers that run several at once
+    through `OfflineScheduler.run`; `keep_first_logits`: its first token's logits kept (`first_logits`)."""
+    spec = parse_recompute(recompute) if isinstance(recompute, str) else recompute
+    return BatchRequest(
+        prompt,
+        sampling,
+        mode,
+        positions,
+        chunk_kv,
+        chunk_ready,
+        on_text=on_text,
+        recompute=spec,
+        keep_first_logits=keep_first_logits,
+    )

@@ -38,7 +38,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "first_token_agreement": (bool,),
     "answer_agreement": (bool,),
     "kl_first_token": (float, int),
-    "ttft_ms": (float, int),
+    "ttft_ms": (float, int, type(None)),  # null: answered in a batch (`--batch N`), not timed
 }
 # Set exactly when the sample has gold answers: the table pairs `correct` with `reference_correct` per sample.
 _ANSWER_FIELDS = ("correct", "contains", "f1", "reference_correct")

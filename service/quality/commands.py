@@ -46,7 +46,7 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
     from service.engine.kv_layout import SERVED_CHUNK_CONTEXT, ChunkContext
     from service.engine.recompute_spec import parse_recompute
     from service.quality.dataset import QADataError
-    from service.quality.eval import table_variants
+    from service.quality.eval import MAX_BATCH, table_variants
 
     corpus_form = args.data_dir is not None or args.questions is not None
     if corpus_form == (args.data is not None) or (corpus_form and not (args.data_dir and args.questions)):
@@ -61,6 +61,8 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         return _error("--max-new-tokens must be at least 1")
     if args.resume and (args.answers is None or corpus_form):
         return _error("--resume takes --data FILE.jsonl and --answers FILE: it reads back the answers written")
+    if not 1 <= args.batch <= MAX_BATCH:
+        return _error(f"--batch must be within 1..{MAX_BATCH}")
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
         contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
@@ -101,7 +103,16 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
             source = Path(args.data).name
             shared = args.kv_path == "shared"
             report = evaluate(
-                engine, remaining, variants, args.max_new_tokens, source, answers, progress, shared, resumed.kept
+                engine,
+                remaining,
+                variants,
+                args.max_new_tokens,
+                source,
+                answers,
+                progress,
+                shared,
+                resumed.kept,
+                args.batch,
             )
     except (QADataError, OSError) as err:
         return _error(str(err))
@@ -150,7 +161,7 @@ def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Vari
             cases = corpus_cases(engine, corpus, questions, args.top_k, args.max_new_tokens, source)
             progress = Progress(len(questions), sys.stderr, "questions")
             shared = args.kv_path == "shared"
-            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress, shared)
+            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress, shared, args.batch)
     except (CorpusError, QADataError, OSError, RuntimeError) as err:  # Qdrant's lock on a served data dir
         return _error(str(err))
     record = {"model": args.model, "data_dir": args.data_dir, "questions": args.questions, "top_k": args.top_k}
@@ -158,7 +169,8 @@ def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Vari
 
 
 def _window_record(args: Namespace, instruction: str) -> dict[str, Any]:
-    return {"offset": args.offset, "limit": args.limit, "instruction": instruction, "kv_path": args.kv_path}
+    window = {"offset": args.offset, "limit": args.limit, "instruction": instruction, "kv_path": args.kv_path}
+    return {**window, "batch": args.batch}
 
 
 @contextlib.contextmanager

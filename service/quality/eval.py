@@ -12,6 +12,12 @@ The reference is a separate naive run, so the naive row compares two independent
 KL of 0 are a check of determinism that every table carries, not a definition. Each row's accuracy is compared
 with the reference's on the same samples (McNemar's exact p and a paired bootstrap interval, `significance.py`);
 accuracy is the short-answer rule of `metrics.py`.
+
+`batch` > 1 answers the samples that many at a time: each row's answers to a batch go through one scheduler run, as
+concurrent requests to a server do. Every sample's record is the one-at-a-time run's (greedy; equal on the CPU in
+fp32), but a request's TTFT then includes its batch's other prefills, so the TTFT column is not measured (None),
+and the KL column reads the first-token distribution each answer's first token was picked from (kept by the
+scheduler) instead of a prefill of its own: the same distribution up to float rounding, on the row's own KV path.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from typing import Any
 
 import torch
 
+from service.engine.batch_request import BatchRequest
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import ChunkContext, KVBlock
-from service.engine.offline import OfflineScheduler, generate
+from service.engine.offline import OfflineScheduler, answer_request
 from service.engine.prompt import PromptIds, encode_text
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
@@ -38,6 +45,7 @@ from service.quality.progress import Progress
 from service.quality.significance import paired
 
 DEFAULT_MAX_NEW_TOKENS = 32
+MAX_BATCH = 256  # samples answered together at most (`--batch`); the scheduler decodes its max batch of them at once
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,8 @@ def table_variants(
 @contextmanager
 def variant_engine(engine: StitchEngine, variant: Variant) -> Iterator[None]:
     """The engine precomputing chunks of the variant's context and stitching them at its temperature for the time
-    of one variant: the eval owns its engine and runs one request at a time, so switching it reaches nothing
-    else."""
+    of one variant: the eval owns its engine and runs one variant's requests at a time (alone or a batch of them),
+    so switching it reaches nothing else."""
     before = engine.chunk_context, engine.context_temperature, engine.context_scale
     engine.chunk_context, engine.context_temperature = variant.context, variant.temperature
     engine.context_scale = variant.scale
@@ -129,7 +137,7 @@ class Outcome:
     token_ids: tuple[int, ...]  # as generated, a final EOS included
     text: str
     first_logits: torch.Tensor  # fp32 [vocab], the distribution of the first answer token
-    ttft_ms: float
+    ttft_ms: float | None  # None: not measured (answered in a batch)
 
 
 def prepare(engine: StitchEngine, sample: QASample, max_new_tokens: int, source: str = "data") -> Case:
@@ -158,18 +166,63 @@ def first_token_logits(engine: StitchEngine, case: Case, variant: Variant) -> to
     return engine.prefill_question(buffer, question).float().cpu()
 
 
-def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
-    """Generate greedily through the server's scheduler (`runner`, the served path), then read the first-token
-    distribution."""
-    engine = runner.engine
+def variant_request(
+    engine: StitchEngine, case: Case, variant: Variant, sampling: SamplingParams, keep_first_logits: bool = False
+) -> BatchRequest:
+    """The variant's request for the case, as `generate` builds it (the engine already set to the variant:
+    `variant_engine`)."""
+    chunk_kv = case.kv_for(engine, variant.context) if variant.mode is GenerationMode.TURBO else None
     positions = variant.positions or PositionMode.REORDERED
+    return answer_request(
+        case.prompt,
+        sampling,
+        variant.mode,
+        positions,
+        chunk_kv,
+        recompute=variant.recompute,
+        keep_first_logits=keep_first_logits,
+    )
+
+
+def run_variant(runner: OfflineScheduler, case: Case, variant: Variant, sampling: SamplingParams) -> Outcome:
+    """Generate greedily through the server's scheduler (`runner`, the served path), alone and timed, then read the
+    first-token distribution."""
+    engine = runner.engine
     with variant_engine(engine, variant):
-        chunk_kv = case.kv_for(engine, variant.context) if variant.mode is GenerationMode.TURBO else None
-        result = generate(
-            engine, case.prompt, sampling, variant.mode, positions, chunk_kv, recompute=variant.recompute, runner=runner
-        )
+        result = runner.run([variant_request(engine, case, variant, sampling)])[0]
         logits = first_token_logits(engine, case, variant)
     return Outcome(tuple(result.token_ids), result.text, logits, result.timings.ttft_ms)
+
+
+def run_variant_batch(
+    runner: OfflineScheduler, cases: Sequence[Case], variant: Variant, sampling: SamplingParams
+) -> list[Outcome]:
+    """Generate greedily for every case in one scheduler run (the engine set to the variant for all of it); the
+    outcomes in order, untimed, each with the first-token distribution its first token was picked from."""
+    engine = runner.engine
+    with variant_engine(engine, variant):
+        requests = [variant_request(engine, case, variant, sampling, keep_first_logits=True) for case in cases]
+        results = runner.run(requests)
+    return [
+        Outcome(tuple(result.token_ids), result.text, _kept_logits(request), None)
+        for request, result in zip(requests, results, strict=True)
+    ]
+
+
+def _kept_logits(request: BatchRequest) -> torch.Tensor:
+    if request.first_logits is None:  # every answer has a first token: the scheduler keeps its logits there
+        raise RuntimeError("the scheduler kept no first-token logits for an answer")
+    return request.first_logits
+
+
+def answer_all(
+    runner: OfflineScheduler, cases: Sequence[Case], variant: Variant, sampling: SamplingParams, timed: bool
+) -> list[Outcome]:
+    """The variant's outcomes for `cases`: one request at a time (`timed`: TTFT measured, KL from a prefill of its
+    own, `run_variant`), else together (`run_variant_batch`)."""
+    if timed:
+        return [run_variant(runner, case, variant, sampling) for case in cases]
+    return run_variant_batch(runner, cases, variant, sampling)
 
 
 @dataclass
@@ -185,7 +238,7 @@ class Scores:
     first_token_same: list[bool] = field(default_factory=list)
     answer_same: list[bool] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
-    ttft_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)  # the measured ones (none in a batched run)
 
     def add(self, sample: QASample, outcome: Outcome, reference: Outcome) -> AnswerRecord:
         """Score one answer; returns its record for the answers file, which holds all the row reads of it."""
@@ -224,7 +277,8 @@ class Scores:
         self.first_token_same.append(record["first_token_agreement"])
         self.answer_same.append(record["answer_agreement"])
         self.kl.append(record["kl_first_token"])
-        self.ttft_ms.append(record["ttft_ms"])
+        if record["ttft_ms"] is not None:  # a batched run times nothing
+            self.ttft_ms.append(record["ttft_ms"])
 
     def row(self) -> Row:
         vs_naive = paired(self.correct, self.reference_correct) if self.correct else None
@@ -242,7 +296,7 @@ class Scores:
             first_token_agreement=_mean(self.first_token_same),
             answer_agreement=_mean(self.answer_same),
             kl_first_token=_mean(self.kl),
-            ttft_ms=statistics.median(self.ttft_ms) if self.ttft_ms else float("nan"),
+            ttft_ms=statistics.median(self.ttft_ms) if self.ttft_ms else None,
         )
 
 
@@ -269,7 +323,7 @@ class Row:
     first_token_agreement: float
     answer_agreement: float
     kl_first_token: float
-    ttft_ms: float
+    ttft_ms: float | None  # None: not measured (a batched run, `evaluate`'s `batch`)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -317,16 +371,18 @@ def evaluate(
     progress: Progress | None = None,
     shared: bool = False,
     restored: Sequence[AnswerRecord] = (),
+    batch: int = 1,
 ) -> EvalReport:
     """Score every variant on every sample against the answers and a naive reference run.
 
     Each variant runs once untimed on the first sample before the pass (lazy prefix KV, CUDA graph capture and
     allocator growth would otherwise land in the first TTFTs). `shared`: turbo answers read their chunks from a
     shared chunk arena, as a server with `KVSTITCH_SHARED_CHUNKS=on` serves them (`OfflineScheduler`).
-    `restored`: records of other samples answered by an earlier run (`--resume`), counted in the rows too.
+    `restored`: records of other samples answered by an earlier run (`--resume`), counted in the rows too. `batch`:
+    samples answered together (1..MAX_BATCH; above 1 nothing is timed and there is no warm-up: see the module).
     """
     cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
-    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared, restored)
+    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared, restored, batch)
 
 
 def evaluate_cases(
@@ -338,32 +394,71 @@ def evaluate_cases(
     progress: Progress | None = None,
     shared: bool = False,
     restored: Sequence[AnswerRecord] = (),
+    batch: int = 1,
 ) -> EvalReport:
     """`evaluate` over cases already built: a QA file's samples, or a user's questions with the chunks retrieved
-    for them. `answers` receives each sample's record per row as it is scored; `progress` advances per sample;
-    `shared` and `restored`: as `evaluate`'s (the first-token distribution of the KL column stays the copy path's
-    prefill)."""
+    for them. `answers` receives each sample's records (one per row, in the rows' order) once all its rows are
+    scored; `progress` advances per sample; `shared`, `restored` and `batch`: as `evaluate`'s (one at a time, the
+    first-token distribution of the KL column stays the copy path's prefill)."""
+    if not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be within 1..{MAX_BATCH}, not {batch}")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = restored_scores(variants, restored)
     resumed = len({sample_key(r["id"], r["line"]) for r in restored})
+    timed = batch == 1
     done = 0
     runner = OfflineScheduler(engine, shared=shared)
     try:
-        for case in cases:
-            if done == 0:
+        for group in _batches(cases, batch):
+            if done == 0 and timed:
                 for variant in variants:
-                    run_variant(runner, case, variant, sampling)
-            reference = run_variant(runner, case, NAIVE, sampling)
-            for score in scores:
-                record = score.add(case.sample, run_variant(runner, case, score.variant, sampling), reference)
+                    run_variant(runner, group[0], variant, sampling)
+            for records in _score_group(runner, group, scores, sampling, timed):
                 if answers is not None:
-                    answers(record)
-            done += 1
-            if progress is not None:
-                progress.advance()
+                    for record in records:
+                        answers(record)
+                done += 1
+                if progress is not None:
+                    progress.advance()
     finally:
         runner.close()
     return EvalReport(resumed + done, max_new_tokens, [s.row() for s in scores], resumed)
+
+
+def _score_group(
+    runner: OfflineScheduler, group: Sequence[Case], scores: Sequence[Scores], sampling: SamplingParams, timed: bool
+) -> list[list[dict[str, Any]]]:
+    """The naive reference's answers to the group, then each row's, scored: each sample's records, in order. One
+    row's outcomes are held at a time (their first-token logits are a vocabulary each)."""
+    references = answer_all(runner, group, NAIVE, sampling, timed)
+    records: list[list[dict[str, Any]]] = [[] for _ in group]
+    for score in scores:
+        outcomes = answer_all(runner, group, score.variant, sampling, timed)
+        for own, case, outcome, reference in zip(records, group, outcomes, references, strict=True):
+            own.append(score.add(case.sample, outcome, reference))
+    return records
+
+
+def _batches(cases: Iterable[Case], size: int) -> Iterator[list[Case]]:
+    """`cases`, `size` at a time (the last batch may be shorter). A case that cannot be built (its prompt too long
+    for the model) ends the run as it does one at a time: the cases taken before it are answered first."""
+    iterator = iter(cases)
+    group: list[Case] = []
+    while True:
+        try:
+            case = next(iterator, None)
+        except Exception:
+            if group:
+                yield group
+            raise
+        if case is None:
+            break
+        group.append(case)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 _COLUMNS = (
@@ -404,7 +499,7 @@ def format_table(report: EvalReport) -> str:
             f"{row.first_token_agreement:.3f}",
             f"{row.answer_agreement:.3f}",
             f"{row.kl_first_token:.2e}",
-            f"{row.ttft_ms:.2f}",
+            "-" if row.ttft_ms is None else f"{row.ttft_ms:.2f}",
         )
         lines.append(" ".join(c.ljust(w) for c, (_, w) in zip(cells, _COLUMNS, strict=True)).rstrip())
     return "\n".join(lines)

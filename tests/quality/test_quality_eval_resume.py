@@ -195,3 +195,25 @@ def test_resume_needs_an_answers_file_and_a_qa_file(tmp_path: Path, capsys: pyte
     data = write_qa_file(tmp_path / "qa.jsonl", questions=1, chunks=2, seed=1)
     assert main(["eval", "--model", "unused", "--data", str(data), "--resume"]) == 2
     assert "--resume takes --data FILE.jsonl and --answers FILE" in capsys.readouterr().err
+
+
+def test_a_batched_runs_untimed_answers_resume_and_the_table_times_only_the_timed(
+    whole_run: dict[str, Path], tmp_path: Path
+) -> None:
+    """A `--batch 2` run writes `ttft_ms: null` (nothing timed); resumed one at a time, its records are read back,
+    the rest answered, and the TTFT column is the median of the timed answers alone."""
+    answers = tmp_path / "b.jsonl"
+    args = (whole_run["model"], whole_run["data"], answers)
+    assert _eval(*args, tmp_path / "b.json", "--limit", "2", "--batch", "2") == 0
+    batched = _lines(answers)
+    assert len(batched) == 2 * len(ROWS) and all(r["ttft_ms"] is None for r in batched)
+
+    assert _eval(*args, tmp_path / "r.json", "--resume") == 0
+
+    resumed = _lines(answers)
+    assert resumed[:6] == batched and all(r["ttft_ms"] > 0 for r in resumed[6:]) and len(resumed) == 4 * len(ROWS)
+    report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert (report["samples"], report["resumed_samples"]) == (4, 2)
+    for row, label in zip(report["rows"], ROWS, strict=True):
+        timed = sorted(r["ttft_ms"] for r in resumed[6:] if r["variant"] == label)
+        assert row["ttft_ms"] == pytest.approx(sum(timed) / 2)  # the median of the two timed answers

@@ -122,3 +122,33 @@ def test_a_context_scale_is_refused_on_the_copy_path(
     assert "--context-scale needs --kv-path shared" in capsys.readouterr().err
     assert main([*args, "--kv-path", "shared", "--context-scale", "9"]) == 2
     assert "--context-scale 9 is outside 0.25..4" in capsys.readouterr().err
+
+
+def test_shared_rows_answer_batched_as_one_at_a_time(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--kv-path shared --batch 2` over 3 samples (a last batch of one), with a recompute row (served on the copy
+    path beside the arena's answers): every record is the one-at-a-time run's, and every turbo answer without
+    recompute read the arena (a batched run has no warm-up pass)."""
+    data = write_qa_file(tmp_path / "qa.jsonl", questions=SAMPLES, chunks=3, seed=5, two_fact_share=0.5)
+    model = tiny_model_dirs["qwen2"]
+    monkeypatch.setattr(eval_module, "OfflineScheduler", _Recording)
+    runs = []
+    for batch in ("1", "2"):
+        monkeypatch.setattr(_Recording, "built", [])
+        out = tmp_path / f"batch{batch}.json"
+        args = ["eval", "--model", str(model), "--data", str(data), "--device", "cpu", "--json", str(out)]
+        args += ["--answers", str(out.with_suffix(".jsonl")), "--max-new-tokens", "6", "--kv-path", "shared"]
+        assert main([*args, "--recompute", "none", "--recompute", "selective:0.5", "--batch", batch]) == 0
+        lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text(encoding="utf-8").splitlines()]
+        runs.append((lines, sum(s.answers for s in _Recording.built)))
+    (one, one_arena), (two, two_arena) = runs
+    assert len(one) == SAMPLES * (1 + TURBO_ROWS + 1) and [_untimed(r) for r in two] == [_untimed(r) for r in one]
+    for batched, alone in zip(two, one, strict=True):  # the batched KL reads the logits the answer was picked from
+        assert batched["kl_first_token"] == pytest.approx(alone["kl_first_token"], rel=1e-3, abs=1e-6)
+    assert (one_arena, two_arena) == (TURBO_ROWS * (1 + SAMPLES), TURBO_ROWS * SAMPLES)
+
+
+def _untimed(record: dict[str, object]) -> dict[str, object]:
+    """An answers-file record without its timing and KL (a batched run times nothing; its KL is within rounding)."""
+    return {k: v for k, v in record.items() if k not in {"ttft_ms", "kl_first_token"}}
