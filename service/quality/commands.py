@@ -111,8 +111,8 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
                 answers,
                 progress,
                 shared,
-                resumed.kept,
-                args.batch,
+                restored=resumed.kept,
+                batch=args.batch,
             )
     except (QADataError, OSError) as err:
         return _error(str(err))
@@ -161,7 +161,9 @@ def _eval_corpus(args: Namespace, dtype: torch.dtype | None, variants: list[Vari
             cases = corpus_cases(engine, corpus, questions, args.top_k, args.max_new_tokens, source)
             progress = Progress(len(questions), sys.stderr, "questions")
             shared = args.kv_path == "shared"
-            report = evaluate_cases(engine, cases, variants, args.max_new_tokens, answers, progress, shared, args.batch)
+            report = evaluate_cases(
+                engine, cases, variants, args.max_new_tokens, answers, progress, shared, batch=args.batch
+            )
     except (CorpusError, QADataError, OSError, RuntimeError) as err:  # Qdrant's lock on a served data dir
         return _error(str(err))
     record = {"model": args.model, "data_dir": args.data_dir, "questions": args.questions, "top_k": args.top_k}

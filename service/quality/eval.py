@@ -370,6 +370,7 @@ def evaluate(
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
     shared: bool = False,
+    *,
     restored: Sequence[AnswerRecord] = (),
     batch: int = 1,
 ) -> EvalReport:
@@ -382,7 +383,9 @@ def evaluate(
     samples answered together (1..MAX_BATCH; above 1 nothing is timed and there is no warm-up: see the module).
     """
     cases = (prepare(engine, sample, max_new_tokens, source) for sample in samples)
-    return evaluate_cases(engine, cases, variants, max_new_tokens, answers, progress, shared, restored, batch)
+    return evaluate_cases(
+        engine, cases, variants, max_new_tokens, answers, progress, shared, restored=restored, batch=batch
+    )
 
 
 def evaluate_cases(
@@ -393,6 +396,7 @@ def evaluate_cases(
     answers: AnswerSink | None = None,
     progress: Progress | None = None,
     shared: bool = False,
+    *,
     restored: Sequence[AnswerRecord] = (),
     batch: int = 1,
 ) -> EvalReport:
