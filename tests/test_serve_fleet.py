@@ -65,8 +65,10 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         assert cpu["processes"]["embedder"] is None  # on the CPU questions are embedded in the gateway's process
         groups = cpu["thread_groups"]
         assert groups["event_loop"]["cores"] > 0 and groups["retrieval"]["cores"] > 0
-        # Their work is a fraction of a millisecond an answer: in cores over a 20 s run it can round to 0.000.
-        assert groups["request_threads"]["ms_per_answer"] > 0
+        # The request threads' work is a fraction of a millisecond an answer, and /proc counts CPU in 10 ms ticks:
+        # over 40 answers it may be no tick at all (seen in CI), so only its presence is checked here; the sum
+        # below still accounts for every thread of the gateway.
+        assert groups["request_threads"]["ms_per_answer"] >= 0
         gateway = cpu["processes"]["gateway"]["ms_per_answer"]
         # The threads are read just after their process, so their sum may exceed its total by what ran in between.
         assert sum(g["ms_per_answer"] for g in groups.values()) == pytest.approx(gateway, rel=0.02, abs=0.01)
