@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.score_answers import NAIVE, common_samples, parse_runs, read_run, restricted, score, table
+from loadtest.score_answers import NAIVE, on_common_samples, parse_runs, read_run, restricted, score, table
 from workers.training.finetune import REPORT_NAME
 
 Record = dict[str, object]
@@ -247,14 +247,12 @@ def scores(args: argparse.Namespace, names: list[str], sets: dict[str, set[str]]
 def common_rows(runs: Runs) -> tuple[Runs, str]:
     """`runs` cut to the samples every row of every run answered, with a line saying how many of how many that is,
     where some row lacks samples (else `runs` and no line); ValueError where no sample is common to all rows."""
-    answered = [set(records) for rows in runs.values() for records in rows.values()]
-    every = set().union(*answered)
-    common = common_samples(runs)
-    if common == every:
+    cut, common, answered = on_common_samples(runs)
+    if common == answered:
         return runs, ""
     if not common:
-        raise ValueError(f"no sample of the {len(every)} answered was answered by every row of every run")
-    return restricted(runs, common), f"scored on the {len(common)} of {len(every)} samples answered by every row"
+        raise ValueError(f"no sample of the {answered} answered was answered by every row of every run")
+    return cut, f"scored on the {common} of {answered} samples answered by every row"
 
 
 def sweep(args: argparse.Namespace, variants: list[Variant]) -> int:

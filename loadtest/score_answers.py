@@ -97,6 +97,16 @@ def common_samples(runs: dict[str, dict[str, dict[str, dict[str, object]]]]) -> 
     return set.intersection(*rows) if rows else set()
 
 
+def on_common_samples(
+    runs: dict[str, dict[str, dict[str, dict[str, object]]]],
+) -> tuple[dict[str, dict[str, dict[str, dict[str, object]]]], int, int]:
+    """`runs` cut to the samples every row of every run answered, with how many those are and how many samples any
+    row answered (equal when no row lacks one)."""
+    answered = set().union(*(set(records) for rows in runs.values() for records in rows.values()))
+    common = common_samples(runs)
+    return restricted(runs, common), len(common), len(answered)
+
+
 def restricted(
     runs: dict[str, dict[str, dict[str, dict[str, object]]]], ids: set[str]
 ) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
@@ -150,12 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no row {variant!r} in run {name!r}", file=sys.stderr)
         return 2
     if args.common:
-        ids = common_samples(runs)
-        if not ids:
+        runs, common, _ = on_common_samples(runs)
+        if not common:
             print("error: no sample was answered by every row", file=sys.stderr)
             return 2
-        print(f"{len(ids)} samples answered by every row")
-        runs = restricted(runs, ids)
+        print(f"{common} samples answered by every row")
     scored = score(runs, (name, variant))
     print(table(scored))
     if args.json is not None:
