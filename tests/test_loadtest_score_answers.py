@@ -53,3 +53,33 @@ def test_overlapping_shards_and_a_missing_reference_exit_2(tmp_path: Path, capsy
     _write(tmp_path / "a_1.jsonl", rows, range(3, 4))
     assert main([f"a={tmp_path}/a_*.jsonl", "--reference", "a:turbo"]) == 2
     assert "no row 'turbo' in run 'a'" in capsys.readouterr().err
+
+
+def test_common_scores_every_row_on_the_samples_all_rows_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference run was cut off after 5 of 8 samples: without --common the other run's rows are not tested;
+    with it every row is paired on those 5, and the count is printed."""
+    naive = [True, True, False, True, False, True, True, False]
+    tuned = [True, False, False, True, True, False, True, True]
+    _write(tmp_path / "base_0.jsonl", {"naive/-/none": naive}, range(0, 5))
+    _write(tmp_path / "tuned_0.jsonl", {"naive/-/none": tuned}, range(0, 8))
+    runs = [f"base={tmp_path}/base_*.jsonl", f"tuned={tmp_path}/tuned_*.jsonl"]
+    out = tmp_path / "rows.json"
+    assert main([*runs, "--json", str(out)]) == 0
+    assert "tuned naive/-/none: 8 samples, not the reference's 5; not tested" in capsys.readouterr().out
+    assert [r["run"] for r in json.loads(out.read_text(encoding="utf-8"))] == ["base"]
+
+    assert main([*runs, "--json", str(out), "--common"]) == 0
+    assert capsys.readouterr().out.startswith("5 samples answered by every row\n")
+    scored = {r["run"]: r for r in json.loads(out.read_text(encoding="utf-8"))}
+    expected = paired(tuned[:5], naive[:5])
+    assert scored["tuned"]["samples"] == 5 and scored["tuned"]["accuracy"] == 3 / 5
+    assert (scored["tuned"]["difference"], scored["tuned"]["p_value"]) == (expected.difference, expected.p_value)
+
+
+def test_common_with_no_sample_in_common_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path / "base_0.jsonl", {"naive/-/none": [True] * 4}, range(0, 2))
+    _write(tmp_path / "other_0.jsonl", {"naive/-/none": [True] * 4}, range(2, 4))
+    assert main([f"base={tmp_path}/base_*.jsonl", f"other={tmp_path}/other_*.jsonl", "--common"]) == 2
+    assert "no sample was answered by every row" in capsys.readouterr().err
