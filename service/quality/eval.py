@@ -355,9 +355,14 @@ def restored_scores(variants: Sequence[Variant], records: Sequence[AnswerRecord]
     return scores
 
 
+def samples_in(records: Sequence[AnswerRecord]) -> int:
+    """How many samples `records` (one per sample per row) are of."""
+    return len({sample_key(r["id"], r["line"]) for r in records})
+
+
 def restored_report(variants: Sequence[Variant], records: Sequence[AnswerRecord], max_new_tokens: int) -> EvalReport:
     """The report of a resumed run that had nothing left to answer: the records read back alone."""
-    samples = len({sample_key(r["id"], r["line"]) for r in records})
+    samples = samples_in(records)
     return EvalReport(samples, max_new_tokens, [s.row() for s in restored_scores(variants, records)], samples)
 
 
@@ -408,7 +413,7 @@ def evaluate_cases(
         raise ValueError(f"batch must be within 1..{MAX_BATCH}, not {batch}")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     scores = restored_scores(variants, restored)
-    resumed = len({sample_key(r["id"], r["line"]) for r in restored})
+    resumed = samples_in(restored)
     timed = batch == 1
     done = 0
     runner = OfflineScheduler(engine, shared=shared)
