@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.serve_fleet import main
-from tests.ports import free_port
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +30,9 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
     fastest tier; the "GPU" tier is the host's there): two engines' tiers hold the corpus only if each keeps its
     own share, which chunk-aware routing lets them do and round-robin does not."""
     out = tmp_path / "out"
-    first = free_port()
+    first = free_ports(3)  # two engines, then the gateway
     argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--redis", redis_url]
-    argv += ["--engine-port", str(first), "--port", str(free_port()), "--engine-env", *ENGINE_ENV]
+    argv += ["--engine-port", str(first), "--port", str(first + 2), "--engine-env", *ENGINE_ENV]
     argv += ["--host-cache-mb", "1", "--gpu-cache-mb", "0", "--routing-gpu-cache-mb", "0", "--chunk-size", "192"]
     argv += ["--topics", "24", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4", "--concurrency", "2"]
     # Runs end after 40 questions (the duration only bounds them): the hit ratios compared below rest on as many
@@ -94,9 +94,9 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
 def test_gateway_replicas_share_the_engines_and_the_clients(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """`--gateways 2`: a second gateway process over the same engines, its own embedded Qdrant, half the clients."""
     out = tmp_path / "out"
-    port = free_port()  # the replica listens on the next one
+    first = free_ports(4)  # two engines, the gateway, then its replica
     argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--phases", "scale"]
-    argv += ["--engine-port", str(free_port()), "--port", str(port), "--gateways", "2", "--engine-env", *ENGINE_ENV]
+    argv += ["--engine-port", str(first), "--port", str(first + 2), "--gateways", "2", "--engine-env", *ENGINE_ENV]
     argv += ["--chunk-size", "192", "--topics", "12", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4"]
     argv += ["--concurrency", "4", "--duration", "30", "--max-requests", "24", "--warmup-s", "1"]
     argv += ["--warmup-requests", "4"]
