@@ -84,13 +84,14 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
     from service.quality.eval import evaluate, restored_report
     from service.quality.progress import Progress
 
+    instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
     try:
+        run = _run_fingerprint(args, dtype, instruction)
         samples = read_samples(args.data, args.limit, args.offset)
-        resumed = _resume(args.answers, samples, variants) if args.resume else NOTHING_TO_RESUME
-    except (QADataError, OSError) as err:
+        resumed = _resume(args.answers, samples, variants, run) if args.resume else NOTHING_TO_RESUME
+    except (QADataError, OSError, RuntimeError) as err:  # RuntimeError: torch's word on a malformed --device
         return _error(str(err))
     remaining = [s for s in samples if sample_key(s.id, s.line) not in resumed.done]
-    instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
     record = {"model": args.model, "data": args.data, **_window_record(args, instruction)}
     if not remaining:  # every sample of the range was answered: no model to load
         return _report(args, restored_report(variants, resumed.kept, args.max_new_tokens), record)
@@ -98,7 +99,7 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
     if engine is None:
         return 2
     try:
-        with _answers_file(args.answers, append=args.resume) as answers:
+        with _answers_file(args.answers, append=args.resume, run=run) as answers:
             progress = Progress(len(remaining), sys.stderr)
             source = Path(args.data).name
             shared = args.kv_path == "shared"
@@ -119,7 +120,18 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
     return _report(args, report, record)
 
 
-def _resume(path: str, samples: Sequence[QASample], variants: Sequence[Variant]) -> Resume:
+def _run_fingerprint(args: Namespace, dtype: torch.dtype | None, instruction: str) -> str:
+    """This file-form run's `run_fingerprint`, its dtype resolved as `load_model` resolves it (the device only
+    picks the default dtype; it is not in the fingerprint)."""
+    from service.engine.model import default_dtype
+    from service.quality.answers import run_fingerprint
+
+    loaded = dtype or default_dtype(torch.device(args.device))
+    dtype_name = str(loaded).removeprefix("torch.")
+    return run_fingerprint(args.model, args.data, args.max_new_tokens, instruction, dtype_name)
+
+
+def _resume(path: str, samples: Sequence[QASample], variants: Sequence[Variant], run: str) -> Resume:
     """`--resume`: the answers file's finished samples of this range, the partial one's records removed; says on
     stderr what it found."""
     from service.quality.answers import resume_answers, sample_key
@@ -128,7 +140,7 @@ def _resume(path: str, samples: Sequence[QASample], variants: Sequence[Variant])
     golds = {sample_key(s.id, s.line): s.answers for s in samples}
     if len(golds) < len(samples):
         raise QADataError(f"{path}: two samples of the range share an id: --resume cannot tell their answers apart")
-    resumed = resume_answers(Path(path), golds, [v.label for v in variants])
+    resumed = resume_answers(Path(path), golds, [v.label for v in variants], run)
     print(
         f"resuming {path}: {len(resumed.done)} of {len(samples)} samples answered by every row, "
         f"{resumed.dropped} records of partly answered samples removed, {len(samples) - len(resumed.done)} to answer",
@@ -176,15 +188,16 @@ def _window_record(args: Namespace, instruction: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _answers_file(path: str | None, append: bool = False) -> Iterator[AnswerSink | None]:
+def _answers_file(path: str | None, append: bool = False, run: str | None = None) -> Iterator[AnswerSink | None]:
     """`--answers OUT.jsonl`: one JSON line per sample per row, written as each is scored (a stopped run keeps
-    what it finished); emptied first unless `append` (`--resume`)."""
+    what it finished); emptied first unless `append` (`--resume`). `run`: the fingerprint each record carries
+    (the file form's, which `--resume` checks)."""
     from service.quality.answers import answers_sink
 
     if path is None:
         yield None
         return
-    with answers_sink(Path(path), append) as write:
+    with answers_sink(Path(path), append, run) as write:
         yield write
 
 

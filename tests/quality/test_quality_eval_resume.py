@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from service.cli import main
-from service.quality.answers import resume_answers, sample_key
+from service.quality.answers import resume_answers, run_fingerprint, sample_key
+from service.quality.commands import DEFAULT_INSTRUCTION
 from service.quality.dataset import QADataError
 from service.quality.generator import write_qa_file
 
@@ -73,14 +74,18 @@ def test_a_resumed_run_answers_only_what_is_left_and_tables_the_whole_range(
     assert "4 samples (1 read back from the answers file), greedy, up to 4 new tokens" in printed.out
 
 
+def _no_model_loads(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a finished range loaded the model")
+
+
 def test_a_finished_range_is_tabled_from_its_answers_without_loading_the_model(
-    whole_run: dict[str, Path], tmp_path: Path
+    whole_run: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     answers = tmp_path / "done.jsonl"
     answers.write_bytes(whole_run["answers"].read_bytes())
-    missing_model = tmp_path / "no-model"
+    monkeypatch.setattr("service.engine.model.load_model", _no_model_loads)  # the same --model: the same run
 
-    assert _eval(missing_model, whole_run["data"], answers, tmp_path / "r.json", "--resume") == 0
+    assert _eval(whole_run["model"], whole_run["data"], answers, tmp_path / "r.json", "--resume") == 0
 
     assert answers.read_bytes() == whole_run["answers"].read_bytes()
     report, original = (json.loads(p.read_text(encoding="utf-8")) for p in (tmp_path / "r.json", whole_run["json"]))
@@ -92,6 +97,9 @@ def test_without_resume_an_existing_answers_file_is_overwritten(whole_run: dict[
     answers = _write(tmp_path / "old.jsonl", [{"not": "an answer"}])
     assert _eval(whole_run["model"], whole_run["data"], answers, tmp_path / "r.json", "--limit", "1") == 0
     assert [r["variant"] for r in _lines(answers)] == list(ROWS)
+
+
+RUN = run_fingerprint("model", "qa.jsonl", 4, "", "float32")
 
 
 def _record(sample_id: str, variant: str, gold: list[str], **changes: Any) -> dict[str, Any]:
@@ -110,6 +118,7 @@ def _record(sample_id: str, variant: str, gold: list[str], **changes: Any) -> di
         "answer_agreement": False,
         "kl_first_token": 0.25,
         "ttft_ms": 3.5,
+        "run": RUN,
     }
     return {**record, **changes}
 
@@ -123,7 +132,7 @@ def test_partly_answered_samples_are_removed_from_the_file_and_finished_ones_kep
     path = tmp_path / "answers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [partial[0], *finished, partial[1]]), encoding="utf-8")
 
-    resumed = resume_answers(path, GOLDS, ROWS)
+    resumed = resume_answers(path, GOLDS, ROWS, RUN)
 
     assert (resumed.kept, resumed.done, resumed.dropped) == (finished, frozenset({"q1"}), 2)
     assert _lines(path) == finished
@@ -134,12 +143,12 @@ def test_a_last_record_without_its_newline_gets_one_before_anything_is_appended(
     records = [_record("q1", row, ["Paris"]) for row in ROWS]
     path = tmp_path / "answers.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records), encoding="utf-8")
-    assert resume_answers(path, GOLDS, ROWS).dropped == 0
+    assert resume_answers(path, GOLDS, ROWS, RUN).dropped == 0
     assert path.read_text(encoding="utf-8").endswith("}\n") and _lines(path) == records
 
 
 def test_no_answers_file_yet_resumes_nothing(tmp_path: Path) -> None:
-    resumed = resume_answers(tmp_path / "none.jsonl", GOLDS, ROWS)
+    resumed = resume_answers(tmp_path / "none.jsonl", GOLDS, ROWS, RUN)
     assert (resumed.kept, resumed.done, resumed.dropped) == ([], frozenset(), 0)
     assert not (tmp_path / "none.jsonl").exists()
 
@@ -160,6 +169,16 @@ GOOD = json.dumps(_record("q1", ROWS[0], ["Paris"]))
         (json.dumps(_record("q2", "turbo/reordered/prefix:8", ["Rome"])), "line 2: row turbo/reordered/prefix:8 is"),
         (json.dumps(_record("q2", ROWS[0], ["Roma"])), "line 2: sample q2's gold answers differ from the data file's"),
         (GOOD, "line 2: sample q1 of row naive/-/none is in the file twice"),
+        (
+            json.dumps({k: v for k, v in _record("q2", ROWS[0], ["Rome"]).items() if k != "run"}),
+            'no "run" (written before --resume checked the run\'s settings, so which run wrote it is unknown: '
+            "start the run afresh, without --resume)",
+        ),
+        (json.dumps(_record("q2", ROWS[0], ["Rome"], run=7)), '"run" must be str, not 7'),
+        (
+            json.dumps(_record("q2", ROWS[0], ["Rome"], run="0123456789abcdef")),
+            f"line 2: written by a run of other settings (run 0123456789abcdef, this run's is {RUN}: ",
+        ),
     ],
 )
 def test_an_answers_file_this_run_did_not_write_is_refused_naming_its_line(
@@ -169,7 +188,7 @@ def test_an_answers_file_this_run_did_not_write_is_refused_naming_its_line(
     path.write_text(f"{GOOD}\n{second_line}\n", encoding="utf-8")
     before = path.read_bytes()
     with pytest.raises(QADataError) as refused:
-        resume_answers(path, GOLDS, ROWS)
+        resume_answers(path, GOLDS, ROWS, RUN)
     assert str(refused.value).startswith(f"{path} line 2: ") and message in str(refused.value)
     assert path.read_bytes() == before  # nothing dropped, nothing rewritten
 
@@ -178,7 +197,7 @@ def test_a_cut_off_last_line_is_refused_not_dropped(tmp_path: Path) -> None:
     path = tmp_path / "answers.jsonl"
     path.write_text(f"{GOOD}\n{GOOD[:40]}", encoding="utf-8")
     with pytest.raises(QADataError, match=r"line 2: not a JSON record .*without a newline: a cut-off write\?"):
-        resume_answers(path, GOLDS, ROWS)
+        resume_answers(path, GOLDS, ROWS, RUN)
 
 
 def test_the_cli_refuses_a_malformed_answers_file_before_loading_the_model(
@@ -217,3 +236,82 @@ def test_a_batched_runs_untimed_answers_resume_and_the_table_times_only_the_time
     for row, label in zip(report["rows"], ROWS, strict=True):
         timed = sorted(r["ttft_ms"] for r in resumed[6:] if r["variant"] == label)
         assert row["ttft_ms"] == pytest.approx(sum(timed) / 2)  # the median of the two timed answers
+
+
+def test_every_record_carries_the_fingerprint_of_the_settings_that_change_answers(whole_run: dict[str, Path]) -> None:
+    expected = run_fingerprint(str(whole_run["model"]), str(whole_run["data"]), 4, DEFAULT_INSTRUCTION, "float32")
+    assert {r["run"] for r in _lines(whole_run["answers"])} == {expected}
+    assert len(expected) == 16 and int(expected, 16) >= 0  # 16 hex digits
+
+
+@pytest.mark.parametrize(
+    ("changed", "changes"),
+    [
+        ("model", {"model": "other-model"}),
+        ("data file", {"data": "other.jsonl"}),
+        ("max_new_tokens", {"max_new_tokens": 5}),
+        ("instruction", {"instruction": "Answer in French."}),
+        ("dtype", {"dtype": "bfloat16"}),
+    ],
+)
+def test_the_fingerprint_changes_with_each_setting_but_not_the_data_files_folder(
+    changed: str, changes: dict[str, Any]
+) -> None:
+    settings: dict[str, Any] = {
+        "model": "m",
+        "data": "runs/qa.jsonl",
+        "max_new_tokens": 4,
+        "instruction": "",
+        "dtype": "float32",
+    }
+    base = run_fingerprint(**settings)
+    assert run_fingerprint(**{**settings, **changes}) != base, changed
+    assert run_fingerprint(**{**settings, "data": "/elsewhere/qa.jsonl"}) == base
+
+
+def _cut_answers(whole_run: dict[str, Path], folder: Path) -> Path:
+    """The whole run's answers file cut off mid-sample: a resume that went ahead would rewrite it."""
+    return _write(folder / "cut.jsonl", _lines(whole_run["answers"])[:4])
+
+
+@pytest.mark.parametrize(
+    "other_settings",
+    [("--max-new-tokens", "5"), ("--instruction", "Answer in one word."), ("--instruction", "")],
+)
+def test_a_resume_with_other_settings_is_refused_and_leaves_the_file_as_it_was(
+    whole_run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], other_settings: tuple[str, str]
+) -> None:
+    answers = _cut_answers(whole_run, tmp_path)
+    before = answers.read_bytes()
+    written = _lines(answers)[0]["run"]
+
+    assert _eval(whole_run["model"], whole_run["data"], answers, tmp_path / "r.json", "--resume", *other_settings) == 2
+
+    err = capsys.readouterr().err
+    assert f"error: {answers} line 1: written by a run of other settings (run {written}, this run's is " in err
+    assert written not in err.split("this run's is ")[1]  # the expected fingerprint is another
+    assert answers.read_bytes() == before  # the partial sample's record not removed: nothing rewritten
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_fingerprint_ignores_the_device_but_not_its_default_dtype(
+    whole_run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole run was CPU fp32; `--device cuda --dtype float32` is the same run (a GPU run and a CPU run resume
+    each other; the range is answered, so no model loads and no GPU is needed). The device's default dtype
+    counts: cuda's is bf16, another run."""
+    answers = tmp_path / "done.jsonl"
+    answers.write_bytes(whole_run["answers"].read_bytes())
+    elsewhere = tmp_path / "copy"  # the same data file, from another folder
+    elsewhere.mkdir()
+    data = elsewhere / whole_run["data"].name
+    data.write_bytes(whole_run["data"].read_bytes())
+    gpu = ("--resume", "--device", "cuda")  # no GPU needed: the range is answered, no model loads
+
+    assert _eval(whole_run["model"], data, answers, tmp_path / "r.json", *gpu, "--dtype", "float32") == 0
+    assert _eval(whole_run["model"], data, answers, tmp_path / "bf16.json", *gpu) == 2
+
+    assert "written by a run of other settings" in capsys.readouterr().err
+    assert answers.read_bytes() == whole_run["answers"].read_bytes()
+    report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert (report["samples"], report["resumed_samples"]) == (4, 4)
