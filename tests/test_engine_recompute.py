@@ -4,11 +4,12 @@ tokens each spec chooses, the KV it leaves, and its spec parser."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
-from service.engine.attention import attend_at_slots, attend_causal_end
+from service.engine.attention import SlotGroup, attend_at_slots, attend_causal_end, slot_groups
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
 from service.engine.gate import default_tolerance, synthetic_ids
@@ -214,6 +215,54 @@ def test_attention_at_scattered_slots_is_causal_per_slot() -> None:
         k, v = keys[:, : slot + 1].unsqueeze(0), values[:, : slot + 1].unsqueeze(0)
         alone = attend_causal_end(q[:, :, i : i + 1], k, v, 0.3)
         assert _diff(scattered[:, i : i + 1], alone) < 1e-6
+
+
+def test_slot_groups_split_the_queries_into_runs_that_read_keys_up_to_their_last_slot() -> None:
+    slots = [3, 4, 9, 12, 20, 21, 30, 41, 42, 50]
+    assert slot_groups(slots, groups=4, min_queries=2) == (
+        SlotGroup(0, 2, 5),
+        SlotGroup(2, 5, 21),
+        SlotGroup(5, 8, 42),
+        SlotGroup(8, 10, 51),
+    )
+    assert slot_groups(slots, groups=4, min_queries=4) == (SlotGroup(0, 5, 21), SlotGroup(5, 10, 51))
+    assert slot_groups(slots, groups=4, min_queries=256) == (SlotGroup(0, 10, 51),)  # few queries: one call
+    assert slot_groups([], groups=4, min_queries=1) == ()
+
+
+def test_grouped_attention_at_scattered_slots_equals_one_call_over_every_key() -> None:
+    """Keys past a run's last slot are masked for every query of the run: leaving them unread changes nothing."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn((1, 4, 9, 8), generator=generator)
+    keys, values = torch.randn((2, 40, 8), generator=generator), torch.randn((2, 40, 8), generator=generator)
+    slots = torch.tensor([1, 2, 7, 15, 16, 22, 30, 33, 39])
+    whole = attend_at_slots(q, keys, values, slots, 0.3)
+    groups = slot_groups(slots.tolist(), groups=3, min_queries=1)
+    assert len(groups) == 3 and groups[0].keys < 40
+    assert _diff(attend_at_slots(q, keys, values, slots, 0.3, groups), whole) < 1e-6
+    wrong = (SlotGroup(0, 9, 10),)  # a run cut short of its queries' slots reads too few keys: the test has teeth
+    assert _diff(attend_at_slots(q, keys, values, slots, 0.3, wrong), whole) > 1e-3
+
+
+def test_a_recompute_in_groups_of_queries_leaves_what_one_group_does(
+    engine: StitchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served recompute splits its chosen tokens into runs only past a few hundred of them: forced here on a
+    tiny prompt, the buffer and the question's logits equal the one-call recompute's."""
+    prompt = _prompt(engine, seed=8)
+    one_buffer, _, one_count, one_logits = _stitched(engine, prompt, "selective:0.5")
+    seen: list[int] = []
+
+    def forced(slots: list[int]) -> tuple[SlotGroup, ...]:
+        groups = partial(slot_groups, groups=3, min_queries=1)(slots)
+        seen.append(len(groups))
+        return groups
+
+    monkeypatch.setattr("service.engine.recompute.slot_groups", forced)
+    buffer, _, count, logits = _stitched(engine, prompt, "selective:0.5")
+    tolerance = default_tolerance(engine.spec.dtype)
+    assert seen == [3] and count == one_count > 0
+    assert _diff(buffer.data, one_buffer.data) <= tolerance and _diff(logits, one_logits) <= tolerance
 
 
 # ---- the spec -------------------------------------------------------------------------------------------------

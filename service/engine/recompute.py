@@ -25,10 +25,11 @@ refused. It runs eagerly, never in a CUDA graph: the chosen tokens change with e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from service.engine.attention import attend_at_slots, attend_causal_end
+from service.engine.attention import SlotGroup, attend_at_slots, attend_causal_end, slot_groups
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES
@@ -71,18 +72,35 @@ def recompute_context(
     # Every chunk token a candidate and chosen: the queries are the context's tail, which the eager causal kernel
     # (flash where it runs) covers without a mask; known here, on the host, before the slots move to the device.
     all_tail = _is_tail(host_candidates, plan.context_tokens)
-    chosen = _choose(forward, buffer, plan, spec, question_ids, candidates, ids, (cos, sin), all_tail)
-    if chosen is None or chosen.numel() == 0:
+    choice = _choose(forward, buffer, plan, spec, question_ids, candidates, ids, (cos, sin), all_tail)
+    if choice is None or choice.chosen.numel() == 0:
         return 0
+    chosen = choice.chosen
     tail = all_tail and chosen.numel() == host_candidates.numel()
     slots = candidates[chosen]
     cos_sin = (cos[slots], sin[slots])
-    hidden = forward.decoder.embed_tokens(ids[slots].unsqueeze(0))
+    # One host copy of the chosen slots per recompute (not per layer) bounds the keys each run of queries reads.
+    groups = () if tail else slot_groups(slots.tolist())
     key_scale = _chunk_key_scale(plan)
-    for index in range(forward.spec.num_layers):
+    if choice.after_layer0 is not None:  # the selection ran layer 0 for every candidate: keep the chosen rows
+        hidden, first = choice.after_layer0.index_select(1, chosen), 1
+    else:
+        hidden, first = forward.decoder.embed_tokens(ids[slots].unsqueeze(0)), 0
+    for index in range(first, forward.spec.num_layers):
         # Layer 0's cached K/V already are full attention's (they depend on the token and its position alone).
-        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write=index > 0, tail=tail, key_scale=key_scale)
+        write = index > 0
+        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write, tail, key_scale, groups)
     return int(chosen.numel())
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chunk tokens to recompute (indices, ascending, on the device, into the candidates) and, where the
+    selection already ran layer 0 over every candidate, its output [1, candidates, hidden]: the chosen rows are
+    the recompute's layer-0 output (layer 0 reads only cached K/V, which are full attention's), not run twice."""
+
+    chosen: torch.Tensor
+    after_layer0: torch.Tensor | None = None
 
 
 def _chunk_key_scale(plan: StitchPlan) -> float:
@@ -104,17 +122,17 @@ def _choose(
     ids: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     all_tail: bool,
-) -> torch.Tensor | None:
-    """Indices (ascending, on the device) into `candidates` of the tokens to recompute; None for none."""
+) -> Choice | None:
+    """The tokens to recompute among `candidates`; None for none."""
     total = candidates.numel()
     everything = torch.arange(total, device=candidates.device)
     if spec.kind is RecomputeKind.PREFIX:
-        return everything
+        return Choice(everything)
     count = chosen_count(spec, total)  # auto decides below
     if spec.kind is not RecomputeKind.AUTO and count in (0, total):
-        return everything if count else None
+        return Choice(everything) if count else None
     if spec.kind is RecomputeKind.QUERY:
-        return top_share(question_attention(forward, buffer, plan, question_ids)[candidates], count)
+        return Choice(top_share(question_attention(forward, buffer, plan, question_ids)[candidates], count))
     # Layer 0 of every candidate under full attention: the first layer where cached and full K/V can differ.
     cos, sin = cos_sin[0][candidates], cos_sin[1][candidates]
     hidden = forward.decoder.embed_tokens(ids[candidates].unsqueeze(0))
@@ -125,8 +143,8 @@ def _choose(
     if spec.kind is RecomputeKind.AUTO:
         attention = question_attention(forward, buffer, plan, question_ids)[candidates]
         deviation = layer1_deviation(forward, buffer, hidden, candidates, keys_cos_sin)
-        return auto_choice(attention, deviation, spec.amount).chosen
-    return most_deviating(forward, buffer, hidden, candidates, keys_cos_sin, count)
+        return Choice(auto_choice(attention, deviation, spec.amount).chosen, hidden)
+    return Choice(most_deviating(forward, buffer, hidden, candidates, keys_cos_sin, count), hidden)
 
 
 def _is_tail(slots: torch.Tensor, end: int) -> bool:
@@ -207,12 +225,13 @@ def _layer(
     write: bool,
     tail: bool,
     key_scale: float = 1.0,
+    groups: Sequence[SlotGroup] = (),
 ) -> torch.Tensor:
     """Layer `index` for the tokens at `slots` (`hidden` [1, T, hidden]) over the buffer's context; with `write`
     their fresh K/V replace the cached ones first, so they attend to themselves and to each other as recomputed.
     `tail`: the slots are the context's last T (one end-aligned causal kernel, no mask). The lean forward's own
     per-layer pieces keep the arithmetic that of `extend`. `key_scale`: the stitch's factor on chunk keys, which
-    the written keys carry too."""
+    the written keys carry too. `groups`: `attention.slot_groups` of `slots` (scattered slots only)."""
     layer = forward.layers[index]
     q, k, v = forward._project(layer, layer.input_layernorm(hidden))
     q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
@@ -227,7 +246,7 @@ def _layer(
     if tail:
         out = attend_causal_end(q, keys.unsqueeze(0), values.unsqueeze(0), scale)
     else:
-        out = attend_at_slots(q, keys, values, slots, scale)
+        out = attend_at_slots(q, keys, values, slots, scale, groups)
     return forward._finish_layer(layer, hidden, out)
 
 
