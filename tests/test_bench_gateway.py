@@ -10,7 +10,7 @@ import pytest
 
 from loadtest.bench_gateway import main
 from loadtest.stack_sampler import cpu_ms_by_group, parse_collapsed, thread_group
-from tests.ports import free_port
+from service.devtools.ports import free_port
 
 pytestmark = pytest.mark.slow
 

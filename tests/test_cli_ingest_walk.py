@@ -8,7 +8,7 @@ import pytest
 
 from service.cli import main
 from service.commands.ingest import Skipped, collect_documents
-from tests.ports import free_port
+from service.devtools.ports import free_port
 
 KINDS = ".txt, .text, .md, .markdown, .html, .htm, .xhtml, .pdf"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.serve_fleet import main
-from tests.ports import free_ports
+from service.devtools.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

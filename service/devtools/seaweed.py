@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from service.devtools.ports import free_ports
 
 ACCESS_KEY = "kvstitch-test"
 SECRET_KEY = "kvstitch-test-secret"
@@ -49,13 +50,6 @@ def weed_runs(binary: Path) -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @dataclass
 class SeaweedS3:
     """A running `weed server -s3`: its S3 endpoint and the credentials it accepts."""
@@ -81,9 +75,10 @@ class SeaweedS3:
     def start(self) -> Self:
         """Start the server and wait until its S3 gateway answers; RuntimeError (with the log's tail) if not."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.s3_port = free_port()
-        ports = {name: free_port() for name in ("master", "volume", "filer")}
-        grpc = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+        first = free_ports(8)  # one run checked whole: S3, then master, volume and filer, then the four gRPC ports
+        self.s3_port = first
+        ports = {name: first + 1 + n for n, name in enumerate(("master", "volume", "filer"))}
+        grpc = {name: first + 4 + n for n, name in enumerate(("master", "volume", "filer", "s3"))}
         args = [
             str(self.binary),
             "server",

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from service.commands.ask import print_events, sse_events
-from tests.ports import free_port
+from service.devtools.ports import free_port
 
 STARTUP_TIMEOUT_S = 180
 

@@ -16,8 +16,8 @@ import pytest
 from api_support import ask_events, ingest
 from app_server import LiveServer
 
+from service.devtools.ports import free_port
 from service.metrics import TTFT_BUCKETS
-from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

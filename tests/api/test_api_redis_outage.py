@@ -19,7 +19,7 @@ from api_support import QUESTION, ingest
 from app_server import MakeApp, wait_ready
 from fastapi.testclient import TestClient
 
-from tests.ports import free_port
+from service.devtools.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.soak import KINDS, SoakConfig, soak
-from tests.ports import free_port
+from service.devtools.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -24,6 +24,7 @@ from engine_processes import EngineProcess, ingest, sse, start_engines, wait_rea
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
+from service.devtools.ports import free_port
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model
 from service.facade.types import AnswerRequest, DoneEvent
@@ -34,7 +35,6 @@ from service.serving.fleet_gateway import Fleet
 from service.serving.remote_answer import RemoteAnswer
 from service.serving.server import Server
 from service.settings import Settings
-from tests.ports import free_port
 from workers.worker import in_process_worker
 
 pytestmark = pytest.mark.slow

@@ -14,6 +14,7 @@ from engine_processes import EngineProcess, ingest, start_engines, wait_ready
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
+from service.devtools.ports import free_port
 from service.engine.model import load_model
 from service.fleet.routing import owner
 from service.kvcache.keys import model_fingerprint
@@ -21,7 +22,6 @@ from service.retrieval.embedder import Embedder
 from service.serving.runtime import engines_dtype, open_engine, open_gateway_model
 from service.serving.server import Server
 from service.settings import Settings
-from tests.ports import free_port
 from workers.worker import in_process_worker
 
 pytestmark = pytest.mark.slow

@@ -17,6 +17,7 @@ import uvicorn
 
 from loadtest.canned_engine import CANNED_TOKEN, CannedConfig, CannedEngine
 from service.api.engine_app import create_engine_app
+from service.devtools.ports import free_port
 from service.facade.engine import (
     ENGINE_KEEP_ALIVE_S,
     GATEWAY_KEEP_ALIVE_S,
@@ -41,7 +42,6 @@ from service.serving.remote_answer import (
     merged_tokens,
 )
 from service.settings import Settings
-from tests.ports import free_port
 
 DONE = DoneEvent("turbo", "reordered", 1.0, 3, "length", {}, {"gpu": 1}, "abc", 10, 5)
 

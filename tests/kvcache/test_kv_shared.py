@@ -16,7 +16,8 @@ from kv_support import bits
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from service.devtools.seaweed import SeaweedS3, free_port
+from service.devtools.ports import free_port
+from service.devtools.seaweed import SeaweedS3
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock, TokenIds

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 from ingest_support import CORPUS
 
+from service.devtools.ports import free_port
 from service.jobs.submit import submit_ingest
 from service.serving.runtime import Runtime
-from tests.ports import free_port
 from workers.__main__ import serve_metrics
 from workers.worker import runtime_worker
 

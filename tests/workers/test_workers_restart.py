@@ -22,13 +22,13 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from service.devtools.ports import free_port
 from service.engine.engine import StitchEngine
 from service.jobs.documents import Document
 from service.jobs.sqlite import SqliteJobStatusStore, jobs_path
 from service.kvcache.fileformat import BLOCK_SUFFIX
 from service.kvcache.index import SQLITE_FILENAME, SqliteIndex
 from service.settings import Settings
-from tests.ports import free_port
 from tests.workers.test_workers_sigkill import CHUNK_OVERLAP, CHUNK_SIZE, corpus, expected_points, stored_points
 
 pytestmark = pytest.mark.slow

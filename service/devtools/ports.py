@@ -1,7 +1,8 @@
-"""Free loopback ports for tests that start servers in other processes (each binds its port itself).
+"""Free loopback ports for servers started in other processes (each binds its port itself): the tests' servers and
+the throwaway SeaweedFS (`seaweed.py`).
 
 The ports come from below the kernel's ephemeral range: a port the kernel hands out with `bind(0)` is one it also
-hands to outgoing connections, so under a load test's many client sockets a port found free could be taken by a
+hands to outgoing connections, so under many client sockets (a load test's) a port found free could be taken by a
 connection before the server binds it (CI saw `address already in use`). Runs of ports (`free_ports`) are checked
 as a whole, for servers that listen on `first + N`."""
 
