@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute",
         default=None,
         metavar="SPEC",
-        help="none | prefix:N | selective:R | query:R | auto (server default)",
+        help="none | prefix:N | selective:R[:F] | query:R[:F] | auto (server default)",
     )
     ask.add_argument(
         "--filter",
@@ -216,7 +216,7 @@ def _add_eval(commands: Any) -> None:
         "--recompute",
         action="append",
         metavar="SPEC",
-        help="none | prefix:N | selective:R | query:R | auto[:T], repeatable (default none)",
+        help="none | prefix:N | selective:R[:F] | query:R[:F] | auto[:T], repeatable (default none)",
     )
     evaluate.add_argument(
         "--chunk-context",

@@ -168,7 +168,8 @@ class Settings(BaseSettings):
     )
     recompute: str = Field(
         "none",
-        description="Recompute for turbo answers that name none: none, prefix:N, selective:R, query:R, auto[:T].",
+        description="Recompute for turbo answers that name none: none, prefix:N, selective:R[:F], query:R[:F], "
+        "auto[:T] (F: the share of each chunk chosen within it first).",
     )
     shadow_share: float = Field(
         0.01,

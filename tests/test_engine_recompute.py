@@ -18,6 +18,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.recompute import full_prefill_is_cheaper
+from service.engine.recompute_select import top_share
 from service.engine.recompute_spec import AUTO_THRESHOLD, RecomputeKind, RecomputeSpec, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
@@ -137,6 +138,29 @@ def test_selective_recomputes_the_share_whose_kv_deviates_most(engine: StitchEng
     got = buffer.data[:2].index_select(3, chosen)
     want = naive_buffer.data[:2].index_select(3, chosen)
     assert _diff(got, want) <= default_tolerance(engine.spec.dtype)
+
+
+def test_a_floor_gives_every_chunk_its_own_best_share_before_the_best_overall() -> None:
+    # Block 0 (4 scores) holds the lowest scores: without a floor it gets none of the 5 chosen.
+    scores = torch.tensor([0.1, 0.4, 0.3, 0.2, 5.0, 6.0, 1.0, 7.0, 9.0, 8.0])
+    blocks = (4, 6)
+    assert top_share(scores, 5).tolist() == [4, 5, 7, 8, 9]
+    # Floor 0.5: block 0 gives its best 2 (1, 2), block 1 its best 3 (8, 9, 7); 0 are left to choose overall.
+    assert top_share(scores, 5, blocks, 0.5).tolist() == [1, 2, 7, 8, 9]
+    # Floor 0.25: 1 + 1 (rounded down) from the blocks (1; 8), then the best 3 left (9, 7, 5).
+    assert top_share(scores, 5, blocks, 0.25).tolist() == [1, 5, 7, 8, 9]
+    assert top_share(scores, 10, blocks, 1.0).tolist() == list(range(10))
+
+
+def test_selective_with_a_floor_recomputes_tokens_of_every_chunk(engine: StitchEngine) -> None:
+    """The chunk blocks each get their floor share of recomputed tokens; the count is the share's, as without."""
+    prompt = _prompt(engine, seed=8)
+    floor = 0.2
+    buffer, plan, recomputed, _ = _stitched(engine, prompt, f"selective:0.3:{floor}")
+    assert recomputed == int(0.3 * _chunk_tokens(prompt) + 0.5)
+    changed = set(_changed_slots(engine, prompt, buffer, PositionMode.REORDERED))
+    for start, length in zip(plan.slots[1:], plan.lengths[1:], strict=True):
+        assert len(changed & set(range(start, start + length))) >= int(floor * length)
 
 
 def test_a_buffer_holding_more_than_the_context_is_refused(get_engine: GetEngine) -> None:
@@ -278,6 +302,8 @@ def test_a_recompute_in_groups_of_queries_leaves_what_one_group_does(
         ("selective:0.25", RecomputeSpec(RecomputeKind.SELECTIVE, 0.25)),
         ("selective:1", RecomputeSpec(RecomputeKind.SELECTIVE, 1.0)),
         ("query:0.2", RecomputeSpec(RecomputeKind.QUERY, 0.2)),
+        ("selective:0.2:0.1", RecomputeSpec(RecomputeKind.SELECTIVE, 0.2, 0.1)),
+        ("query:0.5:0.5", RecomputeSpec(RecomputeKind.QUERY, 0.5, 0.5)),
         ("auto", RecomputeSpec(RecomputeKind.AUTO, AUTO_THRESHOLD)),
         ("auto:0.1", RecomputeSpec(RecomputeKind.AUTO, 0.1)),
     ],
@@ -292,6 +318,8 @@ def test_recompute_specs_parse_and_print_back(spec: str, parsed: RecomputeSpec) 
 @pytest.mark.parametrize(
     "spec", ["", "all", "none:1", "prefix", "prefix:", "prefix:-1", "prefix:1.5", "prefix:²", "selective:",
              "selective:1.01", "selective:-0.1", "selective:nan", "selective:x", "query", "query:2", "auto:0",
+             "selective:0.2:0.3", "selective:0.2:", "selective:0.2:-0.1", "selective:0.2:x", "query:0.1:nan",
+             "selective:0.2:0.1:0", "prefix:4:1", "auto:0.1:0.1",
              "auto:1.5", "auto:x", "auto:nan"],
 )  # fmt: skip
 def test_bad_recompute_specs_are_refused(spec: str) -> None:

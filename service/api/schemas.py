@@ -119,7 +119,7 @@ class AskRequest(Body):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    # none | prefix:N | selective:R | query:R | auto[:T], checked by the service (422 naming it);
+    # none | prefix:N | selective:R[:F] | query:R[:F] | auto[:T], checked by the service (422 naming it);
     # unset: KVSTITCH_RECOMPUTE.
     recompute: str | None = Field(None, max_length=64)
     filter: SearchFilterIn = None

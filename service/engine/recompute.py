@@ -15,7 +15,8 @@ runs attention for the chosen tokens over the cached layer-0 K/V, and overwritin
   makes its first tokens attention sinks of its own, which a full prefill would not).
 - `selective:R` runs layer 0 for every chunk token, computes their layer-1 K/V as full attention gives them, and
   chooses the round(R * chunk tokens) whose cached layer-1 K/V deviate most (squared L2 over heads, keys and
-  values): CacheBlend's selection, on the first layer where cached and full KV can differ.
+  values): CacheBlend's selection, on the first layer where cached and full KV can differ. `selective:R:F` first
+  takes each chunk's own top F share, then the rest of the count overall (`query:R:F` likewise).
 
 Rotary positions are the plan's, `reordered` only: `composite` chunks share positions, so a recomputed token
 would attend to earlier chunks at positions at or after its own (answers collapsed when it was allowed); it is
@@ -131,8 +132,10 @@ def _choose(
     count = chosen_count(spec, total)  # auto decides below
     if spec.kind is not RecomputeKind.AUTO and count in (0, total):
         return Choice(everything) if count else None
+    blocks = plan.lengths[1:]  # every chunk token is a candidate of `selective` and `query`: blocks in order
     if spec.kind is RecomputeKind.QUERY:
-        return Choice(top_share(question_attention(forward, buffer, plan, question_ids)[candidates], count))
+        scores = question_attention(forward, buffer, plan, question_ids)[candidates]
+        return Choice(top_share(scores, count, blocks, spec.floor))
     # Layer 0 of every candidate under full attention: the first layer where cached and full K/V can differ.
     cos, sin = cos_sin[0][candidates], cos_sin[1][candidates]
     hidden = forward.decoder.embed_tokens(ids[candidates].unsqueeze(0))
@@ -144,7 +147,8 @@ def _choose(
         attention = question_attention(forward, buffer, plan, question_ids)[candidates]
         deviation = layer1_deviation(forward, buffer, hidden, candidates, keys_cos_sin)
         return Choice(auto_choice(attention, deviation, spec.amount).chosen, hidden)
-    return Choice(most_deviating(forward, buffer, hidden, candidates, keys_cos_sin, count), hidden)
+    change, _ = layer1_change(forward, buffer, hidden, candidates, keys_cos_sin)
+    return Choice(top_share(change, count, blocks, spec.floor), hidden)
 
 
 def _is_tail(slots: torch.Tensor, end: int) -> bool:
@@ -199,20 +203,6 @@ def chosen_count(spec: RecomputeSpec, candidates: int) -> int:
     if spec.kind in (RecomputeKind.SELECTIVE, RecomputeKind.QUERY):
         return min(candidates, int(spec.amount * candidates + 0.5))
     return candidates
-
-
-def most_deviating(
-    forward: LeanForward,
-    buffer: KVBuffer,
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    count: int,
-) -> torch.Tensor:
-    """Indices (ascending) into `slots` of the `count` tokens whose cached layer-1 K/V differ most from those
-    full attention gives (`hidden` [1, T, hidden]: the tokens after a full-attention layer 0)."""
-    change, _ = layer1_change(forward, buffer, hidden, slots, cos_sin)
-    return torch.topk(change, count).indices.sort().values
 
 
 def _layer(

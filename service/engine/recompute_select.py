@@ -70,9 +70,25 @@ def question_attention(
     return scores / len(forward.layers)
 
 
-def top_share(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices (ascending) of the `count` highest scores."""
-    return torch.topk(scores, count).indices.sort().values
+def top_share(scores: torch.Tensor, count: int, blocks: Sequence[int] = (), floor: float = 0.0) -> torch.Tensor:
+    """Indices (ascending) of the `count` highest scores; with a `floor`, each block (consecutive runs of `blocks`
+    scores) first gives its own best `floor` share (rounded down, so the floors never pass `count`), and the rest
+    of the count goes to the highest scores left."""
+    if floor <= 0.0 or not blocks:
+        return torch.topk(scores, count).indices.sort().values
+    picked, start = [], 0
+    for size in blocks:
+        own = int(floor * size)
+        if own:
+            picked.append(torch.topk(scores[start : start + size], own).indices + start)
+        start += size
+    rest = count - sum(int(floor * size) for size in blocks)  # on the host: no wait for the device
+    if rest > 0:
+        left = scores.float().clone()
+        if picked:
+            left[torch.cat(picked)] = float("-inf")
+        picked.append(torch.topk(left, rest).indices)
+    return torch.cat(picked).sort().values
 
 
 def layer1_change(

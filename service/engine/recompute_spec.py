@@ -1,4 +1,4 @@
-"""How much of a stitched context to recompute: `none`, `prefix:N`, `selective:R`, `query:R` or `auto[:T]`.
+"""How much of a stitched context to recompute: `none`, `prefix:N`, `selective:R[:F]`, `query:R[:F]` or `auto[:T]`.
 
 Plain values only, so settings, the HTTP service and the eval parse a spec without importing torch; the
 recompute itself is `recompute.py`. One parser for every entry (setting, request field, `kvstitch eval`).
@@ -33,10 +33,14 @@ COMPOSITE_RECOMPUTE = (
 @dataclass(frozen=True)
 class RecomputeSpec:
     """What to recompute after the stitch: `amount` is tokens per chunk for `prefix`, a share for `selective` and
-    `query`, the threshold for `auto`."""
+    `query`, the threshold for `auto`. `floor` (`selective` and `query` only, at most `amount`): the share of every
+    chunk's own tokens chosen within that chunk before the rest of the budget goes to the best tokens overall. A
+    global choice gives the first chunk few tokens (it misses only the template prefix, so its tokens deviate
+    least), yet answers whose gold passage comes first lose most (docs/quality.md)."""
 
     kind: RecomputeKind = RecomputeKind.NONE
     amount: float = 0.0
+    floor: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -50,21 +54,21 @@ class RecomputeSpec:
             return f"prefix:{int(self.amount)}"
         if self.kind is RecomputeKind.AUTO:
             return "auto" if self.amount == AUTO_THRESHOLD else f"auto:{self.amount:g}"
-        return f"{self.kind.value}:{self.amount:g}"
+        return f"{self.kind.value}:{self.amount:g}" + (f":{self.floor:g}" if self.floor else "")
 
 
 NO_RECOMPUTE = RecomputeSpec()
 
 
 def parse_recompute(spec: str) -> RecomputeSpec:
-    """`none`, `prefix:N` (N ≥ 0 tokens), `selective:R` or `query:R` (0 ≤ R ≤ 1), `auto` or `auto:T` (0 < T ≤ 1);
-    ValueError naming what is wrong."""
+    """`none`, `prefix:N` (N ≥ 0 tokens), `selective:R[:F]` or `query:R[:F]` (0 ≤ F ≤ R ≤ 1: share R, per-chunk
+    floor F), `auto` or `auto:T` (0 < T ≤ 1); ValueError naming what is wrong."""
     kind_text, _, value = spec.strip().partition(":")
     try:
         kind = RecomputeKind(kind_text)
     except ValueError:
         raise ValueError(
-            f"recompute {spec!r}: the kind must be none, prefix:N, selective:R, query:R or auto[:T]"
+            f"recompute {spec!r}: the kind must be none, prefix:N, selective:R[:F], query:R[:F] or auto[:T]"
         ) from None
     if kind is RecomputeKind.NONE:
         if value:
@@ -79,10 +83,14 @@ def parse_recompute(spec: str) -> RecomputeSpec:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"recompute {spec!r}: auto:T needs T, a deviation threshold within (0, 1]")
         return RecomputeSpec(kind, threshold)
-    share = _number(value)
+    share_text, has_floor, floor_text = value.partition(":")
+    share = _number(share_text)
     if not 0.0 <= share <= 1.0:  # nan fails this too
         raise ValueError(f"recompute {spec!r}: {kind.value}:R needs R, a share of tokens within 0..1")
-    return RecomputeSpec(kind, share)
+    floor = _number(floor_text) if has_floor else 0.0
+    if not 0.0 <= floor <= share:
+        raise ValueError(f"recompute {spec!r}: {kind.value}:R:F needs F, each chunk's floor share, within 0..R")
+    return RecomputeSpec(kind, share, floor)
 
 
 def _number(text: str) -> float:

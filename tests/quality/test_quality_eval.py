@@ -166,7 +166,7 @@ def test_a_prompt_longer_than_the_context_names_its_line(
     [
         ("prefix:-3", "prefix:N needs N, a whole number of tokens"),
         ("selective:2", "selective:R needs R, a share of tokens within 0..1"),
-        ("everything", "the kind must be none, prefix:N, selective:R, query:R or auto"),
+        ("everything", "the kind must be none, prefix:N, selective:R[:F], query:R[:F] or auto"),
     ],
 )
 def test_a_malformed_recompute_spec_exits_2(
