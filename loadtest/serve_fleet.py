@@ -392,6 +392,16 @@ def run_level(
     log.info(
         "%d clients: %d questions in %.1f s; cores busy %s", clients_count, run["requests"], run["duration_s"], busy
     )
+    # The headline in the log too: a run cut short after this level (a time limit) still shows its figures.
+    log.info(
+        "%d clients: %.1f tokens/s, TTFT p50 %.1f / p99 %.1f ms, errors %d, GPU hits %s",
+        clients_count,
+        run["output_tokens_per_s"],
+        run["ttft_ms"]["p50"],
+        run["ttft_ms"]["p99"],
+        run["errors"],
+        run["gpu_hit_ratio_done"],
+    )
     if spies is None:
         return run, (NO_PY_SPY if profile else None)
     seconds = {role: thread_deltas(before, after, role) for role in spies.pids}
