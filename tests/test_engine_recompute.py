@@ -150,6 +150,8 @@ def test_a_floor_gives_every_chunk_its_own_best_share_before_the_best_overall() 
     # Floor 0.25: 1 + 1 (rounded down) from the blocks (1; 8), then the best 3 left (9, 7, 5).
     assert top_share(scores, 5, blocks, 0.25).tolist() == [1, 5, 7, 8, 9]
     assert top_share(scores, 10, blocks, 1.0).tolist() == list(range(10))
+    with pytest.raises(ValueError, match="blocks of 9 scores for 10"):
+        top_share(scores, 5, (4, 5), 0.5)
 
 
 def test_selective_with_a_floor_recomputes_tokens_of_every_chunk(engine: StitchEngine) -> None:

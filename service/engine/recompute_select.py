@@ -76,6 +76,8 @@ def top_share(scores: torch.Tensor, count: int, blocks: Sequence[int] = (), floo
     of the count goes to the highest scores left."""
     if floor <= 0.0 or not blocks:
         return torch.topk(scores, count).indices.sort().values
+    if sum(blocks) != scores.numel():
+        raise ValueError(f"blocks of {sum(blocks)} scores for {scores.numel()} scores")
     picked, start = [], 0
     for size in blocks:
         own = int(floor * size)
