@@ -78,13 +78,13 @@ def top_share(scores: torch.Tensor, count: int, blocks: Sequence[int] = (), floo
         return torch.topk(scores, count).indices.sort().values
     if sum(blocks) != scores.numel():
         raise ValueError(f"blocks of {sum(blocks)} scores for {scores.numel()} scores")
+    owns = [int(floor * size) for size in blocks]  # on the host: no wait for the device
     picked, start = [], 0
-    for size in blocks:
-        own = int(floor * size)
+    for size, own in zip(blocks, owns, strict=True):
         if own:
             picked.append(torch.topk(scores[start : start + size], own).indices + start)
         start += size
-    rest = count - sum(int(floor * size) for size in blocks)  # on the host: no wait for the device
+    rest = count - sum(owns)
     if rest > 0:
         left = scores.float().clone()
         if picked:
