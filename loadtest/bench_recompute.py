@@ -39,6 +39,7 @@ from loadtest.bench_prefill import (
     question_ids,
     timed,
 )
+from service.engine import slot_attention
 from service.engine.engine import GenerationResult, StitchEngine, Stopwatch, TurboPrefill
 from service.engine.kv_layout import KVBlock
 from service.engine.prompt import PromptIds
@@ -121,7 +122,12 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) 
     specs = [parse_recompute(f"selective:{r:g}") for r in args.shares]
     specs += [parse_recompute(f"prefix:{n}") for n in args.prefix]
     specs += [parse_recompute(spec) for spec in args.specs]
-    rows = [spec_row(engine, prompt, chunk_kv, spec, naive, args) for spec in specs]
+    rows: list[dict[str, Any]] = []
+    for attention in args.slot_attention:
+        slot_attention.ENABLED = attention == "kernel"
+        for spec in specs:
+            rows.append({**spec_row(engine, prompt, chunk_kv, spec, naive, args), "slot_attention": attention})
+    slot_attention.ENABLED = True
     for row in rows:
         row["median_ttft_ms"] = statistics.median(row["ttft_ms"])
         row["median_recompute_only_ms"] = statistics.median(row["recompute_only_ms"])
@@ -139,18 +145,19 @@ def bench_context(engine: StitchEngine, context: int, args: argparse.Namespace) 
 
 def table(contexts: list[dict[str, Any]]) -> str:
     lines = [
-        "| context | recompute | tokens recomputed | TTFT ms | recompute only ms | vs naive | max logit diff vs naive "
-        "| same first token |",
-        "|---|---|---|---|---|---|---|---|",
+        "| context | recompute | slot attention | tokens recomputed | TTFT ms | recompute only ms | vs naive "
+        "| max logit diff vs naive | same first token |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in contexts:
         for r in c["specs"]:
             lines.append(
-                f"| {c['context_tokens']} | {r['recompute']} | {r['recomputed_tokens']} | {r['median_ttft_ms']:.2f} "
+                f"| {c['context_tokens']} | {r['recompute']} | {r['slot_attention']} | {r['recomputed_tokens']} "
+                f"| {r['median_ttft_ms']:.2f} "
                 f"| {r['median_recompute_only_ms']:.2f} | {c['median_naive_ms'] / r['median_ttft_ms']:.1f}x "
                 f"| {r['max_logit_diff_vs_naive']:.3g} | {r['same_first_token']} |"
             )
-        lines.append(f"| {c['context_tokens']} | naive | — | {c['median_naive_ms']:.2f} | — | 1.0x | 0 | True |")
+        lines.append(f"| {c['context_tokens']} | naive | — | — | {c['median_naive_ms']:.2f} | — | 1.0x | 0 | True |")
     return "\n".join(lines)
 
 
@@ -162,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, nargs="*", default=[], help="prefix:N token counts, also timed")
     parser.add_argument(
         "--specs", nargs="*", default=[], help="other specs, also timed (query:0.2, auto, auto:1e-6 = always, auto:1)"
+    )
+    parser.add_argument(
+        "--slot-attention",
+        nargs="+",
+        choices=["kernel", "sdpa"],
+        default=["kernel"],
+        help="scattered recompute queries through slot_attention's kernel (where it runs) or masked SDPA; each timed",
     )
     parser.add_argument("--answer-tokens", type=int, default=256, help="answer budget (sizes the graph's bucket)")
     parser.add_argument("--runs", type=int, default=9)

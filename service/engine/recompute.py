@@ -43,6 +43,7 @@ from service.engine.recompute_select import (
 )
 from service.engine.recompute_spec import COMPOSITE_RECOMPUTE, RecomputeKind, RecomputeSpec
 from service.engine.rotary import Rotary
+from service.engine.slot_attention import attend_slots_kernel, slot_kernel_usable
 from service.engine.stitch import PositionMode, StitchPlan
 
 
@@ -80,17 +81,25 @@ def recompute_context(
     tail = all_tail and chosen.numel() == host_candidates.numel()
     slots = candidates[chosen]
     cos_sin = (cos[slots], sin[slots])
-    # One host copy of the chosen slots per recompute (not per layer) bounds the keys each run of queries reads.
-    groups = () if tail else slot_groups(slots.tolist())
+    heads = forward.spec
+    kernel = not tail and slot_kernel_usable(
+        device, buffer.data.dtype, heads.num_heads, heads.num_kv_heads, heads.head_dim
+    )
+    # SDPA's path: one host copy of the chosen slots per recompute (not per layer) bounds the keys each run of
+    # queries reads. The kernel reads the slots on the device and bounds each block's keys itself.
+    groups = () if tail or kernel else slot_groups(slots.tolist())
     key_scale = _chunk_key_scale(plan)
     if choice.after_layer0 is not None:  # the selection ran layer 0 for every candidate: keep the chosen rows
         hidden, first = choice.after_layer0.index_select(1, chosen), 1
     else:
         hidden, first = forward.decoder.embed_tokens(ids[slots].unsqueeze(0)), 0
-    for index in range(first, forward.spec.num_layers):
+    last = forward.spec.num_layers - 1
+    for index in range(first, last):
         # Layer 0's cached K/V already are full attention's (they depend on the token and its position alone).
         write = index > 0
-        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write, tail, key_scale, groups)
+        hidden = _layer(forward, index, buffer, hidden, slots, cos_sin, write, tail, key_scale, groups, kernel)
+    if first <= last:  # the last layer's output feeds nothing the recompute keeps: only its K/V are written
+        _write_kv(forward, last, buffer, hidden, slots, cos_sin, key_scale, write=last > 0)
     return int(chosen.numel())
 
 
@@ -216,18 +225,16 @@ def _layer(
     tail: bool,
     key_scale: float = 1.0,
     groups: Sequence[SlotGroup] = (),
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Layer `index` for the tokens at `slots` (`hidden` [1, T, hidden]) over the buffer's context; with `write`
     their fresh K/V replace the cached ones first, so they attend to themselves and to each other as recomputed.
     `tail`: the slots are the context's last T (one end-aligned causal kernel, no mask). The lean forward's own
     per-layer pieces keep the arithmetic that of `extend`. `key_scale`: the stitch's factor on chunk keys, which
-    the written keys carry too. `groups`: `attention.slot_groups` of `slots` (scattered slots only)."""
+    the written keys carry too. `groups`: `attention.slot_groups` of `slots` (scattered slots, SDPA's path only).
+    `kernel`: scattered slots go to `slot_attention`'s kernel instead of masked SDPA."""
     layer = forward.layers[index]
-    q, k, v = forward._project(layer, layer.input_layernorm(hidden))
-    q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
-    if write:
-        buffer.data[index, KEYS].index_copy_(1, slots, k[0] if key_scale == 1.0 else (k[0] * key_scale).to(k.dtype))
-        buffer.data[index, VALUES].index_copy_(1, slots, v[0])
+    q = _write_kv(forward, index, buffer, hidden, slots, cos_sin, key_scale, write)
     keys, values, scale = (
         buffer.keys(index, buffer.length),
         buffer.values(index, buffer.length),
@@ -235,9 +242,32 @@ def _layer(
     )
     if tail:
         out = attend_causal_end(q, keys.unsqueeze(0), values.unsqueeze(0), scale)
+    elif kernel:
+        out = attend_slots_kernel(q, keys, values, slots, scale)
     else:
         out = attend_at_slots(q, keys, values, slots, scale, groups)
     return forward._finish_layer(layer, hidden, out)
+
+
+def _write_kv(
+    forward: LeanForward,
+    index: int,
+    buffer: KVBuffer,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    key_scale: float,
+    write: bool,
+) -> torch.Tensor:
+    """Layer `index`'s projections of the tokens at `slots`, rotated; with `write` their K/V replace the cached
+    ones (keys times the stitch's `key_scale`). Returns the rotated queries [1, H, T, D]."""
+    layer = forward.layers[index]
+    q, k, v = forward._project(layer, layer.input_layernorm(hidden))
+    q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
+    if write:
+        buffer.data[index, KEYS].index_copy_(1, slots, k[0] if key_scale == 1.0 else (k[0] * key_scale).to(k.dtype))
+        buffer.data[index, VALUES].index_copy_(1, slots, v[0])
+    return q
 
 
 def _check(buffer: KVBuffer, plan: StitchPlan, context_ids: Sequence[int]) -> None:
