@@ -297,8 +297,11 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
             plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
         plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
     if "routing" in args.phases:
-        plan.append(Configuration("routing", "chunk-aware", every, "chunk-aware"))
-        plan.append(Configuration("routing", "round-robin", every, "round-robin"))
+        # Both on the same engines, one after the other: --routing-first says which goes first, so that a second
+        # run in the other order shows what the order itself (tiers warmed by the first) gives the second.
+        policies = ["chunk-aware", "round-robin"]
+        policies.sort(key=lambda name: name != args.routing_first)
+        plan += [Configuration("routing", name, every, name) for name in policies]
     return plan
 
 
@@ -600,6 +603,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["turbo"], choices=["turbo", "naive"])
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the scale phase's levels")
+    parser.add_argument("--routing-first", default="chunk-aware", choices=["chunk-aware", "round-robin"])
     parser.add_argument("--routing-concurrency", type=int, nargs="+", default=[64])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of each timed run")
     parser.add_argument("--max-requests", type=int, default=5000)

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from loadtest import serve_fleet
 from loadtest.serve_fleet import main
 from service.devtools.ports import free_ports
 
@@ -152,3 +154,16 @@ def test_an_engine_keeps_the_callers_python_path_and_gets_its_own_gpu_and_data_d
     shared = engine_environment(args, 1, 3, 1024, "fleetbench-x")
     assert (shared["KVSTITCH_DATA_DIR"], shared["KVSTITCH_REDIS_URL"]) == (str(tmp_path), args.redis)
     assert (shared["KVSTITCH_REDIS_PREFIX"], shared["KVSTITCH_ENGINE_ID"]) == ("fleetbench-x", "engine1-gpu3")
+
+
+@pytest.mark.parametrize("first", ["chunk-aware", "round-robin"])
+def test_the_routing_phase_runs_the_policy_asked_for_first(first: str) -> None:
+    args = argparse.Namespace(gpus=[0, 1], phases=["scale", "routing"], routing_first=first)
+    plan = [(c.phase, c.name, c.routing) for c in serve_fleet.configurations(args)]
+    other = "round-robin" if first == "chunk-aware" else "chunk-aware"
+    assert plan == [
+        ("scale", "2 engines", "chunk-aware"),
+        ("scale", "1 engine", "chunk-aware"),
+        ("routing", first, first),
+        ("routing", other, other),
+    ]
