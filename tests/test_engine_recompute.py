@@ -273,8 +273,10 @@ def test_grouped_attention_at_scattered_slots_equals_one_call_over_every_key() -
 def test_a_recompute_in_groups_of_queries_leaves_what_one_group_does(
     engine: StitchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The served recompute splits its chosen tokens into runs only past a few hundred of them: forced here on a
-    tiny prompt, the buffer and the question's logits equal the one-call recompute's."""
+    """SDPA's recompute (where `slot_attention`'s kernel does not run) splits its chosen tokens into runs only
+    past a few hundred of them: forced here on a tiny prompt, the buffer and the question's logits equal the
+    one-call recompute's."""
+    monkeypatch.setattr("service.engine.recompute.slot_kernel_usable", lambda *args: False)
     prompt = _prompt(engine, seed=8)
     one_buffer, _, one_count, one_logits = _stitched(engine, prompt, "selective:0.5")
     seen: list[int] = []
