@@ -6,6 +6,8 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
+from service.engine._softmax_tile import online_softmax_step, tile_scores
+
 # A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
 
@@ -96,21 +98,8 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
         kv_offs = n[:, None] * kv_stride_t + d[None, :]
         k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
-        if ieee:  # noqa: SIM108 (a constexpr branch: fp32 tiles multiply in full precision, not TF32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n[None, :] < visible[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if ieee:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

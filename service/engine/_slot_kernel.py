@@ -6,6 +6,8 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
+from service.engine._softmax_tile import online_softmax_step, tile_scores
+
 
 @triton.jit
 def _tile(  # type: ignore[no-untyped-def]
@@ -19,23 +21,10 @@ def _tile(  # type: ignore[no-untyped-def]
         kv_mask = kv_mask & (n <= tl.max(slot, 0))[:, None]
     k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
     v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
-    if ieee:  # noqa: SIM108 (a constexpr branch: fp32 tiles multiply in full precision, not TF32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
+    s = tile_scores(q, k, ieee) * qk_scale
     if masked:
         s = tl.where(n[None, :] <= slot[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if ieee:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return online_softmax_step(s, v, m_i, l_i, acc, ieee)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
