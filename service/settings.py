@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     fleet_balance_rel: float = Field(
         1.5, ge=1.0, le=1000.0, description="Gateway mode: the relative half of the imbalance bound (SGLang's rule)."
     )
+    fleet_load_cost_tokens: float = Field(
+        256.0,
+        ge=0.0,
+        le=1_000_000.0,
+        description="Gateway mode, chunk-aware: one running answer on an engine weighs as much as computing this many "
+        "tokens' KV; a chunk on the GPU instead of the host saves 0.05 of its tokens, so a smaller weight lets "
+        "residency decide more questions and load fewer.",
+    )
     fleet_routing: Literal["chunk-aware", "round-robin"] = Field(
         "chunk-aware",
         description="Gateway mode: how a question's engine is chosen: by where its chunks' KV sits and the load "

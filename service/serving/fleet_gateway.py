@@ -107,6 +107,7 @@ class Fleet:
         self.policy = policy or RoutingPolicy(
             balance_abs=settings.fleet_balance_abs,
             balance_rel=settings.fleet_balance_rel,
+            load_cost_tokens=settings.fleet_load_cost_tokens,
             mode=RoutingMode(settings.fleet_routing),
         )
         self._static = settings.engine_urls

@@ -9,8 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.fleet.routing import ChunkRef
+from service.fleet.routing import ChunkRef, route
 from service.kvcache.keys import KeySpace
+from service.kvcache.tiers import Tier
 from service.serving.fleet_gateway import COUNT_SKEW, Fleet
 from service.settings import Settings
 
@@ -79,3 +80,16 @@ def test_a_difference_of_one_answer_is_skew_not_another_gateways_load(fleet_and_
     engines.counts[routed.url] = {"running": 1, "waiting": 1}  # e.g. a running shadow beside this gateway's answer
     fleet.probe()
     assert {s.url: s.load for s in fleet.engines()}[routed.url] == 1
+
+
+@pytest.mark.parametrize("weight", [0.0, 256.0, 40.0])
+def test_the_load_weight_of_routing_is_a_setting(weight: float) -> None:
+    """KVSTITCH_FLEET_LOAD_COST_TOKENS reaches the policy: at 0 a question goes where its chunks are, however
+    loaded that engine is; at the default a few running answers outweigh a question's host-to-GPU difference."""
+    settings = Settings(engines=",".join(URLS), fleet_routing="chunk-aware", fleet_load_cost_tokens=weight)
+    policy = Fleet(settings, SPACE).policy
+    assert policy.load_cost_tokens == weight
+    chunks = [ChunkRef(f"c{i}", 500) for i in range(4)]
+    placement = {"e0": [Tier.GPU] * 4, "e1": [Tier.HOST] * 4}  # e0 saves 4 x 500 x 0.05 = 100 tokens of work
+    chosen = route(chunks, placement, {"e0": 3, "e1": 2}, policy).engine
+    assert chosen == ("e0" if weight < 100.0 else "e1")
