@@ -176,3 +176,27 @@ def test_kernel_compiles_for_an_h100_without_one(dtype: str) -> None:
             ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=options
         )
         assert compiled.asm["cubin"]
+
+
+class _Here:
+    """An engine loop that runs what it is given on the caller's thread."""
+
+    @staticmethod
+    def call(fn: Callable[[], bool]) -> bool:
+        return fn()
+
+
+def test_the_runtime_probes_the_kernel_at_start(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Runtime.warm_up` asks for the kernel with the model's head shape and dtype, so the first recompute does not
+    compile it; on a CPU the answer is masked SDPA."""
+    from service.serving import runtime
+
+    engine = get_engine("qwen2", "cpu")
+    assert runtime.warm_slot_attention(engine, _Here()) is False  # type: ignore[arg-type]
+    asked: list[tuple[object, ...]] = []
+    monkeypatch.setattr(runtime, "slot_kernel_usable", lambda *args: asked.append(args) or True)
+    assert runtime.warm_slot_attention(engine, _Here()) is True  # type: ignore[arg-type]
+    spec = engine.spec
+    assert asked == [(spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)]

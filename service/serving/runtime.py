@@ -31,6 +31,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.model import WEIGHTLESS, LoadedModel, load_model, load_model_shell
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import BatchingOptions, build_scheduler
+from service.engine.slot_attention import slot_kernel_usable
 from service.fleet.tier_events import TierPublisher
 from service.jobs.documents import DocumentLimits, job_documents
 from service.jobs.ordering import DocumentOrder, RedisDocumentOrder
@@ -190,6 +191,7 @@ class Runtime:
         pay for them; other sizes are captured on first use (the batched decode steps are warmed by
         `serve_answers`)."""
         warm_prefill_graphs(self.settings, self.engine, self.loop)
+        warm_slot_attention(self.engine, self.loop)
 
     def serve_answers(self) -> Scheduler:
         """Give the engine loop its scheduler and KV pool (a serving process only: workers need neither)."""
@@ -305,6 +307,21 @@ def warm_prefill_graphs(settings: Settings, engine: StitchEngine, loop: EngineLo
         log.exception("prefill graph warm-up failed")
         return
     log.info("prefill graphs captured in %.0f ms", (time.perf_counter() - start) * 1e3)
+
+
+def warm_slot_attention(engine: StitchEngine, loop: EngineLoop) -> bool:
+    """Compile and probe the recompute's slot-attention kernel now (CUDA with triton), so that the first answer
+    recomputing part of its context does not wait for it; whether the recompute will use it."""
+    spec = engine.spec
+    try:
+        usable = loop.call(
+            lambda: slot_kernel_usable(spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        )
+    except Exception:  # a warm-up is an optimisation: the recompute probes again on first use
+        log.exception("slot-attention warm-up failed")
+        return False
+    log.info("recompute attention over scattered slots: %s", "the slot kernel" if usable else "masked SDPA")
+    return usable
 
 
 def serve_answers(
