@@ -123,6 +123,31 @@ class _ZipfDraw(Generic[T]):
         return list(picked)
 
 
+@dataclass
+class GatewayView:
+    """What one of several gateways knows of the engines' loads, as `fleet_gateway.Fleet` does: the questions it
+    sent itself (end times per engine, exact) plus the others' as of its last probe, every `probe_s` seconds."""
+
+    probe_s: float
+    next_probe: float
+    own: dict[str, list[float]] = field(default_factory=dict)
+    others: dict[str, int] = field(default_factory=dict)
+
+    def loads(self, now: float, fleet: dict[str, Engine]) -> dict[str, int]:
+        for ends in self.own.values():
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+        mine = {name: len(self.own.get(name, [])) for name in fleet}
+        if now >= self.next_probe:
+            self.others = {name: max(0, engine.running(now) - mine[name]) for name, engine in fleet.items()}
+            while self.next_probe <= now:
+                self.next_probe += self.probe_s
+        return {name: mine[name] + self.others.get(name, 0) for name in fleet}
+
+    def sent(self, name: str, end: float) -> None:
+        heapq.heappush(self.own.setdefault(name, []), end)
+
+
 def simulate(
     trace: Trace,
     policy: str,
@@ -131,11 +156,15 @@ def simulate(
     rate: float,
     seed: int,
     routing: RoutingPolicy = DEFAULT_POLICY,
+    gateways: int = 1,
+    probe_s: float = 0.5,
 ) -> PolicyReport:
     """Route the whole trace with one policy (`routing` configures chunk-aware routing); questions arrive every
-    1 / `rate` seconds."""
+    1 / `rate` seconds. With several `gateways` question n goes through gateway n mod G, which routes by its own
+    `GatewayView` of the loads (one gateway sees them exactly) and, round-robin, by its own turn."""
     fleet = {f"e{i}": Engine(gpu_chunks) for i in range(engines)}
-    pick = _picker(policy, list(fleet), seed, routing)
+    picks = [_picker(policy, list(fleet), seed + g, routing) for g in range(gateways)]
+    views = [GatewayView(probe_s, next_probe=g * probe_s / gateways) for g in range(gateways)]
     hit = total = 0
     cost = gap = 0.0
     counts: Counter[str] = Counter()
@@ -147,7 +176,9 @@ def simulate(
         gap += max(loads.values()) - min(loads.values())
         refs = [ChunkRef(str(c), trace.tokens[c]) for c in chunks]
         placement = {name: [engine.tier(c) for c in chunks] for name, engine in fleet.items()}
-        name, reason, costs = pick(refs, placement, loads)
+        gateway = n % gateways
+        seen = loads if gateways == 1 else views[gateway].loads(now, fleet)
+        name, reason, costs = picks[gateway](refs, placement, seen)
         balanced += reason is RouteReason.BALANCE
         chosen_cost, best_cost = chosen_cost + costs[0], best_cost + costs[1]
         tiers = placement[name]
@@ -156,7 +187,9 @@ def simulate(
         hit, total = hit + hit_tokens, total + all_tokens
         cost += sum(r.tokens * TIER_WEIGHTS[t] for r, t in zip(refs, tiers, strict=True))
         counts[name] += 1
-        fleet[name].serve(chunks, now, DECODE_S + (all_tokens - hit_tokens) / PRECOMPUTE_TOKENS_PER_S)
+        duration = DECODE_S + (all_tokens - hit_tokens) / PRECOMPUTE_TOKENS_PER_S
+        fleet[name].serve(chunks, now, duration)
+        views[gateway].sent(name, now + duration)
     q = len(trace.questions)
     return PolicyReport(
         policy=policy,
@@ -228,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-cost-tokens", type=float, default=DEFAULT_POLICY.load_cost_tokens)
     parser.add_argument("--balance-abs", type=int, default=DEFAULT_POLICY.balance_abs)
     parser.add_argument("--balance-rel", type=float, default=DEFAULT_POLICY.balance_rel)
+    parser.add_argument("--gateways", type=int, default=1, help="gateways routing in turn, each by its own view")
+    parser.add_argument("--probe-s", type=float, default=0.5, help="how often a gateway reads the others' loads")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--trace", type=Path, help="replay this trace (JSON lines of chunk ids)")
     parser.add_argument("--write-trace", type=Path, help="save the generated trace here")
@@ -243,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     routing = RoutingPolicy(
         load_cost_tokens=args.load_cost_tokens, balance_abs=args.balance_abs, balance_rel=args.balance_rel
     )
-    reports = [simulate(trace, p, args.engines, args.gpu_chunks, rate, args.seed, routing) for p in args.policies]
+    if args.gateways < 1 or args.probe_s <= 0:
+        parser.error("--gateways must be at least 1 and --probe-s positive")
+    reports = [
+        simulate(trace, p, args.engines, args.gpu_chunks, rate, args.seed, routing, args.gateways, args.probe_s)
+        for p in args.policies
+    ]
     sys.stdout.write(table(reports) + "\n")
     if args.json is not None:
         settings = {k: v for k, v in vars(args).items() if k not in ("json", "trace", "write_trace", "policies")}
