@@ -40,6 +40,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from service.engine import segment_launch
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import SDPA_GATHER, DecodeRows, batch_attention
+from service.engine.fused_stitch import triton_runs_on
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import (
     ChunkRange,
@@ -49,7 +50,7 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
-from service.engine.segment_launch import SegmentAttention, SegmentPlan, segment_kernels_apply
+from service.engine.segment_launch import SegmentAttention, SegmentPlan
 
 log = logging.getLogger("bench_segment_attention")
 
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     # The CPU runs the kernels only under Triton's interpreter (a smoke run of this script, TRITON_INTERPRET=1).
     interpreter = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if (device.type == "cuda" and not torch.cuda.is_available()) or not segment_kernels_apply(device, interpreter):
+    if (device.type == "cuda" and not torch.cuda.is_available()) or not triton_runs_on(device, interpreter):
         log.error("this benchmark needs a CUDA device and triton (or TRITON_INTERPRET=1 with --device cpu)")
         return 1
     if args.max_block_m is not None:

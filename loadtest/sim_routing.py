@@ -161,7 +161,8 @@ def simulate(
 ) -> PolicyReport:
     """Route the whole trace with one policy (`routing` configures chunk-aware routing); questions arrive every
     1 / `rate` seconds. With several `gateways` question n goes through gateway n mod G, which routes by its own
-    `GatewayView` of the loads (one gateway sees them exactly) and, round-robin, by its own turn."""
+    `GatewayView` of the loads (a lone gateway's view is exact: every open question is its own) and, round-robin,
+    by its own turn."""
     fleet = {f"e{i}": Engine(gpu_chunks) for i in range(engines)}
     picks = [_picker(policy, list(fleet), seed + g, routing) for g in range(gateways)]
     views = [GatewayView(probe_s, next_probe=g * probe_s / gateways) for g in range(gateways)]
@@ -177,8 +178,7 @@ def simulate(
         refs = [ChunkRef(str(c), trace.tokens[c]) for c in chunks]
         placement = {name: [engine.tier(c) for c in chunks] for name, engine in fleet.items()}
         gateway = n % gateways
-        seen = loads if gateways == 1 else views[gateway].loads(now, fleet)
-        name, reason, costs = picks[gateway](refs, placement, seen)
+        name, reason, costs = picks[gateway](refs, placement, views[gateway].loads(now, fleet))
         balanced += reason is RouteReason.BALANCE
         chosen_cost, best_cost = chosen_cost + costs[0], best_cost + costs[1]
         tiers = placement[name]

@@ -19,7 +19,7 @@ from loadtest.bench_segment_attention import (
     qwen2_rotary,
     table,
 )
-from service.engine.segment_launch import segment_kernels_apply
+from service.engine.fused_stitch import triton_runs_on
 
 
 @pytest.mark.parametrize(("level", "distinct"), [("same", 16), ("pool192", None), ("zipf4000", None)])
@@ -78,7 +78,7 @@ def test_main_refuses_without_cuda() -> None:
 
 
 @pytest.mark.skipif(
-    not segment_kernels_apply(torch.device("cpu"), interpreter=os.environ.get("TRITON_INTERPRET") == "1"),
+    not triton_runs_on(torch.device("cpu"), interpreter=os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs TRITON_INTERPRET=1 and triton",
 )
 def test_the_start_up_check_at_the_real_shape_under_the_interpreter() -> None:
@@ -87,7 +87,7 @@ def test_the_start_up_check_at_the_real_shape_under_the_interpreter() -> None:
 
 
 @pytest.mark.skipif(
-    not segment_kernels_apply(torch.device("cpu"), interpreter=os.environ.get("TRITON_INTERPRET") == "1"),
+    not triton_runs_on(torch.device("cpu"), interpreter=os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs TRITON_INTERPRET=1 and triton",
 )
 def test_a_cpu_smoke_run_under_the_interpreter(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_the_shared_path_falls_back_where_segment_attention_cannot_run(
 ) -> None:
     """Asked for, the shared path still falls back to the copy path, naming why: CUDA without Triton, a device
     segment attention does not run on, an odd head size."""
-    monkeypatch.setattr(kv_path_module, "segment_kernels_apply", lambda d: triton and d.type == "cuda")
+    monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
     spec = dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
     path = choose_kv_path(True, spec)
     assert (path.mode, path.reason, path.attention) == want

@@ -30,6 +30,7 @@ from service.devtools.tiny_model import LLAMA3_SCALING
 from service.engine import segment_launch
 from service.engine.attention import attend_causal_end
 from service.engine.engine import StitchEngine
+from service.engine.fused_stitch import triton_runs_on
 from service.engine.gate import synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.rotary import Rotary
@@ -42,7 +43,7 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
-from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan, segment_kernels_apply
+from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan
 
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5
@@ -253,7 +254,7 @@ def test_math_sanity_of_the_direct_formula() -> None:
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_KERNELS_HERE = segment_kernels_apply(torch.device(KERNEL_DEVICE), interpreter=INTERPRETER)
+_KERNELS_HERE = triton_runs_on(torch.device(KERNEL_DEVICE), interpreter=INTERPRETER)
 # Marked `gpu` so a GPU run selects them with -m gpu; on the CPU they run only under the interpreter.
 NEEDS_KERNELS = pytest.mark.skipif(
     not _KERNELS_HERE, reason="needs CUDA and triton (or TRITON_INTERPRET=1 with triton importable)"

@@ -19,11 +19,11 @@ from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows, ExtendRo
 from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.forward import LayerAttend
+from service.engine.fused_stitch import triton_runs_on
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool
 from service.engine.segment_attention import ChunkRange, ContextScaling
-from service.engine.segment_launch import segment_kernels_apply
 from service.engine.shared_decode import (
     SharedDecoder,
     decode_batch,
@@ -330,7 +330,7 @@ def test_gpu_shared_kernels_decode_the_copy_paths_tokens(get_engine: Callable[[s
     """On CUDA (bf16) the Triton segment kernels run the shared path; its tokens follow the copy path's where the
     copy path's top-2 gap is over twice the bf16 tolerance (the rule of test_engine_cuda_graph.py)."""
     engine = get_engine("llama", "cuda")
-    assert segment_kernels_apply(engine.spec.device)
+    assert triton_runs_on(engine.spec.device)
     s = setup(engine)
     (want_tokens, want_logits), _ = copy_path(engine, s, MODES["mixed"])
     run = shared_path(engine, s, MODES["mixed"], nan_arena(engine, sum(b.num_tokens for b in s.chunks)))

@@ -17,19 +17,15 @@ import torch
 
 from service.engine import recompute, slot_attention
 from service.engine.engine import StitchEngine
+from service.engine.fused_stitch import next_power_of_2, triton_runs_on
 from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.recompute_spec import parse_recompute
-from service.engine.slot_attention import (
-    attend_slots_kernel,
-    reference_at_slots,
-    slot_kernel_applies,
-    slot_kernel_usable,
-)
+from service.engine.slot_attention import attend_slots_kernel, reference_at_slots, slot_kernel_usable
 from service.engine.stitch import PositionMode
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_HERE = slot_kernel_applies(torch.device(DEVICE), interpreter=INTERPRETER)
+_HERE = triton_runs_on(torch.device(DEVICE), interpreter=INTERPRETER)
 NEEDS_KERNEL = pytest.mark.skipif(not _HERE, reason="needs CUDA and triton (or TRITON_INTERPRET=1 with triton)")
 # Outputs of size ~1: fp32 agrees to rounding; fp16/bf16 round q, K, V and the probabilities (a few 1e-3), while
 # a missed or an extra key moves an output by ~0.1.
@@ -128,7 +124,7 @@ def test_a_recompute_through_the_kernel_leaves_what_masked_sdpa_does(
 
 def test_no_kernel_on_a_cpu_without_the_interpreter() -> None:
     """The recompute keeps masked SDPA on a CPU: the kernel neither applies nor passes the probe there."""
-    assert not slot_kernel_applies(torch.device("cpu"))
+    assert not triton_runs_on(torch.device("cpu"))
     assert not slot_kernel_usable(torch.device("cpu"), torch.float32, 4, 2, 32)
 
 
@@ -140,7 +136,7 @@ def test_a_wrong_kernel_fails_the_probe(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(slot_attention, "attend_slots_kernel", off_by_one)
     assert slot_attention._probe(torch.device("cpu"), torch.float32, 4, 2, 32) > 0.05
-    monkeypatch.setattr(slot_attention, "slot_kernel_applies", lambda device: True)
+    monkeypatch.setattr(slot_attention, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(slot_attention, "_PROBED", {})
     assert not slot_kernel_usable(torch.device("cpu"), torch.float32, 4, 2, 32)
     monkeypatch.setattr(slot_attention, "attend_slots_kernel", reference_at_slots)
@@ -166,7 +162,7 @@ def test_kernel_compiles_for_an_h100_without_one(dtype: str) -> None:
     for group in (7, 4):
         block_q = slot_attention.BLOCK_ITEMS // group
         constants = {"group": group, "head_dim": 128, "dim_p2": 128, "block_q": block_q}
-        constants |= {"block_m": slot_attention._p2(block_q * group), "block_n": slot_attention.BLOCK_N}
+        constants |= {"block_m": next_power_of_2(block_q * group), "block_n": slot_attention.BLOCK_N}
         constants["ieee"] = dtype == "fp32"
         kinds = {name: f"*{kind}" for name, kind in pointers.items()} | {"qk_scale": "fp32"}
         signature = {n: "constexpr" if n in constants else kinds.get(n, "i32") for n in kernel.arg_names}

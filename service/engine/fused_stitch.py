@@ -36,14 +36,31 @@ _BLOCK_T = 32  # tokens per program: 32 x 128 bf16 keys + values = 16 KiB moved,
 _MIN_TABLE = 4096
 
 
+# log2(e): the attention kernels take their softmax scale in base 2.
+LOG2E = 1.4426950408889634
+
+
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_runs_on(device: torch.device, interpreter: bool = False) -> bool:
+    """Whether the project's Triton kernels run for tensors on `device`: CUDA with triton. `interpreter` (tests only,
+    with TRITON_INTERPRET=1 set before triton imports) lets CPU tensors through Triton's interpreter."""
+    if not triton_available():
+        return False
+    return device.type == "cuda" or (interpreter and device.type == "cpu")
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton's block sizes."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def fused_stitch_enabled(flag: bool | None, device: torch.device) -> bool:
     """None (auto): on wherever triton imports and the model is on CUDA; False: never; True: required."""
-    usable = device.type == "cuda" and triton_available()
+    usable = triton_runs_on(device)
     if flag and not usable:
         raise ValueError("the fused stitch needs a CUDA device and triton")
     return usable if flag is None else bool(flag)

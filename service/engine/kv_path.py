@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from service.engine.fused_stitch import triton_runs_on
 from service.engine.kv_layout import ModelSpec
-from service.engine.segment_launch import segment_kernels_apply
 
 
 class KVPathMode(StrEnum):
@@ -70,7 +70,7 @@ def choose_kv_path(requested: bool, spec: ModelSpec) -> KVPath:
     if spec.head_dim % 2:
         return asked.fallback(KVPathReason.HEAD_DIM, f"segment attention needs an even head size, not {spec.head_dim}")
     if device == "cuda":
-        if not segment_kernels_apply(spec.device):
+        if not triton_runs_on(spec.device):
             return asked.fallback(KVPathReason.TRITON, "the segment attention kernels need Triton, not installed")
         return replace(asked, attention="triton")
     if device == "cpu":

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from service.engine.fused_stitch import triton_available
+from service.engine.fused_stitch import next_power_of_2, triton_available
 
 # False: torch's merge everywhere (kept so benchmarks can measure what the kernel buys).
 ENABLED = True
@@ -78,7 +78,7 @@ def fused_merge(
         own_lse.stride(0),
         splits=splits,
         head_dim=dim,
-        dim_p2=1 << (dim - 1).bit_length(),
+        dim_p2=next_power_of_2(dim),
         block_h=block_h,
         num_warps=4,
     )

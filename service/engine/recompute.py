@@ -81,9 +81,9 @@ def recompute_context(
     tail = all_tail and chosen.numel() == host_candidates.numel()
     slots = candidates[chosen]
     cos_sin = (cos[slots], sin[slots])
-    heads = forward.spec
+    model = forward.spec
     kernel = not tail and slot_kernel_usable(
-        device, buffer.data.dtype, heads.num_heads, heads.num_kv_heads, heads.head_dim
+        device, buffer.data.dtype, model.num_heads, model.num_kv_heads, model.head_dim
     )
     # SDPA's path: one host copy of the chosen slots per recompute (not per layer) bounds the keys each run of
     # queries reads. The kernel reads the slots on the device and bounds each block's keys itself.

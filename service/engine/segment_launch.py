@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine.fused_stitch import triton_available
+from service.engine.fused_stitch import LOG2E, next_power_of_2
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import ContextScaling, SegmentArrays, SegmentBatch
 
@@ -43,15 +43,6 @@ MAX_BLOCK_M = 64
 _TARGET_PROGRAMS = 264
 _MIN_PIECE = 128
 _MERGE_HEADS = 8
-_LOG2E = 1.4426950408889634
-
-
-def segment_kernels_apply(device: torch.device, interpreter: bool = False) -> bool:
-    """Whether the kernels run for tensors on `device`: CUDA with triton. `interpreter` (tests only, with
-    TRITON_INTERPRET=1 set before triton imports) lets CPU tensors through Triton's interpreter."""
-    if not triton_available():
-        return False
-    return device.type == "cuda" or (interpreter and device.type == "cpu")
 
 
 @functools.cache
@@ -420,10 +411,10 @@ def _run_partials(
         part_out.stride(0),
         part_out.stride(1),
         part_lse.stride(0),
-        scale * _LOG2E,
+        scale * LOG2E,
         group=group,
         head_dim=dim,
-        dim_p2=_p2(dim),
+        dim_p2=next_power_of_2(dim),
         block_m=launch.block_m,
         block_n=BLOCK_N,
         ieee=kv.dtype == torch.float32,
@@ -438,7 +429,7 @@ def _run_merge(
     rows = plan.row_tail.shape[0]
     heads, dim = part_out.shape[1], part_out.shape[2]
     out = torch.empty((rows, heads, dim), dtype=dtype, device=part_out.device)
-    block_h = min(_MERGE_HEADS, _p2(heads))
+    block_h = min(_MERGE_HEADS, next_power_of_2(heads))
     _kernels()[1][(rows, -(-heads // block_h))](
         part_out,
         part_lse,
@@ -454,7 +445,7 @@ def _run_merge(
         out.stride(1),
         context_scale,
         head_dim=dim,
-        dim_p2=_p2(dim),
+        dim_p2=next_power_of_2(dim),
         block_h=block_h,
         num_warps=4,
     )
@@ -464,7 +455,3 @@ def _run_merge(
 def _warps(block_m: int) -> int:
     """Warps a partials program runs with: below 8 the wider tiles spill registers (ptxas, sm_90, head_dim 128)."""
     return 4 if block_m <= 16 else 8
-
-
-def _p2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

@@ -7,7 +7,7 @@ attention, which rotates the query by each chunk's offset in this request (`Stit
 composite alike). The per-layer code is `LeanForward.layers_static`, the batched decode's own, with a `LayerAttend`
 in place of the pool attention; the fed tokens' K/V land in each slab as in `BatchDecoder`.
 
-Attention: `SegmentAttention` (Triton, shared reads of each chunk) where `segment_kernels_apply`, else the torch
+Attention: `SegmentAttention` (Triton, shared reads of each chunk) where `triton_runs_on`, else the torch
 reference (fp32, per row; the CPU's). Both take the plan of one step, built once and reused by every layer.
 """
 
@@ -21,6 +21,7 @@ import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, extend_lists
 from service.engine.chunk_arena import ChunkArena
+from service.engine.fused_stitch import triton_runs_on
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool, Slab
@@ -32,7 +33,7 @@ from service.engine.segment_attention import (
     SegmentBatch,
     reference_attention,
 )
-from service.engine.segment_launch import SegmentAttention, SegmentPlan, segment_kernels_apply
+from service.engine.segment_launch import SegmentAttention, SegmentPlan
 from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stitch_into
 
 
@@ -160,7 +161,7 @@ class SharedDecoder:
     """`BatchDecoder`'s step and extend with each request's chunks read from the arena instead of its slab.
 
     `context`: APE's temperature and scale (the stitched path's `context_temperature` is the temperature here);
-    `kernels`: None picks the Triton kernels where `segment_kernels_apply`, else the torch reference."""
+    `kernels`: None picks the Triton kernels where `triton_runs_on`, else the torch reference."""
 
     def __init__(
         self,
@@ -174,7 +175,7 @@ class SharedDecoder:
         self.decoder = decoder
         self.arena = arena
         self.context = context or ContextScaling()
-        self.kernels = segment_kernels_apply(arena.spec.device) if kernels is None else kernels
+        self.kernels = triton_runs_on(arena.spec.device) if kernels is None else kernels
 
     def attention(self, batch: SegmentArrays) -> SegmentLayerAttend:
         """The step's attention (its plan built once, here, for every layer)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.engine.fused_stitch import triton_available
+from service.engine.fused_stitch import LOG2E, next_power_of_2, triton_runs_on
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ NUM_WARPS = 8
 NUM_STAGES: int | None = None
 # Largest |kernel - masked SDPA| the probe accepts (bf16 outputs of unit-scale inputs differ by a few ulps).
 _PROBE_TOLERANCE = 2e-2
-_LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -42,14 +41,6 @@ def _kernel() -> Any:
     from service.engine import _slot_kernel
 
     return _slot_kernel.slot_attention_kernel
-
-
-def slot_kernel_applies(device: torch.device, interpreter: bool = False) -> bool:
-    """Whether the kernel can run for tensors on `device`: CUDA with triton. `interpreter` (tests only, with
-    TRITON_INTERPRET=1 set before triton imports) lets CPU tensors through Triton's interpreter."""
-    if not triton_available():
-        return False
-    return device.type == "cuda" or (interpreter and device.type == "cpu")
 
 
 def attend_slots_kernel(
@@ -80,12 +71,12 @@ def attend_slots_kernel(
         keys.stride(1),
         out.stride(1),
         out.stride(2),
-        scale * _LOG2E,
+        scale * LOG2E,
         group=group,
         head_dim=dim,
-        dim_p2=_p2(dim),
+        dim_p2=next_power_of_2(dim),
         block_q=block_q,
-        block_m=_p2(block_q * group),
+        block_m=next_power_of_2(block_q * group),
         block_n=BLOCK_N,
         ieee=keys.dtype == torch.float32,
         num_warps=NUM_WARPS,
@@ -118,7 +109,7 @@ def slot_kernel_usable(device: torch.device, dtype: torch.dtype, heads: int, kv_
         return False
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _PROBED:
-        _PROBED[key] = slot_kernel_applies(device) and _probe_agrees(device, dtype, heads, kv_heads, head_dim)
+        _PROBED[key] = triton_runs_on(device) and _probe_agrees(device, dtype, heads, kv_heads, head_dim)
     return _PROBED[key]
 
 
@@ -149,7 +140,3 @@ def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, 
         want = reference_at_slots(q, kv[0], kv[1], picks, head_dim**-0.5)
         worst = max(worst, float((got.float() - want.float()).abs().max()))
     return worst if math.isfinite(worst) else math.inf
-
-
-def _p2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
