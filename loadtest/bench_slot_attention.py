@@ -12,6 +12,7 @@ keys each query sees (its slot + 1), so every row is measured against the same w
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args(argv)
+    if any(not 0.0 < share <= 1.0 for share in args.shares) or args.runs < 1 or args.context < 1:
+        parser.error("--shares must lie in (0, 1], --runs and --context be at least 1")
+    if any(not re.fullmatch(r"[1-9]\d*/[1-9]\d*/[1-9]\d*", config) for config in args.configs):
+        parser.error("--configs entries are items/keys/warps, three positive integers (128/64/8)")
     if not torch.cuda.is_available():
         sys.stderr.write("needs a CUDA device\n")
         return 2
