@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from service.quality.measured import DEFAULT_KEEP
 from service.serving.data_dir_lock import DataDirInUseError
 
 if TYPE_CHECKING:
@@ -240,6 +241,17 @@ def _add_eval(commands: Any) -> None:
         "--kv-path shared)",
     )
     evaluate.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON to OUT")
+    evaluate.add_argument(
+        "--recommend",
+        nargs="?",
+        type=float,
+        const=DEFAULT_KEEP,
+        default=None,
+        metavar="KEEP",
+        help="with --data: write kvstitch-measured.json into the model folder, the recompute a server with "
+        "KVSTITCH_RECOMPUTE=measured (the default) serves: the first --recompute, in the order given (cheapest "
+        f"first), whose turbo reordered row keeps KEEP of naive's accuracy (default {DEFAULT_KEEP:g})",
+    )
     evaluate.add_argument("--limit", type=int, default=None, help="use only N samples (after --offset)")
     evaluate.add_argument(
         "--offset", type=int, default=0, help="skip the first N samples (with --limit: one shard of a file)"

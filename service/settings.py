@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine import batching_defaults
 from service.engine.recompute_spec import parse_recompute
+from service.quality.measured import MEASURED
 from service.search_filter import KEY_PATTERN as FILTER_KEY
 from service.search_filter import MAX_KEY_CHARS as MAX_FILTER_KEY_CHARS
 
@@ -175,8 +176,9 @@ class Settings(BaseSettings):
         "docs/quality.md).",
     )
     recompute: str = Field(
-        "none",
-        description="Recompute for turbo answers that name none: none, prefix:N, selective:R[:F], query:R[:F], "
+        MEASURED,
+        description="Recompute for turbo answers that name none: measured (what kvstitch eval --recommend found for "
+        "this model, weights, dtype and chunk context; else none), none, prefix:N, selective:R[:F], query:R[:F], "
         "auto[:T] (F: the share of each chunk chosen within it first).",
     )
     shadow_share: float = Field(
@@ -365,8 +367,10 @@ class Settings(BaseSettings):
     @field_validator("recompute")
     @classmethod
     def _check_recompute(cls, value: str) -> str:
-        parse_recompute(value)  # a bad default fails at start-up, not on the first question
-        return value.strip()
+        value = value.strip()
+        if value != MEASURED:
+            parse_recompute(value)  # a bad default fails at start-up, not on the first question
+        return value
 
     @field_validator("s3_url")
     @classmethod

@@ -16,12 +16,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.quality.atomic_file import replace_lines
 from service.quality.dataset import QADataError
 
 AnswerRecord = dict[str, Any]
@@ -173,7 +173,7 @@ def resume_answers(path: Path, golds: Mapping[str, Sequence[str]], labels: Seque
     done = frozenset(key for key, answered in rows.items() if answered == set(labels))
     kept = [(text, record) for _, text, record in entries if sample_key(record["id"], record["line"]) in done]
     if len(kept) < len(entries) or not _ends_with_newline(path):  # an append must start on a line of its own
-        _replace(path, [text for text, _ in kept])
+        replace_lines(path, [text for text, _ in kept])
     return Resume([record for _, record in kept], done, len(entries) - len(kept))
 
 
@@ -183,22 +183,6 @@ def _ends_with_newline(path: Path) -> bool:
             return True
         data.seek(-1, os.SEEK_END)
         return data.read(1) == b"\n"
-
-
-def _replace(path: Path, lines: list[str]) -> None:
-    """`path` holding `lines`, written to a temporary file beside it and moved over it: a run killed meanwhile
-    leaves the old file or the new one, never half of one."""
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    temporary = Path(name)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.writelines(line + "\n" for line in lines)
-            out.flush()
-            os.fsync(out.fileno())
-        temporary.replace(path)  # os.replace: atomic within one file system
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager

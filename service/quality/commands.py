@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from argparse import Namespace
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,9 @@ def run_eval(args: Namespace, dtype: torch.dtype | None) -> int:
         return _error("--resume takes --data FILE.jsonl and --answers FILE: it reads back the answers written")
     if not 1 <= args.batch <= MAX_BATCH:
         return _error(f"--batch must be within 1..{MAX_BATCH}")
+    refused = _recommend_refused(args, corpus_form)
+    if refused:
+        return _error(refused)
     try:
         recomputes = dict.fromkeys(parse_recompute(s) for s in args.recompute or ["none"])  # once each, in order
         contexts = dict.fromkeys(ChunkContext(c) for c in args.chunk_context or [SERVED_CHUNK_CONTEXT])
@@ -94,7 +98,8 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
     remaining = [s for s in samples if sample_key(s.id, s.line) not in resumed.done]
     record = {"model": args.model, "data": args.data, **_window_record(args, instruction)}
     if not remaining:  # every sample of the range was answered: no model to load
-        return _report(args, restored_report(variants, resumed.kept, args.max_new_tokens), record)
+        report = restored_report(variants, resumed.kept, args.max_new_tokens)
+        return _report(args, report, record) or _recommend(args, dtype, variants, report)
     engine = _engine(args, dtype, instruction)
     if engine is None:
         return 2
@@ -117,7 +122,68 @@ def _eval_file(args: Namespace, dtype: torch.dtype | None, variants: list[Varian
             )
     except (QADataError, OSError) as err:
         return _error(str(err))
-    return _report(args, report, record)
+    return _report(args, report, record) or _recommend(args, dtype, variants, report)
+
+
+def _recommend_refused(args: Namespace, corpus_form: bool) -> str | None:
+    """Why `--recommend` cannot be done here (checked before any answer is computed), or None."""
+    from service.quality.measured import MEASURED_FILE
+
+    if args.recommend is None:
+        return None
+    if corpus_form:
+        return "--recommend needs --data FILE.jsonl: it chooses by accuracy against reference answers"
+    if not 0.0 < args.recommend <= 1.0:
+        return f"--recommend takes the share of naive's accuracy to keep, within (0, 1], not {args.recommend:g}"
+    folder = Path(args.model)
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        return f"--recommend writes {MEASURED_FILE} into the model folder: {args.model} is no writable folder"
+    return None
+
+
+def _recommend(args: Namespace, dtype: torch.dtype | None, variants: Sequence[Variant], report: EvalReport) -> int:
+    """`--recommend KEEP`: choose the recompute to serve by default from the turbo reordered rows (the first, in the
+    order given, that keeps KEEP of naive's accuracy) and write it beside the model, with its fingerprint."""
+    from service.engine.model import default_dtype, load_model_shell
+    from service.engine.stitch import PositionMode
+    from service.kvcache.keys import dtype_name, model_fingerprint
+    from service.quality.measured import Candidate, MeasuredRecompute, choose, write_measured
+
+    if args.recommend is None:
+        return 0
+    naive = report.rows[0].accuracy
+    if not naive:
+        return _error("--recommend: naive answered no sample correctly, so there is no accuracy to keep")
+    candidates = [
+        Candidate(str(v.recompute), v.context.value, row.accuracy, row.accuracy / naive)
+        for v, row in zip(variants, report.rows, strict=True)
+        if v.positions is PositionMode.REORDERED and v.temperature == v.scale == 1.0 and row.accuracy is not None
+    ]
+    try:
+        chosen, met = choose(candidates, args.recommend)
+    except ValueError as err:
+        return _error(f"--recommend: {err}")
+    loaded = dtype or default_dtype(torch.device(args.device))
+    shell = load_model_shell(args.model, loaded)
+    measured = MeasuredRecompute(
+        chosen.recompute,
+        chosen.chunk_context,
+        met,
+        args.recommend,
+        model_fingerprint(shell),
+        dtype_name(loaded),
+        report.samples,
+        naive,
+        Path(args.data).name,
+        tuple(candidates),
+    )
+    path = write_measured(Path(args.model), measured)
+    verdict = "" if met else f"; none kept {args.recommend:.0%}: the most accurate was chosen, consider mode naive"
+    print(
+        f"recommended recompute {chosen.recompute} (chunk context {chosen.chunk_context}): kept {chosen.kept:.0%} "
+        f"of naive's accuracy on {report.samples} samples{verdict}; wrote {path}"
+    )
+    return 0
 
 
 def _run_fingerprint(args: Namespace, dtype: torch.dtype | None, instruction: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec, parse_recompute
+from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.errors import (
@@ -53,6 +53,7 @@ from service.formats.isolated import ExtractCancelledError, ExtractTimeoutError,
 from service.jobs.documents import IngestJob, JobError, parse_job
 from service.jobs.submit import new_job_id, submit_delete, submit_ingest
 from service.metrics import Metrics
+from service.quality.measured import DefaultRecompute, default_recompute
 from service.retrieval.collection import SearchOptions
 from service.retrieval.embedder import Embedder
 from service.retrieval.fusion import conversation_queries
@@ -90,6 +91,7 @@ class Server:
         self.shadows: Shadows | None = None
         self.gate: GateOutcome | None = None
         self.fleet: Fleet | None = None  # gateway mode: the engine processes questions go to
+        self.recompute_default = DefaultRecompute(NO_RECOMPUTE, "not resolved yet: the model is loading")
         self.startup_error: str | None = None
         self.started = threading.Event()
         self._given = (engine, embedder)
@@ -121,6 +123,7 @@ class Server:
             began = time.perf_counter()
             self._gc_pauses.install()
             runtime = self.runtime = open_runtime(self.settings, *self._given)
+            self._resolve_recompute_default(runtime)
             self.metrics.kv_blocks_swept.inc(runtime.blocks_swept)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
@@ -142,6 +145,16 @@ class Server:
             self.startup_error = f"{type(err).__name__}: {err}"
         finally:
             self.started.set()
+
+    def _resolve_recompute_default(self, runtime: Runtime) -> None:
+        """KVSTITCH_RECOMPUTE as it serves (`measured`: the model folder's measurement, where it fits), said once
+        at start: a measurement not applied is a warning, never a silent `none`."""
+        settings = self.settings
+        fingerprint = runtime.store.key_space.fingerprint
+        default = default_recompute(settings.recompute, settings.model, fingerprint, settings.chunk_context)
+        self.recompute_default = default
+        level = logging.WARNING if "not applied" in default.source else logging.INFO
+        log.log(level, "turbo answers naming no recompute get %s (%s)", default.spec, default.source)
 
     def _serve_here(self, runtime: Runtime) -> None:
         """The embedded engine: gate, warm-up, scheduler, shadows (this process answers)."""
@@ -208,7 +221,7 @@ class Server:
             engines_ok, checks["engines"] = self.fleet.readiness()
             ok = ok and engines_ok
         self.metrics.ready.set(1 if ok else 0)
-        report: dict[str, Any] = {"ready": ok, "checks": checks}
+        report: dict[str, Any] = {"ready": ok, "checks": checks, "recompute_default": self.recompute_default.as_json()}
         if self.runtime is not None and not self.settings.gateway:  # a gateway's engines answer, and report theirs
             report["kv_path"] = self.runtime.kv_path.as_json()
             scheduler = self.runtime.loop.scheduler  # read once: a closing runtime sets it to None
@@ -358,7 +371,7 @@ class Server:
             return request.recompute
         if request.positions == PositionMode.COMPOSITE.value:
             return NO_RECOMPUTE
-        return parse_recompute(self.settings.recompute)
+        return self.recompute_default.spec
 
     # ---- files ----------------------------------------------------------------------------------------------
 

@@ -53,9 +53,8 @@ def make_app(
 
     def make(**overrides: Any) -> FastAPI:
         settings = Settings(
-            model=str(tiny_model_dirs["qwen2"]),
             data_dir=tmp_path / f"data-{next(apps)}",  # embedded Qdrant: one app per folder
-            **{**API_SETTINGS, **overrides},
+            **{"model": str(tiny_model_dirs["qwen2"]), **API_SETTINGS, **overrides},
         )
         server = Server(settings, get_engine("qwen2", "cpu"), api_embedder, worker_factory=in_process_worker)
         return create_app(server)

@@ -3,6 +3,7 @@ the `done` event reports (the spec applied, `recomputed_tokens`, `timings_ms.rec
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,12 @@ from typing import Any
 import openai
 import pytest
 from api_support import QUESTION, ingest
-from app_server import MakeApp, wait_ready
+from app_server import MakeApp, server_of, wait_ready
 from fastapi.testclient import TestClient
 
 from service.engine.engine import StitchEngine
 from service.engine.kv_layout import ChunkContext
+from service.kvcache.keys import model_fingerprint
 from service.serving.runtime import open_engine
 from service.settings import Settings
 
@@ -157,3 +159,80 @@ def test_the_settings_reach_the_engine(tiny_model_dirs: dict[str, Path]) -> None
     )
     engine = open_engine(settings)
     assert (engine.chunk_context, engine.recompute_full_below) == (ChunkContext.PREFIX, 7)
+
+
+def _measured_model(tmp_path: Path, source: Path, fingerprint: str, **changes: Any) -> Path:
+    """A copy of the tiny model's folder with a measurement beside its weights."""
+    from service.quality.measured import Candidate, MeasuredRecompute, write_measured
+
+    model = tmp_path / "measured-model"
+    shutil.copytree(source, model)
+    rows = (Candidate("none", "alone", 0.1, 0.4), Candidate("prefix:4", "alone", 0.24, 0.96))
+    fields: dict[str, Any] = {
+        "recompute": "prefix:4",
+        "chunk_context": "alone",
+        "met": True,
+        "keep": 0.85,
+        "fingerprint": fingerprint,
+        "dtype": "float32",
+        "samples": 40,
+        "naive_accuracy": 0.25,
+        "data": "qa.jsonl",
+        "candidates": rows,
+    }
+    write_measured(model, MeasuredRecompute(**{**fields, **changes}))
+    return model
+
+
+def test_the_default_serves_the_models_measured_recompute_and_readyz_says_why(
+    make_app: MakeApp,
+    tmp_path: Path,
+    tiny_model_dirs: dict[str, Path],
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    fingerprint = model_fingerprint(get_engine("qwen2", "cpu").model)
+    model = _measured_model(tmp_path, tiny_model_dirs["qwen2"], fingerprint)
+    app = make_app(model=str(model))
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+        default = _ask(client, max_new_tokens=4)
+        ready = client.get("/readyz").json()
+
+    assert default["recompute"] == "prefix:4" and default["recomputed_tokens"] == 4 * len(default["chunks"])
+    assert ready["recompute_default"]["spec"] == "prefix:4"
+    assert "kept 96% of naive's accuracy on 40 samples" in ready["recompute_default"]["source"]
+
+
+def test_a_measurement_of_other_weights_is_not_applied_and_readyz_says_so(
+    make_app: MakeApp, tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    model = _measured_model(tmp_path, tiny_model_dirs["qwen2"], "0" * 64)
+    app = make_app(model=str(model))
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+        default = _ask(client, max_new_tokens=4)
+        ready = client.get("/readyz").json()
+
+    assert (default["recompute"], default["recomputed_tokens"]) == ("none", 0)
+    assert ready["recompute_default"]["spec"] == "none"
+    assert "not applied" in ready["recompute_default"]["source"]
+
+
+def test_a_corrupt_measurement_stops_start_up_naming_the_file(
+    make_app: MakeApp, tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    from service.quality.measured import MEASURED_FILE
+
+    model = _measured_model(tmp_path, tiny_model_dirs["qwen2"], "0" * 64)
+    (model / MEASURED_FILE).write_text('{"format": "kvstitch-measured-recompute/1"', encoding="utf-8")
+    app = make_app(model=str(model))
+    with TestClient(app) as client:
+        server = server_of(app)
+        assert server.started.wait(120)
+        ready = client.get("/readyz")
+
+    assert not server.ready and ready.status_code == 503
+    startup = ready.json()["checks"]["startup"]
+    assert f"{model / MEASURED_FILE}: not JSON" in startup

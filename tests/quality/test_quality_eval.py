@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -387,3 +388,56 @@ def test_eval_rows_per_context_temperature(
     code = main(["eval", "--model", str(model), "--data", str(qa_file), "--context-temperature", "9"])
     assert code == 2
     assert "--context-temperature 9 is outside 0.25..4" in capsys.readouterr().err
+
+
+def test_recommend_writes_the_first_recompute_that_keeps_enough_with_the_models_fingerprint(
+    get_engine: Any, tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.kvcache.keys import model_fingerprint
+    from service.quality.measured import MEASURED_FILE, read_measured
+
+    engine: StitchEngine = get_engine("qwen2")
+    samples = read_samples(write_qa_file(tmp_path / "qa.jsonl", questions=5, chunks=3, seed=8, two_fact_share=0.0))
+    lines = [
+        json.dumps({"question": s.question, "chunks": list(s.chunks), "answers": [answer_span(text)]})
+        for s in samples
+        if normalize_answer(answer_span(text := _naive_answer(engine, s, 6)))
+    ]
+    assert lines, "the tiny model produced no scorable answer"
+    own = tmp_path / "own.jsonl"
+    own.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["qwen2"], model)
+    specs = ["--recompute", "none", "--recompute", "selective:1", "--chunk-context", "alone"]
+
+    record = _eval_json(
+        model, own, tmp_path / "rows.json", *specs, "--instruction", "", "--max-new-tokens", "6", "--recommend", "1"
+    )
+
+    rows = {(r["mode"], r["positions"], r["recompute"]): r["accuracy"] for r in record["rows"]}
+    naive = rows[("naive", None, "none")]
+    assert naive == 1.0  # the answers are naive's own
+    assert rows[("turbo", "reordered", "selective:1")] == naive  # recomputing every token is naive
+    expected = "none" if rows[("turbo", "reordered", "none")] == naive else "selective:1"
+    measured = read_measured(model / MEASURED_FILE)
+    assert (measured.recompute, measured.chunk_context, measured.met) == (expected, "alone", True)
+    assert measured.fingerprint == model_fingerprint(engine.model) and measured.dtype == "float32"
+    assert (measured.samples, measured.naive_accuracy, measured.data) == (len(lines), 1.0, "own.jsonl")
+    assert [c.recompute for c in measured.candidates] == ["none", "selective:1"]
+    assert f"recommended recompute {expected}" in capsys.readouterr().out
+
+
+def test_recommend_is_refused_before_answering_where_it_cannot_be_written(
+    tiny_model_dirs: dict[str, Path], qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data", str(qa_file), "--device", "cpu"]
+
+    assert main([*base, "--recommend", "1.5"]) == 2
+    assert "within (0, 1]" in capsys.readouterr().err
+    assert main(["eval", "--model", "org/hub-id", "--data", str(qa_file), "--recommend"]) == 2
+    assert "no writable folder" in capsys.readouterr().err
+    questions = tmp_path / "q.txt"
+    questions.write_text("What?\n", encoding="utf-8")
+    corpus = ["eval", "--model", str(tiny_model_dirs["qwen2"]), "--data-dir", str(tmp_path), "--questions"]
+    assert main([*corpus, str(questions), "--recommend"]) == 2
+    assert "needs --data" in capsys.readouterr().err
