@@ -25,6 +25,7 @@ from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool
 from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.shared_decode import (
+    PrefixPlacer,
     SharedDecoder,
     decode_batch,
     extend_batch,
@@ -342,3 +343,25 @@ def test_gpu_shared_kernels_decode_the_copy_paths_tokens(get_engine: Callable[[s
         assert all(g == w for g, w, c in zip(step_tokens, want_step, clear, strict=True) if c)
         if step_tokens != want_step:
             break  # a near tie went the other way: the histories differ from here
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_the_prefix_placer_copies_what_a_stitch_places_into_every_slab(
+    get_engine: Callable[[str, str], StitchEngine], arch: str
+) -> None:
+    engine = get_engine(arch, "cpu")
+    prefix, tokens = engine.prefix_block, engine.prefix_block.num_tokens
+    pool = nan_pool(engine, 5 * (tokens + 8))
+    reference_slab = pool.allocate(tokens + 8)
+    reference = place_prefix(pool, reference_slab, prefix, engine.forward.rotary)
+    placer = PrefixPlacer(pool, engine.forward.rotary)
+
+    buffers = [placer.place(pool.allocate(tokens + 8), prefix) for _ in range(3)]
+
+    expected = reference.data[:, :, :, :tokens]
+    for buffer in buffers:  # the first stitched, the others copied: all equal, bit for bit
+        assert (buffer.length, buffer.next_position) == (tokens, tokens)
+        assert torch.equal(buffer.data[:, :, :, :tokens], expected)
+        assert torch.isnan(buffer.data[:, :, :, tokens:]).all()  # nothing written past the prefix
+    buffers[0].data.fill_(0.0)  # the kept copy is its own memory, not the first slab
+    assert torch.equal(placer.place(pool.allocate(tokens + 8), prefix).data[:, :, :, :tokens], expected)

@@ -90,3 +90,24 @@ def test_graphed_shared_steps_decode_the_eager_steps_tokens(
     graphed, captured = run(True)
     assert captured >= 2  # batches of several sizes ran through their own graphs
     assert graphed == eager
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_warming_captures_every_bucket_up_to_the_reads_and_the_batch(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    engine = get_engine("qwen2", "cuda")
+    scheduler = Scheduler(engine, nan_pool(engine, 20000), max_batch=8, cuda_graphs=True, arena=nan_arena(engine, 600))
+    shared = scheduler.shared
+    assert shared is not None and shared.graphs is not None and shared.extend_graphs is not None
+
+    shared.warm(most_reads=9, max_batch=8, min_question=16)
+
+    decode = set(shared.graphs._graphs)
+    assert decode == {(batch, reads) for batch in SHARED_BUCKETS if batch <= 8 for reads in (4, 8, 16)}
+    prefill = set(shared.extend_graphs._graphs)
+    assert {reads for _, _, reads in prefill} == {4, 8, 16}
+    assert all(rows <= 8 and tokens >= 16 * rows for rows, tokens, _ in prefill)
+    assert (8, 128, 16) in prefill and (1, 16, 4) in prefill and (2, 16, 4) not in prefill
+    shared.close()

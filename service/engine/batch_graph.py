@@ -27,6 +27,7 @@ import torch
 
 from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows, StepFeed, fed_ids
 from service.engine.cuda_graph import _capture, bucket_capacity
+from service.engine.device_copy import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,13 @@ def batch_bucket(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | No
 
 class StepInputs:
     """A captured decode step's static inputs: [ids; positions; slab starts; live slots; feed row or -1] per row,
-    padding rows feeding token 0 at position 0 into the one-slot `scratch` slab. Filled by one pinned (so
-    asynchronous) copy per replay."""
+    padding rows feeding token 0 at position 0 into the one-slot `scratch` slab. Filled by one asynchronous copy
+    per replay (`copy_into`)."""
 
     def __init__(self, batch: int, scratch: int, device: torch.device) -> None:
         self.batch = batch
         self._scratch = scratch
-        self._host = torch.zeros((5, batch), dtype=torch.long, pin_memory=True)
         self._device = torch.zeros((5, batch), dtype=torch.long, device=device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.fill([0] * batch, [0] * batch, [(scratch, 1)] * batch, None)
 
     def rows(self, feed: torch.Tensor) -> DecodeRows:
@@ -71,15 +70,11 @@ class StepInputs:
         src: Sequence[int] | None,
     ) -> None:
         pad = self.batch - len(ids)
-        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
-        self._copied.synchronize()
         fed = list(src) if src is not None else [-1] * len(ids)
         rows = [list(ids), list(positions), [s for s, _ in spans], [u for _, u in spans], fed]
         padding = [0, 0, self._scratch, 1, -1]
-        self._host.copy_(torch.tensor([row + [p] * pad for row, p in zip(rows, padding, strict=True)]))
-        with torch.inference_mode():
-            self._device.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        values = [row + [p] * pad for row, p in zip(rows, padding, strict=True)]
+        copy_into(self._device, torch.tensor(values, dtype=torch.long))
 
 
 class BatchGraph:

@@ -31,6 +31,7 @@ from service.engine.attention import (
     prefill_kv_splits,
     resolve_attention,
 )
+from service.engine.device_copy import copy_into
 from service.engine.forward import LeanForward
 from service.engine.kv_buffer import KVBuffer
 
@@ -148,10 +149,8 @@ class PrefillGraph:
         self.kv_splits = prefill_kv_splits(spec, attention) if kv_splits is None else kv_splits
         self._lengths = LengthInputs(spec, capacity, tokens, self.kv_splits)
         self._offsets = torch.arange(tokens, device=spec.device)
-        # [ids..., start position, start slot, last real index]; pinned so the copy is asynchronous DMA.
-        self._host = torch.zeros(tokens + 3, dtype=torch.long, pin_memory=True)
+        # [ids..., start position, start slot, last real index], filled by an asynchronous copy (`copy_into`).
         self._inputs = torch.zeros(tokens + 3, dtype=torch.long, device=spec.device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         num_layers = len(forward.layers)
         self.layer_groups: LayerGroups = layer_groups or ((0, num_layers),)
         if [r for g in self.layer_groups for r in range(*g)] != list(range(num_layers)):
@@ -196,14 +195,10 @@ class PrefillGraph:
 
     def _fill(self, question: Sequence[int], position: int, slot: int, real: int) -> None:
         n = self.tokens
-        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
-        self._copied.synchronize()
-        self._host[: len(question)] = torch.tensor(list(question), dtype=torch.long)
-        self._host[len(question) : n] = 0  # padding: any valid id; its K/V land past the live length
-        self._host[n], self._host[n + 1], self._host[n + 2] = position, slot, real - 1
-        with torch.inference_mode():
-            self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        host = torch.zeros(n + 3, dtype=torch.long)  # padding: token 0, any valid id; its K/V land past the live length
+        host[: len(question)] = torch.tensor(list(question), dtype=torch.long)
+        host[n], host[n + 1], host[n + 2] = position, slot, real - 1
+        copy_into(self._inputs, host)
 
     def replay(
         self, question: Sequence[int], position: int, slot: int, before: BeforeSegment | None = None

@@ -29,6 +29,7 @@ from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, ExtendRows, extend_lists
 from service.engine.batch_graph import BATCH_BUCKETS, batch_bucket
 from service.engine.cuda_graph import _capture
+from service.engine.device_copy import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,11 @@ def split_by_tokens(requests: Sequence[ExtendRequest], limit: int) -> list[list[
 
 class ExtendInputs:
     """A captured extend's static inputs: `extend_layout`'s flat tensor for `rows` rows (+ the padding row) and
-    `tokens` tokens, filled by one pinned (so asynchronous) host-to-device copy per replay."""
+    `tokens` tokens, filled by one asynchronous host-to-device copy per replay (`copy_into`)."""
 
     def __init__(self, rows: int, tokens: int, scratch: int, device: torch.device) -> None:
         self.rows, self.tokens, self._scratch = rows, tokens, scratch
-        width = layout_width(rows, tokens)
-        self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
-        self._device = torch.zeros(width, dtype=torch.long, device=device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._device = torch.zeros(layout_width(rows, tokens), dtype=torch.long, device=device)
         self.fill([([0], 0, scratch, 0)])
 
     def static_rows(self) -> ExtendRows:
@@ -121,12 +119,7 @@ class ExtendInputs:
 
     def load(self, flat: Sequence[int]) -> None:
         """Queue `flat` (an `extend_layout` of this size) into the static inputs."""
-        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
-        self._copied.synchronize()
-        self._host.copy_(torch.tensor(flat))
-        with torch.inference_mode():
-            self._device.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        copy_into(self._device, torch.tensor(flat, dtype=torch.long))
 
 
 class ExtendGraph:

@@ -31,6 +31,7 @@ from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, StepFeed, fed_ids
 from service.engine.batch_graph import STEP_BUCKETS, batch_bucket
 from service.engine.cuda_graph import _capture, bucket_capacity
+from service.engine.device_copy import copy_into
 from service.engine.extend_graph import SCRATCH_SHARE, ExtendRequest, extend_layout, layout_width, token_bucket
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,7 @@ class MixedGraph:
         self.batch, self.rows, self.tokens, self.capacity = shape
         self._scratch = scratch
         width = 5 * self.batch + layout_width(self.rows, self.tokens)
-        # Pinned, so the per-replay copy is asynchronous DMA.
-        self._host = torch.zeros(width, dtype=torch.long, pin_memory=True)
         self._inputs = torch.zeros(width, dtype=torch.long, device=spec.device)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._fill(([], [], [], None), [([0], 0, scratch, 0)])
         feed, out = static
         self._out = out
@@ -91,12 +89,7 @@ class MixedGraph:
         padding = [0, 0, self._scratch + self.tokens, 1, -1]
         head = [value for row, p in zip(rows, padding, strict=True) for value in row + [p] * pad]
         flat, _ = extend_layout(questions, self.rows, self.tokens, self._scratch)
-        # The previous replay's copy must have left the pinned staging buffer before it is overwritten.
-        self._copied.synchronize()
-        self._host.copy_(torch.tensor(head + flat))
-        with torch.inference_mode():
-            self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        copy_into(self._inputs, torch.tensor(head + flat, dtype=torch.long))
 
     def replay(self, decode: DecodeInputs, questions: Sequence[ExtendRequest]) -> torch.Tensor:
         """fp32 logits [len(ids) + len(questions), vocab]: the decode rows', then each question's last token's;

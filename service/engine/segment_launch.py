@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.engine.device_copy import pinned_copy
 from service.engine.fused_stitch import LOG2E, next_power_of_2
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import ContextScaling, SegmentArrays, SegmentBatch
@@ -279,10 +280,9 @@ def _upload(flat: np.ndarray, device: torch.device) -> torch.Tensor:
     kernel already queued, so each step's host work (this plan included) would wait for the previous step's
     kernels instead of running beside them. The caching host allocator keeps the pinned block until the copy
     has read it."""
-    host = torch.from_numpy(flat)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(flat).to(device)
+    return pinned_copy(flat).to(device, non_blocking=True)
 
 
 def _expand(counts: np.ndarray) -> np.ndarray:

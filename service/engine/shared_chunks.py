@@ -31,15 +31,15 @@ from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_layout import KVBlock
 from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.shared_decode import (
+    PrefixPlacer,
     Reads,
     SharedDecoder,
     decode_batch,
     extend_batch,
-    place_prefix,
     placements,
 )
 from service.engine.shared_extend_graph import SharedExtendGraphs
-from service.engine.shared_graph import SharedStepGraphs
+from service.engine.shared_graph import SharedStepGraphs, reads_bucket
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 from service.engine.stitch import BlockReady
 
@@ -57,6 +57,7 @@ class SharedChunks:
         self.arena = arena
         context = ContextScaling(temperature=engine.context_temperature, scale=engine.context_scale)
         self.decoder = SharedDecoder(decoder, arena, context)
+        self._prefix = PrefixPlacer(decoder.pool, engine.forward.rotary)
         graphed = graphs and self.decoder.kernels
         self.graphs = SharedStepGraphs(self.decoder, max_picks) if graphed else None
         spec = engine.spec
@@ -126,7 +127,7 @@ class SharedChunks:
         lengths = [engine.prefix_block.num_tokens, *(len(ids) for ids in request.prompt.blocks)]
         plan = engine.plan_lengths(request.positions, lengths)
         request.reads = placements(plan, request.arena_ranges)
-        request.kv = place_prefix(self.decoder.decoder.pool, request.slab, engine.prefix_block, engine.forward.rotary)
+        request.kv = self._prefix.place(request.slab, engine.prefix_block)
         # The question goes at its true index, after the chunks the slab does not hold.
         request.kv.truncate(request.kv.length, plan.question_start)
 
@@ -209,6 +210,16 @@ class SharedChunks:
                 return logits
         rows = DecodeRows.build(ids, positions, spans, self.engine.spec.device, feed)
         return self.decoder.step(rows, call)
+
+    def warm(self, most_reads: int, max_batch: int, min_question: int) -> None:
+        """Capture the decode step's and the question prefill's graphs now (server start) for rows reading up to
+        `most_reads` chunks, so no answer waits for a capture (one is hundreds of ms; the first compiles kernels)."""
+        levels = sorted({reads_bucket(reads) for reads in range(1, most_reads + 1)})
+        for reads in levels:
+            if self.graphs is not None:
+                self.graphs.warm(reads, max_batch)
+            if self.extend_graphs is not None:
+                self.extend_graphs.warm(reads, max_batch, max(self.extend_graphs.buckets), min_question)
 
     def close(self) -> None:
         """Give the graphs' scratch slots back (the arena is closed by its owner)."""

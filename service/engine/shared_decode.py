@@ -85,6 +85,31 @@ def place_prefix(pool: KVPool, slab: Slab, prefix: KVBlock, rotary: Rotary) -> K
     return buffer
 
 
+class PrefixPlacer:
+    """Puts the template prefix into shared requests' slabs. Every such slab starts with the same rotated prefix,
+    so the first is placed as a stitch places it and kept, and the next ones get one copy of it instead of the
+    rotation's dozen small kernels per admission (a new prefix block, another template, is placed anew)."""
+
+    def __init__(self, pool: KVPool, rotary: Rotary) -> None:
+        self._pool = pool
+        self._rotary = rotary
+        self._kept: tuple[KVBlock, torch.Tensor] | None = None
+
+    def place(self, slab: Slab, prefix: KVBlock) -> KVBuffer:
+        """`place_prefix`'s buffer: the prefix at slots 0 .. P-1, its live slots the prefix's."""
+        kept = self._kept
+        if kept is None or kept[0] is not prefix:
+            buffer = place_prefix(self._pool, slab, prefix, self._rotary)
+            self._kept = (prefix, buffer.data[:, :, :, : prefix.num_tokens].clone())
+            return buffer
+        buffer = self._pool.buffer(slab)
+        tokens = prefix.num_tokens
+        buffer.reserve(tokens)
+        buffer.data[:, :, :, :tokens].copy_(kept[1])
+        buffer.commit(tokens, tokens)
+        return buffer
+
+
 def segment_batch(
     reads: Sequence[Reads | Sequence[Placement]],
     tails: Sequence[tuple[int, int]],

@@ -248,14 +248,15 @@ class SharedExtendGraphs:
             )
         return graph
 
-    def warm(self, reads: int, max_rows: int, max_tokens: int) -> None:
+    def warm(self, reads: int, max_rows: int, max_tokens: int, min_question: int = 1) -> None:
         """Capture every bucket of up to `max_rows` rows and `max_tokens` question tokens (its bucket) for `reads`
-        chunks a request now (server start), so the first questions do not pay for the capture."""
+        chunks a request now (server start), so the first questions do not pay for the capture; `min_question`:
+        tokens a question has at least, so no bucket is captured that no group of that many rows can take."""
         top = token_bucket(max_tokens, self.buckets) or max(self.buckets)
         for rows in BATCH_BUCKETS:
             for tokens in self.buckets:
                 bucket = graph_bucket(rows, tokens, reads, self.buckets)
-                if rows <= max_rows and rows <= tokens <= top and bucket is not None:
+                if rows <= max_rows and rows * min_question <= tokens <= top and bucket is not None:
                     self._graph(*bucket)
 
     def close(self) -> None:

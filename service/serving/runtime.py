@@ -31,6 +31,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.model import WEIGHTLESS, LoadedModel, load_model, load_model_shell
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import BatchingOptions, build_scheduler
+from service.engine.shared_chunks import SharedChunks
 from service.engine.slot_attention import slot_kernel_usable
 from service.fleet.tier_events import TierPublisher
 from service.jobs.documents import DocumentLimits, job_documents
@@ -70,6 +71,9 @@ GATE_QUESTION_LENGTH = 12
 # The KV pool of running answers when no size is set: room for 32 answers at ~9K context of a 7B model on a GPU
 # (57 KB per token in bf16); on a CPU (small models only) 64 MiB, allocated and zeroed at every start.
 DEFAULT_POOL_MB = {"cuda": 16384, "cpu": 64}
+# Chunks a row reads that the shared path's graphs are captured for at start: the default top_k (5) and the
+# benchmarks' 16 fall in the 4, 8 and 16 buckets; a row reading more captures its bucket on first use.
+SHARED_WARM_READS = 16
 
 
 @dataclass(frozen=True)
@@ -338,13 +342,17 @@ def serve_answers(
     loop.call(lambda: _warm_batch_graphs(settings, engine, scheduler))
     log.info("answers batched: up to %d at once in a %d MiB KV pool (%d slots)", scheduler.max_batch, mib, pool.slots)
     if arena is not None:
-        log.info("shared chunks on (eager steps): a chunk arena of %d slots", arena.slots)
+        graphed = scheduler.shared is not None and scheduler.shared.graphs is not None
+        steps = "steps through CUDA graphs" if graphed else "eager steps"
+        log.info("shared chunks on (%s): a chunk arena of %d slots", steps, arena.slots)
     return scheduler
 
 
 def _warm_batch_graphs(settings: Settings, engine: StitchEngine, scheduler: Scheduler) -> None:
     """Capture each batch size's decode step for every context bucket now (on the engine loop), so no capture
-    happens while answers are served."""
+    happens while answers are served; in shared-chunk mode its own graphs."""
+    if scheduler.shared is not None:
+        _warm_shared_graphs(settings, engine, scheduler.shared, scheduler.max_batch)
     if scheduler.graphs is None:
         return
     # Every capacity bucket from the typical answer's up to what the pool can hold for one answer.
@@ -354,6 +362,16 @@ def _warm_batch_graphs(settings: Settings, engine: StitchEngine, scheduler: Sche
         if tokens >= largest:
             break
         tokens *= 2
+
+
+def _warm_shared_graphs(settings: Settings, engine: StitchEngine, shared: SharedChunks, max_batch: int) -> None:
+    """The shared path's graphs for answers reading up to `SHARED_WARM_READS` chunks (the default top_k and the
+    benchmarks' 16; more are captured on first use), questions of the template's wrapper and a few words at
+    least."""
+    start = time.perf_counter()
+    most_reads = min(settings.max_top_k, SHARED_WARM_READS)
+    shared.warm(most_reads, max_batch, len(engine.encode_question("a b c d")))
+    log.info("shared-chunk graphs captured in %.0f ms", (time.perf_counter() - start) * 1e3)
 
 
 def typical_tokens(settings: Settings, engine: StitchEngine) -> int:
