@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         1.5, ge=1.0, le=1000.0, description="Gateway mode: the relative half of the imbalance bound (SGLang's rule)."
     )
     fleet_load_cost_tokens: float = Field(
-        256.0,
+        64.0,
         ge=0.0,
         le=1_000_000.0,
         description="Gateway mode, chunk-aware: one running answer on an engine weighs as much as computing this many "

@@ -34,8 +34,10 @@ from service.kvcache.tiers import Tier
 # ratios follow.
 TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType({Tier.GPU: 0.0, Tier.HOST: 0.05, Tier.DISK: 0.5, Tier.MISS: 1.0})
 # One running request weighs as much as computing this many tokens: enough that between engines holding the same
-# chunks the idler one wins, small enough that one chunk (hundreds of tokens) in a fast tier outweighs a request.
-LOAD_COST_TOKENS = 256.0
+# chunks the idler one wins, small enough that residency decides most questions. With four gateways each routing
+# on a view probed every half second, a heavier weight herds (every gateway sends its questions to the engine that
+# looked idle): 256 gave back the hit gain and a higher p99 against round-robin, 64 won on both (benchmarks §16.5).
+LOAD_COST_TOKENS = 64.0
 # SGLang's router defaults: unbalanced when the busiest engine runs 32 requests more than the idlest and 1.5 times as
 # many; then the least loaded engine takes the question.
 BALANCE_ABS = 32
