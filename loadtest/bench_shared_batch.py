@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from loadtest.bench_prefill import build_engine, precompute_all, question_ids
 from service.engine.batch_request import BatchRequest
@@ -190,6 +191,8 @@ def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: a
             row["device_gib"] = torch.cuda.get_device_properties(engine.spec.device).total_memory / 2**30
         if args.profile and path.startswith("shared") and count == max(args.batches):
             row["profile"] = profiled(scheduler, prompts, sampling)
+        if args.kernels and count == max(args.batches):
+            row["kernels"] = kernel_table(scheduler, prompts, sampling, args.kernels)
         return row
     finally:
         release(scheduler)
@@ -229,6 +232,18 @@ def profiled(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: Sampl
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
     return text.getvalue()
+
+
+def kernel_table(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: SamplingParams, top: int) -> str:
+    """One more run of the batch under torch's profiler: its `top` device kernels by total device time (where a
+    step's GPU time goes: GEMMs, segment attention, merges, copies), with the run's wall time to weigh them by."""
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    began = time.perf_counter()
+    with profile(activities=activities) as recorded:
+        run_once(scheduler, prompts, sampling)
+    wall_ms = (time.perf_counter() - began) * 1e3
+    kernels = recorded.key_averages().table(sort_by="device_time_total", row_limit=top)
+    return f"{len(prompts)} answers, {wall_ms:.0f} ms wall under the profiler\n{kernels}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -277,6 +292,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the largest batch once more under torch's profiler: its N costliest device kernels, per path",
+    )
     parser.add_argument("--ttft", type=int, default=0, metavar="N", help="each path's TTFT of N lone requests")
     parser.add_argument("--out", type=Path, default=Path("bench-shared-out"))
     args = parser.parse_args(argv)
@@ -303,14 +325,15 @@ def main(argv: list[str] | None = None) -> int:
                 log.exception("batch %d path %s failed", count, path)
                 row = {"error": f"{type(err).__name__}: {str(err)[:120]}"}
             rows.append({"batch": count, "path": path, **row})
-            log.info("%s", {k: v for k, v in rows[-1].items() if k != "profile"})
+            log.info("%s", {k: v for k, v in rows[-1].items() if k not in ("profile", "kernels")})
     lone = [lone_row(engine, corpus, path, args) for path in args.paths] if args.ttft > 0 else []
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"args": vars(args) | {"out": str(args.out)}, "rows": rows, "ttft": lone}
     (args.out / "report.json").write_text(json.dumps(report))
     for row in rows:
-        if "profile" in row:
-            print(row["profile"])
+        for key in ("profile", "kernels"):
+            if key in row:
+                print(f"## {row['path']}, {row['batch']} answers: {key}\n{row[key]}")
     print(table(rows))
     if lone:
         print(ttft_table(lone))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.bench_shared_batch import main
 
 
@@ -38,3 +40,19 @@ def test_ttft_times_lone_requests_on_each_path(tiny_model_dirs: dict[str, Path],
     for row in lone:
         assert "error" not in row and row["requests"] == 3
         assert 0 < row["ttft_min_ms"] <= row["ttft_p50_ms"] <= row["ttft_p90_ms"]
+
+
+def test_kernels_profiles_the_largest_batch_on_each_path(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--batches", "1", "2", "--paths", "copy"]
+    argv += ["shared", "--chunks", "6", "--chunk-tokens", "16", "--reads", "2", "--max-new-tokens", "3"]
+    assert main([*argv, "--runs", "1", "--warmup", "0", "--kernels", "5", "--out", str(out)]) == 0
+
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [("kernels" in r) for r in rows] == [False, False, True, True]  # the largest batch only
+    for row in rows[2:]:
+        assert row["kernels"].startswith("2 answers, ") and "Name" in row["kernels"]  # the profiler's table
+    printed = capsys.readouterr().out
+    assert "## copy, 2 answers: kernels" in printed and "## shared, 2 answers: kernels" in printed
