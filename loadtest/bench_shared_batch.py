@@ -235,15 +235,25 @@ def profiled(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: Sampl
 
 
 def kernel_table(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: SamplingParams, top: int) -> str:
-    """One more run of the batch under torch's profiler: its `top` device kernels by total device time (where a
-    step's GPU time goes: GEMMs, segment attention, merges, copies), with the run's wall time to weigh them by."""
+    """The batch twice more under torch's profiler, its `top` device kernels by total device time each: first
+    answering one token only (admission and question prefill), then whole (the difference is the decode steps),
+    so each phase's share of a kernel (segment attention, GEMMs, merges, copies) shows."""
+    first_only = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    tables = [_profiled_kernels(scheduler, prompts, first_only, top, "first token only (prefill)")]
+    tables.append(_profiled_kernels(scheduler, prompts, sampling, top, f"{sampling.max_new_tokens} tokens (whole)"))
+    return "\n".join(tables)
+
+
+def _profiled_kernels(
+    scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: SamplingParams, top: int, what: str
+) -> str:
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     began = time.perf_counter()
     with profile(activities=activities) as recorded:
         run_once(scheduler, prompts, sampling)
     wall_ms = (time.perf_counter() - began) * 1e3
     kernels = recorded.key_averages().table(sort_by="device_time_total", row_limit=top)
-    return f"{len(prompts)} answers, {wall_ms:.0f} ms wall under the profiler\n{kernels}"
+    return f"{len(prompts)} answers, {what}: {wall_ms:.0f} ms wall under the profiler\n{kernels}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:

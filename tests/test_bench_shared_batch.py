@@ -53,6 +53,8 @@ def test_kernels_profiles_the_largest_batch_on_each_path(
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert [("kernels" in r) for r in rows] == [False, False, True, True]  # the largest batch only
     for row in rows[2:]:
-        assert row["kernels"].startswith("2 answers, ") and "Name" in row["kernels"]  # the profiler's table
+        kernels = row["kernels"]  # the profiler's tables: prefill alone, then the whole batch
+        assert kernels.startswith("2 answers, first token only (prefill): ") and kernels.count("Name") == 2
+        assert "2 answers, 3 tokens (whole): " in kernels
     printed = capsys.readouterr().out
     assert "## copy, 2 answers: kernels" in printed and "## shared, 2 answers: kernels" in printed
