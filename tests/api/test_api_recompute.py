@@ -184,6 +184,17 @@ def _measured_model(tmp_path: Path, source: Path, fingerprint: str, **changes: A
     return model
 
 
+def _default_answer(make_app: MakeApp, model: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A turbo answer naming no recompute from a server of `model`, and what /readyz says of the default."""
+    app = make_app(model=str(model))
+    with TestClient(app) as client:
+        wait_ready(app)
+        ingest(client)
+        answer = _ask(client, max_new_tokens=4)
+        ready: dict[str, Any] = client.get("/readyz").json()["recompute_default"]
+    return answer, ready
+
+
 def test_the_default_serves_the_models_measured_recompute_and_readyz_says_why(
     make_app: MakeApp,
     tmp_path: Path,
@@ -191,33 +202,20 @@ def test_the_default_serves_the_models_measured_recompute_and_readyz_says_why(
     get_engine: Callable[[str, str], StitchEngine],
 ) -> None:
     fingerprint = model_fingerprint(get_engine("qwen2", "cpu").model)
-    model = _measured_model(tmp_path, tiny_model_dirs["qwen2"], fingerprint)
-    app = make_app(model=str(model))
-    with TestClient(app) as client:
-        wait_ready(app)
-        ingest(client)
-        default = _ask(client, max_new_tokens=4)
-        ready = client.get("/readyz").json()
 
-    assert default["recompute"] == "prefix:4" and default["recomputed_tokens"] == 4 * len(default["chunks"])
-    assert ready["recompute_default"]["spec"] == "prefix:4"
-    assert "kept 96% of naive's accuracy on 40 samples" in ready["recompute_default"]["source"]
+    answer, ready = _default_answer(make_app, _measured_model(tmp_path, tiny_model_dirs["qwen2"], fingerprint))
+
+    assert answer["recompute"] == "prefix:4" and answer["recomputed_tokens"] == 4 * len(answer["chunks"])
+    assert ready["spec"] == "prefix:4" and "kept 96% of naive's accuracy on 40 samples" in ready["source"]
 
 
 def test_a_measurement_of_other_weights_is_not_applied_and_readyz_says_so(
     make_app: MakeApp, tmp_path: Path, tiny_model_dirs: dict[str, Path]
 ) -> None:
-    model = _measured_model(tmp_path, tiny_model_dirs["qwen2"], "0" * 64)
-    app = make_app(model=str(model))
-    with TestClient(app) as client:
-        wait_ready(app)
-        ingest(client)
-        default = _ask(client, max_new_tokens=4)
-        ready = client.get("/readyz").json()
+    answer, ready = _default_answer(make_app, _measured_model(tmp_path, tiny_model_dirs["qwen2"], "0" * 64))
 
-    assert (default["recompute"], default["recomputed_tokens"]) == ("none", 0)
-    assert ready["recompute_default"]["spec"] == "none"
-    assert "not applied" in ready["recompute_default"]["source"]
+    assert (answer["recompute"], answer["recomputed_tokens"]) == ("none", 0)
+    assert ready["spec"] == "none" and "not applied" in ready["source"]
 
 
 def test_a_corrupt_measurement_stops_start_up_naming_the_file(
