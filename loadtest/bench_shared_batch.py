@@ -20,7 +20,9 @@ Reports per path and B: the median decode step (the scheduler's own `decode` pha
 over the whole batch (B x new tokens / the batch's wall time, admissions and question prefills included), the
 TTFT of the batch's median request, KV pool bytes per running answer, and the distinct chunks the batch reads.
 `--profile` runs the largest shared batch once more under cProfile and prints its 40 costliest functions, so host
-overhead that grows with the batch shows up by name.
+overhead that grows with the batch shows up by name. `--kernels N` runs the largest batch of each path twice more
+under torch's profiler (first token only, then whole) and prints each run's N costliest device kernels, so each
+kernel's time splits between the question prefill and the decode steps.
 
 `--ttft N` adds each path's TTFT of one request alone (`lone_ttft`): N requests one after another on an idle
 scheduler (after `--warmup` runs, which capture the graphs), each timed from its admission to its first token
@@ -307,7 +309,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="the largest batch once more under torch's profiler: its N costliest device kernels, per path",
+        help="the largest batch twice more under torch's profiler, answering its first token only and then "
+        "whole: each run's N costliest device kernels, per path",
     )
     parser.add_argument("--ttft", type=int, default=0, metavar="N", help="each path's TTFT of N lone requests")
     parser.add_argument("--out", type=Path, default=Path("bench-shared-out"))

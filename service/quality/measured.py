@@ -176,10 +176,12 @@ def _context(value: Any) -> str:
 
 @dataclass(frozen=True)
 class DefaultRecompute:
-    """The recompute turbo answers naming none get, and why (the start-up log and `/readyz`)."""
+    """The recompute turbo answers naming none get, and why (the start-up log and `/readyz`); `unapplied`: a
+    measurement was found but is for other weights, dtype or chunk context (a warning, never a silent `none`)."""
 
     spec: RecomputeSpec
     source: str
+    unapplied: bool = False
 
     def as_json(self) -> dict[str, str]:
         return {"spec": str(self.spec), "source": self.source}
@@ -199,10 +201,10 @@ def default_recompute(setting: str, model: str, fingerprint: str, chunk_context:
     measured = read_measured(path)
     if measured.fingerprint != fingerprint:
         reason = f"{path} was measured on other weights or another dtype ({measured.dtype}); measure again"
-        return DefaultRecompute(NO_RECOMPUTE, f"measured: not applied: {reason}")
+        return DefaultRecompute(NO_RECOMPUTE, f"measured: not applied: {reason}", unapplied=True)
     if measured.chunk_context != chunk_context:
         reason = f"{path} was measured with chunk context {measured.chunk_context}, this server's is {chunk_context}"
-        return DefaultRecompute(NO_RECOMPUTE, f"measured: not applied: {reason}")
+        return DefaultRecompute(NO_RECOMPUTE, f"measured: not applied: {reason}", unapplied=True)
     chosen = measured.chosen
     verdict = "" if measured.met else f", below the {measured.keep:.0%} asked: consider mode naive"
     evidence = f"kept {chosen.kept:.0%} of naive's accuracy on {measured.samples} samples{verdict}"

@@ -153,7 +153,7 @@ class Server:
         fingerprint = runtime.store.key_space.fingerprint
         default = default_recompute(settings.recompute, settings.model, fingerprint, settings.chunk_context)
         self.recompute_default = default
-        level = logging.WARNING if "not applied" in default.source else logging.INFO
+        level = logging.WARNING if default.unapplied else logging.INFO
         log.log(level, "turbo answers naming no recompute get %s (%s)", default.spec, default.source)
 
     def _serve_here(self, runtime: Runtime) -> None:

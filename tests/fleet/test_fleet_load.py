@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.fleet.routing import ChunkRef, route
+from service.fleet.routing import BALANCE_ABS, BALANCE_REL, LOAD_COST_TOKENS, ChunkRef, route
 from service.kvcache.keys import KeySpace
 from service.kvcache.tiers import Tier
 from service.serving.fleet_gateway import COUNT_SKEW, Fleet
@@ -93,3 +93,11 @@ def test_the_load_weight_of_routing_is_a_setting(weight: float) -> None:
     placement = {"e0": [Tier.GPU] * 4, "e1": [Tier.HOST] * 4}  # e0 saves 4 x 500 x 0.05 = 100 tokens of work
     chosen = route(chunks, placement, {"e0": 3, "e1": 2}, policy).engine
     assert chosen == ("e0" if weight < 100.0 else "e1")
+
+
+def test_the_settings_defaults_are_the_routing_policys() -> None:
+    """The settings keep their own literals (they import no torch, the routing module's tiers do): the two must not
+    drift apart, or a gateway would route differently from the policy the docs and tests describe."""
+    settings = Settings()
+    assert settings.fleet_load_cost_tokens == LOAD_COST_TOKENS
+    assert (settings.fleet_balance_abs, settings.fleet_balance_rel) == (BALANCE_ABS, BALANCE_REL)

@@ -122,6 +122,7 @@ def test_the_server_default_is_the_measurement_only_for_its_weights_and_chunk_co
 
     assert applied.spec == parse_recompute("selective:0.2")
     assert "kept 88% of naive's accuracy on 342 samples" in applied.source
+    assert not applied.unapplied and other_weights.unapplied and other_context.unapplied
     assert other_weights.spec == NO_RECOMPUTE and "not applied" in other_weights.source
     assert "other weights or another dtype" in other_weights.source
     assert other_context.spec == NO_RECOMPUTE and "chunk context alone" in other_context.source
@@ -140,7 +141,7 @@ def test_without_a_file_or_with_a_spec_set_the_default_is_plain(tmp_path: Path) 
     given = default_recompute("prefix:4", str(tmp_path), "f" * 64, "alone")
     hub_id = default_recompute(MEASURED, "org/model-on-a-hub", "f" * 64, "alone")
 
-    assert missing.spec == NO_RECOMPUTE and f"no {MEASURED_FILE}" in missing.source
+    assert missing.spec == NO_RECOMPUTE and f"no {MEASURED_FILE}" in missing.source and not missing.unapplied
     assert given.spec == parse_recompute("prefix:4") and given.source == "KVSTITCH_RECOMPUTE=prefix:4"
     assert hub_id.spec == NO_RECOMPUTE
 
