@@ -317,6 +317,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reads > args.chunks:
         parser.error("--reads must not exceed --chunks")
+    if args.kernels < 0:
+        parser.error("--kernels takes a count of kernels to list, 0 (none) or more")
     return args
 
 

@@ -58,3 +58,9 @@ def test_kernels_profiles_the_largest_batch_on_each_path(
         assert "2 answers, 3 tokens (whole): " in kernels
     printed = capsys.readouterr().out
     assert "## copy, 2 answers: kernels" in printed and "## shared, 2 answers: kernels" in printed
+
+
+def test_a_negative_kernel_count_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["--device", "cpu", "--kernels", "-1"])
+    assert refused.value.code == 2 and "--kernels takes a count" in capsys.readouterr().err
