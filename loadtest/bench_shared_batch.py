@@ -14,7 +14,8 @@ reads it:
   chunks into its pool slab; CUDA graphs for the decode step where the engine has them, captured before timing);
 - `shared`: the same with a `ChunkArena` (each chunk held once at local positions, read by segment attention),
   its decode steps through CUDA graphs (`shared_graph.py`) where the kernels run; `shared-eager`: the same with
-  every step eager.
+  every step eager; `shared-by-chunk`: `shared` with the question prefill planned by chunk, as the decode step
+  is (`shared_decode.PREFILL_BY_REQUEST` off), to compare the two prefill plans.
 
 Reports per path and B: the median decode step (the scheduler's own `decode` phase at the full batch), tokens/s
 over the whole batch (B x new tokens / the batch's wall time, admissions and question prefills included), the
@@ -40,7 +41,8 @@ import logging
 import pstats
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from loadtest.bench_prefill import build_engine, precompute_all, question_ids
+from service.engine import shared_decode
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import GenerationMode, StitchEngine
@@ -71,7 +74,7 @@ from service.engine.stitch import BlockReady
 from service.kvcache import device
 
 log = logging.getLogger("bench_shared_batch")
-PATHS = ("copy", "shared", "shared-eager")
+PATHS = ("copy", "shared", "shared-eager", "shared-by-chunk")
 LONE_SEED = 1_000_003  # the lone-TTFT requests' draws of chunks, apart from every batch's
 
 
@@ -179,9 +182,31 @@ def run_once(scheduler: Scheduler, prompts: Sequence[PromptIds], sampling: Sampl
     }
 
 
+@contextmanager
+def prefill_plan(path: str) -> Iterator[None]:
+    """The question prefill planned by chunk on `shared-by-chunk`, by request elsewhere, for the block."""
+    saved, shared_decode.PREFILL_BY_REQUEST = shared_decode.PREFILL_BY_REQUEST, path != "shared-by-chunk"
+    try:
+        yield
+    finally:
+        shared_decode.PREFILL_BY_REQUEST = saved
+
+
 def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     prompts = corpus.prompts(engine, count, args.reads, args.zipf, seed=count)
+    with prefill_plan(path):
+        return _measure(engine, corpus, path, count, prompts, args)
+
+
+def _measure(
+    engine: StitchEngine,
+    corpus: Corpus,
+    path: str,
+    count: int,
+    prompts: list[PromptIds],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     scheduler = scheduler_for(engine, prompts, sampling, path, corpus)
     try:
         runs = [run_once(scheduler, prompts, sampling) for _ in range(args.warmup + args.runs)][args.warmup :]
@@ -207,13 +232,14 @@ def lone_ttft(engine: StitchEngine, corpus: Corpus, path: str, args: argparse.Na
     scheduler, after `--warmup` runs of the first; each stops at its first token."""
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     prompts = corpus.prompts(engine, args.ttft, args.reads, args.zipf, seed=LONE_SEED)
-    scheduler = scheduler_for(engine, prompts[:1], sampling, path, corpus)
-    try:
-        for _ in range(args.warmup):
-            run_once(scheduler, prompts[:1], sampling)
-        ttft = [run_once(scheduler, [p], sampling)["ttft_p50_ms"] for p in prompts]
-    finally:
-        release(scheduler)
+    with prefill_plan(path):
+        scheduler = scheduler_for(engine, prompts[:1], sampling, path, corpus)
+        try:
+            for _ in range(args.warmup):
+                run_once(scheduler, prompts[:1], sampling)
+            ttft = [run_once(scheduler, [p], sampling)["ttft_p50_ms"] for p in prompts]
+        finally:
+            release(scheduler)
         if engine.spec.device.type == "cuda":
             torch.cuda.empty_cache()
     ordered = sorted(ttft)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine import shared_extend_graph, shared_graph
+from service.engine import segment_launch, shared_extend_graph, shared_graph
 from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS
 from service.engine.batch_request import BatchRequest
@@ -31,7 +31,7 @@ from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
 from service.engine.scheduler import Scheduler
 from service.engine.segment_attention import ChunkRange, SegmentArrays, merge, partial, reference_attention
-from service.engine.segment_launch import SegmentPlan
+from service.engine.segment_launch import PlanCapacity, SegmentPlan
 from service.engine.shared_decode import Placement, Reads, SharedDecoder, extend_batch
 from service.engine.shared_extend_graph import (
     MAX_ENTRIES,
@@ -40,9 +40,11 @@ from service.engine.shared_extend_graph import (
     SharedExtendGraphs,
     extend_capacity,
     extend_pieces,
+    extend_splits,
     graph_bucket,
     idle_extend,
     padded_extend,
+    request_capacity,
     split_for,
 )
 from service.engine.shared_graph import reads_bucket
@@ -117,11 +119,21 @@ def test_a_group_takes_the_smallest_bucket_holding_it_and_runs_eagerly_past_them
     assert (capacity.chunk_tiles, capacity.tail_tiles) == (16 + 112, 2 + 7)
 
 
+def bucket_capacity(rows: int, tokens: int, reads: int, group: int, by_request: bool) -> tuple[int, PlanCapacity]:
+    """The pieces (or splits) and plan sizes a graph of this bucket captures."""
+    if by_request:
+        splits = extend_splits(tokens, reads, group, 2)
+        return splits, request_capacity(rows, tokens, reads, splits, group)
+    pieces = extend_pieces(tokens)
+    return pieces, extend_capacity(rows, tokens, reads, pieces, group)
+
+
+@pytest.mark.parametrize("by_request", [False, True], ids=["by-chunk", "by-request"])
 @pytest.mark.parametrize("group", [1, 2, 7, 32])
-def test_every_full_bucket_fits_its_capacity(group: int) -> None:
+def test_every_full_bucket_fits_its_capacity(group: int, by_request: bool) -> None:
     """Every bucket, full (all its rows and tokens, every row reading the bucket's reads, chunks cut into its
-    pieces): the group's plan fits the captured plan's shapes, its chunks all distinct (most chunk pieces) or all
-    the same (the most readers of one chunk, the widest tiles)."""
+    pieces or chunk lists into its splits): the group's plan fits the captured plan's shapes, its chunks all
+    distinct (most chunk pieces) or all the same (the most readers of one chunk, the widest tiles)."""
     chunks = arena_chunks(MAX_READS * max(BATCH_BUCKETS), 40)
     rng = np.random.default_rng(group)
     for rows in BATCH_BUCKETS:
@@ -129,19 +141,20 @@ def test_every_full_bucket_fits_its_capacity(group: int) -> None:
             for reads in READS_BUCKETS:
                 if tokens < rows or graph_bucket(rows, tokens, reads, SHARED_TOKEN_BUCKETS) != (rows, tokens, reads):
                     continue
-                pieces = extend_pieces(tokens)
-                capacity = extend_capacity(rows, tokens, reads, pieces, group)
+                pieces, capacity = bucket_capacity(rows, tokens, reads, group, by_request)
                 scratch = 100_000
-                static = SegmentPlan.build(idle_extend(rows, tokens, scratch), group, 2, CPU, pieces, capacity)
+                idle = idle_extend(rows, tokens, scratch)
+                static = SegmentPlan.build(idle, group, 2, CPU, pieces, capacity, by_request)
                 for shared in (False, True):
                     requests, tables, _ = random_group(rng, rows, tokens, reads, chunks, shared, full=True)
                     _, call = padded_extend(requests, tables, rows, tokens, scratch)
-                    plan = SegmentPlan.build(call, group, 2, CPU, pieces, capacity)
+                    plan = SegmentPlan.build(call, group, 2, CPU, pieces, capacity, by_request)
                     static.copy_from(plan)  # ValueError on any shape that differs
                     assert plan.pairs == capacity.pairs
 
 
-def test_random_groups_within_a_bucket_fit_its_capacity() -> None:
+@pytest.mark.parametrize("by_request", [False, True], ids=["by-chunk", "by-request"])
+def test_random_groups_within_a_bucket_fit_its_capacity(by_request: bool) -> None:
     """Groups of any shape inside a bucket (fewer rows, fewer tokens, fewer reads, some chunks shared): the
     bucket's capacity holds them, at a GQA group that makes some readers' items just pass a tile's width."""
     chunks = arena_chunks(300, 33)
@@ -154,10 +167,9 @@ def test_random_groups_within_a_bucket_fit_its_capacity() -> None:
         bucket = graph_bucket(rows, tokens, reads, SHARED_TOKEN_BUCKETS)
         assert bucket is not None
         requests, tables, _ = random_group(rng, rows, tokens, reads, chunks, bool(rng.integers(0, 2)))
-        pieces = extend_pieces(bucket[1])
-        capacity = extend_capacity(*bucket, pieces, group)
+        pieces, capacity = bucket_capacity(*bucket, group, by_request)
         _, call = padded_extend(requests, tables, bucket[0], bucket[1], 50_000)
-        assert SegmentPlan.build(call, group, 3, CPU, pieces, capacity).pairs == capacity.pairs
+        assert SegmentPlan.build(call, group, 2, CPU, pieces, capacity, by_request).pairs == capacity.pairs
 
 
 def test_a_group_is_cut_at_the_largest_bucket_its_reads_allow() -> None:
@@ -422,11 +434,14 @@ def test_graphed_shared_prefills_and_steps_decode_the_eager_tokens(
     groups: tuple[Sequence[Ask], ...],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Chunks cut into one piece, as the eager plan cuts these short ones: the same sums in the same order, so the
-    graphed prefills and steps give the eager fp32 tokens; every part of every group replayed a graph."""
+    """Chunks cut into one piece, as the eager plan cuts these short ones, and each request's chunk list in one
+    split: the same sums in the same order, so the graphed prefills and steps give the eager fp32 tokens; every
+    part of every group replayed a graph."""
     engine = get_engine(arch, "cuda")
     monkeypatch.setattr(shared_graph, "pieces_for", lambda batch: 1)
     monkeypatch.setattr(shared_extend_graph, "extend_pieces", lambda tokens: 1)
+    monkeypatch.setattr(shared_extend_graph, "extend_splits", lambda *bucket: 1)
+    monkeypatch.setattr(segment_launch, "auto_splits", lambda *programs: 1)
     eager_logits: list[torch.Tensor] = []
     graphed_logits: list[torch.Tensor] = []
     eager, _, _ = run_groups(engine, groups, False, lambda scheduler: record_prefills(scheduler, eager_logits))

@@ -11,6 +11,14 @@ When few requests read few chunks, a grid of one program per (chunk, KV head) wo
 chunks are cut into pieces (more partials, same math: a piece at arena offset a is a chunk of base + a placed at
 o + a, which rotates q by the same amount).
 
+A question prefill is the other shape: many rows of each request, every one reading all the request's chunks, so a
+chunk's readers are mostly one request's rows and grouping by chunk buys little sharing for a partial per (row,
+chunk) and a query gather per chunk tile. A by-request plan (`by_request`) gives each program a block of one
+request's rows instead, streaming all the chunks of a split of its chunk list through one online softmax
+(`_request_kernel.py`), the query rotated again per chunk; a request's chunk list is split only as far as needed
+to fill the GPU (a lone question), so a row has a partial per split, not per chunk. Tails and the merge are the
+same kernels.
+
 `SegmentPlan.build` runs on the host once per step (every layer reuses it); `SegmentAttention` holds the step's
 rotation tables and runs one layer. For CUDA graphs a plan is padded to a `PlanCapacity` and each step's plan is
 copied into the captured one (`copy_from`, then `SegmentAttention.refresh`).
@@ -32,6 +40,13 @@ from service.engine.segment_attention import ContextScaling, SegmentArrays, Segm
 
 # A tile row: arena start and length of its key range, its group's first pair and pair count, its query block.
 TILE_COLUMNS = 5
+# A by-request tile row: first row and rows, first entry and segments, first segment, split lo .. hi, block, pair.
+REQUEST_COLUMNS = 9
+# Query items a by-request tile holds (one width: a prefill's requests have many rows each); module-level so a
+# benchmark can try others, with its warps and stages.
+REQUEST_BLOCK_M = 64
+REQUEST_WARPS = 4
+REQUEST_STAGES: int | None = None
 # Keys per K/V tile and Triton's pipeline stages (None: its default): module-level so a benchmark can try others.
 BLOCK_N = 64
 NUM_STAGES: int | None = None
@@ -53,6 +68,13 @@ def _kernels() -> tuple[Any, Any]:
     return _segment_kernel.segment_partials_kernel, _segment_kernel.segment_merge_kernel
 
 
+@functools.cache
+def _request_kernel() -> Any:
+    from service.engine import _request_kernel
+
+    return _request_kernel.request_partials_kernel
+
+
 @dataclass(frozen=True)
 class Launch:
     """One partials launch: tiles [T, TILE_COLUMNS] int64 and the query items a tile holds."""
@@ -69,8 +91,9 @@ class PlanCapacity:
     rows: int
     entries: int
     pairs: int
-    chunk_tiles: int  # per tile width (16, 32, ... MAX_BLOCK_M query items)
+    chunk_tiles: int  # per tile width (16, 32, ... MAX_BLOCK_M query items); by request: of REQUEST_BLOCK_M
     tail_tiles: int  # per tile width
+    segments: int = 0  # by request: the segment table's rows
 
 
 @dataclass
@@ -90,6 +113,8 @@ class SegmentPlan:
     row_tail: torch.Tensor
     pairs: int
     reach: tuple[int, int]  # arena and tail slots the plan's ranges end by (checked against the tensors)
+    segments: torch.Tensor
+    by_request: bool = False
 
     @classmethod
     def build(
@@ -100,30 +125,39 @@ class SegmentPlan:
         device: torch.device,
         pieces: int | None = None,
         capacity: PlanCapacity | None = None,
+        by_request: bool = False,
     ) -> SegmentPlan:
-        """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into
-        (None: enough for about _TARGET_PROGRAMS programs); `capacity`: padded to these sizes (ValueError when
-        the batch does not fit)."""
+        """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into, or by
+        request the splits of each request's chunk list (None: enough for about _TARGET_PROGRAMS programs);
+        `capacity`: padded to these sizes (ValueError when the batch does not fit)."""
         arrays = batch if isinstance(batch, SegmentArrays) else batch.arrays()
         host = _HostPlan(arrays, group)
-        host.add_chunks(pieces, kv_heads)
+        if by_request:
+            host.add_requests(pieces, kv_heads)
+        else:
+            host.add_chunks(pieces, kv_heads)
         host.add_tails()
         row_parts, row_ptr = host.row_parts()
         if capacity is not None:
-            host.pad(capacity)
+            host.pad(capacity, by_request)
             row_ptr = _padded(row_ptr, capacity.rows + 1, int(row_ptr[-1]))
             row_parts = _padded(row_parts, capacity.pairs)
         if row_parts.size == 0:
             row_parts = np.zeros(1, dtype=np.int64)
         chunk_widths, tail_widths = sorted(host.chunk_tiles), sorted(host.tail_tiles)
+        segments = host.segments.reshape(-1) if host.segments.size else np.zeros(2, dtype=np.int64)
         parts = [host.q_rows, host.q_positions, host.pair_q, host.pair_visible, row_ptr, row_parts, host.row_tail]
+        parts += [segments]
         parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
         parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
         # One copy to the device for the whole plan; every field is a view of it.
         flat = _upload(np.concatenate(parts), device)
         views = list(torch.split(flat, [p.size for p in parts]))
-        fixed, tiles = views[:7], views[7:]
-        launches = [Launch(t.view(-1, TILE_COLUMNS), w) for t, w in zip(tiles, chunk_widths + tail_widths, strict=True)]
+        fixed, tiles = views[:8], views[8:]
+        chunk_columns = REQUEST_COLUMNS if by_request else TILE_COLUMNS
+        columns = [chunk_columns] * len(chunk_widths) + [TILE_COLUMNS] * len(tail_widths)
+        widths = chunk_widths + tail_widths
+        launches = [Launch(t.view(-1, c), w) for t, c, w in zip(tiles, columns, widths, strict=True)]
         return cls(
             q_rows=fixed[0],
             q_positions=fixed[1],
@@ -136,13 +170,15 @@ class SegmentPlan:
             row_tail=fixed[6],
             pairs=host.pair_q.size,  # the capacity's, when padded: the partial buffers are sized by it
             reach=arrays.reach(),
+            segments=fixed[7].view(-1, 2),
+            by_request=by_request,
         )
 
     def copy_from(self, other: SegmentPlan) -> None:
         """Take `other`'s metadata into this plan's tensors in place (both padded to one capacity): a captured
         graph then replays `other`'s call."""
         mine, theirs = self._tensors(), other._tensors()
-        if [t.shape for t in mine] != [t.shape for t in theirs]:
+        if [t.shape for t in mine] != [t.shape for t in theirs] or self.by_request != other.by_request:
             raise ValueError("plans of different capacities")
         for dst, src in zip(mine, theirs, strict=True):
             dst.copy_(src, non_blocking=True)
@@ -150,7 +186,8 @@ class SegmentPlan:
 
     def _tensors(self) -> list[torch.Tensor]:
         fixed = [self.q_rows, self.q_positions, self.pair_q, self.pair_visible, self.row_ptr, self.row_parts]
-        return [*fixed, self.row_tail, *(launch.tiles for launch in (*self.chunks, *self.tails))]
+        fixed += [self.row_tail, self.segments]
+        return [*fixed, *(launch.tiles for launch in (*self.chunks, *self.tails))]
 
 
 class _HostPlan:
@@ -173,6 +210,7 @@ class _HostPlan:
         # Tiles by the query items they hold: a group of few readers is not padded to the widest group's block.
         self.chunk_tiles: dict[int, np.ndarray] = {}
         self.tail_tiles: dict[int, np.ndarray] = {}
+        self.segments = np.zeros((0, 2), dtype=np.int64)  # by request: each segment's arena start and length
 
     def add_chunks(self, pieces: int | None, kv_heads: int) -> None:
         """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece (`pieces`
@@ -213,6 +251,49 @@ class _HostPlan:
         first_pair = np.concatenate(([0], np.cumsum(group_readers)[:-1]))
         starts = ranges[ordered, 0][group_chunk] + first
         self.chunk_tiles = self._tiles(starts, size, first_pair, group_readers)
+
+    def add_requests(self, splits: int | None, kv_heads: int) -> None:
+        """By request: the same query entries as `add_chunks` (by row then segment), and a group of pairs per
+        (request, split of its segments), one pair per row; its tiles take REQUEST_BLOCK_M of the request's
+        query items each (`splits` None: enough for about _TARGET_PROGRAMS programs)."""
+        batch = self.batch
+        counts, rows = batch.seg_counts, batch.rows
+        if (np.diff(rows) < 0).any():
+            raise ValueError("a by-request plan needs each request's rows together, in request order")
+        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        row_entries = counts[rows]
+        entry_row = _expand(row_entries)
+        segment = first_segment[rows][entry_row] + _within(row_entries)
+        chunk = batch.seg_chunk[segment]
+        self.q_rows = entry_row
+        self.q_positions = self.positions[entry_row] - batch.seg_offset[segment] + batch.chunks[chunk, 2]
+        self.segments = batch.chunks[batch.seg_chunk, :2]
+        requests, row0, n_rows = np.unique(rows, return_index=True, return_counts=True)
+        reading = counts[requests] > 0
+        requests, row0, n_rows = requests[reading], row0[reading], n_rows[reading]
+        if requests.size == 0:
+            return
+        segments = counts[requests]
+        blocks = -(-n_rows * self.group // REQUEST_BLOCK_M)
+        if splits is None:
+            splits = auto_splits(int(blocks.sum()) * kv_heads, int(segments.max()))
+        parts = np.minimum(max(1, splits), segments)
+        group_request = _expand(parts)  # a group per (request, split), requests in order
+        split = _within(parts)
+        size = segments[group_request]
+        lo, hi = size * split // parts[group_request], size * (split + 1) // parts[group_request]
+        group_rows = n_rows[group_request]
+        group_pair0 = np.concatenate(([0], np.cumsum(group_rows)[:-1]))
+        entry_first = np.concatenate(([0], np.cumsum(row_entries)[:-1]))  # each row's first entry
+        self.pair_row = row0[group_request][_expand(group_rows)] + _within(group_rows)
+        self.pair_q = entry_first[self.pair_row]  # unread by the kernel; a valid entry all the same
+        self.pair_visible = np.zeros(self.pair_row.size, dtype=np.int64)
+        first_entry, first_seg = entry_first[row0][group_request], first_segment[requests][group_request]
+        group_blocks = blocks[group_request]
+        tile_group = _expand(group_blocks)
+        by_group = [row0[group_request], group_rows, first_entry, size, first_seg, lo, hi]
+        columns = [*(c[tile_group] for c in by_group), _within(group_blocks), group_pair0[tile_group]]
+        self.chunk_tiles = {REQUEST_BLOCK_M: np.stack(columns, axis=1)}
 
     def add_tails(self) -> None:
         """A group per request: its rows, rotated to their own positions, each seeing its causal prefix."""
@@ -255,9 +336,11 @@ class _HostPlan:
         counts = np.bincount(self.pair_row, minlength=self.rows)
         return flat, np.concatenate(([0], np.cumsum(counts)))
 
-    def pad(self, capacity: PlanCapacity) -> None:
-        """Pad every array to `capacity`, with a tile list of each width (dead tiles hold no pair)."""
+    def pad(self, capacity: PlanCapacity, by_request: bool = False) -> None:
+        """Pad every array to `capacity`, with a tile list of each width (dead tiles hold no pair or no row)."""
         sizes = {"rows": self.rows, "entries": self.q_rows.size, "pairs": self.pair_q.size}
+        if by_request:
+            sizes["segments"] = len(self.segments)
         for tiles, name in ((self.chunk_tiles, "chunk_tiles"), (self.tail_tiles, "tail_tiles")):
             sizes[name] = max((len(rows) for rows in tiles.values()), default=0)
         over = [f"{name} {n} > {getattr(capacity, name)}" for name, n in sizes.items() if n > getattr(capacity, name)]
@@ -269,10 +352,20 @@ class _HostPlan:
         self.pair_q = _padded(self.pair_q, capacity.pairs)
         self.pair_visible = _padded(self.pair_visible, capacity.pairs)
         self.rows = capacity.rows
-        for tiles, count in ((self.chunk_tiles, capacity.chunk_tiles), (self.tail_tiles, capacity.tail_tiles)):
-            for width in _widths():
-                rows = tiles.get(width, np.zeros((0, TILE_COLUMNS), dtype=np.int64))
-                tiles[width] = np.concatenate((rows, np.zeros((count - len(rows), TILE_COLUMNS), dtype=np.int64)))
+        if by_request:
+            self.segments = np.concatenate(
+                (self.segments, np.zeros((capacity.segments - len(self.segments), 2), np.int64))
+            )
+        chunk_widths, chunk_columns = ([REQUEST_BLOCK_M], REQUEST_COLUMNS) if by_request else (_widths(), TILE_COLUMNS)
+        _pad_tiles(self.chunk_tiles, capacity.chunk_tiles, chunk_widths, chunk_columns)
+        _pad_tiles(self.tail_tiles, capacity.tail_tiles, _widths(), TILE_COLUMNS)
+
+
+def _pad_tiles(tiles: dict[int, np.ndarray], count: int, widths: list[int], columns: int) -> None:
+    """A list of `count` tile rows of each width in `widths`, `tiles`' own first (a dead tile is all zeros)."""
+    for width in widths:
+        rows = tiles.get(width, np.zeros((0, columns), dtype=np.int64))
+        tiles[width] = np.concatenate((rows, np.zeros((count - len(rows), columns), dtype=np.int64)))
 
 
 def _upload(flat: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -312,6 +405,12 @@ def _block_m(items: np.ndarray) -> np.ndarray:
     power = np.left_shift(1, np.ceil(np.log2(np.maximum(items, 1))).astype(np.int64))
     width: np.ndarray = np.minimum(MAX_BLOCK_M, np.maximum(_MIN_BLOCK_M, power))
     return width
+
+
+def auto_splits(programs: int, most_segments: int) -> int:
+    """Splits of each request's chunk list so that `programs` (unsplit, all KV heads) reach about
+    _TARGET_PROGRAMS, at most one chunk a split."""
+    return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), most_segments))
 
 
 def _auto_pieces(readers: np.ndarray, lengths: np.ndarray, group: int, kv_heads: int) -> int:
@@ -357,7 +456,11 @@ class SegmentAttention:
         rotation = _Rotation(q, self._cos, self._sin, plan.q_rows)
         partials = (rotation, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
         for launch in plan.chunks:
-            _run_partials(launch, arena, *partials, scale / self.context.temperature)
+            if plan.by_request:
+                chunk_scale = scale / self.context.temperature
+                _run_request_partials(launch, arena, rotation, plan.segments, part_out, part_lse, group, chunk_scale)
+            else:
+                _run_partials(launch, arena, *partials, scale / self.context.temperature)
         for launch in plan.tails:
             _run_partials(launch, tail_kv, *partials, scale)
         return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
@@ -420,6 +523,52 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=_warps(launch.block_m),
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
+    )
+
+
+def _run_request_partials(
+    launch: Launch,
+    kv: torch.Tensor,
+    rotation: _Rotation,
+    segments: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    group: int,
+    scale: float,
+) -> None:
+    if kv.stride(-1) != 1:
+        raise ValueError("segment attention needs unit stride on the head dimension")
+    if launch.tiles.shape[0] == 0:
+        return
+    q = rotation.q
+    dim = q.shape[-1]
+    _request_kernel()[(launch.tiles.shape[0], kv.shape[1])](
+        q,
+        rotation.cos,
+        rotation.sin,
+        kv,
+        launch.tiles,
+        segments,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        rotation.cos.stride(0),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        scale * LOG2E,
+        group=group,
+        head_dim=dim,
+        dim_p2=next_power_of_2(dim),
+        block_m=launch.block_m,
+        block_n=BLOCK_N,
+        ieee=kv.dtype == torch.float32,
+        num_warps=REQUEST_WARPS,
+        **({} if REQUEST_STAGES is None else {"num_stages": REQUEST_STAGES}),
     )
 
 

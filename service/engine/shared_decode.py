@@ -7,8 +7,10 @@ attention, which rotates the query by each chunk's offset in this request (`Stit
 composite alike). The per-layer code is `LeanForward.layers_static`, the batched decode's own, with a `LayerAttend`
 in place of the pool attention; the fed tokens' K/V land in each slab as in `BatchDecoder`.
 
-Attention: `SegmentAttention` (Triton, shared reads of each chunk) where `triton_runs_on`, else the torch
-reference (fp32, per row; the CPU's). Both take the plan of one step, built once and reused by every layer.
+Attention: `SegmentAttention` (Triton) where `triton_runs_on`, else the torch reference (fp32, per row; the CPU's).
+Both take the plan of one step, built once and reused by every layer. A decode step's plan groups the rows by chunk
+(each chunk read once for every answer reading it); a question prefill's, by request (`PREFILL_BY_REQUEST`: each
+program streams all of one request's chunks for a block of its rows; see `segment_launch`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from service.engine.segment_attention import (
 )
 from service.engine.segment_launch import SegmentAttention, SegmentPlan
 from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stitch_into
+
+# Question prefills plan their attention by request (one program streams a request's chunks for a block of its
+# rows) rather than by chunk: module-level so a benchmark can compare the two.
+PREFILL_BY_REQUEST = True
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,13 @@ class SegmentLayerAttend:
     """One call's segment attention, layer by layer (a `LayerAttend`): the arena's layer and the pool's."""
 
     def __init__(
-        self, batch: SegmentArrays, arena: ChunkArena, rotary: Rotary, context: ContextScaling, kernels: bool
+        self,
+        batch: SegmentArrays,
+        arena: ChunkArena,
+        rotary: Rotary,
+        context: ContextScaling,
+        kernels: bool,
+        by_request: bool = False,
     ) -> None:
         self.batch = batch
         self._objects: SegmentBatch | None = None
@@ -170,7 +182,8 @@ class SegmentLayerAttend:
         self._kernel: SegmentAttention | None = None
         if kernels:
             spec = arena.spec
-            plan = SegmentPlan.build(batch, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device)
+            group = spec.num_heads // spec.num_kv_heads
+            plan = SegmentPlan.build(batch, group, spec.num_kv_heads, spec.device, by_request=by_request)
             self._kernel = SegmentAttention(plan, rotary, context)
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
@@ -202,31 +215,34 @@ class SharedDecoder:
         self.context = context or ContextScaling()
         self.kernels = triton_runs_on(arena.spec.device) if kernels is None else kernels
 
-    def attention(self, batch: SegmentArrays) -> SegmentLayerAttend:
-        """The step's attention (its plan built once, here, for every layer)."""
-        return SegmentLayerAttend(batch, self.arena, self.decoder.forward.rotary, self.context, self.kernels)
+    def attention(self, batch: SegmentArrays, by_request: bool = False) -> SegmentLayerAttend:
+        """The call's attention (its plan built once, here, for every layer); `by_request`: a prefill's plan."""
+        rotary = self.decoder.forward.rotary
+        return SegmentLayerAttend(batch, self.arena, rotary, self.context, self.kernels, by_request)
 
     @torch.inference_mode()
     def step(self, rows: DecodeRows, batch: SegmentArrays) -> torch.Tensor:
         """Feed each row's token, write its K/V into its slab; returns fp32 logits [B, vocab]. `batch`: the
         step's `decode_batch` (its rows and tails those of `rows`)."""
-        return self.decoder.forward.head_rows(self._layers(rows.ids, rows.positions, rows.slots, batch))
+        attention = self.attention(batch)
+        return self.decoder.forward.head_rows(self._layers(rows.ids, rows.positions, rows.slots, attention))
 
     @torch.inference_mode()
     def extend(self, rows: ExtendRows, batch: SegmentArrays) -> torch.Tensor:
         """Feed each request its new tokens (its question: causal among themselves, after its tail's live slots,
         every chunk fully visible), writing their K/V into its slab; fp32 logits [R, vocab] of each request's last
         token. `batch`: the extend's `extend_batch`."""
-        hidden = self._layers(rows.ids, rows.positions, rows.slots, batch)
+        attention = self.attention(batch, PREFILL_BY_REQUEST)
+        hidden = self._layers(rows.ids, rows.positions, rows.slots, attention)
         return self.decoder.forward.head_rows(hidden.index_select(0, rows.last))
 
     def _layers(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, batch: SegmentArrays
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attention: SegmentLayerAttend
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of `ids` through every layer, K/V written at `slots` of the pool."""
-        if batch.rows.size != ids.shape[0]:
-            raise ValueError(f"{ids.shape[0]} tokens with segment metadata of {len(batch.rows)} rows")
+        if attention.batch.rows.size != ids.shape[0]:
+            raise ValueError(f"{ids.shape[0]} tokens with segment metadata of {len(attention.batch.rows)} rows")
         fwd = self.decoder.forward
         hidden = fwd.embed_static(ids.view(1, -1))
         pool = self.decoder.pool.data
-        return fwd.layers_static(pool, hidden, positions, slots, self.attention(batch), (0, len(fwd.layers)))
+        return fwd.layers_static(pool, hidden, positions, slots, attention, (0, len(fwd.layers)))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from service.engine import shared_decode
 from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS, batch_bucket
 from service.engine.cuda_graph import _capture
@@ -48,7 +49,7 @@ from service.engine.extend_graph import (
     token_bucket,
 )
 from service.engine.segment_attention import SegmentArrays
-from service.engine.segment_launch import _MIN_BLOCK_M, MAX_BLOCK_M, PlanCapacity
+from service.engine.segment_launch import _MIN_BLOCK_M, MAX_BLOCK_M, REQUEST_BLOCK_M, PlanCapacity, auto_splits
 from service.engine.shared_decode import Reads, SharedDecoder, extend_batch
 from service.engine.shared_graph import CapturedPlan, reads_bucket
 
@@ -68,6 +69,29 @@ def extend_pieces(tokens: int) -> int:
     """Pieces each chunk is cut into in a bucket of `tokens` question tokens: a few tokens leave most of the GPU
     idle unless chunks are cut (the eager plan chooses per call; a graph's plan cannot change shape)."""
     return 2 if tokens <= 16 else 1
+
+
+def extend_splits(tokens: int, reads: int, group: int, kv_heads: int) -> int:
+    """Splits of each request's chunk list in a by-request bucket of `tokens` question tokens: as the eager plan
+    would split a group of that many tokens in one request (the fewest programs a bucket's group has)."""
+    return auto_splits(kv_heads * -(-tokens * group // REQUEST_BLOCK_M), max(reads, 1))
+
+
+def request_capacity(rows: int, tokens: int, reads: int, splits: int, group: int) -> PlanCapacity:
+    """A by-request bucket's plan sizes: `rows` requests of `tokens` tokens in all, each reading at most `reads`
+    chunks in `splits` splits. A request's rows take ceil(rows x group / REQUEST_BLOCK_M) tiles per split, so the
+    requests at most rows + tokens x group / REQUEST_BLOCK_M; tails as `extend_capacity`'s."""
+    tail_tiles = rows + 1 + -(-tokens * group // MAX_BLOCK_M)
+    if group <= _MIN_BLOCK_M:
+        tail_tiles = min(tail_tiles, tokens)
+    return PlanCapacity(
+        rows=tokens,
+        entries=tokens * reads + tokens,
+        pairs=tokens * splits + tokens,
+        chunk_tiles=(rows + -(-tokens * group // REQUEST_BLOCK_M)) * splits,
+        tail_tiles=tail_tiles,
+        segments=max(rows * reads, 1),
+    )
 
 
 def extend_capacity(rows: int, tokens: int, reads: int, pieces: int, group: int) -> PlanCapacity:
@@ -147,10 +171,15 @@ class SharedExtendGraph:
         forward = shared.decoder.forward
         spec = forward.spec
         self.rows, self.tokens, self.reads, self._scratch = rows, tokens, reads, scratch
-        pieces = extend_pieces(tokens)
-        capacity = extend_capacity(rows, tokens, reads, pieces, spec.num_heads // spec.num_kv_heads)
+        group, by_request = spec.num_heads // spec.num_kv_heads, shared_decode.PREFILL_BY_REQUEST
+        if by_request:
+            pieces = extend_splits(tokens, reads, group, spec.num_kv_heads)
+            capacity = request_capacity(rows, tokens, reads, pieces, group)
+        else:
+            pieces = extend_pieces(tokens)
+            capacity = extend_capacity(rows, tokens, reads, pieces, group)
         self._inputs = ExtendInputs(rows, tokens, scratch, spec.device)
-        self._plan = CapturedPlan(shared, capacity, pieces, idle_extend(rows, tokens, scratch))
+        self._plan = CapturedPlan(shared, capacity, pieces, idle_extend(rows, tokens, scratch), by_request)
         pool_data = shared.decoder.pool.data
 
         def extend() -> torch.Tensor:

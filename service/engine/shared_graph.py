@@ -80,15 +80,23 @@ class CapturedPlan:
     plan is built on the host padded alike (`build`, ValueError over capacity) and copied into it (`load`). Shared
     by the decode step's graphs and the question prefill's (`shared_extend_graph.py`)."""
 
-    def __init__(self, shared: SharedDecoder, capacity: PlanCapacity, pieces: int, idle: SegmentArrays) -> None:
+    def __init__(
+        self,
+        shared: SharedDecoder,
+        capacity: PlanCapacity,
+        pieces: int,
+        idle: SegmentArrays,
+        by_request: bool = False,
+    ) -> None:
         spec = shared.decoder.forward.spec
-        self.capacity, self.pieces = capacity, pieces
+        self.capacity, self.pieces, self.by_request = capacity, pieces, by_request
         self._group, self._kv_heads, self._device = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device
         self._shared = shared
         self.plan = self.build(idle)
 
     def build(self, call: SegmentArrays) -> SegmentPlan:
-        return SegmentPlan.build(call, self._group, self._kv_heads, self._device, self.pieces, self.capacity)
+        plan = SegmentPlan.build
+        return plan(call, self._group, self._kv_heads, self._device, self.pieces, self.capacity, self.by_request)
 
     def load(self, plan: SegmentPlan) -> None:
         """Queue `plan`'s metadata into the captured plan's tensors (stream order: after the last replay)."""

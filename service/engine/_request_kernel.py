@@ -1,0 +1,117 @@
+"""The Triton kernel behind a by-request segment plan (`segment_launch`, question prefill): imported only where
+triton exists.
+
+No `from __future__ import annotations` here: Triton reads the `tl.constexpr` annotations as objects.
+"""
+
+import triton
+import triton.language as tl
+
+from service.engine._softmax_tile import online_softmax_step, tile_scores
+
+# A tile row is segment_launch.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
+# rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
+# (request-local), which block of the request's query items the tile takes, and the split's first pair.
+
+# ln 2 as a constexpr global: a jitted function reads no plain global.
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def request_partials_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    tiles_ptr,
+    segments_ptr,
+    out_ptr,
+    lse_ptr,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    out_stride_p,
+    out_stride_h,
+    lse_stride_p,
+    qk_scale,
+    group: tl.constexpr,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """One program: a block of one request's query items (row, query head of the KV head) and one KV head, over
+    a run of the request's chunk segments, all in one online softmax.
+
+    A prefill's queries are many rows of one request, each reading every chunk of it: grouped by chunk (the
+    decode step's kernel) each chunk's few K/V tiles are paid for with a query gather, a rotation and a partial
+    written and merged. Here the K/V tiles of all the split's chunks stream through one accumulator; per chunk
+    only the queries are rotated again (the request's rows, to m - o + base, by the cos/sin rows of entry
+    entry0 + row * segments + j, the model's own tables in fp32, cast to the keys' dtype as `Rotary.apply` does).
+    Writes the (row, split) pair's output and fp32 natural log-sum-exp; a pair that saw no key writes zeros and
+    -inf.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tiles_ptr + tile * 9
+    n_rows = tl.load(row + 1).to(tl.int32)
+    if n_rows == 0:  # an idle tile of a padded plan (a graph's bucket)
+        return
+    row0 = tl.load(row).to(tl.int32)
+    entry0 = tl.load(row + 2).to(tl.int32)
+    segments = tl.load(row + 3).to(tl.int32)
+    seg0 = tl.load(row + 4).to(tl.int32)
+    lo = tl.load(row + 5).to(tl.int32)
+    hi = tl.load(row + 6).to(tl.int32)
+    block = tl.load(row + 7).to(tl.int32)
+    pair0 = tl.load(row + 8).to(tl.int32)
+
+    item = block * block_m + tl.arange(0, block_m)
+    live = item < n_rows * group
+    local = item // group
+    head = kv_head * group + item % group
+    d = tl.arange(0, dim_p2)
+    d_live = d < head_dim
+    q_mask = live[:, None] & d_live[None, :]
+    q_base = (row0 + local)[:, None] * q_stride_t + head[:, None] * q_stride_h
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    # Kept in q's dtype between chunks (half an fp32 copy's registers); each rotation starts from the same values.
+    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
+    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
+    sign = tl.where(d < half, -1.0, 1.0)
+
+    m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((block_m,), dtype=tl.float32)
+    acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
+    k_head = kv_ptr + kv_head * kv_stride_h
+    for j in range(lo, hi):
+        start = tl.load(segments_ptr + (seg0 + j) * 2)
+        length = tl.load(segments_ptr + (seg0 + j) * 2 + 1).to(tl.int32)
+        table = (entry0 + local * segments + j)[:, None] * table_stride + d[None, :]
+        cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
+        rotated_half = x_partner.to(tl.float32) * sign[None, :]
+        q = (x.to(tl.float32) * cos + rotated_half * sin).to(kv_ptr.dtype.element_ty)
+        k_base = k_head + start * kv_stride_t
+        v_base = k_base + kv_stride_kv
+        for n0 in range(0, length, block_n):
+            n = n0 + tl.arange(0, block_n)
+            kv_mask = (n < length)[:, None] & d_live[None, :]
+            kv_offs = n[:, None] * kv_stride_t + d[None, :]
+            k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.where((n < length)[None, :], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    pair = pair0 + local
+    out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(lse_ptr + pair * lse_stride_p + head, lse, mask=live)
