@@ -8,8 +8,9 @@ each prefilling `--rows` question tokens over `--reads` chunks of ~`--chunk-toke
 graph (each reading its own copy of the data, cycled past the L2 cache), median of `--runs`. Paths:
 
 - `by-chunk`: the decode step's plan (each chunk's readers in one program, a partial per (row, chunk), merged);
-- `by-request BMxWxS`: the prefill's plan (a program per block of BM of one request's query items streams all
-  of its chunks; W warps, S pipeline stages; 0: Triton's default);
+- `by-request BMxWxS/P`: the prefill's plan (a program per block of BM of one request's query items streams all
+  of its chunks; W warps, S pipeline stages, 0: Triton's default; each request's chunk list in P splits, `auto`:
+  as the eager plan chooses);
 - `sdpa`: no sharing, for scale: each request's context as its own rotated copy (padded to the longest), read
   by torch's flash SDPA without a mask (the work of attention without its bookkeeping; not a serving path).
 
@@ -20,6 +21,7 @@ path: ms per 28 layers and the attention's useful TFLOP/s (4 x query heads x hea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -102,7 +104,9 @@ def check(device: torch.device, rotary: Rotary, dtype: torch.dtype, by_request: 
     return float((got.float() - want.float()).abs().max())
 
 
-def time_plan(work: Workload, rotary: Rotary, args: argparse.Namespace, by_request: bool) -> float:
+def time_plan(
+    work: Workload, rotary: Rotary, args: argparse.Namespace, by_request: bool, splits: int | None = None
+) -> float:
     device, dtype = args.device, args.dtype
     gen = torch.Generator(device=device).manual_seed(0)
     kv_bytes = (work.arena_tokens + work.tail_tokens) * 2 * KV_HEADS * HEAD_DIM * 2
@@ -111,7 +115,7 @@ def time_plan(work: Workload, rotary: Rotary, args: argparse.Namespace, by_reque
         for _ in range(copies(kv_bytes))
     ]
     q = torch.randn((len(work.batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
-    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, by_request=by_request)
+    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, splits, by_request=by_request)
     attend = SegmentAttention(plan, rotary)
     graph = device.type == "cuda"
     return time_layers(lambda layer: attend(q, *data[layer % len(data)], SCALE), args.runs, args.warmup, graph, device)
@@ -157,9 +161,11 @@ def measure(requests: int, rotary: Rotary, args: argparse.Namespace) -> dict[str
     row: dict[str, Any] = {"batch": requests, "tflop_per_layer": useful_tflop(work), "ms": {}}
     row["ms"]["by-chunk"] = measured(lambda: time_plan(work, rotary, args, False), "by-chunk")
     for config in args.configs:
-        name = "by-request " + "x".join(map(str, config))
-        with request_config(config):
-            row["ms"][name] = measured(lambda: time_plan(work, rotary, args, True), name)
+        for splits in args.splits:
+            name = "by-request " + "x".join(map(str, config)) + f"/{splits or 'auto'}"
+            with request_config(config):
+                timed = functools.partial(time_plan, work, rotary, args, True, splits or None)
+                row["ms"][name] = measured(timed, name)
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
         row["ms"]["sdpa"] = measured(lambda: time_sdpa(work, args), "sdpa")
@@ -185,6 +191,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=520)
     parser.add_argument("--level", default="pool192", help="sharing level (bench_segment_attention.draw_chunks)")
     parser.add_argument("--configs", type=parse_config, nargs="+", default=[(64, 4, 0), (64, 8, 0), (128, 8, 0)])
+    parser.add_argument("--splits", type=int, nargs="+", default=[0], help="by-request splits to try (0: auto)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -194,6 +201,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = getattr(torch, args.dtype)
     if min(args.batches) < 1 or args.rows < 1 or args.reads < 1 or args.runs < 1:
         parser.error("batches, rows, reads and runs must be positive")
+    if min(args.splits) < 0:
+        parser.error("splits must be 0 (auto) or positive")
     return args
 
 

@@ -79,12 +79,21 @@ def test_a_by_request_plan_refuses_rows_out_of_request_order() -> None:
 
 def test_auto_splits_fill_the_gpu_for_one_request_and_not_for_many() -> None:
     one, _ = prefill_batch(requests=1, chunks=20, reads=16, rows=9, seed=4)
-    many, _ = prefill_batch(requests=80, chunks=20, reads=16, rows=9, seed=4)
+    many, _ = prefill_batch(requests=260, chunks=20, reads=16, rows=9, seed=4)
     cpu = torch.device("cpu")
     lone = SegmentPlan.build(one, 7, 4, cpu, by_request=True)
     crowd = SegmentPlan.build(many, 7, 4, cpu, by_request=True)
     assert lone.pairs == len(one.rows) * (16 + 1)  # a split per chunk: 4 programs would leave the GPU idle
-    assert crowd.pairs == 2 * len(many.rows)  # 80 requests' 320 programs fill it unsplit
+    assert crowd.pairs == 2 * len(many.rows)  # 260 requests' 1,040 programs fill it unsplit
+    first_64 = SegmentBatch(many.chunks, many.requests[:64], *_first_rows(many, 64))
+    few = SegmentPlan.build(first_64, 7, 4, cpu, by_request=True)
+    assert few.pairs == (4 + 1) * len(first_64.rows)  # 256 programs: split in 4, about four waves
+
+
+def _first_rows(batch: SegmentBatch, requests: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The rows and positions of `batch`'s first `requests` requests."""
+    kept = [(r, p) for r, p in zip(batch.rows, batch.positions, strict=True) if r < requests]
+    return tuple(r for r, _ in kept), tuple(p for _, p in kept)
 
 
 @pytest.mark.gpu

@@ -57,6 +57,10 @@ _MIN_BLOCK_M = 16
 MAX_BLOCK_M = 64
 # Programs worth having in flight before chunks are cut: about two per SM of an H100.
 _TARGET_PROGRAMS = 264
+# Programs a by-request plan splits its requests' chunk lists for: a prefill program is long (a request's whole
+# chunk list), so a last wave that fills a few SMs leaves the rest idle for a whole program; about four waves of
+# resident programs keep that tail short (more partials to merge, a few rows each).
+REQUEST_TARGET_PROGRAMS = 1024
 _MIN_PIECE = 128
 _MERGE_HEADS = 8
 
@@ -409,8 +413,8 @@ def _block_m(items: np.ndarray) -> np.ndarray:
 
 def auto_splits(programs: int, most_segments: int) -> int:
     """Splits of each request's chunk list so that `programs` (unsplit, all KV heads) reach about
-    _TARGET_PROGRAMS, at most one chunk a split."""
-    return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), most_segments))
+    REQUEST_TARGET_PROGRAMS, at most one chunk a split."""
+    return max(1, min(-(-REQUEST_TARGET_PROGRAMS // max(programs, 1)), most_segments))
 
 
 def _auto_pieces(readers: np.ndarray, lengths: np.ndarray, group: int, kv_heads: int) -> int:
