@@ -113,6 +113,9 @@ class ModeReport:
     output_tokens_per_s: float
     kv: dict[str, int]
     first_errors: list[str]
+    # p50 of each server stage (the done event's `timings_ms`: queue, engine_wait, retrieve, prefill, ...), so a
+    # TTFT that grows with load says where it waits
+    stage_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -356,7 +359,14 @@ def mode_report(mode: str, results: list[Result], duration_s: float) -> ModeRepo
         output_tokens_per_s=sum(r.output_tokens for r in ok) / duration_s if duration_s > 0 else 0.0,
         kv={tier: sum(r.kv.get(tier, 0) for r in ok) for tier in TIERS},
         first_errors=[r.error for r in failed[:5] if r.error is not None],
+        stage_ms=stage_medians(ok),
     )
+
+
+def stage_medians(results: list[Result]) -> dict[str, float]:
+    """Each server stage's p50 over the results that report it."""
+    stages = sorted({stage for r in results for stage in r.timings_ms})
+    return {stage: percentile([r.timings_ms[stage] for r in results if stage in r.timings_ms], 0.5) for stage in stages}
 
 
 def table(report: LoadReport) -> str:

@@ -405,6 +405,9 @@ def run_level(
         run["errors"],
         run["gpu_hit_ratio_done"],
     )
+    log.info(
+        "%d clients: server stages p50 (ms) %s", clients_count, {k: round(v, 1) for k, v in run["stage_ms"].items()}
+    )
     if spies is None:
         return run, (NO_PY_SPY if profile else None)
     seconds = {role: thread_deltas(before, after, role) for role in spies.pids}

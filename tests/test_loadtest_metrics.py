@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from loadtest.bench_retrieval import summary
+from loadtest.load import Result, mode_report
 from loadtest.serve_random import engine_seconds, gc_passes, gc_pause_growth, gc_pauses, passes, retrieval_split
 from service.retrieval.batcher import RetrievalStats
 
@@ -71,3 +72,12 @@ def test_serve_random_repeats_every_pass_per_gc_threshold_in_order() -> None:
     ]
     assert gc_passes(argparse.Namespace(overlap="auto", with_decode="auto", gc_gen0=None)) == [(None, None, None, None)]
     assert gc_passes(argparse.Namespace(overlap="auto", with_decode="auto", gc_gen0=[5])) == [(None, None, "gc5", 5)]
+
+
+def test_a_mode_report_gives_each_server_stage_its_median_over_the_answers_that_report_it() -> None:
+    """The done events' stage times (queue, prefill, ...) summarised per stage; a failed answer's are left out."""
+    timings = [{"queue": 10.0, "prefill": 4.0}, {"queue": 30.0, "prefill": 6.0}, {"queue": 20.0}]
+    results = [Result(mode="turbo", topic=0, started_s=0.0, timings_ms=t) for t in timings]
+    results.append(Result(mode="turbo", topic=0, started_s=0.0, timings_ms={"queue": 999.0}, error="HTTP 500"))
+    report = mode_report("turbo", results, 1.0)
+    assert report.stage_ms == {"prefill": 5.0, "queue": 20.0}
