@@ -246,6 +246,10 @@ def run_report(
         blocks = grown(earlier, later, "kvstitch_kv_blocks_total", "tier")
         answers = sum(grown(earlier, later, "kvstitch_ttft_seconds_count", "mode").values())
         engines[url] = {"answers": int(answers), "blocks": {t: int(blocks.get(t, 0)) for t in TIERS}}
+        # The engine thread's share of the run by phase (idle, admit, prefill, decode, emit): where a slow level's
+        # time went, inside the engine.
+        phases = grown(earlier, later, "kvstitch_engine_seconds_total", "phase")
+        engines[url]["thread_share"] = {p: round(v / duration_s, 3) for p, v in phases.items()} if duration_s else {}
     served = {t: sum(e["blocks"][t] for e in engines.values()) for t in TIERS}
     modes = sorted({r.mode for r in results})
     return {
