@@ -57,8 +57,10 @@ log = logging.getLogger(__name__)
 
 # Question tokens (all the group's, summed) a graph is captured for. The gateway benchmark's questions are ~90
 # tokens with the template's: one fills 128, a group of eight 1,024. A group with more is prefilled in several
-# replays, each request whole.
-SHARED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# replays, each request whole. Past 128 the steps are 128 tokens, not doublings: a replay computes its whole
+# bucket, and under load groups of a few questions each arrive at every step, so power-of-two buckets spent up to
+# half of each prefill's projections and MLPs on padding.
+SHARED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
 # Reads per row a graph is captured for at most, and query entries (tokens x reads) at most: past them the padded
 # plan's rotation tables and partial buffers grow past what one prefill is worth; such groups run eagerly.
 MAX_READS = 32
