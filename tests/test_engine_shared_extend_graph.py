@@ -26,7 +26,7 @@ from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS
 from service.engine.batch_request import BatchRequest
 from service.engine.engine import StitchEngine
-from service.engine.extend_graph import ExtendRequest, buckets_for, split_by_tokens
+from service.engine.extend_graph import ExtendRequest, buckets_for, split_by_tokens, token_bucket
 from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
 from service.engine.scheduler import Scheduler
@@ -487,7 +487,10 @@ def test_warm_captures_the_buckets_before_any_question(get_engine: Callable[[str
     shared = scheduler.shared
     assert shared is not None and shared.extend_graphs is not None
     shared.extend_graphs.warm(reads=3, max_rows=2, max_tokens=300)
-    warmed = {(r, t, 4) for r in (1, 2) for t in buckets_for(POOL_SLOTS, SHARED_TOKEN_BUCKETS)}
+    buckets = buckets_for(POOL_SLOTS, SHARED_TOKEN_BUCKETS)
+    top = token_bucket(300, buckets)
+    assert top == 384
+    warmed = {(r, t, 4) for r in (1, 2) for t in buckets if t <= top}
     assert set(shared.extend_graphs._graphs) == warmed
     run = Run(engine, (ALONE[0], TOGETHER[1]))  # two questions of ~130 tokens, admitted together
     for request in run.requests:
