@@ -44,7 +44,7 @@ from loadtest.bench_segment_attention import (
     random_kv,
     time_layers,
 )
-from service.engine import segment_launch
+from service.engine import segment_launch, segment_plan
 from service.engine.rotary import Rotary
 from service.engine.segment_attention import reference_attention
 from service.engine.segment_launch import SegmentAttention, SegmentPlan
@@ -67,15 +67,16 @@ def parse_config(text: str) -> tuple[int, int, int]:
 
 @contextmanager
 def request_config(config: tuple[int, int, int]) -> Iterator[None]:
-    """segment_launch's by-request tile settings set to `config` for the block, restored after."""
-    saved = segment_launch.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS, segment_launch.REQUEST_STAGES
+    """The by-request tile settings (segment_plan's width, segment_launch's warps and stages) set to `config`
+    for the block, restored after."""
+    saved = segment_plan.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS, segment_launch.REQUEST_STAGES
     block_m, warps, stages = config
-    segment_launch.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS = block_m, warps
+    segment_plan.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS = block_m, warps
     segment_launch.REQUEST_STAGES = stages or None
     try:
         yield
     finally:
-        segment_launch.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS, segment_launch.REQUEST_STAGES = saved
+        segment_plan.REQUEST_BLOCK_M, segment_launch.REQUEST_WARPS, segment_launch.REQUEST_STAGES = saved
 
 
 def useful_tflop(work: Workload) -> float:

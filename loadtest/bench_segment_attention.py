@@ -37,7 +37,7 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-from service.engine import segment_launch
+from service.engine import segment_launch, segment_plan
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import SDPA_GATHER, DecodeRows, batch_attention
 from service.engine.fused_stitch import triton_runs_on
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("this benchmark needs a CUDA device and triton (or TRITON_INTERPRET=1 with --device cpu)")
         return 1
     if args.max_block_m is not None:
-        segment_launch.MAX_BLOCK_M = args.max_block_m
+        segment_plan.MAX_BLOCK_M = args.max_block_m
     if args.block_n is not None:
         segment_launch.BLOCK_N = args.block_n
     segment_launch.NUM_STAGES = args.stages

@@ -19,7 +19,8 @@ import torch
 
 from service.engine import segment_launch
 from service.engine.segment_attention import ContextScaling, SegmentBatch, reference_attention
-from service.engine.segment_launch import REQUEST_BLOCK_M, REQUEST_COLUMNS, PlanCapacity, SegmentAttention, SegmentPlan
+from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_plan import REQUEST_BLOCK_M, REQUEST_COLUMNS, PlanCapacity
 from tests.test_engine_segment_attention import (
     INTERPRETER,
     KERNEL_DEVICE,

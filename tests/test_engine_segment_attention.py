@@ -43,7 +43,8 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
-from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan
+from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_plan import PlanCapacity
 
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5

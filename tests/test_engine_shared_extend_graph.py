@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine import segment_launch, shared_extend_graph, shared_graph
+from service.engine import segment_plan, shared_extend_graph, shared_graph
 from service.engine.batch_decode import ExtendRows
 from service.engine.batch_graph import BATCH_BUCKETS
 from service.engine.batch_request import BatchRequest
@@ -31,7 +31,8 @@ from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
 from service.engine.scheduler import Scheduler
 from service.engine.segment_attention import ChunkRange, SegmentArrays, merge, partial, reference_attention
-from service.engine.segment_launch import PlanCapacity, SegmentPlan
+from service.engine.segment_launch import SegmentPlan
+from service.engine.segment_plan import PlanCapacity
 from service.engine.shared_decode import Placement, Reads, SharedDecoder, extend_batch
 from service.engine.shared_extend_graph import (
     MAX_ENTRIES,
@@ -442,7 +443,7 @@ def test_graphed_shared_prefills_and_steps_decode_the_eager_tokens(
     monkeypatch.setattr(shared_graph, "pieces_for", lambda batch: 1)
     monkeypatch.setattr(shared_extend_graph, "extend_pieces", lambda tokens: 1)
     monkeypatch.setattr(shared_extend_graph, "extend_splits", lambda *bucket: 1)
-    monkeypatch.setattr(segment_launch, "auto_splits", lambda *programs: 1)
+    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
     eager_logits: list[torch.Tensor] = []
     graphed_logits: list[torch.Tensor] = []
     eager, _, _ = run_groups(engine, groups, False, lambda scheduler: record_prefills(scheduler, eager_logits))

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from service.engine._softmax_tile import online_softmax_step, tile_scores
 
-# A tile row is segment_launch.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
+# A tile row is segment_plan.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
 # rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
 # (request-local), which block of the request's query items the tile takes, and the split's first pair.
 

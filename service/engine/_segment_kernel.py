@@ -8,7 +8,7 @@ import triton.language as tl
 
 from service.engine._softmax_tile import online_softmax_step, tile_scores
 
-# A tile row is segment_launch.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
+# A tile row is segment_plan.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
 
 # ln 2 as a constexpr global: a jitted function reads no plain global.

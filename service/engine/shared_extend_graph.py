@@ -49,7 +49,7 @@ from service.engine.extend_graph import (
     token_bucket,
 )
 from service.engine.segment_attention import SegmentArrays
-from service.engine.segment_launch import _MIN_BLOCK_M, MAX_BLOCK_M, REQUEST_BLOCK_M, PlanCapacity, auto_splits
+from service.engine.segment_plan import _MIN_BLOCK_M, MAX_BLOCK_M, REQUEST_BLOCK_M, PlanCapacity, auto_splits
 from service.engine.shared_decode import Reads, SharedDecoder, extend_batch
 from service.engine.shared_graph import CapturedPlan, reads_bucket
 

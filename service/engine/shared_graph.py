@@ -27,7 +27,8 @@ from service.engine.batch_decode import StepFeed
 from service.engine.batch_graph import StepInputs
 from service.engine.cuda_graph import _capture
 from service.engine.segment_attention import SegmentArrays
-from service.engine.segment_launch import PlanCapacity, SegmentAttention, SegmentPlan
+from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_plan import PlanCapacity
 from service.engine.shared_decode import SharedDecoder
 
 log = logging.getLogger(__name__)
