@@ -7,14 +7,11 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import online_softmax_step, tile_scores
+from service.engine._softmax_tile import finished_partial, online_softmax_step, tile_scores
 
 # A tile row is segment_plan.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
 # rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
 # (request-local), which block of the request's query items the tile takes, and the split's first pair.
-
-# ln 2 as a constexpr global: a jitted function reads no plain global.
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -108,9 +105,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
             s = tl.where((n < length)[None, :], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
 
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    out, lse = finished_partial(m_i, l_i, acc)
     pair = pair0 + local
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -6,6 +6,9 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
+# ln 2 as a constexpr global: a jitted function reads no plain global.
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit  # type: ignore[untyped-decorator]
 def tile_scores(q, k, ieee: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -31,3 +34,13 @@ def online_softmax_step(s, v, m_i, l_i, acc, ieee: tl.constexpr):  # type: ignor
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def finished_partial(m_i, l_i, acc):  # type: ignore[no-untyped-def]
+    """The running state of M rows (`online_softmax_step`'s) as a partial: output acc / sum and the natural
+    log-sum-exp; a row that saw no key gives zeros and -inf."""
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    return out, lse

@@ -206,122 +206,84 @@ class SegmentAttention:
         # rivals the shared chunks' own, and a bf16 attention's output is rounded to bf16 anyway.
         part_out = torch.empty((plan.pairs, heads, dim), dtype=q.dtype, device=q.device)
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
-        rotation = _Rotation(q, self._cos, self._sin, plan.q_rows)
-        partials = (rotation, plan.pair_q, plan.pair_visible, part_out, part_lse, group)
+        rotation = _Rotation(q, self._cos, self._sin)
+        partials = _Partials(part_out, part_lse, group)
+        by_chunk = (plan.q_rows, plan.pair_q, plan.pair_visible)
+        chunk_metadata = (plan.segments,) if plan.by_request else by_chunk
+        chunk_scale = scale / self.context.temperature
         for launch in plan.chunks:
-            if plan.by_request:
-                chunk_scale = scale / self.context.temperature
-                _run_request_partials(launch, arena, rotation, plan.segments, part_out, part_lse, group, chunk_scale)
-            else:
-                _run_partials(launch, arena, *partials, scale / self.context.temperature)
+            _run_partials(launch, arena, rotation, chunk_metadata, partials, chunk_scale, plan.by_request)
         for launch in plan.tails:
-            _run_partials(launch, tail_kv, *partials, scale)
+            _run_partials(launch, tail_kv, rotation, by_chunk, partials, scale)
         return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
 
 
 @dataclass(frozen=True)
 class _Rotation:
-    """What the kernel rotates queries from: q [N, Hq, D] unrotated, cos/sin [entries, D], each entry's row."""
+    """What the kernels rotate queries from: q [N, Hq, D] unrotated, cos/sin [entries, D]."""
 
     q: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Partials:
+    """Where a call's partials go: outputs [pairs, Hq, D], fp32 log-sum-exps [pairs, Hq]; Hq / Hkv query heads per
+    KV head."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    group: int
 
 
 def _run_partials(
     launch: Launch,
     kv: torch.Tensor,
     rotation: _Rotation,
-    pair_q: torch.Tensor,
-    pair_visible: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    group: int,
+    metadata: tuple[torch.Tensor, ...],
+    partials: _Partials,
     scale: float,
+    by_request: bool = False,
 ) -> None:
+    """One launch of a partials kernel over `kv`: the by-chunk one (`metadata`: the entries' rows, each pair's
+    entry and visible keys) or the by-request one (`metadata`: the segment table). Both take their arguments in
+    one order around the metadata."""
     if kv.stride(-1) != 1:
         raise ValueError("segment attention needs unit stride on the head dimension")
     if launch.tiles.shape[0] == 0:
         return
-    q = rotation.q
+    q, out, lse = rotation.q, partials.out, partials.lse
     dim = q.shape[-1]
-    grid = (launch.tiles.shape[0], kv.shape[1])
-    _kernels()[0][grid](
+    kernel = _request_kernel() if by_request else _kernels()[0]
+    warps, stages = (REQUEST_WARPS, REQUEST_STAGES) if by_request else (_warps(launch.block_m), NUM_STAGES)
+    kernel[(launch.tiles.shape[0], kv.shape[1])](
         q,
         rotation.cos,
         rotation.sin,
         kv,
         launch.tiles,
-        rotation.rows,
-        pair_q,
-        pair_visible,
-        part_out,
-        part_lse,
+        *metadata,
+        out,
+        lse,
         q.stride(0),
         q.stride(1),
         rotation.cos.stride(0),
         kv.stride(0),
         kv.stride(1),
         kv.stride(2),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
         scale * LOG2E,
-        group=group,
+        group=partials.group,
         head_dim=dim,
         dim_p2=next_power_of_2(dim),
         block_m=launch.block_m,
         block_n=BLOCK_N,
         ieee=kv.dtype == torch.float32,
-        num_warps=_warps(launch.block_m),
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
-    )
-
-
-def _run_request_partials(
-    launch: Launch,
-    kv: torch.Tensor,
-    rotation: _Rotation,
-    segments: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    group: int,
-    scale: float,
-) -> None:
-    if kv.stride(-1) != 1:
-        raise ValueError("segment attention needs unit stride on the head dimension")
-    if launch.tiles.shape[0] == 0:
-        return
-    q = rotation.q
-    dim = q.shape[-1]
-    _request_kernel()[(launch.tiles.shape[0], kv.shape[1])](
-        q,
-        rotation.cos,
-        rotation.sin,
-        kv,
-        launch.tiles,
-        segments,
-        part_out,
-        part_lse,
-        q.stride(0),
-        q.stride(1),
-        rotation.cos.stride(0),
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_lse.stride(0),
-        scale * LOG2E,
-        group=group,
-        head_dim=dim,
-        dim_p2=next_power_of_2(dim),
-        block_m=launch.block_m,
-        block_n=BLOCK_N,
-        ieee=kv.dtype == torch.float32,
-        num_warps=REQUEST_WARPS,
-        **({} if REQUEST_STAGES is None else {"num_stages": REQUEST_STAGES}),
+        num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
 
 

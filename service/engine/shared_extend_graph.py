@@ -12,9 +12,12 @@ call. It fixes shapes, so it joins the two fixed-shape forms the project already
   captured plan (`CapturedPlan`). Here the padding request is one more request of the call, reading no chunk and
   attending causally to its own scratch keys (`padded_extend`), so the plan of a padded call is an ordinary plan.
 
-The capacity (`extend_capacity`) holds every call of the bucket: each token of a row reads its row's chunks (at most
-`reads`, each cut into `pieces`), so `tokens x reads` query entries on chunks and one per token for its tail. Tiles
-are bounded tighter than by pairs (a prefill's many tokens read each chunk in one group, `block_m`-wide tiles).
+The question prefill plans its attention by request (`shared_decode.PREFILL_BY_REQUEST`, read at capture): a
+bucket's plan splits each request's chunk list `extend_splits` ways and `request_capacity` sizes it. With the flag
+off the plan goes by chunk, and `extend_capacity` holds every call of the bucket: each token of a row reads its
+row's chunks (at most `reads`, each cut into `pieces`), so `tokens x reads` query entries on chunks and one per
+token for its tail. Tiles are bounded tighter than by pairs (a prefill's many tokens read each chunk in one group,
+`block_m`-wide tiles).
 
 Memory (bounded): buckets are `BATCH_BUCKETS` rows x `SHARED_TOKEN_BUCKETS` tokens x reads 4 .. `MAX_READS`, with
 `tokens x reads` at most `MAX_ENTRIES`. Every graph leaves its logits in one buffer ([32, vocab] fp32: 19 MiB at

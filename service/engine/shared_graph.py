@@ -96,8 +96,8 @@ class CapturedPlan:
         self.plan = self.build(idle)
 
     def build(self, call: SegmentArrays) -> SegmentPlan:
-        plan = SegmentPlan.build
-        return plan(call, self._group, self._kv_heads, self._device, self.pieces, self.capacity, self.by_request)
+        group, kv_heads, device = self._group, self._kv_heads, self._device
+        return SegmentPlan.build(call, group, kv_heads, device, self.pieces, self.capacity, self.by_request)
 
     def load(self, plan: SegmentPlan) -> None:
         """Queue `plan`'s metadata into the captured plan's tensors (stream order: after the last replay)."""
