@@ -71,15 +71,8 @@ class HostPlan:
     def add_chunks(self, pieces: int | None, kv_heads: int) -> None:
         """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece (`pieces`
         per chunk; None: `_auto_pieces`)."""
-        batch = self.batch
-        counts, seg_chunk, seg_offset = batch.seg_counts, batch.seg_chunk, batch.seg_offset
-        ranges, rows = batch.chunks, batch.rows
-        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))[rows]  # each row's first segment
-        entry_row = _expand(counts[rows])
-        segment = first_segment[entry_row] + _within(counts[rows])
-        chunk = seg_chunk[segment]
-        self.q_rows = entry_row
-        self.q_positions = self.positions[entry_row] - seg_offset[segment] + ranges[chunk, 2]
+        ranges = self.batch.chunks
+        chunk = self._add_entries()
         if chunk.size == 0:
             return
         # Chunks in the order they are first read; each chunk's readers (entries) in entry order.
@@ -103,51 +96,66 @@ class HostPlan:
         reader_start = np.concatenate(([0], np.cumsum(readers)[:-1]))
         self.pair_q = readers_by_chunk[reader_start[group_chunk][pair_group] + _within(group_readers)]
         self.pair_visible = size[pair_group]
-        self.pair_row = entry_row[self.pair_q]
+        self.pair_row = self.q_rows[self.pair_q]
         first_pair = np.concatenate(([0], np.cumsum(group_readers)[:-1]))
         starts = ranges[ordered, 0][group_chunk] + first
         self.chunk_tiles = self._tiles(starts, size, first_pair, group_readers)
 
-    def add_requests(self, splits: int | None, kv_heads: int) -> None:
-        """By request: the same query entries as `add_chunks` (by row then segment), and a group of pairs per
-        (request, split of its segments), one pair per row; its tiles take REQUEST_BLOCK_M of the request's
-        query items each (`splits` None: enough for about _TARGET_PROGRAMS programs)."""
+    def _add_entries(self) -> np.ndarray:
+        """A query entry per (row, segment), by row then segment, rotated to m - o + base; each entry's chunk."""
         batch = self.batch
         counts, rows = batch.seg_counts, batch.rows
-        if (np.diff(rows) < 0).any():
-            raise ValueError("a by-request plan needs each request's rows together, in request order")
-        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        row_entries = counts[rows]
-        entry_row = _expand(row_entries)
-        segment = first_segment[rows][entry_row] + _within(row_entries)
-        chunk = batch.seg_chunk[segment]
+        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))[rows]  # each row's first segment
+        entry_row = _expand(counts[rows])
+        segment = first_segment[entry_row] + _within(counts[rows])
+        chunk: np.ndarray = batch.seg_chunk[segment]
         self.q_rows = entry_row
         self.q_positions = self.positions[entry_row] - batch.seg_offset[segment] + batch.chunks[chunk, 2]
+        return chunk
+
+    def add_requests(self, splits: int | None, kv_heads: int) -> None:
+        """By request: the same query entries as `add_chunks`, and a group of pairs per (request, split of its
+        segments), one pair per row, whose tiles take REQUEST_BLOCK_M of the request's query items each (`splits`
+        None: `auto_splits`). Every segment's arena range goes into the segment table."""
+        batch = self.batch
+        if (np.diff(batch.rows) < 0).any():
+            raise ValueError("a by-request plan needs each request's rows together, in request order")
+        self._add_entries()
         self.segments = batch.chunks[batch.seg_chunk, :2]
-        requests, row0, n_rows = np.unique(rows, return_index=True, return_counts=True)
-        reading = counts[requests] > 0
+        requests, row0, n_rows = np.unique(batch.rows, return_index=True, return_counts=True)
+        reading = batch.seg_counts[requests] > 0
         requests, row0, n_rows = requests[reading], row0[reading], n_rows[reading]
         if requests.size == 0:
             return
-        segments = counts[requests]
+        segments = batch.seg_counts[requests]
         blocks = -(-n_rows * self.group // REQUEST_BLOCK_M)
         if splits is None:
             splits = auto_splits(int(blocks.sum()) * kv_heads, int(segments.max()))
-        parts = np.minimum(max(1, splits), segments)
+        self._add_request_groups(requests, row0, n_rows, blocks, np.minimum(max(1, splits), segments))
+
+    def _add_request_groups(
+        self, requests: np.ndarray, row0: np.ndarray, n_rows: np.ndarray, blocks: np.ndarray, parts: np.ndarray
+    ) -> None:
+        """The pairs and tiles of each (request, split): request i's rows row0[i] .. + n_rows[i], its query items
+        in blocks[i] tiles, its segments in parts[i] splits (lo .. hi - 1 each, request-local)."""
+        counts = self.batch.seg_counts
         group_request = _expand(parts)  # a group per (request, split), requests in order
         split = _within(parts)
-        size = segments[group_request]
+        size = counts[requests][group_request]
         lo, hi = size * split // parts[group_request], size * (split + 1) // parts[group_request]
         group_rows = n_rows[group_request]
         group_pair0 = np.concatenate(([0], np.cumsum(group_rows)[:-1]))
+        row_entries = counts[self.batch.rows]
         entry_first = np.concatenate(([0], np.cumsum(row_entries)[:-1]))  # each row's first entry
         self.pair_row = row0[group_request][_expand(group_rows)] + _within(group_rows)
         self.pair_q = entry_first[self.pair_row]  # unread by the kernel; a valid entry all the same
         self.pair_visible = np.zeros(self.pair_row.size, dtype=np.int64)
-        first_entry, first_seg = entry_first[row0][group_request], first_segment[requests][group_request]
+        first_segment = np.concatenate(([0], np.cumsum(counts)[:-1]))[requests]
+        first_entry = entry_first[row0]
+        by_group = [row0, n_rows, first_entry, counts[requests], first_segment]
+        by_group = [column[group_request] for column in by_group] + [lo, hi]
         group_blocks = blocks[group_request]
         tile_group = _expand(group_blocks)
-        by_group = [row0[group_request], group_rows, first_entry, size, first_seg, lo, hi]
         columns = [*(c[tile_group] for c in by_group), _within(group_blocks), group_pair0[tile_group]]
         self.chunk_tiles = {REQUEST_BLOCK_M: np.stack(columns, axis=1)}
 
