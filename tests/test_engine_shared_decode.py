@@ -9,6 +9,7 @@ mixed positions. Both pools and the arena are NaN-poisoned, so a read of any slo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.shared_decode import (
     PrefixPlacer,
+    Reads,
     SharedDecoder,
     decode_batch,
     extend_batch,
@@ -365,3 +367,64 @@ def test_the_prefix_placer_copies_what_a_stitch_places_into_every_slab(
         assert torch.isnan(buffer.data[:, :, :, tokens:]).all()  # nothing written past the prefix
     buffers[0].data.fill_(0.0)  # the kept copy is its own memory, not the first slab
     assert torch.equal(placer.place(pool.allocate(tokens + 8), prefix).data[:, :, :, :tokens], expected)
+
+
+# The Triton kernels on the CPU: under Triton's interpreter only (TRITON_INTERPRET=1 with triton importable).
+KERNELS_ON_CPU = triton_runs_on(torch.device("cpu"), interpreter=os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.parametrize(
+    "kernels", [False, pytest.param(True, marks=pytest.mark.skipif(not KERNELS_ON_CPU, reason="needs the kernels"))]
+)
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral"))
+def test_a_question_riding_in_a_decode_step_gets_the_logits_of_its_own_prefill(
+    get_engine: Callable[[str, str], StitchEngine], arch: str, kernels: bool
+) -> None:
+    """Two answers decode a step while a third request's question is prefilled in the same forward (`mixed`):
+    each part's logits are those of the step and the prefill run apart, and the slabs hold the same K/V after;
+    fp32 on the CPU, NaN in every pool and arena slot nobody wrote; the torch reference, or the kernels (the
+    step by chunk, the question by request) under the interpreter."""
+    engine = get_engine(arch, "cpu")
+    s = setup(engine)
+    logits, pools = [], []
+    for together in (False, True):
+        arena, pool = nan_arena(engine, 200), nan_pool(engine, 1500)
+        shared = SharedDecoder(BatchDecoder(engine.forward, pool, LOOP), arena, kernels=kernels)
+        requests, reads = _placed(engine, s, arena, pool, MODES["mixed"])
+        first = shared.extend(ExtendRows.build(requests[:2], engine.spec.device), extend_batch(requests[:2], reads[:2]))
+        ids = first.argmax(-1).tolist()
+        at = [p + len(q) for q, p, _, _ in requests[:2]]
+        live = [(start, used + len(q) + 1) for q, _, start, used in requests[:2]]
+        step_rows, step_call = DecodeRows.build(ids, at, live, engine.spec.device), decode_batch(at, live, reads[:2])
+        question_rows = ExtendRows.build(requests[2:], engine.spec.device)
+        question_call = extend_batch(requests[2:], reads[2:])
+        if together:
+            logits.append(shared.mixed(step_rows, step_call, question_rows, question_call))
+        else:
+            apart = (shared.step(step_rows, step_call), shared.extend(question_rows, question_call))
+            logits.append(torch.cat(apart))
+        pools.append(pool.data.clone())
+    assert logits[0].shape == (3, engine.spec.vocab_size) and torch.isfinite(logits[1]).all()
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+    assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist()
+    written = ~torch.isnan(pools[0])
+    assert torch.equal(written, ~torch.isnan(pools[1]))
+    assert (pools[0][written] - pools[1][written]).abs().max().item() < 1e-4
+
+
+def _placed(
+    engine: StitchEngine, s: Setup, arena: ChunkArena, pool: KVPool, modes: Sequence[str]
+) -> tuple[list[tuple[list[int], int, int, int]], list[Reads]]:
+    """Every request of READS with its chunks in the arena and its prefix in a slab of its own: the (question,
+    first position, slab start, live slots) an extend takes, and its placements."""
+    requests, reads = [], []
+    prefix = engine.prefix_block
+    for chunk_ids, mode, question in zip(READS, modes, s.questions, strict=True):
+        blocks = [s.chunks[c] for c in chunk_ids]
+        ranges = arena.acquire(blocks, engine.kv_version)
+        plan = engine.plan(mode, [prefix, *blocks])
+        slab = pool.allocate(prefix.num_tokens + len(question) + EXTRA)
+        place_prefix(pool, slab, prefix, engine.forward.rotary)
+        requests.append((question, plan.question_start, slab.start, prefix.num_tokens))
+        reads.append(placements(plan, ranges))
+    return requests, reads

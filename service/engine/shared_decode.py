@@ -195,6 +195,18 @@ class SegmentLayerAttend:
         return reference_attention(q, self._objects, arena, kv, self._rotary, scale, self._context)
 
 
+class _SplitAttend:
+    """A mixed forward's attention (a `LayerAttend`): its first `rows` queries through `head`, the rest through
+    `tail`, over the same pool."""
+
+    def __init__(self, head: SegmentLayerAttend, tail: SegmentLayerAttend, rows: int) -> None:
+        self._head, self._tail, self._rows = head, tail, rows
+
+    def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        first = self._head.attend_layer(layer, q[: self._rows], kv, scale)
+        return torch.cat((first, self._tail.attend_layer(layer, q[self._rows :], kv, scale)))
+
+
 class SharedDecoder:
     """`BatchDecoder`'s step and extend with each request's chunks read from the arena instead of its slab.
 
@@ -235,6 +247,27 @@ class SharedDecoder:
         attention = self.attention(batch, PREFILL_BY_REQUEST)
         hidden = self._layers(rows.ids, rows.positions, rows.slots, attention)
         return self.decoder.forward.head_rows(hidden.index_select(0, rows.last))
+
+    @torch.inference_mode()
+    def mixed(
+        self, decode: DecodeRows, step_call: SegmentArrays, extend: ExtendRows, extend_call: SegmentArrays
+    ) -> torch.Tensor:
+        """A decode step and a question prefill in ONE forward (questions riding in the running answers' step, as
+        `BatchDecoder.mixed` on the copy path): every matmul runs once over the decode rows' tokens then the
+        questions', and the attention runs each part through its own plan (the step's by chunk, the questions'
+        as `extend` plans them). fp32 logits [B + R, vocab]: the decode rows', then each question's last token's.
+        `step_call` and `extend_call`: the parts' `decode_batch` and `extend_batch`."""
+        batch = decode.ids.shape[0]
+        if step_call.rows.size != batch or extend_call.rows.size != extend.ids.shape[0]:
+            raise ValueError("each part's segment metadata must have its own rows")
+        attention = _SplitAttend(self.attention(step_call), self.attention(extend_call, PREFILL_BY_REQUEST), batch)
+        fwd = self.decoder.forward
+        hidden = fwd.embed_static(torch.cat((decode.ids, extend.ids)).view(1, -1))
+        positions = torch.cat((decode.positions, extend.positions))
+        slots = torch.cat((decode.slots, extend.slots))
+        hidden = fwd.layers_static(self.decoder.pool.data, hidden, positions, slots, attention, (0, len(fwd.layers)))
+        last = torch.cat((torch.arange(batch, device=hidden.device), extend.last + batch))
+        return fwd.head_rows(hidden.index_select(0, last))
 
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attention: SegmentLayerAttend
