@@ -40,14 +40,14 @@ from loadtest.bench_segment_attention import (
     Workload,
     build_workload,
     copies,
+    plan_error,
     qwen2_rotary,
-    random_kv,
     time_layers,
+    time_plan,
 )
 from service.engine import segment_launch, segment_plan
 from service.engine.rotary import Rotary
-from service.engine.segment_attention import reference_attention
-from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_launch import SegmentPlan
 
 log = logging.getLogger("bench_prefill_attention")
 
@@ -93,33 +93,16 @@ def useful_tflop(work: Workload) -> float:
 def check(device: torch.device, rotary: Rotary, dtype: torch.dtype, by_request: bool) -> float:
     """Largest |kernel - reference| on 3 requests x 12 rows over 4 of 6 chunks, NaN past every range."""
     work = build_workload("pool6", 3, 4, 96, 40, seed=5, rows_per_request=12)
-    gen = torch.Generator(device=device).manual_seed(1)
-    arena = torch.full((2, KV_HEADS, work.arena_tokens + 64, HEAD_DIM), float("nan"), device=device, dtype=dtype)
-    arena[:, :, : work.arena_tokens] = random_kv(work.arena_tokens, device, dtype, gen)
-    pool = torch.full((2, KV_HEADS, work.tail_tokens + 64, HEAD_DIM), float("nan"), device=device, dtype=dtype)
-    pool[:, :, : work.tail_tokens] = random_kv(work.tail_tokens, device, dtype, gen)
-    q = torch.randn((len(work.batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
-    want = reference_attention(q, work.batch, arena, pool, rotary, SCALE)
     plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, by_request=by_request)
-    got = SegmentAttention(plan, rotary)(q, arena, pool, SCALE)
-    return float((got.float() - want.float()).abs().max())
+    return plan_error(work, work.batch, plan, rotary, dtype, seed=1)
 
 
-def time_plan(
+def time_by(
     work: Workload, rotary: Rotary, args: argparse.Namespace, by_request: bool, splits: int | None = None
 ) -> float:
-    device, dtype = args.device, args.dtype
-    gen = torch.Generator(device=device).manual_seed(0)
-    kv_bytes = (work.arena_tokens + work.tail_tokens) * 2 * KV_HEADS * HEAD_DIM * 2
-    data = [
-        (random_kv(work.arena_tokens, device, dtype, gen), random_kv(work.tail_tokens, device, dtype, gen))
-        for _ in range(copies(kv_bytes))
-    ]
-    q = torch.randn((len(work.batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
-    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, splits, by_request=by_request)
-    attend = SegmentAttention(plan, rotary)
-    graph = device.type == "cuda"
-    return time_layers(lambda layer: attend(q, *data[layer % len(data)], SCALE), args.runs, args.warmup, graph, device)
+    """`bench_segment_attention.time_plan` of the call's plan by chunk, or by request in `splits` splits."""
+    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, splits, by_request=by_request)
+    return time_plan(work, plan, rotary, args, args.device.type == "cuda")
 
 
 def time_sdpa(work: Workload, args: argparse.Namespace) -> float:
@@ -160,12 +143,12 @@ def measure(requests: int, rotary: Rotary, args: argparse.Namespace) -> dict[str
         args.level, requests, args.reads, args.chunk_tokens, args.rows + 24, seed=requests, rows_per_request=args.rows
     )
     row: dict[str, Any] = {"batch": requests, "tflop_per_layer": useful_tflop(work), "ms": {}}
-    row["ms"]["by-chunk"] = measured(lambda: time_plan(work, rotary, args, False), "by-chunk")
+    row["ms"]["by-chunk"] = measured(lambda: time_by(work, rotary, args, False), "by-chunk")
     for config in args.configs:
         for splits in args.splits:
             name = "by-request " + "x".join(map(str, config)) + f"/{splits or 'auto'}"
             with request_config(config):
-                timed = functools.partial(time_plan, work, rotary, args, True, splits or None)
+                timed = functools.partial(time_by, work, rotary, args, True, splits or None)
                 row["ms"][name] = measured(timed, name)
     if args.device.type == "cuda":
         torch.cuda.empty_cache()

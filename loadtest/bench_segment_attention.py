@@ -146,22 +146,28 @@ def random_kv(slots: int, device: torch.device, dtype: torch.dtype, gen: torch.G
 def check_kernels(device: torch.device, rotary: Rotary, dtypes: tuple[torch.dtype, ...]) -> dict[str, float]:
     """Largest |kernels - reference| per dtype on a small case at the real shape: 6 requests reading 3 of 5 chunks
     (shared), the last one a 3-row prefill, NaN around every range the call names."""
-    errors = {}
-    for dtype in dtypes:
-        work = build_workload("pool5", 6, 3, 96, 40, seed=7)
-        batch = _with_prefill(work.batch, rows=3)
-        gen = torch.Generator(device=device).manual_seed(3)
-        arena = torch.full((2, KV_HEADS, work.arena_tokens + 80, HEAD_DIM), float("nan"), device=device, dtype=dtype)
-        arena[:, :, : work.arena_tokens] = random_kv(work.arena_tokens, device, dtype, gen)
-        pool = torch.full((2, KV_HEADS, work.tail_tokens + 80, HEAD_DIM), float("nan"), device=device, dtype=dtype)
-        pool[:, :, : work.tail_tokens] = random_kv(work.tail_tokens, device, dtype, gen)
-        q = torch.randn((len(batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
-        scale = HEAD_DIM**-0.5
-        want = reference_attention(q, batch, arena, pool, rotary, scale)
-        plan = SegmentPlan.build(batch, HEADS // KV_HEADS, KV_HEADS, device)
-        got = SegmentAttention(plan, rotary)(q, arena, pool, scale)
-        errors[str(dtype).removeprefix("torch.")] = float((got.float() - want.float()).abs().max())
-    return errors
+    work = build_workload("pool5", 6, 3, 96, 40, seed=7)
+    batch = _with_prefill(work.batch, rows=3)
+    plan = SegmentPlan.build(batch, HEADS // KV_HEADS, KV_HEADS, device)
+    return {str(dtype).removeprefix("torch."): plan_error(work, batch, plan, rotary, dtype, 3) for dtype in dtypes}
+
+
+def plan_error(
+    work: Workload, batch: SegmentBatch, plan: SegmentPlan, rotary: Rotary, dtype: torch.dtype, seed: int
+) -> float:
+    """Largest |kernels - reference| of `plan` (of `batch`, over `work`'s chunks and tails) on random `dtype` data,
+    80 NaN slots past the arena and the tails so that a read past any range shows."""
+    device = plan.q_rows.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    arena = torch.full((2, KV_HEADS, work.arena_tokens + 80, HEAD_DIM), float("nan"), device=device, dtype=dtype)
+    arena[:, :, : work.arena_tokens] = random_kv(work.arena_tokens, device, dtype, gen)
+    pool = torch.full((2, KV_HEADS, work.tail_tokens + 80, HEAD_DIM), float("nan"), device=device, dtype=dtype)
+    pool[:, :, : work.tail_tokens] = random_kv(work.tail_tokens, device, dtype, gen)
+    q = torch.randn((len(batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    want = reference_attention(q, batch, arena, pool, rotary, scale)
+    got = SegmentAttention(plan, rotary)(q, arena, pool, scale)
+    return float((got.float() - want.float()).abs().max())
 
 
 def _with_prefill(batch: SegmentBatch, rows: int) -> SegmentBatch:
@@ -223,6 +229,13 @@ def copies(nbytes: int, cap: int = LAYERS) -> int:
 
 
 def time_segment(work: Workload, rotary: Rotary, args: argparse.Namespace, graph: bool) -> float:
+    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, args.pieces)
+    return time_plan(work, plan, rotary, args, graph)
+
+
+def time_plan(work: Workload, plan: SegmentPlan, rotary: Rotary, args: argparse.Namespace, graph: bool) -> float:
+    """Median ms of `plan` (of `work`'s call) run for LAYERS layers, each over its own copy of random chunks and
+    tails (`copies`), from a CUDA graph when `graph`."""
     device, dtype = args.device, args.dtype
     gen = torch.Generator(device=device).manual_seed(0)
     kv_bytes = (work.arena_tokens + work.tail_tokens) * 2 * KV_HEADS * HEAD_DIM * 2
@@ -231,7 +244,6 @@ def time_segment(work: Workload, rotary: Rotary, args: argparse.Namespace, graph
         for _ in range(copies(kv_bytes))
     ]
     q = torch.randn((len(work.batch.rows), HEADS, HEAD_DIM), generator=gen, device=device, dtype=dtype)
-    plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, device, args.pieces)
     attend = SegmentAttention(plan, rotary)
     scale = HEAD_DIM**-0.5
     return time_layers(lambda layer: attend(q, *data[layer % len(data)], scale), args.runs, args.warmup, graph, device)
