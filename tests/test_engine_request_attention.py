@@ -27,7 +27,8 @@ from tests.test_engine_segment_attention import (
     NEEDS_KERNELS,
     SCALE,
     TOLERANCE,
-    _signature,
+    assert_one_plan_replays,
+    compiles_for_sm90,
     random_batch,
     rotary_for,
     scenario,
@@ -178,24 +179,11 @@ def test_a_padded_by_request_plan_has_fixed_shapes_and_refuses_a_batch_too_large
 @pytest.mark.gpu
 @NEEDS_KERNELS
 def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
-    rotary = rotary_for("yarn", KERNEL_DEVICE)
-    gen = torch.Generator().manual_seed(5)
-    arena = torch.randn((2, 2, 400, 16), generator=gen).to(KERNEL_DEVICE)
-    pool = torch.randn((2, 2, 100, 16), generator=gen).to(KERNEL_DEVICE)
-    q = torch.randn((CAPACITY.rows, 14, 16), generator=gen).to(KERNEL_DEVICE)
     device = torch.device(KERNEL_DEVICE)
     first, _ = prefill_batch(requests=4, chunks=5, reads=3, rows=6, seed=3)
     second, _ = prefill_batch(requests=3, chunks=5, reads=2, rows=4, seed=4)
-    static = SegmentPlan.build(first, 7, 2, device, 2, CAPACITY, by_request=True)
-    attend = SegmentAttention(static, rotary)
-    for batch in (first, second):
-        static.copy_from(SegmentPlan.build(batch, 7, 2, device, 2, CAPACITY, by_request=True))
-        attend.refresh()
-        got = attend(q, arena, pool, SCALE)
-        live = len(batch.rows)
-        want = reference_attention(q[:live], batch, arena, pool, rotary, SCALE)
-        assert (got[:live] - want).abs().max().item() < 2e-5
-        assert (got[live:] == 0).all()
+    build = lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY, by_request=True)  # noqa: E731
+    assert_one_plan_replays([first, second], build, CAPACITY.rows)
 
 
 @pytest.mark.skipif(
@@ -204,17 +192,11 @@ def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows() -
 )
 @pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
 def test_the_request_kernel_compiles_for_an_h100_without_one(dtype: str) -> None:
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from service.engine import _request_kernel
 
-    kernel = _request_kernel.request_partials_kernel
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "segments_ptr": "i64"}
     constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": REQUEST_BLOCK_M, "block_n": 64}
     constants["ieee"] = dtype == "fp32"
-    signature = _signature(kernel.arg_names, pointers, {"qk_scale": "fp32"}, constants)
-    options = {"num_warps": segment_launch.REQUEST_WARPS}
-    assert triton_compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = _request_kernel.request_partials_kernel
+    assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, constants, segment_launch.REQUEST_WARPS)

@@ -16,8 +16,9 @@ import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -416,20 +417,26 @@ def test_a_padded_plan_has_fixed_shapes_and_refuses_a_batch_too_large() -> None:
 @pytest.mark.gpu
 @NEEDS_KERNELS
 def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
-    """The CUDA-graph shape: a plan padded to a capacity, the next batch copied into its tensors in place, the same
-    call object refreshed: each batch gets its own reference answer; the padding rows come out zero."""
+    device = torch.device(KERNEL_DEVICE)
+    batches = [random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]]
+    assert_one_plan_replays(batches, lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY), CAPACITY.rows)
+
+
+def assert_one_plan_replays(
+    batches: Sequence[SegmentBatch], build: Callable[[SegmentBatch], SegmentPlan], rows: int
+) -> None:
+    """The CUDA-graph shape: a plan padded to a capacity (`build`), each batch's plan copied into its tensors in
+    place and the same call object refreshed: each batch gets its own reference answer (GQA 7, yarn RoPE); the
+    padding rows of the `rows` queries come out zero."""
     rotary = rotary_for("yarn", KERNEL_DEVICE)
     gen = torch.Generator().manual_seed(5)
     arena = torch.randn((2, 2, 400, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
     pool = torch.randn((2, 2, 100, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
-    q = torch.randn((CAPACITY.rows, 14, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
-    device = torch.device(KERNEL_DEVICE)
-    first, _ = random_batch(requests=6, chunks=5, reads=3, seed=3)
-    second, _ = random_batch(requests=4, chunks=5, reads=2, seed=4)
-    static = SegmentPlan.build(first, 7, 2, device, pieces=2, capacity=CAPACITY)
+    q = torch.randn((rows, 14, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
+    static = build(batches[0])
     attend = SegmentAttention(static, rotary)
-    for batch in (first, second):
-        static.copy_from(SegmentPlan.build(batch, 7, 2, device, pieces=2, capacity=CAPACITY))
+    for batch in batches:
+        static.copy_from(build(batch))
         attend.refresh()
         got = attend(q, arena, pool, SCALE)
         live = len(batch.rows)
@@ -447,13 +454,8 @@ def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
 def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
     """Ahead-of-time compilation for sm_90 (ptxas ships with triton): catches what the interpreter lets through
     (globals a jitted function may not read, types the GPU compiler refuses) on a machine with no GPU."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from service.engine import _segment_kernel
 
-    target = GPUTarget("cuda", 90, 32)
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
     pointers |= {"pair_visible_ptr": "i64"}
@@ -461,15 +463,25 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
         constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": block_m, "block_n": 64}
         constants["ieee"] = dtype == "fp32"
         kernel = _segment_kernel.segment_partials_kernel
-        signature = _signature(kernel.arg_names, pointers, {"qk_scale": "fp32"}, constants)
-        options = {"num_warps": segment_launch._warps(block_m)}
-        assert triton_compile(ASTSource(kernel, signature, constants), target=target, options=options).asm["cubin"]
+        assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, constants, segment_launch._warps(block_m))
     merge = _segment_kernel.segment_merge_kernel
     pointers = {"part_out_ptr": dtype, "part_lse_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"row_ptr_ptr": "i64", "row_parts_ptr": "i64", "row_tail_ptr": "i64"}
     constants = {"head_dim": 128, "dim_p2": 128, "block_h": 8}
-    signature = _signature(merge.arg_names, pointers, {"context_scale": "fp32"}, constants)
-    assert triton_compile(ASTSource(merge, signature, constants), target=target).asm["cubin"]
+    assert compiles_for_sm90(merge, pointers, {"context_scale": "fp32"}, constants)
+
+
+def compiles_for_sm90(
+    kernel: Any, pointers: dict[str, str], floats: dict[str, str], constants: dict[str, object], warps: int = 4
+) -> bool:
+    """Whether `kernel` compiles ahead of time to an sm_90 cubin (`_signature`'s kinds; `warps` per program)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = _signature(kernel.arg_names, pointers, floats, constants)
+    source = ASTSource(kernel, signature, constants)
+    return bool(triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"])
 
 
 def _signature(
