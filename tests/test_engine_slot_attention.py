@@ -22,6 +22,7 @@ from service.engine.gate import default_tolerance, synthetic_ids
 from service.engine.recompute_spec import parse_recompute
 from service.engine.slot_attention import attend_slots_kernel, reference_at_slots, slot_kernel_usable
 from service.engine.stitch import PositionMode
+from tests.test_engine_segment_attention import compiles_for_sm90
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,10 +152,6 @@ def test_a_wrong_kernel_fails_the_probe(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
 def test_kernel_compiles_for_an_h100_without_one(dtype: str) -> None:
     """Ahead-of-time compilation for sm_90 (ptxas ships with triton), for the Qwen2-7B and Llama-3.1-8B groups."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from service.engine import _slot_kernel
 
     kernel = _slot_kernel.slot_attention_kernel
@@ -164,13 +161,7 @@ def test_kernel_compiles_for_an_h100_without_one(dtype: str) -> None:
         constants = {"group": group, "head_dim": 128, "dim_p2": 128, "block_q": block_q}
         constants |= {"block_m": next_power_of_2(block_q * group), "block_n": slot_attention.BLOCK_N}
         constants["ieee"] = dtype == "fp32"
-        kinds = {name: f"*{kind}" for name, kind in pointers.items()} | {"qk_scale": "fp32"}
-        signature = {n: "constexpr" if n in constants else kinds.get(n, "i32") for n in kernel.arg_names}
-        options = {"num_warps": slot_attention.NUM_WARPS}
-        compiled = triton_compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=options
-        )
-        assert compiled.asm["cubin"]
+        assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, constants, slot_attention.NUM_WARPS)
 
 
 class _Here:
