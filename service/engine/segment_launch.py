@@ -102,7 +102,7 @@ class SegmentPlan:
         by_request: bool = False,
     ) -> SegmentPlan:
         """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into, or by
-        request the splits of each request's chunk list (None: enough for about _TARGET_PROGRAMS programs);
+        request the splits of each request's chunk list (None: `_auto_pieces`, `auto_splits`);
         `capacity`: padded to these sizes (ValueError when the batch does not fit)."""
         arrays = batch if isinstance(batch, SegmentArrays) else batch.arrays()
         host = HostPlan(arrays, group)
@@ -113,7 +113,7 @@ class SegmentPlan:
         host.add_tails()
         row_parts, row_ptr = host.row_parts()
         if capacity is not None:
-            host.pad(capacity, by_request)
+            host.pad(capacity)
             row_ptr = padded(row_ptr, capacity.rows + 1, int(row_ptr[-1]))
             row_parts = padded(row_parts, capacity.pairs)
         if row_parts.size == 0:

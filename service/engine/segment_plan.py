@@ -67,6 +67,7 @@ class HostPlan:
         self.chunk_tiles: dict[int, np.ndarray] = {}
         self.tail_tiles: dict[int, np.ndarray] = {}
         self.segments = np.zeros((0, 2), dtype=np.int64)  # by request: each segment's arena start and length
+        self.by_request = False  # whether `add_requests` planned the chunks (its tiles, its segment table)
 
     def add_chunks(self, pieces: int | None, kv_heads: int) -> None:
         """A query entry per (row, segment), rotated to m - o + base; a group of pairs per chunk piece (`pieces`
@@ -120,6 +121,7 @@ class HostPlan:
         batch = self.batch
         if (np.diff(batch.rows) < 0).any():
             raise ValueError("a by-request plan needs each request's rows together, in request order")
+        self.by_request = True
         self._add_entries()
         self.segments = batch.chunks[batch.seg_chunk, :2]
         requests, row0, n_rows = np.unique(batch.rows, return_index=True, return_counts=True)
@@ -200,10 +202,10 @@ class HostPlan:
         counts = np.bincount(self.pair_row, minlength=self.rows)
         return flat, np.concatenate(([0], np.cumsum(counts)))
 
-    def pad(self, capacity: PlanCapacity, by_request: bool = False) -> None:
+    def pad(self, capacity: PlanCapacity) -> None:
         """Pad every array to `capacity`, with a tile list of each width (dead tiles hold no pair or no row)."""
         sizes = {"rows": self.rows, "entries": self.q_rows.size, "pairs": self.pair_q.size}
-        if by_request:
+        if self.by_request:
             sizes["segments"] = len(self.segments)
         for tiles, name in ((self.chunk_tiles, "chunk_tiles"), (self.tail_tiles, "tail_tiles")):
             sizes[name] = max((len(rows) for rows in tiles.values()), default=0)
@@ -216,10 +218,11 @@ class HostPlan:
         self.pair_q = padded(self.pair_q, capacity.pairs)
         self.pair_visible = padded(self.pair_visible, capacity.pairs)
         self.rows = capacity.rows
-        if by_request:
+        if self.by_request:
             self.segments = np.concatenate(
                 (self.segments, np.zeros((capacity.segments - len(self.segments), 2), np.int64))
             )
+        by_request = self.by_request
         chunk_widths, chunk_columns = ([REQUEST_BLOCK_M], REQUEST_COLUMNS) if by_request else (_widths(), TILE_COLUMNS)
         _pad_tiles(self.chunk_tiles, capacity.chunk_tiles, chunk_widths, chunk_columns)
         _pad_tiles(self.tail_tiles, capacity.tail_tiles, _widths(), TILE_COLUMNS)
