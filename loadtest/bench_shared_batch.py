@@ -193,20 +193,8 @@ def prefill_plan(path: str) -> Iterator[None]:
 
 
 def measure(engine: StitchEngine, corpus: Corpus, path: str, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    prompts = corpus.prompts(engine, count, args.reads, args.zipf, seed=count)
-    with prefill_plan(path):
-        return _measure(engine, corpus, path, count, prompts, args)
-
-
-def _measure(
-    engine: StitchEngine,
-    corpus: Corpus,
-    path: str,
-    count: int,
-    prompts: list[PromptIds],
-    args: argparse.Namespace,
-) -> dict[str, Any]:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    prompts = corpus.prompts(engine, count, args.reads, args.zipf, seed=count)
     scheduler = scheduler_for(engine, prompts, sampling, path, corpus)
     try:
         runs = [run_once(scheduler, prompts, sampling) for _ in range(args.warmup + args.runs)][args.warmup :]
@@ -232,14 +220,13 @@ def lone_ttft(engine: StitchEngine, corpus: Corpus, path: str, args: argparse.Na
     scheduler, after `--warmup` runs of the first; each stops at its first token."""
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     prompts = corpus.prompts(engine, args.ttft, args.reads, args.zipf, seed=LONE_SEED)
-    with prefill_plan(path):
-        scheduler = scheduler_for(engine, prompts[:1], sampling, path, corpus)
-        try:
-            for _ in range(args.warmup):
-                run_once(scheduler, prompts[:1], sampling)
-            ttft = [run_once(scheduler, [p], sampling)["ttft_p50_ms"] for p in prompts]
-        finally:
-            release(scheduler)
+    scheduler = scheduler_for(engine, prompts[:1], sampling, path, corpus)
+    try:
+        for _ in range(args.warmup):
+            run_once(scheduler, prompts[:1], sampling)
+        ttft = [run_once(scheduler, [p], sampling)["ttft_p50_ms"] for p in prompts]
+    finally:
+        release(scheduler)
         if engine.spec.device.type == "cuda":
             torch.cuda.empty_cache()
     ordered = sorted(ttft)
@@ -361,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     for count in args.batches:
         for path in args.paths:
             try:
-                row = measure(engine, corpus, path, count, args)
+                with prefill_plan(path):
+                    row = measure(engine, corpus, path, count, args)
             except (RuntimeError, ValueError) as err:  # out of memory, a plan over capacity: reported, not fatal
                 log.exception("batch %d path %s failed", count, path)
                 row = {"error": f"{type(err).__name__}: {str(err)[:120]}"}
@@ -383,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def lone_row(engine: StitchEngine, corpus: Corpus, path: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
-        row = lone_ttft(engine, corpus, path, args)
+        with prefill_plan(path):
+            row = lone_ttft(engine, corpus, path, args)
     except (RuntimeError, ValueError) as err:
         log.exception("lone TTFT on path %s failed", path)
         return {"path": path, "error": f"{type(err).__name__}: {str(err)[:120]}"}

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_shared_batch import main
+from loadtest.bench_shared_batch import main, prefill_plan
+from service.engine import shared_decode
 
 
 def test_both_paths_run_every_batch_and_the_shared_one_holds_tails_only(
@@ -64,3 +65,16 @@ def test_a_negative_kernel_count_is_refused(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as refused:
         main(["--device", "cpu", "--kernels", "-1"])
     assert refused.value.code == 2 and "--kernels takes a count" in capsys.readouterr().err
+
+
+def test_the_by_chunk_path_plans_its_prefills_by_chunk_only_while_it_runs() -> None:
+    """`shared-by-chunk` turns the by-request prefill plan off for its block and restores it after, even when the
+    block fails; every other path keeps it on."""
+    assert shared_decode.PREFILL_BY_REQUEST
+    with prefill_plan("shared-by-chunk"):
+        assert not shared_decode.PREFILL_BY_REQUEST
+    with prefill_plan("shared"):
+        assert shared_decode.PREFILL_BY_REQUEST
+    with pytest.raises(RuntimeError), prefill_plan("shared-by-chunk"):
+        raise RuntimeError("a failed measurement")
+    assert shared_decode.PREFILL_BY_REQUEST
