@@ -86,15 +86,12 @@ def request_capacity(rows: int, tokens: int, reads: int, splits: int, group: int
     """A by-request bucket's plan sizes: `rows` requests of `tokens` tokens in all, each reading at most `reads`
     chunks in `splits` splits. A request's rows take ceil(rows x group / REQUEST_BLOCK_M) tiles per split, so the
     requests at most rows + tokens x group / REQUEST_BLOCK_M; tails as `extend_capacity`'s."""
-    tail_tiles = rows + 1 + -(-tokens * group // MAX_BLOCK_M)
-    if group <= _MIN_BLOCK_M:
-        tail_tiles = min(tail_tiles, tokens)
     return PlanCapacity(
         rows=tokens,
         entries=tokens * reads + tokens,
         pairs=tokens * splits + tokens,
         chunk_tiles=(rows + -(-tokens * group // REQUEST_BLOCK_M)) * splits,
-        tail_tiles=tail_tiles,
+        tail_tiles=_tail_tiles(rows, tokens, group),
         segments=max(rows * reads, 1),
     )
 
@@ -107,21 +104,27 @@ def extend_capacity(rows: int, tokens: int, reads: int, pieces: int, group: int)
     `MAX_BLOCK_M` items takes one tile of its width; a larger one takes ceil(items / MAX_BLOCK_M) of the widest.
     So each width holds at most (groups + items / MAX_BLOCK_M) tiles: chunk pieces read <= rows x reads x pieces,
     their items <= tokens x reads x pieces x group; tails: rows + 1 groups of tokens x group items."""
-    if group > MAX_BLOCK_M:
-        raise ValueError(f"{group} query heads per KV head exceed a tile of {MAX_BLOCK_M}")
     reading = tokens * reads
     chunk_pairs = reading * pieces
     chunk_tiles = rows * reads * pieces + -(-chunk_pairs * group // MAX_BLOCK_M)
-    tail_tiles = rows + 1 + -(-tokens * group // MAX_BLOCK_M)
     if group <= _MIN_BLOCK_M:  # then a group never takes more tiles than it has pairs
-        chunk_tiles, tail_tiles = min(chunk_tiles, chunk_pairs), min(tail_tiles, tokens)
+        chunk_tiles = min(chunk_tiles, chunk_pairs)
     return PlanCapacity(
         rows=tokens,
         entries=reading + tokens,
         pairs=chunk_pairs + tokens,
         chunk_tiles=chunk_tiles,
-        tail_tiles=tail_tiles,
+        tail_tiles=_tail_tiles(rows, tokens, group),
     )
+
+
+def _tail_tiles(rows: int, tokens: int, group: int) -> int:
+    """Tail tiles per width of a bucket (both plans' tails go by request): rows + 1 groups of tokens x group
+    items (`extend_capacity`'s rule)."""
+    if group > MAX_BLOCK_M:
+        raise ValueError(f"{group} query heads per KV head exceed a tile of {MAX_BLOCK_M}")
+    tail_tiles = rows + 1 + -(-tokens * group // MAX_BLOCK_M)
+    return min(tail_tiles, tokens) if group <= _MIN_BLOCK_M else tail_tiles
 
 
 def padded_extend(
