@@ -7,7 +7,7 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import finished_partial, online_softmax_step, tile_scores
+from service.engine._softmax_tile import attend_keys, finished_partial, rope_rows
 
 # A tile row is segment_plan.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
 # rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
@@ -80,7 +80,6 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     # Kept in q's dtype between chunks (half an fp32 copy's registers); each rotation starts from the same values.
     x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
     x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
-    sign = tl.where(d < half, -1.0, 1.0)
 
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
@@ -92,18 +91,25 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
         table = (entry0 + local * segments + j)[:, None] * table_stride + d[None, :]
         cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
         sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
-        rotated_half = x_partner.to(tl.float32) * sign[None, :]
-        q = (x.to(tl.float32) * cos + rotated_half * sin).to(kv_ptr.dtype.element_ty)
+        q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
         k_base = k_head + start * kv_stride_t
-        v_base = k_base + kv_stride_kv
-        for n0 in range(0, length, block_n):
-            n = n0 + tl.arange(0, block_n)
-            kv_mask = (n < length)[:, None] & d_live[None, :]
-            kv_offs = n[:, None] * kv_stride_t + d[None, :]
-            k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
-            s = tl.where((n < length)[None, :], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+        every_key = tl.zeros((block_m,), dtype=tl.int32) + length  # a chunk is fully visible to every row
+        m_i, l_i, acc = attend_keys(
+            q,
+            k_base,
+            k_base + kv_stride_kv,
+            length,
+            every_key,
+            kv_stride_t,
+            d,
+            d_live,
+            qk_scale,
+            m_i,
+            l_i,
+            acc,
+            block_n,
+            ieee,
+        )
 
     out, lse = finished_partial(m_i, l_i, acc)
     pair = pair0 + local

@@ -6,7 +6,7 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import finished_partial, online_softmax_step, tile_scores
+from service.engine._softmax_tile import attend_keys, finished_partial, rope_rows
 
 # A tile row is segment_plan.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
@@ -78,27 +78,33 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
     half = head_dim // 2
     partner = tl.where(d < half, d + half, d - half)
-    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    rotated_half = tl.where(d < half, -x_partner, x_partner)
+    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
+    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
     table = entry[:, None] * table_stride + d[None, :]
     cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
     sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
-    q = (x * cos + rotated_half * sin).to(kv_ptr.dtype.element_ty)
+    q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
     acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
     k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
-    v_base = k_base + kv_stride_kv
-    for n0 in range(0, kv_len, block_n):
-        n = n0 + tl.arange(0, block_n)
-        kv_mask = (n < kv_len)[:, None] & d_live[None, :]
-        kv_offs = n[:, None] * kv_stride_t + d[None, :]
-        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
-        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+    m_i, l_i, acc = attend_keys(
+        q,
+        k_base,
+        k_base + kv_stride_kv,
+        kv_len,
+        visible,
+        kv_stride_t,
+        d,
+        d_live,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        block_n,
+        ieee,
+    )
 
     out, lse = finished_partial(m_i, l_i, acc)
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]

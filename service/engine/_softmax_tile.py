@@ -44,3 +44,42 @@ def finished_partial(m_i, l_i, acc):  # type: ignore[no-untyped-def]
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     return out, lse
+
+
+@triton.jit
+def rope_rows(x, x_partner, cos, sin, first_half):  # type: ignore[no-untyped-def]
+    """Rows x [M, D] rotated by RoPE's rotate-half form, in fp32: x_partner holds each column's partner (d + D/2
+    in the first half, d - D/2 in the second), cos/sin the rows' tables (fp32, the model's own)."""
+    x_partner = x_partner.to(tl.float32)
+    return x.to(tl.float32) * cos + tl.where(first_half[None, :], -x_partner, x_partner) * sin
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_keys(  # type: ignore[no-untyped-def]
+    q,
+    k_base,
+    v_base,
+    length,
+    visible,
+    stride_t,
+    d,
+    d_live,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """The running state of q [M, D] (rotated, the keys' dtype) after keys 0 .. length - 1 at k_base / v_base
+    (`stride_t` apart, unit stride on D), row i seeing only the first visible[i] of them; `qk_scale` carries
+    log2(e)."""
+    for n0 in range(0, length, block_n):
+        n = n0 + tl.arange(0, block_n)
+        kv_mask = (n < length)[:, None] & d_live[None, :]
+        offs = n[:, None] * stride_t + d[None, :]
+        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs, mask=kv_mask, other=0.0)
+        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+    return m_i, l_i, acc
