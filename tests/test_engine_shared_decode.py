@@ -412,6 +412,24 @@ def test_a_question_riding_in_a_decode_step_gets_the_logits_of_its_own_prefill(
     assert (pools[0][written] - pools[1][written]).abs().max().item() < 1e-4
 
 
+def test_a_mixed_forward_refuses_metadata_of_other_rows(get_engine: Callable[[str, str], StitchEngine]) -> None:
+    """Each part's segment metadata must be of that part's rows: swapped, the forward is refused before it runs."""
+    engine = get_engine("qwen2", "cpu")
+    s = setup(engine)
+    arena, pool = nan_arena(engine, 200), nan_pool(engine, 1500)
+    shared = SharedDecoder(BatchDecoder(engine.forward, pool, LOOP), arena)
+    requests, reads = _placed(engine, s, arena, pool, MODES["reordered"])
+    at = [p for _, p, _, _ in requests[:2]]
+    live = [(start, used + 1) for _, _, start, used in requests[:2]]
+    step_rows, step_call = DecodeRows.build([1, 2], at, live, engine.spec.device), decode_batch(at, live, reads[:2])
+    question_rows = ExtendRows.build(requests[2:], engine.spec.device)
+    question_call = extend_batch(requests[2:], reads[2:])
+    before = pool.data.clone()
+    with pytest.raises(ValueError, match="its own rows"):
+        shared.mixed(step_rows, question_call, question_rows, step_call)
+    assert torch.equal(pool.data.isnan(), before.isnan())  # nothing written
+
+
 def _placed(
     engine: StitchEngine, s: Setup, arena: ChunkArena, pool: KVPool, modes: Sequence[str]
 ) -> tuple[list[tuple[list[int], int, int, int]], list[Reads]]:

@@ -57,6 +57,11 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         assert run["requests"] == 40 and run["errors"] == run["refused"] == 0 and run["output_tokens_per_s"] > 0
         # Every answer counted by the engines is one the clients had: no answer lost or counted twice.
         assert sum(e["answers"] for e in run["engines"].values()) == run["requests"]
+        # Each engine thread's time by phase, as shares of the run, and the answers' server stages.
+        for engine in run["engines"].values():
+            share = engine["thread_share"]
+            assert share["decode"] > 0 and share["admit"] > 0 and 0.5 < sum(share.values()) < 1.5, share
+        assert run["stage_ms"]["retrieve"] > 0 and run["stage_ms"]["decode"] > 0
     assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
     for (_, name), run in runs.items():
         cpu = run["cpu"]  # where the CPU went, from /proc around the timed run
