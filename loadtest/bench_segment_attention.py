@@ -37,7 +37,7 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-from service.engine import segment_launch, segment_plan
+from service.engine import segment_launch, segment_plan, shared_graph
 from service.engine.attention import FLASH_VARLEN
 from service.engine.batch_decode import SDPA_GATHER, DecodeRows, batch_attention
 from service.engine.fused_stitch import triton_runs_on
@@ -233,6 +233,24 @@ def time_segment(work: Workload, rotary: Rotary, args: argparse.Namespace, graph
     return time_plan(work, plan, rotary, args, graph)
 
 
+def time_padded(work: Workload, rotary: Rotary, args: argparse.Namespace, programs: int) -> float:
+    """The plan as a captured decode step runs it: padded to its graph bucket's capacity (`shared_graph`), its
+    launches holding `programs` programs per KV head at most (0: one per tile, live or dead)."""
+    requests = len(work.context)
+    bucket = next((b for b in shared_graph.SHARED_BUCKETS if b >= requests), None)
+    if bucket is None:
+        raise ValueError(f"no decode graph holds {requests} rows")
+    pieces = shared_graph.pieces_for(bucket)
+    capacity = shared_graph.capacity_for(bucket, shared_graph.reads_bucket(args.reads), pieces)
+    before = segment_launch.PADDED_PROGRAMS
+    segment_launch.PADDED_PROGRAMS = programs or None
+    try:
+        plan = SegmentPlan.build(work.batch, HEADS // KV_HEADS, KV_HEADS, args.device, pieces, capacity)
+    finally:
+        segment_launch.PADDED_PROGRAMS = before
+    return time_plan(work, plan, rotary, args, graph=True)
+
+
 def time_plan(work: Workload, plan: SegmentPlan, rotary: Rotary, args: argparse.Namespace, graph: bool) -> float:
     """Median ms of `plan` (of `work`'s call) run for LAYERS layers, each over its own copy of random chunks and
     tails (`copies`), from a CUDA graph when `graph`."""
@@ -302,6 +320,11 @@ def measure(level: str, requests: int, rotary: Rotary, args: argparse.Namespace)
     graph = args.device.type == "cuda"  # a CPU smoke run times everything eagerly, under the same keys
     row["segment_graph_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, graph), "segment")
     row["segment_eager_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, False), "eager")
+    if graph:
+        row["segment_padded_ms"] = {
+            str(n): timed_or_none(functools.partial(time_padded, work, rotary, args, n), f"padded {n}")
+            for n in args.padded_programs
+        }
     for backend in (FLASH_VARLEN, SDPA_GATHER):
         copy = functools.partial(time_copy, work, backend, args, graph)
         row[f"copy_{backend}_graph_ms"] = timed_or_none(copy, f"copy {backend}")
@@ -315,13 +338,19 @@ def _ms(value: float | None, layers: int = 1) -> str:
     return "—" if value is None else f"{value / layers:.3f}"
 
 
+def _padded(row: dict[str, Any]) -> str:
+    timed = row.get("segment_padded_ms") or {}
+    return ", ".join(f"{_ms(ms)} ({'per tile' if n == '0' else n})" for n, ms in timed.items()) or "—"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per sharing level and batch, ms per layer and per step (x28) of each path (graph replay), the
     eager segment step, the speedup over the faster copy path, KV MiB held per running answer, the host plan."""
     head = (
         "| sharing | B | distinct chunks | segment ms/layer | segment ms x28 | copy flash ms x28 | copy gather ms x28"
-        " | speedup | segment eager ms x28 | KV MiB/answer copy | KV MiB/answer segment | plan ms (host) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        " | speedup | segment eager ms x28 | KV MiB/answer copy | KV MiB/answer segment | plan ms (host)"
+        " | padded as a graph's, ms x28 (programs per KV head) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -331,7 +360,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['level']} | {r['batch']} | {r['distinct_chunks']} | {_ms(segment, LAYERS)} | {_ms(segment)}"
             f" | {_ms(flash)} | {_ms(gather)} | {speedup} | {_ms(r['segment_eager_ms'])}"
-            f" | {r['kv_mib_copy']:.0f} | {r['kv_mib_segment']:.1f} | {r['plan_ms']:.1f} |"
+            f" | {r['kv_mib_copy']:.0f} | {r['kv_mib_segment']:.1f} | {r['plan_ms']:.1f} | {_padded(r)} |"
         )
     return head + "\n".join(lines)
 
@@ -347,6 +376,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-block-m", type=int, default=None, help="query items per tile at most (default: 64)")
     parser.add_argument("--block-n", type=int, default=None, help="keys per K/V tile (default: 64)")
     parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
+    parser.add_argument(
+        "--padded-programs",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the plan padded as its decode graph's (shared_graph's bucket), with at most N programs "
+        "per KV head a launch (0: one per tile), once per N",
+    )
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)

@@ -69,7 +69,10 @@ def test_table_marks_paths_that_did_not_run() -> None:
     row |= {"segment_eager_ms": 5.6, "copy_flash_varlen_graph_ms": None, "copy_sdpa_gather_graph_ms": 14.0}
     row |= {"kv_mib_copy": 460.0, "kv_mib_segment": 62.2}
     line = table([row]).splitlines()[-1]
-    assert line == "| same | 8 | 16 | 0.100 | 2.800 | — | 14.000 | 5.0x | 5.600 | 460 | 62.2 | 0.4 |"
+    assert line == "| same | 8 | 16 | 0.100 | 2.800 | — | 14.000 | 5.0x | 5.600 | 460 | 62.2 | 0.4 | — |"
+    row["segment_padded_ms"] = {"0": 3.5, "256": 2.9, "64": None}
+    line = table([row]).splitlines()[-1]
+    assert line.endswith("| 0.4 | 3.500 (per tile), 2.900 (256), — (64) |")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

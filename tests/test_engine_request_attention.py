@@ -178,7 +178,12 @@ def test_a_padded_by_request_plan_has_fixed_shapes_and_refuses_a_batch_too_large
 
 @pytest.mark.gpu
 @NEEDS_KERNELS
-def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
+@pytest.mark.parametrize("programs", (None, 2))
+def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows(
+    programs: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a program per tile, and with two programs per KV head looping over every live tile."""
+    monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", programs)
     device = torch.device(KERNEL_DEVICE)
     first, _ = prefill_batch(requests=4, chunks=5, reads=3, rows=6, seed=3)
     second, _ = prefill_batch(requests=3, chunks=5, reads=2, rows=4, seed=4)
@@ -195,7 +200,7 @@ def test_the_request_kernel_compiles_for_an_h100_without_one(dtype: str) -> None
     from service.engine import _request_kernel
 
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
-    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "segments_ptr": "i64"}
+    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "segments_ptr": "i64"}
     constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": REQUEST_BLOCK_M, "block_n": 64}
     constants["ieee"] = dtype == "fp32"
     kernel = _request_kernel.request_partials_kernel

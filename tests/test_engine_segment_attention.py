@@ -414,9 +414,31 @@ def test_a_padded_plan_has_fixed_shapes_and_refuses_a_batch_too_large() -> None:
         SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=dataclasses.replace(CAPACITY, pairs=20))
 
 
+def test_a_padded_plan_counts_its_live_tiles_and_bounds_its_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded plan's launches run at most PADDED_PROGRAMS programs per KV head, looping over the live tiles the
+    plan counts (on the device: a graph replays each step's count); an unpadded plan, a program per tile."""
+    monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", 3)
+    batch, _ = random_batch(requests=6, chunks=5, reads=3, seed=3)
+    cpu = torch.device("cpu")
+    exact = SegmentPlan.build(batch, 7, 2, cpu, pieces=2)
+    padded = SegmentPlan.build(batch, 7, 2, cpu, pieces=2, capacity=CAPACITY)
+    live = {launch.block_m: launch.tiles.shape[0] for launch in exact.chunks}
+    assert [launch.programs for launch in exact.chunks] == [live[w] for w in sorted(live)]
+    for launch in padded.chunks:
+        assert int(launch.count) == live.get(launch.block_m, 0) and launch.programs == 3
+        assert (launch.tiles[int(launch.count) :] == 0).all() and (launch.tiles[: int(launch.count), 3] > 0).all()
+    assert [int(launch.count) for launch in padded.tails] == [6, 0, 0]
+    assert padded.counts.tolist() == [int(launch.count) for launch in (*padded.chunks, *padded.tails)]
+
+
 @pytest.mark.gpu
 @NEEDS_KERNELS
-def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows() -> None:
+@pytest.mark.parametrize("programs", (None, 2))
+def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows(
+    programs: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a program per tile, and with two programs per KV head looping over every live tile."""
+    monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", programs)
     device = torch.device(KERNEL_DEVICE)
     batches = [random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]]
     assert_one_plan_replays(batches, lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY), CAPACITY.rows)
@@ -457,7 +479,7 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
     from service.engine import _segment_kernel
 
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
-    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
+    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
     pointers |= {"pair_visible_ptr": "i64"}
     for block_m in (16, 32, 64):
         constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": block_m, "block_n": 64}

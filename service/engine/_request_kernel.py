@@ -21,6 +21,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     sin_ptr,
     kv_ptr,
     tiles_ptr,
+    count_ptr,
     segments_ptr,
     out_ptr,
     lse_ptr,
@@ -41,7 +42,71 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
 ):
-    """One program: a block of one request's query items (row, query head of the KV head) and one KV head, over
+    """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
+    (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
+    kv_head = tl.program_id(1)
+    n_tiles = tl.load(count_ptr).to(tl.int32)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        _request_tile(
+            tile,
+            kv_head,
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            kv_ptr,
+            tiles_ptr,
+            segments_ptr,
+            out_ptr,
+            lse_ptr,
+            q_stride_t,
+            q_stride_h,
+            table_stride,
+            kv_stride_kv,
+            kv_stride_h,
+            kv_stride_t,
+            out_stride_p,
+            out_stride_h,
+            lse_stride_p,
+            qk_scale,
+            group,
+            head_dim,
+            dim_p2,
+            block_m,
+            block_n,
+            ieee,
+        )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _request_tile(  # type: ignore[no-untyped-def]
+    tile,
+    kv_head,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    tiles_ptr,
+    segments_ptr,
+    out_ptr,
+    lse_ptr,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    out_stride_p,
+    out_stride_h,
+    lse_stride_p,
+    qk_scale,
+    group: tl.constexpr,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """One tile: a block of one request's query items (row, query head of the KV head) and one KV head, over
     a run of the request's chunk segments, all in one online softmax.
 
     A prefill's queries are many rows of one request, each reading every chunk of it: grouped by chunk (the
@@ -52,12 +117,8 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     Writes the (row, split) pair's output and fp32 natural log-sum-exp; a pair that saw no key writes zeros and
     -inf.
     """
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
     row = tiles_ptr + tile * 9
     n_rows = tl.load(row + 1).to(tl.int32)
-    if n_rows == 0:  # an idle tile of a padded plan (a graph's bucket)
-        return
     row0 = tl.load(row).to(tl.int32)
     entry0 = tl.load(row + 2).to(tl.int32)
     segments = tl.load(row + 3).to(tl.int32)

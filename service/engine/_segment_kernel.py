@@ -19,6 +19,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     sin_ptr,
     kv_ptr,
     tiles_ptr,
+    count_ptr,
     q_rows_ptr,
     pair_q_ptr,
     pair_visible_ptr,
@@ -41,7 +42,75 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
 ):
-    """One program: a tile (one key range, a block of the queries that read it) and one KV head.
+    """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
+    (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
+    kv_head = tl.program_id(1)
+    n_tiles = tl.load(count_ptr).to(tl.int32)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        _segment_tile(
+            tile,
+            kv_head,
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            kv_ptr,
+            tiles_ptr,
+            q_rows_ptr,
+            pair_q_ptr,
+            pair_visible_ptr,
+            out_ptr,
+            lse_ptr,
+            q_stride_t,
+            q_stride_h,
+            table_stride,
+            kv_stride_kv,
+            kv_stride_h,
+            kv_stride_t,
+            out_stride_p,
+            out_stride_h,
+            lse_stride_p,
+            qk_scale,
+            group,
+            head_dim,
+            dim_p2,
+            block_m,
+            block_n,
+            ieee,
+        )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _segment_tile(  # type: ignore[no-untyped-def]
+    tile,
+    kv_head,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    tiles_ptr,
+    q_rows_ptr,
+    pair_q_ptr,
+    pair_visible_ptr,
+    out_ptr,
+    lse_ptr,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    out_stride_p,
+    out_stride_h,
+    lse_stride_p,
+    qk_scale,
+    group: tl.constexpr,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """One tile (one key range, a block of the queries that read it) and one KV head.
 
     A tile's queries are `block_m` (pair, query head) items: pair p of the tile's group, query head
     kv_head * group + g. Pair p reads query entry e = pair_q[p]: row q_rows[e] of the unrotated q, rotated here in
@@ -52,8 +121,6 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
     -inf.
     """
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
     row = tiles_ptr + tile * 5
     # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's
     # pointers. Only the range's start goes 64-bit, into a scalar base pointer.
@@ -61,8 +128,6 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     kv_len = tl.load(row + 1).to(tl.int32)
     first_pair = tl.load(row + 2).to(tl.int32)
     n_pairs = tl.load(row + 3).to(tl.int32)
-    if n_pairs == 0:  # an idle tile of a padded plan (a graph's bucket): most of its grid, with nothing to do
-        return
     block = tl.load(row + 4).to(tl.int32)
 
     item = block * block_m + tl.arange(0, block_m)

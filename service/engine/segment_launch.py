@@ -46,6 +46,11 @@ REQUEST_STAGES: int | None = None
 BLOCK_N = 64
 NUM_STAGES: int | None = None
 _MERGE_HEADS = 8
+# Programs per KV head a padded plan's launch runs at most (None: one per tile, as an unpadded plan's). A graph's
+# plan is padded to its bucket's worst case, most of it dead tiles; each program loops over the live tiles the
+# plan counts on the device instead of the grid holding one program per tile, live or not. Module-level so a
+# benchmark can compare.
+PADDED_PROGRAMS: int | None = 256
 
 
 @functools.cache
@@ -64,10 +69,14 @@ def _request_kernel() -> Any:
 
 @dataclass(frozen=True)
 class Launch:
-    """One partials launch: tiles [T, TILE_COLUMNS] int64 and the query items a tile holds."""
+    """One partials launch: tiles [T, TILE_COLUMNS] int64 (the live ones first), the query items a tile holds,
+    the live tiles' count ([1] int64, on the device: a replayed graph reads each step's) and the programs per KV
+    head the grid holds."""
 
     tiles: torch.Tensor
     block_m: int
+    count: torch.Tensor
+    programs: int
 
 
 @dataclass
@@ -88,6 +97,7 @@ class SegmentPlan:
     pairs: int
     reach: tuple[int, int]  # arena and tail slots the plan's ranges end by (checked against the tensors)
     segments: torch.Tensor
+    counts: torch.Tensor  # every launch's live tiles, chunk launches then tail launches (`Launch.count` views)
     by_request: bool = False
 
     @classmethod
@@ -120,18 +130,24 @@ class SegmentPlan:
             row_parts = np.zeros(1, dtype=np.int64)
         chunk_widths, tail_widths = sorted(host.chunk_tiles), sorted(host.tail_tiles)
         segments = host.segments.reshape(-1) if host.segments.size else np.zeros(2, dtype=np.int64)
+        live = [host.live_tiles(host.chunk_tiles, w) for w in chunk_widths]
+        live += [host.live_tiles(host.tail_tiles, w) for w in tail_widths]
+        counts = np.array(live or [0], dtype=np.int64)
         parts = [host.q_rows, host.q_positions, host.pair_q, host.pair_visible, row_ptr, row_parts, host.row_tail]
-        parts += [segments]
+        parts += [segments, counts]
         parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
         parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
         # One copy to the device for the whole plan; every field is a view of it.
         flat = _upload(np.concatenate(parts), device)
         views = list(torch.split(flat, [p.size for p in parts]))
-        fixed, tiles = views[:8], views[8:]
+        fixed, tiles = views[:9], views[9:]
         chunk_columns = REQUEST_COLUMNS if by_request else TILE_COLUMNS
         columns = [chunk_columns] * len(chunk_widths) + [TILE_COLUMNS] * len(tail_widths)
         widths = chunk_widths + tail_widths
-        launches = [Launch(t.view(-1, c), w) for t, c, w in zip(tiles, columns, widths, strict=True)]
+        launches = [
+            Launch(t.view(-1, c), w, fixed[8][i : i + 1], _programs(t.numel() // c, capacity is not None))
+            for i, (t, c, w) in enumerate(zip(tiles, columns, widths, strict=True))
+        ]
         return cls(
             q_rows=fixed[0],
             q_positions=fixed[1],
@@ -145,6 +161,7 @@ class SegmentPlan:
             pairs=host.pair_q.size,  # the capacity's, when padded: the partial buffers are sized by it
             reach=arrays.reach(),
             segments=fixed[7].view(-1, 2),
+            counts=fixed[8],
             by_request=by_request,
         )
 
@@ -160,8 +177,16 @@ class SegmentPlan:
 
     def _tensors(self) -> list[torch.Tensor]:
         fixed = [self.q_rows, self.q_positions, self.pair_q, self.pair_visible, self.row_ptr, self.row_parts]
-        fixed += [self.row_tail, self.segments]
+        fixed += [self.row_tail, self.segments, self.counts]
         return [*fixed, *(launch.tiles for launch in (*self.chunks, *self.tails))]
+
+
+def _programs(tiles: int, padded: bool) -> int:
+    """Programs per KV head of a launch over `tiles` tile rows: one per tile, or for a padded plan at most
+    PADDED_PROGRAMS (each loops over the live tiles)."""
+    if padded and PADDED_PROGRAMS is not None:
+        return min(tiles, PADDED_PROGRAMS)
+    return tiles
 
 
 def _upload(flat: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -251,18 +276,19 @@ def _run_partials(
     one order around the metadata."""
     if kv.stride(-1) != 1:
         raise ValueError("segment attention needs unit stride on the head dimension")
-    if launch.tiles.shape[0] == 0:
+    if launch.programs == 0:
         return
     q, out, lse = rotation.q, partials.out, partials.lse
     dim = q.shape[-1]
     kernel = _request_kernel() if by_request else _kernels()[0]
     warps, stages = (REQUEST_WARPS, REQUEST_STAGES) if by_request else (_warps(launch.block_m), NUM_STAGES)
-    kernel[(launch.tiles.shape[0], kv.shape[1])](
+    kernel[(launch.programs, kv.shape[1])](
         q,
         rotation.cos,
         rotation.sin,
         kv,
         launch.tiles,
+        launch.count,
         *metadata,
         out,
         lse,

@@ -196,6 +196,12 @@ class HostPlan:
         tile_width = width[tile_group]
         return {int(w): rows[tile_width == w] for w in np.unique(tile_width)}
 
+    def live_tiles(self, tiles: dict[int, np.ndarray], width: int) -> int:
+        """Live tile rows of `tiles[width]` (one of this plan's two dicts): they come first, and a dead row (of a
+        padded plan) has no pair (by chunk, a tail) or no row (by request)."""
+        column = 1 if tiles is self.chunk_tiles and self.by_request else 3
+        return int(np.count_nonzero(tiles[width][:, column]))
+
     def row_parts(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's chunk pairs, in pair order, flat, and the row pointer into them ([rows + 1])."""
         flat = np.argsort(self.pair_row, kind="stable")
