@@ -20,6 +20,7 @@ from service.engine.chunk_arena import ArenaFullError, ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.kv_pool import KVPool
+from service.engine.planner import AdmissionPlan
 from service.engine.prompt import PromptIds
 from service.engine.recompute_spec import parse_recompute
 from service.engine.sampling import SamplingParams
@@ -166,6 +167,86 @@ def test_shared_requests_decode_the_copy_paths_tokens(
     read = {c for a in ASKS if a.mode == "turbo" for c in a.reads}
     assert arena.chunks == len(read) and arena.used_slots == sum(sizes[c] for c in read)
     assert_nothing_pinned(scheduler)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_shared_questions_ride_in_the_running_answers_step_with_the_copy_paths_tokens(
+    get_engine: Callable[[str, str], StitchEngine], arch: str, overlap: bool
+) -> None:
+    """`prefill_with_decode` in shared mode: the requests joining while answers run have their questions
+    prefilled in the decode step's forward (one mixed forward: the step by chunk, the questions by request), and
+    every token and text is the copy path's; those added to an idle engine are prefilled apart."""
+    engine = get_engine(arch, "cpu")
+    want = copy_path(engine, ASKS, overlap)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    pool = nan_pool(engine, 2000)
+    scheduler = Scheduler(engine, pool, max_batch=8, overlap=overlap, arena=arena, prefill_with_decode=True)
+    run = Run(engine, ASKS)
+    for request in run.requests[:2]:
+        scheduler.add(request)
+    scheduler.step()
+    assert scheduler.prefilled_together == 2 and scheduler.prefilled_with_decode == 0  # nobody ran: apart
+    for request in run.requests[2:]:
+        scheduler.add(request)
+        scheduler.step()
+    drain(scheduler)
+    assert run.outcomes() == want
+    # Joining one by one: the shared ones (2, 4 and 5, which reads no chunk) rode; the naive one is prefilled alone.
+    assert scheduler.prefilled_with_decode == 3 and scheduler.prefilled_together == 5
+    assert_nothing_pinned(scheduler)
+
+
+def test_a_question_whose_step_has_no_row_left_is_prefilled_apart(
+    get_engine: Callable[[str, str], StitchEngine],
+) -> None:
+    """Overlapped: the only running answer's unread token is its last, so the step the new question was admitted
+    to ride in has no row; the question is prefilled over the arena apart, and every token is the copy path's."""
+    engine = get_engine("qwen2", "cpu")
+    asks = (Ask((0, 1), max_new=2, seed=1), Ask((2, 0), max_new=6, seed=2))
+    want = copy_path(engine, asks, overlap=True)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), 8, overlap=True, arena=arena, prefill_with_decode=True)
+    run = Run(engine, asks)
+    scheduler.add(run.requests[0])
+    scheduler.step()
+    planned: list[list[BatchRequest]] = []
+    admit = scheduler.planner.admit
+
+    def admit_and_record() -> AdmissionPlan:
+        plan = admit()
+        planned.append(plan.shared_riding)
+        return plan
+
+    scheduler.planner.admit = admit_and_record  # type: ignore[method-assign]
+    scheduler.add(run.requests[1])
+    scheduler.step()
+    assert planned[0] == [run.requests[1]]  # admitted to ride, with the one running answer's last token unread
+    assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 2  # prefilled apart instead
+    drain(scheduler)
+    assert run.outcomes() == want
+    assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 2
+    assert_nothing_pinned(scheduler)
+
+
+def test_questions_over_the_ride_budget_are_prefilled_apart(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.engine import shared_chunks
+
+    monkeypatch.setattr(shared_chunks, "RIDE_TOKENS", 3)  # under every question here
+    engine = get_engine("llama", "cpu")
+    asks = ASKS[:3]
+    want = copy_path(engine, asks)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), 8, arena=arena, prefill_with_decode=True)
+    run = Run(engine, asks)
+    for request in run.requests:
+        scheduler.add(request)
+        scheduler.step()
+    drain(scheduler)
+    assert run.outcomes() == want
+    assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 3
 
 
 def test_cancelled_and_failed_requests_give_their_pins_back(

@@ -19,7 +19,8 @@ Shared-chunk mode (`shared`, `shared_chunks.py`): a request reading its chunks f
 its tail only; at admission the chunks the arena holds are pinned there, and only the others' KV is fetched
 (pinned where the source pins; nothing when all are resident) and placed in the arena, pinned too. When pinned
 chunks leave the arena no room it waits at the head of the line, as for a full pool, holding no pin and no block.
-Every end of a request gives both pins back (`release_chunks`).
+Every end of a request gives both pins back (`release_chunks`). Its question rides in the running answers' next
+decode step where `prefill_with_decode` is on and the shared step holds it (`_shared_rides`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class AdmissionPlan:
     riding: list[BatchRequest] = field(default_factory=list)  # turbo questions in this step's decode forward
     failed: list[tuple[BatchRequest, BaseException]] = field(default_factory=list)  # their KV could not be had
     shared: list[BatchRequest] = field(default_factory=list)  # questions prefilled over the chunk arena
+    shared_riding: list[BatchRequest] = field(default_factory=list)  # shared questions in this step's decode forward
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,8 @@ class Planner:
             plan.riding = together
         else:
             plan.together = together
+        if self._shared_rides(plan):
+            plan.shared_riding, plan.shared = plan.shared, []
         return plan
 
     def _admissible(self, request: BatchRequest, admitted: int) -> bool:
@@ -299,6 +303,14 @@ class Planner:
             return False
         return bool(self.running) and not self.prefilling and self.shapes.mixes(len(self.running), questions)
 
+    def _shared_rides(self, plan: AdmissionPlan) -> bool:
+        """Whether the shared questions admitted in this step go into its decode step's forward: as
+        `_rides_in_step` says for stitched ones, answers are running and no naive chunk runs before the step, and
+        the shared step holds them (`SharedChunks.mixes`)."""
+        if not (plan.shared and self.prefill_with_decode and self.shared is not None) or self.prefilling:
+            return False
+        return self.shared.mixes(len(self.running), plan.shared)
+
     # ---- the step's rows -------------------------------------------------------------------------------------
 
     def naive_chunks(self) -> list[NaiveChunk]:
@@ -327,4 +339,6 @@ class Planner:
         """Whether `questions` can still ride in a step over `batch`: it has rows (every answer may have ended, or
         have its last token unread, since admission) and a mixed step holds them beside those rows (requests
         prefilled alone in the same admission may have joined the running ones)."""
+        if self.shared is not None:
+            return self.shared.mixes(len(batch), questions)
         return bool(batch) and self.shapes.mixes(len(batch), questions)

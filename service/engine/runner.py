@@ -7,8 +7,8 @@ request that has ended by then.
 What it runs: an admitted request prefilled alone (`SlabPrefill.prefill_alone`), turbo questions stitched and
 prefilled in one batched forward, or held to ride in the decode step's forward; the naive prompts' chunks; then
 one batched decode step over the running requests (through its CUDA graphs where captured). In shared-chunk
-mode (`shared`) shared requests' questions are prefilled together over the chunk arena, and every decode step runs
-through segment attention (`SharedChunks.step`), eagerly.
+mode (`shared`) shared requests' questions are prefilled together over the chunk arena or ride in the decode step
+(`SharedChunks.mixed`), and every decode step runs through segment attention (`SharedChunks.step`).
 
 Overlapped (`overlap`, on by default on CUDA): a step is launched before the previous step's picks reach the host,
 its rows fed from the picks still on the device, and the previous step is read while the GPU runs this one, so
@@ -87,7 +87,10 @@ class StepRunner:
             yield from self._prefill_alone(request)
         if plan.shared:
             yield from self._prefill_shared(plan.shared)
-        if plan.riding:
+        if plan.shared_riding:
+            self._question_watch = self._watch()
+            self.questions = yield from self._decoding(plan.shared_riding)
+        elif plan.riding:
             self._question_watch = watch = self._watch()
             stitched = yield from self._stitched(plan.riding, watch)
             self.questions = yield from self._decoding(stitched)
@@ -126,6 +129,14 @@ class StepRunner:
     def _prefill_stitched(self, stitched: list[BatchRequest], watch: Stopwatch) -> Outputs:
         """The questions of requests stitched into their slabs, prefilled in one batched forward."""
         yield from self._prefill_together(stitched, self.slabs.extend, "batched", watch)
+
+    def _prefill_apart(self, questions: list[BatchRequest], watch: Stopwatch) -> Outputs:
+        """Questions that were to ride in a step that cannot hold them after all, prefilled in a forward of
+        their own: over the chunk arena in shared mode (only shared questions ride there), else their slabs."""
+        if self.shared is not None:
+            yield from self._prefill_together(questions, self.shared.extend, "shared", watch)
+        else:
+            yield from self._prefill_stitched(questions, watch)
 
     def _prefill_shared(self, group: list[BatchRequest]) -> Outputs:
         """Shared requests' questions in one forward over the chunk arena (their prefixes are in their slabs)."""
@@ -249,7 +260,7 @@ class StepRunner:
         batch = self.planner.continuing(self.inflight.unread())
         if questions and not self.planner.rides(batch, questions):
             assert watch is not None
-            yield from self._prefill_stitched(questions, watch)  # no step to ride in after all: prefilled apart
+            yield from self._prefill_apart(questions, watch)  # no step to ride in after all
             questions, batch = [], self.planner.continuing(self.inflight.unread())
         self.last_batch = len(batch)
         if batch:
@@ -267,7 +278,7 @@ class StepRunner:
         yield from self.drain()
         if questions and not self.planner.rides(list(self.planner.running), questions):
             assert watch is not None
-            yield from self._prefill_stitched(questions, watch)
+            yield from self._prefill_apart(questions, watch)
             yield from self.drain()
             questions = []
         self.last_batch = len(self.planner.running)
@@ -372,7 +383,10 @@ class StepRunner:
         """The decode step over `batch` with `questions` prefilled in its forward; logits of the decode rows, then
         each question's. The questions' prefill time is the step's (every member waits for all of it)."""
         ids, positions, spans = _rows(batch)
-        logits = self.slabs.mixed((ids, positions, spans, None), feed, questions)
+        if self.shared is not None:
+            logits = self.shared.mixed(batch, (ids, positions, spans), feed, questions)
+        else:
+            logits = self.slabs.mixed((ids, positions, spans, None), feed, questions)
         for request in batch:
             request.buffer.commit(1, request.buffer.next_position + 1)
         watch.lap(_set_stage(questions, "prefill_ms"))

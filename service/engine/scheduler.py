@@ -69,16 +69,17 @@ class Scheduler:
         `kv_source`: where an admitted turbo request without chunk KV gets it (the KV store's tiers); None: the
         engine computes it (offline use, tests).
         `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
-        it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), its question
-        prefills run eagerly and no question rides in a decode step."""
+        it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), and with
+        `prefill_with_decode` its questions ride in decode steps eagerly (`SharedChunks.mixes`)."""
         shared_graphs = cuda_graphs
         if arena is not None:
-            cuda_graphs, prefill_with_decode = False, False
+            cuda_graphs = False
         decoder = BatchDecoder(engine.forward, pool, attention)
         shared = SharedChunks(engine, decoder, arena, shared_graphs, 2 * max_batch) if arena is not None else None
         # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
         graphs = BatchGraphs(decoder, 2 * max_batch) if cuda_graphs else None
-        mixed_picks = 2 * max_batch if prefill_with_decode else 0
+        # In shared mode only shared questions ride (`SharedChunks.mixed`): the slabs' mixed step is never run.
+        mixed_picks = 2 * max_batch if prefill_with_decode and arena is None else 0
         slabs = SlabPrefill(engine, decoder, cuda_graphs, batch_prefill_min, mixed_picks)
         self.engine = engine
         self.pool = pool

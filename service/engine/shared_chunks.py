@@ -12,8 +12,11 @@ forwards for the two kinds would split every step (and its feed of unread picks)
 
 Decode steps of up to 128 rows replay CUDA graphs where the segment kernels run (`shared_graph.py`: the step's
 plan padded to its bucket's capacity), and so do question prefills of up to 32 requests and 1,024 question tokens
-(`shared_extend_graph.py`, the same padding; a larger group in parts); larger steps and the CPU run eagerly, and
-no question rides in a decode step.
+(`shared_extend_graph.py`, the same padding; a larger group in parts); larger steps and the CPU run eagerly.
+
+Questions admitted while answers run may ride in the next decode step's forward (`mixed`, the scheduler's
+`prefill_with_decode`): one pass over the weights for the step and the prefill instead of two, and the running
+answers do not stall while the questions prefill apart. That step runs eagerly (no graph holds the two plans).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from service.engine.shared_extend_graph import SharedExtendGraphs
 from service.engine.shared_graph import SharedStepGraphs, reads_bucket
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 from service.engine.stitch import BlockReady
+
+# Question tokens that may ride in one decode step (`SharedChunks.mixes`); module-level so a benchmark can try others.
+RIDE_TOKENS = 1024
 
 
 class SharedChunks:
@@ -176,6 +182,33 @@ class SharedChunks:
         return (self.engine.precompute([blocks[i] for i in missing]) if missing else []), ()
 
     # ---- the forwards -----------------------------------------------------------------------------------
+
+    def mixes(self, batch: int, questions: Sequence[BatchRequest]) -> bool:
+        """Whether `questions` may ride in a decode step of `batch` rows: up to RIDE_TOKENS question tokens (a
+        larger wave, the first of a burst, is prefilled apart through the prefill's graphs)."""
+        return batch > 0 and sum(len(r.prompt.question) for r in questions) <= RIDE_TOKENS
+
+    def mixed(
+        self,
+        batch: Sequence[BatchRequest],
+        decode: tuple[Sequence[int], Sequence[int], Sequence[tuple[int, int]]],
+        feed: StepFeed | None,
+        questions: Sequence[BatchRequest],
+    ) -> torch.Tensor:
+        """A decode step over `batch` (`decode`: each row's id, position and slab span; `feed`: rows fed from the
+        previous step's picks) with `questions` prefilled in its forward (`SharedDecoder.mixed`); fp32 logits
+        [B + Q, vocab], the decode rows' then each question's last token's. The decode rows' slots are the
+        caller's to reserve and commit, as for `step`."""
+        ids, positions, spans = decode
+        device = self.engine.spec.device
+        step_call = decode_batch(positions, spans, [r.reads for r in batch])
+        rows = DecodeRows.build(ids, positions, spans, device, feed)
+        tokens = [list(request.prompt.question) for request in questions]
+        entries = reserve_new_tokens(questions, tokens)
+        extend_call = extend_batch(entries, [r.reads for r in questions])
+        logits = self.decoder.mixed(rows, step_call, ExtendRows.build(entries, device), extend_call)
+        commit_new_tokens(questions, tokens)
+        return logits
 
     def extend(self, group: Sequence[BatchRequest]) -> torch.Tensor:
         """Every request's question after its prefix, at its true index (the buffer's next position), in one
