@@ -20,7 +20,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.segment_attention import ChunkRange
 from service.engine.segment_launch import SegmentPlan
 from service.engine.shared_decode import Placement, Reads, decode_batch
-from service.engine.shared_graph import SHARED_BUCKETS, _idle_call, capacity_for, pieces_for, reads_bucket
+from service.engine.shared_graph import SHARED_BUCKETS, capacity_for, idle_step_call, pieces_for, reads_bucket
 from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
 
 NEEDS_GPU = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def test_a_full_bucket_of_rows_reading_its_reads_fits_its_capacity() -> None:
         call = decode_batch([9000] * bucket, [(r * 200, 100) for r in range(bucket)], reads)
         pieces = pieces_for(bucket)
         capacity = capacity_for(bucket, reads_bucket(16), pieces)
-        static = SegmentPlan.build(_idle_call(bucket, 0), 7, 4, cpu, pieces, capacity)
+        static = SegmentPlan.build(idle_step_call(bucket, 0), 7, 4, cpu, pieces, capacity)
         static.copy_from(SegmentPlan.build(call, 7, 4, cpu, pieces, capacity))
         assert static.pairs == capacity.pairs
 

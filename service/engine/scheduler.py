@@ -70,12 +70,14 @@ class Scheduler:
         engine computes it (offline use, tests).
         `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
         it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), and with
-        `prefill_with_decode` its questions ride in decode steps eagerly (`SharedChunks.mixes`)."""
+        `prefill_with_decode` its questions ride in decode steps (`SharedChunks.mixes`)."""
         shared_graphs = cuda_graphs
         if arena is not None:
             cuda_graphs = False
         decoder = BatchDecoder(engine.forward, pool, attention)
-        shared = SharedChunks(engine, decoder, arena, shared_graphs, 2 * max_batch) if arena is not None else None
+        shared = None
+        if arena is not None:
+            shared = SharedChunks(engine, decoder, arena, shared_graphs, 2 * max_batch, prefill_with_decode)
         # A step's rows may feed from a decode step and the admitted requests' first tokens, both unread.
         graphs = BatchGraphs(decoder, 2 * max_batch) if cuda_graphs else None
         # In shared mode only shared questions ride (`SharedChunks.mixed`): the slabs' mixed step is never run.

@@ -16,7 +16,8 @@ plan padded to its bucket's capacity), and so do question prefills of up to 32 r
 
 Questions admitted while answers run may ride in the next decode step's forward (`mixed`, the scheduler's
 `prefill_with_decode`): one pass over the weights for the step and the prefill instead of two, and the running
-answers do not stall while the questions prefill apart. That step runs eagerly (no graph holds the two plans).
+answers do not stall while the questions prefill apart. Where steps run through graphs so do mixed steps
+(`shared_mixed_graph.py`), and questions no mixed graph holds are prefilled apart.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from service.engine.shared_decode import (
 )
 from service.engine.shared_extend_graph import SharedExtendGraphs
 from service.engine.shared_graph import SharedStepGraphs, reads_bucket
+from service.engine.shared_mixed_graph import SharedMixedGraphs
 from service.engine.slab_prefill import commit_new_tokens, reserve_new_tokens
 from service.engine.stitch import BlockReady
 
@@ -54,11 +56,18 @@ class SharedChunks:
     """Places shared requests' chunks in the arena and runs their question prefill and every decode step."""
 
     def __init__(
-        self, engine: StitchEngine, decoder: BatchDecoder, arena: ChunkArena, graphs: bool = False, max_picks: int = 0
+        self,
+        engine: StitchEngine,
+        decoder: BatchDecoder,
+        arena: ChunkArena,
+        graphs: bool = False,
+        max_picks: int = 0,
+        riding: bool = False,
     ) -> None:
         """`graphs`: decode steps and question prefills through CUDA graphs where the segment kernels run
-        (`shared_graph.py`, `shared_extend_graph.py`; the prefill's where the pool spares its padding slab);
-        `max_picks`: the most unread picks a step may be fed from."""
+        (`shared_graph.py`, `shared_extend_graph.py`; the prefill's where the pool spares its padding slab), and
+        with `riding` (questions may ride in steps) the mixed steps (`shared_mixed_graph.py`); `max_picks`: the
+        most unread picks a step may be fed from."""
         self.engine = engine
         self.arena = arena
         context = ContextScaling(temperature=engine.context_temperature, scale=engine.context_scale)
@@ -69,6 +78,9 @@ class SharedChunks:
         spec = engine.spec
         prefill_graphed = graphed and SharedExtendGraphs.fit(decoder.pool.slots, spec.num_heads // spec.num_kv_heads)
         self.extend_graphs = SharedExtendGraphs(self.decoder) if prefill_graphed else None
+        self.mixed_graphs: SharedMixedGraphs | None = None
+        if self.graphs is not None and riding:
+            self.mixed_graphs = SharedMixedGraphs(self.decoder, self.graphs.feed, self.graphs.scratch_slot)
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
         # back are kept weakly: one cancelled while it waits is simply forgotten.
         self.answers = 0
@@ -184,9 +196,14 @@ class SharedChunks:
     # ---- the forwards -----------------------------------------------------------------------------------
 
     def mixes(self, batch: int, questions: Sequence[BatchRequest]) -> bool:
-        """Whether `questions` may ride in a decode step of `batch` rows: up to RIDE_TOKENS question tokens (a
-        larger wave, the first of a burst, is prefilled apart through the prefill's graphs)."""
-        return batch > 0 and sum(len(r.prompt.question) for r in questions) <= RIDE_TOKENS
+        """Whether `questions` may ride in a decode step of `batch` rows. Where steps run through graphs, only
+        where a mixed step's graph holds them: an eager mixed forward costs the host more than a graphed step
+        and a graphed prefill apart. Eagerly, up to RIDE_TOKENS question tokens (a larger wave, the first of a
+        burst, is prefilled apart)."""
+        lengths = [len(r.prompt.question) for r in questions]
+        if self.graphs is not None:
+            return self.mixed_graphs is not None and self.mixed_graphs.fits(batch, lengths)
+        return batch > 0 and sum(lengths) <= RIDE_TOKENS
 
     def mixed(
         self,
@@ -202,11 +219,16 @@ class SharedChunks:
         ids, positions, spans = decode
         device = self.engine.spec.device
         step_call = decode_batch(positions, spans, [r.reads for r in batch])
-        rows = DecodeRows.build(ids, positions, spans, device, feed)
         tokens = [list(request.prompt.question) for request in questions]
         entries = reserve_new_tokens(questions, tokens)
-        extend_call = extend_batch(entries, [r.reads for r in questions])
-        logits = self.decoder.mixed(rows, step_call, ExtendRows.build(entries, device), extend_call)
+        reads = [r.reads for r in questions]
+        logits = None
+        if self.mixed_graphs is not None:
+            logits = self.mixed_graphs.step(decode, step_call, feed, entries, reads)
+        if logits is None:
+            rows = DecodeRows.build(ids, positions, spans, device, feed)
+            extend = ExtendRows.build(entries, device)
+            logits = self.decoder.mixed(rows, step_call, extend, extend_batch(entries, reads))
         commit_new_tokens(questions, tokens)
         return logits
 
@@ -253,9 +275,14 @@ class SharedChunks:
                 self.graphs.warm(reads, max_batch)
             if self.extend_graphs is not None:
                 self.extend_graphs.warm(reads, max_batch, max(self.extend_graphs.buckets), min_question)
+            if self.mixed_graphs is not None:
+                self.mixed_graphs.warm(reads, max_batch)
 
     def close(self) -> None:
         """Give the graphs' scratch slots back (the arena is closed by its owner)."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.close()
+            self.mixed_graphs = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None

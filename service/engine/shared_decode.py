@@ -23,6 +23,7 @@ import torch
 
 from service.engine.batch_decode import BatchDecoder, DecodeRows, ExtendRows, extend_lists
 from service.engine.chunk_arena import ChunkArena
+from service.engine.forward import LayerAttend
 from service.engine.fused_stitch import triton_runs_on
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KVBlock
@@ -195,11 +196,11 @@ class SegmentLayerAttend:
         return reference_attention(q, self._objects, arena, kv, self._rotary, scale, self._context)
 
 
-class _SplitAttend:
+class SplitAttend:
     """A mixed forward's attention (a `LayerAttend`): its first `rows` queries through `head`, the rest through
     `tail`, over the same pool."""
 
-    def __init__(self, head: SegmentLayerAttend, tail: SegmentLayerAttend, rows: int) -> None:
+    def __init__(self, head: LayerAttend, tail: LayerAttend, rows: int) -> None:
         self._head, self._tail, self._rows = head, tail, rows
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
@@ -260,7 +261,7 @@ class SharedDecoder:
         batch = decode.ids.shape[0]
         if step_call.rows.size != batch or extend_call.rows.size != extend.ids.shape[0]:
             raise ValueError("each part's segment metadata must have its own rows")
-        attention = _SplitAttend(self.attention(step_call), self.attention(extend_call, PREFILL_BY_REQUEST), batch)
+        attention = SplitAttend(self.attention(step_call), self.attention(extend_call, PREFILL_BY_REQUEST), batch)
         fwd = self.decoder.forward
         hidden = fwd.embed_static(torch.cat((decode.ids, extend.ids)).view(1, -1))
         positions = torch.cat((decode.positions, extend.positions))

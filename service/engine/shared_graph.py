@@ -122,7 +122,7 @@ class SharedStepGraph:
         spec = forward.spec
         self.batch, self.reads, self.pieces = batch, reads, pieces_for(batch)
         self.capacity = capacity_for(batch, reads, self.pieces)
-        self._plan = CapturedPlan(shared, self.capacity, self.pieces, _idle_call(batch, scratch))
+        self._plan = CapturedPlan(shared, self.capacity, self.pieces, idle_step_call(batch, scratch))
         self._inputs = StepInputs(batch, scratch, spec.device)
         pool_data = shared.decoder.pool.data
 
@@ -164,7 +164,7 @@ class SharedStepGraph:
         return self._logits[: len(ids)]
 
 
-def _idle_call(batch: int, scratch: int) -> SegmentArrays:
+def idle_step_call(batch: int, scratch: int) -> SegmentArrays:
     """A call of `batch` rows reading no chunk, each its one scratch slot: the plan the graph is captured over."""
     empty = np.zeros(0, dtype=np.int64)
     return SegmentArrays(
@@ -191,6 +191,16 @@ class SharedStepGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], SharedStepGraph] = {}
         self._feed = torch.zeros(max(max_picks, max(SHARED_BUCKETS)), dtype=torch.long, device=spec.device)
+
+    @property
+    def feed(self) -> torch.Tensor:
+        """Where a step's unread picks are copied for its graph to read (the mixed steps' graphs read it too)."""
+        return self._feed
+
+    @property
+    def scratch_slot(self) -> int:
+        """The pool slot padding rows write (the mixed steps' graphs pad their decode rows there too)."""
+        return self._scratch.start
 
     def step(
         self,

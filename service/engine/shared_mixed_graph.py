@@ -1,0 +1,215 @@
+"""Shared questions riding in a decode step (`SharedDecoder.mixed`), captured in CUDA graphs.
+
+Eager, a mixed forward costs the host two segment plans' launches per layer on top of the step's ~1,500 kernel
+launches: under load, with a question or two arriving at nearly every step, the host became the bottleneck and
+the running answers' steps slower than a graphed step plus a graphed prefill apart. A graph replays it in one call.
+
+It joins the two captured shapes the shared path already has: the decode part is `shared_graph`'s (its rows'
+static inputs with the feed of unread picks, its by-chunk plan padded to `capacity_for`), the question part is
+`shared_extend_graph`'s (`ExtendInputs`, its by-request plan padded to `request_capacity`, the tokens up to the
+bucket taken by a padding request in a scratch slab). The two parts' tokens go through one forward, each part's
+queries through its own plan (`SplitAttend`).
+
+Buckets: the decode step's rows (`SHARED_BUCKETS`) x reads per row (`reads_bucket`, over both parts) x the
+riders (`RIDER_BUCKETS`: up to R questions of T tokens in all). A step whose riders fit no bucket does not take
+them (`fits`): they are prefilled apart through the prefill's own graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from service.engine.batch_decode import StepFeed
+from service.engine.batch_graph import StepInputs
+from service.engine.cuda_graph import _capture
+from service.engine.extend_graph import ExtendInputs, ExtendRequest
+from service.engine.segment_attention import SegmentArrays
+from service.engine.shared_decode import Reads, SharedDecoder, SplitAttend
+from service.engine.shared_extend_graph import extend_splits, idle_extend, padded_extend, request_capacity
+from service.engine.shared_graph import (
+    SHARED_BUCKETS,
+    CapturedPlan,
+    capacity_for,
+    idle_step_call,
+    pieces_for,
+    reads_bucket,
+)
+
+log = logging.getLogger(__name__)
+
+# (questions, question tokens in all) a mixed step is captured for: the gateway's questions are ~90 tokens with
+# the template's, and under load one or two arrive per step. More ride in no step: they are prefilled apart.
+RIDER_BUCKETS = ((1, 128), (2, 256), (4, 512))
+
+
+def rider_bucket(questions: int, tokens: int) -> tuple[int, int] | None:
+    """The smallest rider bucket holding `questions` questions of `tokens` tokens in all, or None."""
+    return next(((q, t) for q, t in RIDER_BUCKETS if questions <= q and tokens <= t), None)
+
+
+class SharedMixedGraph:
+    """One captured mixed step: up to `batch` decode rows and `riders` = (questions, tokens), every request
+    reading up to `reads` chunks."""
+
+    def __init__(
+        self,
+        shared: SharedDecoder,
+        batch: int,
+        reads: int,
+        riders: tuple[int, int],
+        scratch: tuple[int, int],
+        pool: Any,
+        buffers: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """`scratch`: the decode padding rows' one slot and the question padding's slab start; `buffers`: the
+        feed of unread picks (shared with the decode step's graphs) and where the logits land."""
+        forward = shared.decoder.forward
+        spec = forward.spec
+        group, kv_heads = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads
+        questions, tokens = riders
+        self.batch, self.reads, self.riders, self._scratch = batch, reads, riders, scratch
+        feed, out = buffers
+        pieces = pieces_for(batch)
+        self._step_inputs = StepInputs(batch, scratch[0], spec.device)
+        self._step_plan = CapturedPlan(
+            shared, capacity_for(batch, reads, pieces), pieces, idle_step_call(batch, scratch[0])
+        )
+        splits = extend_splits(tokens, reads, group, kv_heads)
+        capacity = request_capacity(questions, tokens, reads, splits, group)
+        idle = idle_extend(questions, tokens, scratch[1])
+        self._question_inputs = ExtendInputs(questions, tokens, scratch[1], spec.device)
+        self._question_plan = CapturedPlan(shared, capacity, splits, idle, by_request=True)
+        pool_data = shared.decoder.pool.data
+
+        def mixed() -> torch.Tensor:
+            rows = self._step_inputs.rows(feed)
+            static = self._question_inputs.static_rows()
+            hidden = forward.embed_static(torch.cat((rows.ids, static.ids)).view(1, -1))
+            positions = torch.cat((rows.positions, static.positions))
+            slots = torch.cat((rows.slots, static.slots))
+            attend = SplitAttend(self._step_plan.attend(), self._question_plan.attend(), batch)
+            hidden = forward.layers_static(pool_data, hidden, positions, slots, attend, (0, len(forward.layers)))
+            last = torch.cat((torch.arange(batch, device=hidden.device), static.last[:questions] + batch))
+            logits = out[: batch + questions]
+            logits.copy_(forward.head_rows(hidden.index_select(0, last)))
+            return logits
+
+        self._graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        self._logits: torch.Tensor = _capture(self._graph, mixed, spec.device, pool)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+
+    def replay(
+        self,
+        decode: tuple[Sequence[int], Sequence[int], Sequence[tuple[int, int]]],
+        step_call: SegmentArrays,
+        src: Sequence[int] | None,
+        questions: Sequence[ExtendRequest],
+        reads: Sequence[Reads],
+    ) -> torch.Tensor:
+        """fp32 logits [B + Q, vocab]: the B decode rows' (`decode`: ids, positions, spans; `src`: each row's
+        index in the feed or -1), then each question's last token's; static (read before the next replay).
+        ValueError when either part does not fit (nothing replayed)."""
+        ids, positions, spans = decode
+        if not 0 < len(ids) <= self.batch:
+            raise ValueError(f"{len(ids)} rows do not fit a mixed graph of {self.batch}")
+        step_plan = self._step_plan.build(step_call)
+        flat, question_call = padded_extend(questions, reads, self.riders[0], self.riders[1], self._scratch[1])
+        question_plan = self._question_plan.build(question_call)
+        self._step_inputs.fill(ids, positions, spans, src)
+        self._question_inputs.load(flat)
+        self._step_plan.load(step_plan)
+        self._question_plan.load(question_plan)
+        self._graph.replay()
+        batch = len(ids)
+        return torch.cat((self._logits[:batch], self._logits[self.batch : self.batch + len(questions)]))
+
+
+class SharedMixedGraphs:
+    """Mixed-step graphs by (decode bucket, reads bucket, rider bucket), captured on first use or by `warm`. The
+    feed of unread picks and the decode rows' padding slot are the decode step graphs' (`SharedStepGraphs`)."""
+
+    def __init__(self, shared: SharedDecoder, feed: torch.Tensor, step_scratch: int) -> None:
+        spec = shared.decoder.forward.spec
+        if spec.device.type != "cuda" or not shared.kernels:
+            raise ValueError("mixed-step graphs need the segment kernels on a CUDA device")
+        self.shared = shared
+        self._feed = feed
+        most_tokens = max(t for _, t in RIDER_BUCKETS)
+        # The question padding's slab, held as long as the graphs live: room for the largest rider bucket.
+        self._question_scratch = shared.decoder.pool.allocate(most_tokens)
+        self._scratch = (step_scratch, self._question_scratch.start)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int, tuple[int, int]], SharedMixedGraph] = {}
+        rows = max(SHARED_BUCKETS) + max(q for q, _ in RIDER_BUCKETS)
+        self._out = torch.empty((rows, spec.vocab_size), dtype=torch.float32, device=spec.device)
+        self.replays = 0  # mixed steps that ran through a graph, for tests and benchmarks
+
+    def fits(self, batch: int, question_tokens: Sequence[int]) -> bool:
+        """Whether a decode step of `batch` rows can take questions of these lengths through a graph."""
+        return 0 < batch <= max(SHARED_BUCKETS) and rider_bucket(len(question_tokens), sum(question_tokens)) is not None
+
+    def step(
+        self,
+        decode: tuple[Sequence[int], Sequence[int], Sequence[tuple[int, int]]],
+        step_call: SegmentArrays,
+        feed: StepFeed | None,
+        questions: Sequence[ExtendRequest],
+        reads: Sequence[Reads],
+    ) -> torch.Tensor | None:
+        """The mixed step through its bucket's graph; None when none holds it (the caller runs it eagerly)."""
+        ids = decode[0]
+        batch = next((b for b in SHARED_BUCKETS if b >= len(ids)), None)
+        riders = rider_bucket(len(questions), sum(len(q[0]) for q in questions))
+        if batch is None or riders is None:
+            return None
+        most_reads = max([*map(len, reads), int(step_call.seg_counts.max()) if step_call.seg_counts.size else 0])
+        src = None
+        if feed is not None:
+            picks = feed.picks.numel()
+            if picks > self._feed.numel():
+                return None
+            with torch.inference_mode():
+                self._feed[:picks].copy_(feed.picks)  # stream order: after the last replay read it
+            src = feed.src
+        graph = self._graph(batch, reads_bucket(most_reads), riders)
+        try:
+            logits = graph.replay(decode, step_call, src, questions, reads)
+        except ValueError:  # a plan over the bucket's capacity: eager, this once
+            return None
+        self.replays += 1
+        return logits
+
+    def _graph(self, batch: int, reads: int, riders: tuple[int, int]) -> SharedMixedGraph:
+        key = (batch, reads, riders)
+        graph = self._graphs.get(key)
+        if graph is None:
+            buffers = (self._feed, self._out)
+            graph = SharedMixedGraph(self.shared, batch, reads, riders, self._scratch, self._pool, buffers)
+            self._graphs[key] = graph
+            log.info(
+                "captured the shared mixed step: %d rows, %d questions of %d tokens, %d reads, in %.0f ms",
+                batch,
+                *riders,
+                reads,
+                graph.capture_ms,
+            )
+        return graph
+
+    def warm(self, reads: int, max_batch: int) -> None:
+        """Capture every bucket up to `max_batch` decode rows for `reads` chunks a request now (server start)."""
+        for batch in SHARED_BUCKETS:
+            if batch > max_batch and batch != SHARED_BUCKETS[0]:
+                break
+            for riders in RIDER_BUCKETS:
+                self._graph(batch, reads_bucket(reads), riders)
+
+    def close(self) -> None:
+        """Give the question scratch slab back to the pool (the graphs must not replay afterwards)."""
+        self._graphs.clear()
+        self.shared.decoder.pool.free(self._question_scratch)
