@@ -448,7 +448,7 @@ def _verify(args: argparse.Namespace) -> int:
     engine = StitchEngine(model, chunk_context=args.chunk_context)
     shared = args.kv_path == "shared"
     if shared:
-        path = choose_kv_path(True, model.spec)
+        path = choose_kv_path("on", model.spec)
         if not path.shared:
             print(f"gate FAIL: the shared path cannot run here: {path.detail}")
             return 1

@@ -292,11 +292,13 @@ class Settings(BaseSettings):
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )
-    shared_chunks: Literal["off", "on"] = Field(
-        "off",
-        description="on: turbo answers without recompute read their chunks from one shared chunk arena (each chunk "
-        "held once, RoPE applied in the attention), their KV pool slab holding only prefix, question and answer. "
-        "On CUDA its decode steps of up to 128 answers replay CUDA graphs; question prefills run eagerly.",
+    shared_chunks: Literal["auto", "off", "on"] = Field(
+        "auto",
+        description="Turbo answers without recompute read their chunks from one shared chunk arena (each chunk held "
+        "once, RoPE applied in the attention), their KV pool slab holding only prefix, question and answer. auto = "
+        "where its Triton kernels run (CUDA), else the copy path (each answer's own stitched copy); on = also on "
+        "the CPU (its torch reference: slow, for development); off = the copy path. On CUDA its decode steps, "
+        "question prefills and questions riding in steps replay CUDA graphs. /readyz shows the path chosen.",
     )
     shared_arena_mb: int | None = Field(
         None,

@@ -1,7 +1,8 @@
 """The KV path chosen at start (kv_path.py) and the gate over the zero-copy path (gate.py, shared_gate.py).
 
-The choice: the copy path unless `KVSTITCH_SHARED_CHUNKS=on` asks for the shared one and segment attention runs for
-the model on its device (Triton on CUDA, the torch reference on the CPU). The gate holds the zero-copy path (the
+The choice: `KVSTITCH_SHARED_CHUNKS=auto` (the default) serves the shared path where its Triton kernels run and the
+copy path elsewhere; `on` asks for the shared one wherever segment attention runs for the model on its device
+(Triton on CUDA, the torch reference on the CPU); `off` never. The gate holds the zero-copy path (the
 question through `SharedDecoder` over a NaN-poisoned arena) to the same reference and tolerance as the stitched path,
 and fails it, alone, when its positions are off.
 """
@@ -27,9 +28,9 @@ from service.engine.stitch import PositionMode, StitchPlan
 
 def test_the_copy_path_unless_asked(get_engine: Callable[[str, str], StitchEngine]) -> None:
     spec = get_engine("qwen2", "cpu").spec
-    off = choose_kv_path(False, spec)
+    off = choose_kv_path("off", spec)
     assert (off.mode, off.reason, off.attention, off.shared) == (KVPathMode.COPY, KVPathReason.OFF, None, False)
-    on = choose_kv_path(True, spec)
+    on = choose_kv_path("on", spec)
     assert (on.mode, on.reason, on.attention, on.shared) == (KVPathMode.SHARED, KVPathReason.ON, "torch", True)
     assert on.as_json() == {
         "mode": "shared",
@@ -61,9 +62,42 @@ def test_the_shared_path_falls_back_where_segment_attention_cannot_run(
     segment attention does not run on, an odd head size."""
     monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
     spec = dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
-    path = choose_kv_path(True, spec)
+    path = choose_kv_path("on", spec)
     assert (path.mode, path.reason, path.attention) == want
     assert named in path.detail
+
+
+@pytest.mark.parametrize(
+    ("device", "head_dim", "triton", "want"),
+    [
+        ("cuda", 16, True, (KVPathMode.SHARED, KVPathReason.ON, "triton")),
+        ("cuda", 16, False, (KVPathMode.COPY, KVPathReason.AUTO, None)),
+        ("cuda", 15, True, (KVPathMode.COPY, KVPathReason.AUTO, None)),
+        ("cpu", 16, True, (KVPathMode.COPY, KVPathReason.AUTO, None)),
+    ],
+)
+def test_auto_serves_the_shared_path_only_where_its_kernels_run(
+    get_engine: Callable[[str, str], StitchEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    device: str,
+    head_dim: int,
+    triton: bool,
+    want: tuple[KVPathMode, KVPathReason, str | None],
+) -> None:
+    """The default: the Triton kernels on CUDA serve the shared path; the CPU (whose torch reference `on` would
+    serve), CUDA without Triton and an odd head size get the copy path, which `/readyz` names as auto's choice."""
+    monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
+    spec = dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
+    path = choose_kv_path("auto", spec)
+    assert (path.mode, path.reason, path.attention) == want
+    assert path.detail.startswith("KVSTITCH_SHARED_CHUNKS=auto")
+    if not path.shared:
+        assert f"the copy path serves on {device}" in path.detail
+
+
+def test_an_unknown_request_is_refused(get_engine: Callable[[str, str], StitchEngine]) -> None:
+    with pytest.raises(ValueError, match="auto, on or off"):
+        choose_kv_path("maybe", get_engine("qwen2", "cpu").spec)
 
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral"))
@@ -123,8 +157,9 @@ def test_gpu_the_gate_holds_the_triton_zero_copy_path_to_the_reference(
     """On CUDA (bf16) the shared path is chosen with the Triton kernels, and the gate's zero-copy cases (through them,
     over a NaN-poisoned arena) pass the same relative bf16 bound as the stitched path's."""
     engine = get_engine("llama", "cuda")
-    path = choose_kv_path(True, engine.spec)
+    path = choose_kv_path("on", engine.spec)
     assert (path.mode, path.attention) == (KVPathMode.SHARED, "triton")
+    assert choose_kv_path("auto", engine.spec).shared
     result = run_gate(engine, shared=True)
     assert result.passed and result.shared_passed is True, (result.cases, result.shared_cases)
     zero_copy = result.shared_max_abs_logit_diff

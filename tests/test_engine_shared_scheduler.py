@@ -386,13 +386,14 @@ def test_requests_the_arena_cannot_serve_keep_the_copy_path(get_engine: Callable
 def test_the_setting_is_validated_and_the_arena_sized_from_the_pool(
     get_engine: Callable[[str, str], StitchEngine],
 ) -> None:
-    """`shared_chunks` is off unless set to on (anything else refused); on, the arena is `shared_arena_mb`, or
-    else half of the pool's budget with the pool keeping the other half; off, no arena and the whole pool."""
+    """`shared_chunks` is auto unless set (on, off; anything else refused); where the shared path serves, the arena
+    is `shared_arena_mb`, or else half of the pool's budget with the pool keeping the other half; off, no arena and
+    the whole pool."""
     engine = get_engine("qwen2", "cpu")
-    assert Settings().shared_chunks == "off"
+    assert Settings().shared_chunks == "auto"
     with pytest.raises(ValidationError):
         Settings(shared_chunks="maybe")
-    assert open_arena(Settings(), engine, 64) == (64, None)
+    assert open_arena(Settings(shared_chunks="off"), engine, 64) == (64, None)
     pool_mib, arena = open_arena(Settings(shared_chunks="on"), engine, 64)
     assert pool_mib == 32 and arena is not None and arena.base == engine.chunk_start
     assert arena.slots == (32 * MIB) // engine.spec.kv_bytes_per_token()

@@ -2,10 +2,12 @@
 or the copy path (each answer's context stitched into its own slab).
 
 The shared path needs segment attention for the model on its device: the Triton kernels on CUDA, the torch
-reference on the CPU (fp32, per row: a development and test path). Where `KVSTITCH_SHARED_CHUNKS=on` asks for it
-and the engine cannot serve it (another device, CUDA without Triton, an odd head size the rotation cannot split,
-or a start-up gate that found the zero-copy attention off the reference), the copy path serves instead, and the
-reason is logged, shown on `/readyz` and exported as a metric: an operator asked for one path and gets the other.
+reference on the CPU (fp32, per row: a development and test path). `KVSTITCH_SHARED_CHUNKS=auto` (the default)
+serves it where the kernels run (CUDA with Triton, an even head size) and the copy path elsewhere; `on` asks for
+it anywhere segment attention runs, the CPU's reference included; `off` never. Where the engine cannot serve what
+was asked (another device, CUDA without Triton, an odd head size the rotation cannot split, or a start-up gate that
+found the zero-copy attention off the reference), the copy path serves instead, and the reason is logged (for
+`on`), shown on `/readyz` and exported as a metric.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class KVPathReason(StrEnum):
     TRITON = "triton"  # CUDA without Triton: no kernels, and the per-row reference is far too slow to serve
     HEAD_DIM = "head_dim"  # RoPE rotates head halves: an odd head size has none
     GATE = "gate"  # the start-up gate found the zero-copy attention off the reference
+    AUTO = "auto"  # `auto` and the kernels do not run here (the CPU's torch reference is too slow to serve)
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,16 @@ class KVPath:
 COPY_PATH = KVPath(KVPathMode.COPY, KVPathReason.OFF, "KVSTITCH_SHARED_CHUNKS=off")
 
 
-def choose_kv_path(requested: bool, spec: ModelSpec) -> KVPath:
-    """The path for a model of `spec`: shared where `requested` and segment attention serves it, else the copy
-    path with the reason."""
-    if not requested:
+def choose_kv_path(requested: str, spec: ModelSpec) -> KVPath:
+    """The path for a model of `spec` under `KVSTITCH_SHARED_CHUNKS=requested` (auto, on, off): shared where asked
+    for and segment attention serves it (for auto: its Triton kernels), else the copy path with the reason."""
+    if requested == "off":
         return COPY_PATH
-    asked = KVPath(KVPathMode.SHARED, KVPathReason.ON, "KVSTITCH_SHARED_CHUNKS=on")
+    if requested not in ("auto", "on"):
+        raise ValueError(f"KVSTITCH_SHARED_CHUNKS must be auto, on or off, not {requested!r}")
+    asked = KVPath(KVPathMode.SHARED, KVPathReason.ON, f"KVSTITCH_SHARED_CHUNKS={requested}")
+    if requested == "auto":
+        return _auto(asked, spec)
     device = spec.device.type
     if spec.head_dim % 2:
         return asked.fallback(KVPathReason.HEAD_DIM, f"segment attention needs an even head size, not {spec.head_dim}")
@@ -76,3 +83,11 @@ def choose_kv_path(requested: bool, spec: ModelSpec) -> KVPath:
     if device == "cpu":
         return replace(asked, attention="torch")
     return asked.fallback(KVPathReason.DEVICE, f"segment attention runs on CUDA or the CPU, not {device}")
+
+
+def _auto(asked: KVPath, spec: ModelSpec) -> KVPath:
+    """`auto`: the shared path where its kernels run (CUDA with Triton, an even head size), else the copy path."""
+    if spec.device.type == "cuda" and triton_runs_on(spec.device) and spec.head_dim % 2 == 0:
+        return replace(asked, attention="triton")
+    why = "the segment kernels need CUDA with Triton and an even head size"
+    return asked.fallback(KVPathReason.AUTO, f"{asked.detail}: {why}; the copy path serves on {spec.device.type}")

@@ -281,7 +281,7 @@ def _engine(args: Namespace, dtype: torch.dtype | None, instruction: str = "") -
     except (UnsupportedModelError, OSError, ValueError) as err:
         _error(f"cannot load {args.model}: {err}")
         return None
-    path = choose_kv_path(args.kv_path == "shared", model.spec)
+    path = choose_kv_path("on" if args.kv_path == "shared" else "off", model.spec)
     if args.kv_path == "shared" and not path.shared:
         _error(f"--kv-path shared cannot run here: {path.detail}")
         return None

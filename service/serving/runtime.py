@@ -657,16 +657,17 @@ def _open_components(
 
 def open_kv_path(settings: Settings, engine: StitchEngine) -> KVPath:
     """The KV path the settings ask for, or the copy path where the engine cannot serve the shared one (logged)."""
-    path = choose_kv_path(settings.shared_chunks == "on", engine.spec)
+    path = choose_kv_path(settings.shared_chunks, engine.spec)
     if settings.shared_chunks == "on" and not path.shared:
         log.warning("shared chunks asked for, copy path serving: %s", path.detail)
     return path
 
 
 def open_arena(settings: Settings, engine: StitchEngine, pool_mib: int) -> tuple[int, ChunkArena | None]:
-    """The KV pool's MiB and, with `shared_chunks` on, the chunk arena: `shared_arena_mb`, or else half of the
-    pool's budget (the pool keeping the other half, so turning the mode on asks for no more memory)."""
-    if settings.shared_chunks != "on":
+    """The KV pool's MiB and, unless `shared_chunks` is off, the chunk arena (the caller asks only where the shared
+    path serves): `shared_arena_mb`, or else half of the pool's budget (the pool keeping the other half, so the
+    shared path asks for no more memory than the copy path)."""
+    if settings.shared_chunks == "off":
         return pool_mib, None
     arena_mib = settings.shared_arena_mb or pool_mib // 2
     if settings.shared_arena_mb is None:

@@ -87,15 +87,19 @@ def test_shared_chunks_on_are_reported_with_the_arenas_figures(make_app: MakeApp
     assert got[("kvstitch_arena_resident_reads_total", ())] == arena["resident_reads"]
 
 
-def test_shared_chunks_off_report_the_copy_path_and_no_arena(make_app: MakeApp) -> None:
-    app = make_app()
+@pytest.mark.parametrize(("setting", "reason"), [("off", "off"), (None, "auto")], ids=["off", "auto-on-the-cpu"])
+def test_shared_chunks_off_report_the_copy_path_and_no_arena(
+    make_app: MakeApp, setting: str | None, reason: str
+) -> None:
+    """Off, and the default (auto) on the CPU, where the segment kernels do not run: the copy path, saying why."""
+    app = make_app() if setting is None else make_app(shared_chunks=setting)
     with TestClient(app) as client:
         wait_ready(app)
         ready = client.get("/readyz").json()
         got = samples(client)
-    assert ready["kv_path"]["mode"] == "copy" and ready["kv_path"]["reason"] == "off"
+    assert ready["kv_path"]["mode"] == "copy" and ready["kv_path"]["reason"] == reason
     assert "arena" not in ready and "zero-copy" not in ready["checks"]["gate"]
-    assert got[("kvstitch_kv_path", (("mode", "copy"), ("reason", "off")))] == 1
+    assert got[("kvstitch_kv_path", (("mode", "copy"), ("reason", reason)))] == 1
     assert not any(name.startswith("kvstitch_arena") for name, _ in got)
 
 
@@ -132,7 +136,7 @@ def test_a_shared_path_the_engine_cannot_run_falls_back_before_the_gate(
     """Asked for on an engine segment attention cannot serve (here: CUDA without Triton, as `choose_kv_path` says):
     the copy path serves from the start, the gate runs no zero-copy case, and the log, /readyz and /metrics say why."""
 
-    def no_triton(requested: bool, spec: ModelSpec) -> KVPath:
+    def no_triton(requested: str, spec: ModelSpec) -> KVPath:
         return COPY_PATH.fallback(KVPathReason.TRITON, "the segment attention kernels need Triton, not installed")
 
     monkeypatch.setattr(runtime_module, "choose_kv_path", no_triton)
