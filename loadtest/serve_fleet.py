@@ -250,6 +250,9 @@ def run_report(
         # time went, inside the engine.
         phases = grown(earlier, later, "kvstitch_engine_seconds_total", "phase")
         engines[url]["thread_share"] = {p: round(v / duration_s, 3) for p, v in phases.items()} if duration_s else {}
+        # Questions prefilled riding in decode steps or apart: whether arrivals stall the running answers.
+        prefills = grown(earlier, later, "kvstitch_question_prefills_total", "how")
+        engines[url]["question_prefills"] = {how: int(n) for how, n in prefills.items()}
     served = {t: sum(e["blocks"][t] for e in engines.values()) for t in TIERS}
     modes = sorted({r.mode for r in results})
     return {
@@ -412,6 +415,14 @@ def run_level(
     log.info(
         "%d clients: server stages p50 (ms) %s", clients_count, {k: round(v, 1) for k, v in run["stage_ms"].items()}
     )
+    for url, engine in run["engines"].items():
+        log.info(
+            "%d clients: %s thread share %s, questions prefilled %s",
+            clients_count,
+            url,
+            engine["thread_share"],
+            engine["question_prefills"],
+        )
     if spies is None:
         return run, (NO_PY_SPY if profile else None)
     seconds = {role: thread_deltas(before, after, role) for role in spies.pids}

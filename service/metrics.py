@@ -297,10 +297,14 @@ class Metrics:
         scrape."""
         self.registry.register(_ArenaCollector(stats))
 
-    def watch_engine(self, seconds: Callable[[], dict[str, float]]) -> None:
+    def watch_engine(
+        self, seconds: Callable[[], dict[str, float]], prefills: Callable[[], dict[str, int]] | None = None
+    ) -> None:
         """The engine thread's time by phase (idle, work, admit, prefill, decode, emit), read at every scrape:
-        `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does."""
-        self.registry.register(_EngineCollector(seconds))
+        `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does;
+        with `prefills`, the questions prefilled in batched forwards by how (riding in a decode step's forward, or
+        apart): whether arrivals ride or stall the running answers."""
+        self.registry.register(_EngineCollector(seconds, prefills))
 
     def watch_retrieval(self, stats: Callable[[], RetrievalStats]) -> None:
         """Retrieval's time per question by stage (wait, embed, search), its questions and rounds, read at every
@@ -342,8 +346,9 @@ class Metrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, seconds: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, seconds: Callable[[], dict[str, float]], prefills: Callable[[], dict[str, int]] | None) -> None:
         self._seconds = seconds
+        self._prefills = prefills
 
     def collect(self) -> Iterator[Any]:
         family = CounterMetricFamily(
@@ -352,6 +357,16 @@ class _EngineCollector(Collector):
         for phase, seconds in self._seconds().items():
             family.add_metric([phase], seconds)
         yield family
+        if self._prefills is None:
+            return
+        prefills = CounterMetricFamily(
+            "kvstitch_question_prefills",
+            "Turbo questions prefilled in batched forwards, by how: riding in a decode step's forward, or apart",
+            labels=["how"],
+        )
+        for how, count in self._prefills().items():
+            prefills.add_metric([how], count)
+        yield prefills
 
 
 class _RetrievalCollector(Collector):

@@ -61,6 +61,10 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
         for engine in run["engines"].values():
             share = engine["thread_share"]
             assert share["decode"] > 0 and share["admit"] > 0 and 0.5 < sum(share.values()) < 1.5, share
+            # The CPU rides no question in a decode step (`prefill_with_decode` is on with CUDA graphs only); questions
+            # admitted together are prefilled apart, one admitted alone in neither count.
+            prefills = engine["question_prefills"]
+            assert prefills["riding"] == 0 and 0 <= prefills["apart"] <= engine["answers"], engine
         assert run["stage_ms"]["retrieve"] > 0 and run["stage_ms"]["decode"] > 0
     assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
     for (_, name), run in runs.items():

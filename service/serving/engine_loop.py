@@ -174,6 +174,15 @@ class EngineLoop:
         phases = dict(self.scheduler.busy_s) if self.scheduler is not None else {}
         return {"idle": self._idle_s, "work": self._work_s, **phases}
 
+    def question_prefills(self) -> dict[str, int]:
+        """Turbo questions prefilled in batched forwards since start: `riding` in a decode step's forward, `apart`
+        in a forward of their own (read from the metrics' thread: two counters, no walk)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return {"riding": 0, "apart": 0}
+        riding = scheduler.prefilled_with_decode
+        return {"riding": riding, "apart": scheduler.prefilled_together - riding}
+
     def _run(self) -> None:
         while True:
             with self._wake:

@@ -55,6 +55,9 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     assert value(m, "kvstitch_requests_total", route="/ingest", status="202") == 1
     assert value(m, "kvstitch_requests_total", route="/ingest/{job_id}", status="200") >= 1
     assert value(m, "kvstitch_queue_depth") == 0
+    # One turbo question at a time is prefilled alone: no batched question prefill, riding or apart.
+    assert value(m, "kvstitch_question_prefills_total", how="riding") == 0
+    assert value(m, "kvstitch_question_prefills_total", how="apart") == 0
     assert value(m, "kvstitch_ingest_jobs_total", status="submitted") == 1
     assert value(m, "kvstitch_ingest_jobs_total", status="done") == 1
     assert value(m, "kvstitch_ingest_jobs_total", status="failed") == 0
@@ -114,3 +117,19 @@ def test_a_ready_server_froze_its_start_up_heap_and_reports_every_collection(mak
     assert count >= value(before, "kvstitch_gc_pause_seconds_count", generation="2") + 1
     assert value(after, "kvstitch_gc_pause_seconds_sum", generation="2") > 0
     assert value(after, "kvstitch_gc_pause_seconds_bucket", generation="2", le="+Inf") == count
+
+
+def test_question_prefills_are_exported_from_the_schedulers_counts() -> None:
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    counts = {"riding": 0, "apart": 0}
+    metrics.watch_engine(lambda: {"idle": 1.0}, lambda: dict(counts))
+    counts.update(riding=5, apart=2)  # read at every scrape, not at registration
+    m = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert value(m, "kvstitch_question_prefills_total", how="riding") == 5
+    assert value(m, "kvstitch_question_prefills_total", how="apart") == 2
