@@ -26,12 +26,16 @@ NEEDS_GPU = pytest.mark.skipif(
 
 
 def test_riders_take_the_smallest_bucket_holding_their_count_and_tokens() -> None:
-    assert RIDER_BUCKETS == ((1, 128), (2, 256), (4, 512))
-    assert rider_bucket(1, 90) == (1, 128)
-    assert rider_bucket(1, 200) == (2, 256)  # one long question takes the next bucket's tokens
-    assert rider_bucket(2, 100) == (2, 256)
-    assert rider_bucket(3, 500) == (4, 512)
-    assert rider_bucket(5, 100) is None and rider_bucket(1, 600) is None
+    assert RIDER_BUCKETS == ((8, 128), (8, 256), (8, 384), (8, 512), (8, 768), (8, 1024))
+    assert rider_bucket(1, 90) == (8, 128)
+    assert rider_bucket(1, 200) == (8, 256)
+    assert rider_bucket(3, 500) == (8, 512)
+    assert rider_bucket(8, 1024) == (8, 1024)
+    assert rider_bucket(9, 100) is None and rider_bucket(2, 1025) is None
+    # A pool spares a quarter of its slots for the padding (as the prefill's graphs): a small one, small buckets.
+    assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:5]
+    assert SharedMixedGraphs.riders_for(100) == ()
+    assert rider_bucket(3, 800, SharedMixedGraphs.riders_for(4000)) is None
 
 
 def test_mixed_graphs_need_the_segment_kernels_on_cuda(get_engine: Callable[[str, str], StitchEngine]) -> None:

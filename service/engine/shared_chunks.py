@@ -79,7 +79,7 @@ class SharedChunks:
         prefill_graphed = graphed and SharedExtendGraphs.fit(decoder.pool.slots, spec.num_heads // spec.num_kv_heads)
         self.extend_graphs = SharedExtendGraphs(self.decoder) if prefill_graphed else None
         self.mixed_graphs: SharedMixedGraphs | None = None
-        if self.graphs is not None and riding:
+        if self.graphs is not None and riding and SharedMixedGraphs.riders_for(decoder.pool.slots):
             self.mixed_graphs = SharedMixedGraphs(self.decoder, self.graphs.feed, self.graphs.scratch_slot)
         # Counts for the metrics: answers placed since start, and those that first waited for room. Requests held
         # back are kept weakly: one cancelled while it waits is simply forgotten.

@@ -11,7 +11,7 @@ bucket taken by a padding request in a scratch slab). The two parts' tokens go t
 queries through its own plan (`SplitAttend`).
 
 Buckets: the decode step's rows (`SHARED_BUCKETS`) x reads per row (`reads_bucket`, over both parts) x the
-riders (`RIDER_BUCKETS`: up to R questions of T tokens in all). A step whose riders fit no bucket does not take
+riders (`RIDER_BUCKETS`: up to 8 questions of T tokens in all). A step whose riders fit no bucket does not take
 them (`fits`): they are prefilled apart through the prefill's own graphs.
 """
 
@@ -27,7 +27,7 @@ import torch
 from service.engine.batch_decode import StepFeed
 from service.engine.batch_graph import StepInputs
 from service.engine.cuda_graph import _capture
-from service.engine.extend_graph import ExtendInputs, ExtendRequest
+from service.engine.extend_graph import ExtendInputs, ExtendRequest, buckets_for
 from service.engine.segment_attention import SegmentArrays
 from service.engine.shared_decode import Reads, SharedDecoder, SplitAttend
 from service.engine.shared_extend_graph import extend_splits, idle_extend, padded_extend, request_capacity
@@ -42,14 +42,19 @@ from service.engine.shared_graph import (
 
 log = logging.getLogger(__name__)
 
-# (questions, question tokens in all) a mixed step is captured for: the gateway's questions are ~90 tokens with
-# the template's, and under load one or two arrive per step. More ride in no step: they are prefilled apart.
-RIDER_BUCKETS = ((1, 128), (2, 256), (4, 512))
+# (questions, question tokens in all) a mixed step is captured for. Under load the questions arrive in waves (a
+# cohort of answers ends, its clients ask again), several per step, and a question with the template's is ~90-250
+# tokens: buckets of a few questions let most waves go apart, stalling every running answer. Eight rows cost a
+# graph little (dead tiles are skipped); a replay computes its whole token bucket, hence steps of 128-256 tokens.
+# A wave past the largest bucket is prefilled apart (in parts), as a wave arriving while nothing runs.
+RIDER_BUCKETS = tuple((8, tokens) for tokens in (128, 256, 384, 512, 768, 1024))
 
 
-def rider_bucket(questions: int, tokens: int) -> tuple[int, int] | None:
-    """The smallest rider bucket holding `questions` questions of `tokens` tokens in all, or None."""
-    return next(((q, t) for q, t in RIDER_BUCKETS if questions <= q and tokens <= t), None)
+def rider_bucket(
+    questions: int, tokens: int, buckets: Sequence[tuple[int, int]] = RIDER_BUCKETS
+) -> tuple[int, int] | None:
+    """The smallest of `buckets` holding `questions` questions of `tokens` tokens in all, or None."""
+    return next(((q, t) for q, t in buckets if questions <= q and tokens <= t), None)
 
 
 class SharedMixedGraph:
@@ -134,25 +139,36 @@ class SharedMixedGraphs:
     """Mixed-step graphs by (decode bucket, reads bucket, rider bucket), captured on first use or by `warm`. The
     feed of unread picks and the decode rows' padding slot are the decode step graphs' (`SharedStepGraphs`)."""
 
+    @staticmethod
+    def riders_for(pool_slots: int) -> tuple[tuple[int, int], ...]:
+        """The rider buckets a pool of `pool_slots` can spare the padding slab of (as the prefill's graphs,
+        `buckets_for`); none: no mixed graphs, every question prefilled apart."""
+        spared = set(buckets_for(pool_slots, [tokens for _, tokens in RIDER_BUCKETS]))
+        return tuple(bucket for bucket in RIDER_BUCKETS if bucket[1] in spared)
+
     def __init__(self, shared: SharedDecoder, feed: torch.Tensor, step_scratch: int) -> None:
         spec = shared.decoder.forward.spec
         if spec.device.type != "cuda" or not shared.kernels:
             raise ValueError("mixed-step graphs need the segment kernels on a CUDA device")
+        self.riders = self.riders_for(shared.decoder.pool.slots)
+        if not self.riders:
+            raise ValueError(f"a pool of {shared.decoder.pool.slots} slots is too small for mixed-step graphs")
         self.shared = shared
         self._feed = feed
-        most_tokens = max(t for _, t in RIDER_BUCKETS)
+        most_tokens = max(t for _, t in self.riders)
         # The question padding's slab, held as long as the graphs live: room for the largest rider bucket.
         self._question_scratch = shared.decoder.pool.allocate(most_tokens)
         self._scratch = (step_scratch, self._question_scratch.start)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, tuple[int, int]], SharedMixedGraph] = {}
-        rows = max(SHARED_BUCKETS) + max(q for q, _ in RIDER_BUCKETS)
+        rows = max(SHARED_BUCKETS) + max(q for q, _ in self.riders)
         self._out = torch.empty((rows, spec.vocab_size), dtype=torch.float32, device=spec.device)
         self.replays = 0  # mixed steps that ran through a graph, for tests and benchmarks
 
     def fits(self, batch: int, question_tokens: Sequence[int]) -> bool:
         """Whether a decode step of `batch` rows can take questions of these lengths through a graph."""
-        return 0 < batch <= max(SHARED_BUCKETS) and rider_bucket(len(question_tokens), sum(question_tokens)) is not None
+        riders = rider_bucket(len(question_tokens), sum(question_tokens), self.riders)
+        return 0 < batch <= max(SHARED_BUCKETS) and riders is not None
 
     def step(
         self,
@@ -165,7 +181,7 @@ class SharedMixedGraphs:
         """The mixed step through its bucket's graph; None when none holds it (the caller runs it eagerly)."""
         ids = decode[0]
         batch = next((b for b in SHARED_BUCKETS if b >= len(ids)), None)
-        riders = rider_bucket(len(questions), sum(len(q[0]) for q in questions))
+        riders = rider_bucket(len(questions), sum(len(q[0]) for q in questions), self.riders)
         if batch is None or riders is None:
             return None
         most_reads = max([*map(len, reads), int(step_call.seg_counts.max()) if step_call.seg_counts.size else 0])
@@ -206,7 +222,7 @@ class SharedMixedGraphs:
         for batch in SHARED_BUCKETS:
             if batch > max_batch and batch != SHARED_BUCKETS[0]:
                 break
-            for riders in RIDER_BUCKETS:
+            for riders in self.riders:
                 self._graph(batch, reads_bucket(reads), riders)
 
     def close(self) -> None:
