@@ -281,8 +281,8 @@ class Settings(BaseSettings):
         None,
         description="Questions admitted while answers run are prefilled in the running answers' decode step (up to "
         "4 questions of 256 tokens in all, needs BATCH_PREFILL_MIN > 0; shared chunks: up to 8 questions of "
-        "1,024 tokens through CUDA graphs): one pass over the weights for both. Unset = on where decode steps run through "
-        "CUDA graphs.",
+        "1,024 tokens through CUDA graphs): one pass over the weights for both. Unset = on where decode steps run "
+        "through CUDA graphs.",
     )
     overlap_decode: bool | None = Field(
         None,

@@ -164,6 +164,19 @@ class SharedStepGraph:
         return self._logits[: len(ids)]
 
 
+def stage_feed(buffer: torch.Tensor, feed: StepFeed | None) -> tuple[bool, Sequence[int] | None]:
+    """Copy a step's unread picks into the `buffer` its graphs read them from; whether they fit (else the step
+    runs eagerly), and each row's index in the buffer (None: no row is fed from the device)."""
+    if feed is None:
+        return True, None
+    picks = feed.picks.numel()
+    if picks > buffer.numel():
+        return False, None
+    with torch.inference_mode():
+        buffer[:picks].copy_(feed.picks)  # stream order: after the last replay read it
+    return True, feed.src
+
+
 def idle_step_call(batch: int, scratch: int) -> SegmentArrays:
     """A call of `batch` rows reading no chunk, each its one scratch slot: the plan the graph is captured over."""
     empty = np.zeros(0, dtype=np.int64)
@@ -216,14 +229,9 @@ class SharedStepGraphs:
         if batch is None or call.rows.size != len(ids):
             return None
         graph = self._graph(batch, reads_bucket(reads))
-        src = None
-        if feed is not None:
-            picks = feed.picks.numel()
-            if picks > self._feed.numel():
-                return None
-            with torch.inference_mode():
-                self._feed[:picks].copy_(feed.picks)  # stream order: after the last replay read it
-            src = feed.src
+        staged, src = stage_feed(self._feed, feed)
+        if not staged:
+            return None
         try:
             return graph.replay(ids, positions, spans, call, src)
         except ValueError:  # a plan over the bucket's capacity: eager, this once

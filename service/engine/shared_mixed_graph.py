@@ -38,6 +38,7 @@ from service.engine.shared_graph import (
     idle_step_call,
     pieces_for,
     reads_bucket,
+    stage_feed,
 )
 
 log = logging.getLogger(__name__)
@@ -185,14 +186,9 @@ class SharedMixedGraphs:
         if batch is None or riders is None:
             return None
         most_reads = max([*map(len, reads), int(step_call.seg_counts.max()) if step_call.seg_counts.size else 0])
-        src = None
-        if feed is not None:
-            picks = feed.picks.numel()
-            if picks > self._feed.numel():
-                return None
-            with torch.inference_mode():
-                self._feed[:picks].copy_(feed.picks)  # stream order: after the last replay read it
-            src = feed.src
+        staged, src = stage_feed(self._feed, feed)
+        if not staged:
+            return None
         graph = self._graph(batch, reads_bucket(most_reads), riders)
         try:
             logits = graph.replay(decode, step_call, src, questions, reads)
