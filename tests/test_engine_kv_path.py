@@ -19,7 +19,7 @@ import service.engine.kv_path as kv_path_module
 import service.engine.shared_gate as shared_gate_module
 from service.engine.engine import StitchEngine
 from service.engine.gate import GateCase, GateResult, run_gate
-from service.engine.kv_layout import ChunkContext
+from service.engine.kv_layout import ChunkContext, ModelSpec
 from service.engine.kv_path import KVPathMode, KVPathReason, choose_kv_path
 from service.engine.segment_attention import ChunkRange
 from service.engine.shared_decode import Placement, placements
@@ -60,9 +60,7 @@ def test_the_shared_path_falls_back_where_segment_attention_cannot_run(
 ) -> None:
     """Asked for, the shared path still falls back to the copy path, naming why: CUDA without Triton, a device
     segment attention does not run on, an odd head size."""
-    monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
-    spec = dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
-    path = choose_kv_path("on", spec)
+    path = choose_kv_path("on", spec_on(get_engine, monkeypatch, device, head_dim, triton))
     assert (path.mode, path.reason, path.attention) == want
     assert named in path.detail
 
@@ -86,13 +84,23 @@ def test_auto_serves_the_shared_path_only_where_its_kernels_run(
 ) -> None:
     """The default: the Triton kernels on CUDA serve the shared path; the CPU (whose torch reference `on` would
     serve), CUDA without Triton and an odd head size get the copy path, which `/readyz` names as auto's choice."""
-    monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
-    spec = dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
-    path = choose_kv_path("auto", spec)
+    path = choose_kv_path("auto", spec_on(get_engine, monkeypatch, device, head_dim, triton))
     assert (path.mode, path.reason, path.attention) == want
     assert path.detail.startswith("KVSTITCH_SHARED_CHUNKS=auto")
     if not path.shared:
         assert f"the copy path serves on {device}" in path.detail
+
+
+def spec_on(
+    get_engine: Callable[[str, str], StitchEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    device: str,
+    head_dim: int,
+    triton: bool,
+) -> ModelSpec:
+    """A tiny model's spec placed on `device` with `head_dim`, Triton running there only where `triton` and CUDA."""
+    monkeypatch.setattr(kv_path_module, "triton_runs_on", lambda d: triton and d.type == "cuda")
+    return dataclasses.replace(get_engine("qwen2", "cpu").spec, device=torch.device(device), head_dim=head_dim)
 
 
 def test_an_unknown_request_is_refused(get_engine: Callable[[str, str], StitchEngine]) -> None:

@@ -71,8 +71,16 @@ def choose_kv_path(requested: str, spec: ModelSpec) -> KVPath:
     if requested not in ("auto", "on"):
         raise ValueError(f"KVSTITCH_SHARED_CHUNKS must be auto, on or off, not {requested!r}")
     asked = KVPath(KVPathMode.SHARED, KVPathReason.ON, f"KVSTITCH_SHARED_CHUNKS={requested}")
-    if requested == "auto":
-        return _auto(asked, spec)
+    served = _served(asked, spec)
+    if requested == "on" or served.attention == "triton":
+        return served
+    # auto: the CPU's torch reference is a development path, too slow to serve by default.
+    why = "the torch reference is too slow to serve" if served.shared else served.detail
+    return asked.fallback(KVPathReason.AUTO, f"{asked.detail}: {why}; the copy path serves on {spec.device.type}")
+
+
+def _served(asked: KVPath, spec: ModelSpec) -> KVPath:
+    """`asked` with the segment attention that serves it for `spec`, or the copy path naming why none does."""
     device = spec.device.type
     if spec.head_dim % 2:
         return asked.fallback(KVPathReason.HEAD_DIM, f"segment attention needs an even head size, not {spec.head_dim}")
@@ -83,11 +91,3 @@ def choose_kv_path(requested: str, spec: ModelSpec) -> KVPath:
     if device == "cpu":
         return replace(asked, attention="torch")
     return asked.fallback(KVPathReason.DEVICE, f"segment attention runs on CUDA or the CPU, not {device}")
-
-
-def _auto(asked: KVPath, spec: ModelSpec) -> KVPath:
-    """`auto`: the shared path where its kernels run (CUDA with Triton, an even head size), else the copy path."""
-    if spec.device.type == "cuda" and triton_runs_on(spec.device) and spec.head_dim % 2 == 0:
-        return replace(asked, attention="triton")
-    why = "the segment kernels need CUDA with Triton and an even head size"
-    return asked.fallback(KVPathReason.AUTO, f"{asked.detail}: {why}; the copy path serves on {spec.device.type}")

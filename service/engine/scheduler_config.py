@@ -55,8 +55,8 @@ def build_scheduler(
 ) -> Scheduler:
     """The scheduler over `pool` with `options`, its CUDA graphs, mixed steps and overlap chosen as served;
     `kv_source`: where admitted turbo requests get their chunk KV (None: the engine computes it); `arena`: the
-    shared-chunk mode's chunk arena (its decode steps and question prefills through `shared_graph.py`'s and
-    `shared_extend_graph.py`'s graphs on CUDA; questions riding in a step run eagerly)."""
+    shared-chunk mode's chunk arena (on CUDA its decode steps, question prefills and questions riding in steps
+    through `shared_graph.py`'s, `shared_extend_graph.py`'s and `shared_mixed_graph.py`'s graphs)."""
     on_cuda = graphs_on(engine)
     return Scheduler(
         engine,
