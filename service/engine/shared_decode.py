@@ -262,12 +262,20 @@ class SharedDecoder:
         if step_call.rows.size != batch or extend_call.rows.size != extend.ids.shape[0]:
             raise ValueError("each part's segment metadata must have its own rows")
         attention = SplitAttend(self.attention(step_call), self.attention(extend_call, PREFILL_BY_REQUEST), batch)
+        return self.mixed_forward(decode, extend, attention, extend.last.shape[0])
+
+    def mixed_forward(
+        self, decode: DecodeRows, extend: ExtendRows, attention: LayerAttend, questions: int
+    ) -> torch.Tensor:
+        """`mixed`'s forward with its attention given (a captured graph's plans, or the call's): fp32 logits of the
+        decode rows, then of the first `questions` requests' last tokens (a graph's padding request comes after)."""
+        batch = decode.ids.shape[0]
         fwd = self.decoder.forward
         hidden = fwd.embed_static(torch.cat((decode.ids, extend.ids)).view(1, -1))
         positions = torch.cat((decode.positions, extend.positions))
         slots = torch.cat((decode.slots, extend.slots))
         hidden = fwd.layers_static(self.decoder.pool.data, hidden, positions, slots, attention, (0, len(fwd.layers)))
-        last = torch.cat((torch.arange(batch, device=hidden.device), extend.last + batch))
+        last = torch.cat((torch.arange(batch, device=hidden.device), extend.last[:questions] + batch))
         return fwd.head_rows(hidden.index_select(0, last))
 
     def _layers(

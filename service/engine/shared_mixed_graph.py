@@ -74,8 +74,7 @@ class SharedMixedGraph:
     ) -> None:
         """`scratch`: the decode padding rows' one slot and the question padding's slab start; `buffers`: the
         feed of unread picks (shared with the decode step's graphs) and where the logits land."""
-        forward = shared.decoder.forward
-        spec = forward.spec
+        spec = shared.decoder.forward.spec
         group, kv_heads = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads
         questions, tokens = riders
         self.batch, self.reads, self.riders, self._scratch = batch, reads, riders, scratch
@@ -90,19 +89,12 @@ class SharedMixedGraph:
         idle = idle_extend(questions, tokens, scratch[1])
         self._question_inputs = ExtendInputs(questions, tokens, scratch[1], spec.device)
         self._question_plan = CapturedPlan(shared, capacity, splits, idle, by_request=True)
-        pool_data = shared.decoder.pool.data
 
         def mixed() -> torch.Tensor:
-            rows = self._step_inputs.rows(feed)
-            static = self._question_inputs.static_rows()
-            hidden = forward.embed_static(torch.cat((rows.ids, static.ids)).view(1, -1))
-            positions = torch.cat((rows.positions, static.positions))
-            slots = torch.cat((rows.slots, static.slots))
             attend = SplitAttend(self._step_plan.attend(), self._question_plan.attend(), batch)
-            hidden = forward.layers_static(pool_data, hidden, positions, slots, attend, (0, len(forward.layers)))
-            last = torch.cat((torch.arange(batch, device=hidden.device), static.last[:questions] + batch))
+            rows, static = self._step_inputs.rows(feed), self._question_inputs.static_rows()
             logits = out[: batch + questions]
-            logits.copy_(forward.head_rows(hidden.index_select(0, last)))
+            logits.copy_(shared.mixed_forward(rows, static, attend, questions))
             return logits
 
         self._graph = torch.cuda.CUDAGraph()
