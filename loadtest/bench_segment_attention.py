@@ -390,6 +390,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", type=torch.device, default=torch.device("cuda"), help="cpu: a smoke run")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     args = parser.parse_args(argv)
+    if any(n < 0 for n in args.padded_programs):
+        parser.error("--padded-programs takes counts of programs per KV head, 0 (one per tile) or more")
     args.dtype = getattr(torch, args.dtype)
     return args
 

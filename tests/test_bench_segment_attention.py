@@ -16,6 +16,7 @@ from loadtest.bench_segment_attention import (
     check_kernels,
     kv_bytes_per_answer,
     main,
+    parse,
     qwen2_rotary,
     table,
 )
@@ -73,6 +74,13 @@ def test_table_marks_paths_that_did_not_run() -> None:
     row["segment_padded_ms"] = {"0": 3.5, "256": 2.9, "64": None}
     line = table([row]).splitlines()[-1]
     assert line.endswith("| 0.4 | 3.500 (per tile), 2.900 (256), — (64) |")
+
+
+def test_a_negative_padded_program_count_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        parse(["--padded-programs", "256", "-1"])
+    assert refused.value.code == 2 and "--padded-programs takes counts" in capsys.readouterr().err
+    assert parse(["--padded-programs", "0", "256"]).padded_programs == [0, 256]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
