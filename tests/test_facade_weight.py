@@ -50,6 +50,7 @@ def test_the_facade_reaches_only_plain_value_modules_of_the_service() -> None:
         "service.jobs",
         "service.jobs.documents",
         "service.jobs.job_status",
+        "service.packed_ids",
         "service.plain_json",
         "service.retrieval",
         "service.retrieval.document_summary",

@@ -65,8 +65,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token occupies across all layers."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

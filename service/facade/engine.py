@@ -17,11 +17,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from service.facade.types import AnswerEvent, ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
+from service.packed_ids import pack_token_ids, unpack_token_ids
 
 # Bounds of a request an engine accepts: the gateway's own limits sit below them (KVSTITCH_MAX_*), these only keep
 # a stray or hostile caller of the internal port from asking for unbounded work.
 MAX_CHUNKS = 64
 MAX_CHUNK_TOKENS = 1 << 16
+MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TEXT_CHARS = 1 << 20
 MAX_HISTORY = 256
 MAX_NEW_TOKENS = 1 << 16
@@ -87,7 +89,7 @@ def _chunk_json(chunk: WireChunk) -> dict[str, Any]:
         "doc_id": chunk.doc_id,
         "score": chunk.score,
         "text": chunk.text,
-        "token_ids": list(chunk.token_ids),
+        "token_ids": pack_token_ids(chunk.token_ids),
         "metadata": dict(chunk.metadata),
         "context": dict(chunk.context),
     }
@@ -134,11 +136,7 @@ def parse_answer_request(body: Any) -> EngineAnswerRequest:
 def _chunk(value: Any, i: int) -> WireChunk:
     if not isinstance(value, dict):
         raise ValueError(f"chunks[{i}]: an object")
-    ids = value.get("token_ids")
-    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_CHUNK_TOKENS:
-        raise ValueError(f"chunks[{i}].token_ids: a list of 1 to {MAX_CHUNK_TOKENS} token ids")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
-        raise ValueError(f"chunks[{i}].token_ids: non-negative integers")
+    ids = _token_ids(value.get("token_ids"), i)
     metadata, context = value.get("metadata", {}), value.get("context", {})
     if not isinstance(metadata, dict) or not isinstance(context, dict):
         raise ValueError(f"chunks[{i}]: metadata and context are objects")
@@ -147,10 +145,34 @@ def _chunk(value: Any, i: int) -> WireChunk:
         doc_id=_text(value.get("doc_id"), f"chunks[{i}].doc_id"),
         score=_number(value.get("score", 0.0), f"chunks[{i}].score", -1e9, 1e9),
         text=_text(value.get("text", ""), f"chunks[{i}].text"),
-        token_ids=tuple(ids),
+        token_ids=ids,
         metadata=metadata,
         context=context,
     )
+
+
+def _token_ids(value: Any, i: int) -> tuple[int, ...]:
+    """A chunk's ids: packed (`service.packed_ids`, what a gateway sends: a list of ints cost the engine's event
+    loop milliseconds a question to decode and check) or a plain list of ints."""
+    name = f"chunks[{i}].token_ids"
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT_CHARS:
+            raise ValueError(f"{name}: packed ids of at most {MAX_CHUNK_TOKENS} tokens")
+        try:
+            ids = unpack_token_ids(value)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from err
+    elif isinstance(value, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise ValueError(f"{name}: non-negative integers")
+        ids = tuple(value)
+    else:
+        raise ValueError(f"{name}: packed ids or a list of token ids")
+    if not 0 < len(ids) <= MAX_CHUNK_TOKENS:
+        raise ValueError(f"{name}: 1 to {MAX_CHUNK_TOKENS} token ids")
+    if max(ids) > MAX_TOKEN_ID:
+        raise ValueError(f"{name}: ids of at most {MAX_TOKEN_ID}")
+    return ids
 
 
 def _message(value: Any) -> ChatMessage:

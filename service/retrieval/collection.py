@@ -13,7 +13,7 @@ Embedded Qdrant commits every point on its own; `publish` gathers its writes int
 so a process killed mid-publish leaves either the old version or the new one on disk, never a mix.
 
 Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and never re-tokenizes. They
-are packed into one string (base64 of little-endian uint32): a search copies and decodes each hit's payload
+are packed into one string (`service.packed_ids`): a search copies and decodes each hit's payload
 (embedded Qdrant deep-copies it, a server sends it as JSON), and a list of ~500 ints per hit made that the largest
 cost of retrieval under load (16 hits x 32 concurrent questions). Points written as a plain list still read.
 
@@ -27,15 +27,11 @@ Qdrant runs embedded (a folder under the data dir; one client per folder per pro
 
 from __future__ import annotations
 
-import array
-import base64
-import binascii
 import contextlib
 import functools
 import json
 import logging
 import sqlite3
-import sys
 import threading
 import time
 import uuid
@@ -47,6 +43,7 @@ from typing import Any
 from qdrant_client import QdrantClient, models
 
 from service.engine.kv_layout import TokenIds
+from service.packed_ids import pack_token_ids, unpack_token_ids
 from service.retrieval import sparse
 from service.retrieval.chunker import Chunk
 from service.retrieval.document_summary import DocumentSummary
@@ -625,33 +622,6 @@ def _summary(doc_id: str, payloads: list[Mapping[str, Any]]) -> DocumentSummary:
         ingested_at=float(when) if when is not None else None,
         metadata=dict(newest.get("metadata") or {}),
     )
-
-
-_PACKED = "u32le:"
-
-
-def pack_token_ids(ids: Sequence[int]) -> str:
-    """Token ids as one payload string (see the module docstring)."""
-    packed = array.array("I", ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return _PACKED + base64.b64encode(packed.tobytes()).decode("ascii")
-
-
-def unpack_token_ids(value: Any) -> tuple[int, ...]:
-    """Token ids from a payload: the packed string, or the plain list older points hold."""
-    if not isinstance(value, str):
-        return tuple(int(t) for t in value)
-    if not value.startswith(_PACKED):
-        raise ValueError("token_ids payload is neither a list nor packed ids")
-    try:  # binascii's strict mode: base64.b64decode's validation is a regex, ~4x slower on 2 KB
-        raw = binascii.a2b_base64(value[len(_PACKED) :], strict_mode=True)
-    except binascii.Error as err:
-        raise ValueError(f"token_ids payload is not valid base64: {err}") from err
-    packed = array.array("I", raw)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return tuple(packed)
 
 
 def _retrieved(hit: models.ScoredPoint) -> RetrievedChunk:

@@ -54,6 +54,18 @@ def test_a_request_survives_its_json_form() -> None:
     assert parse_answer_request(REQUEST.to_json()) == REQUEST
 
 
+def test_chunk_ids_travel_packed_and_a_plain_list_still_reads() -> None:
+    """A gateway sends each chunk's ids as one packed string (decoding ~500 JSON ints a chunk was the largest cost
+    of the engine's event loop); a caller sending a plain list gets the same request."""
+    sent = REQUEST.to_json()["chunks"][0]["token_ids"]
+    assert isinstance(sent, str) and sent.startswith("u32le:")
+    plain = {**REQUEST.to_json(), "chunks": [{**REQUEST.to_json()["chunks"][0], "token_ids": [1, 2, 3]}]}
+    assert parse_answer_request(plain) == REQUEST == parse_answer_request(json.loads(REQUEST.body()))
+    ids = (0, 151_642, 2**31 - 1)
+    wide = dataclasses.replace(REQUEST, chunks=(dataclasses.replace(REQUEST.chunks[0], token_ids=ids),))
+    assert parse_answer_request(wide.to_json()).chunks[0].token_ids == ids
+
+
 def test_the_request_body_is_what_the_http_client_would_encode() -> None:
     """The gateway encodes the body on its worker thread (`body`) instead of handing httpx `to_json()` on the event
     loop: the bytes on the wire are the same, text outside ASCII included."""
@@ -72,6 +84,12 @@ def test_the_request_body_is_what_the_http_client_would_encode() -> None:
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": []}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [-1]}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [1]}] * 65}, "chunks"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [1 << 31]}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "1,2,3"}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:AAA"}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:AAAAgA=="}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:"}]}, "chunks[0].token_ids"),
+        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": {"a": 1}}]}, "chunks[0].token_ids"),
         ({"mode": "fast"}, "mode"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"temperature": float("nan")}, "temperature"),
