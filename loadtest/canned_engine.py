@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from service.api.engine_app import create_engine_app
+from service.api.engine_app import create_engine_app, engine_server_options
 from service.facade.engine import ENGINE_KEEP_ALIVE_S, EngineAnswerRequest
 from service.facade.types import AnswerEvent, DoneEvent, TokenEvent
 from service.kvcache.keys import KeySpace
@@ -113,6 +113,14 @@ class CannedEngine:
 def serve_canned_engine(config: CannedConfig, port: int) -> None:
     """The canned engine's process: its API on 127.0.0.1:`port` until terminated."""
     app = create_engine_app(CannedEngine(config, f"http://127.0.0.1:{port}"))
+    loop, http = engine_server_options()
     uvicorn.run(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_keep_alive=ENGINE_KEEP_ALIVE_S
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=ENGINE_KEEP_ALIVE_S,
+        loop=loop,
+        http=http,
     )

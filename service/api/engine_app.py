@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +35,17 @@ from service.facade.errors import UnavailableError
 MAX_BODY_BYTES = 64 << 20  # 64 chunks of 64K token ids as JSON fit well within it
 MAX_TIER_KEYS = 10_000
 NDJSON = "application/x-ndjson"
+
+
+def engine_server_options() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser (`loop`, `http`) for an engine: uvloop and httptools where installed
+    (dependencies, but uvloop has no Windows build), else asyncio and h11. The engine's event loop shares the GIL
+    with the engine thread, and with h11 and asyncio it took as much of it as the engine thread's own host work
+    under load: every running answer sends a line per token. (The public gateway keeps its guarded h11 protocol,
+    `service.api.connections`: its bounds on slow and half-open clients are built on it.)"""
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return loop, http
 
 
 def create_engine_app(engine: EngineFacade) -> FastAPI:

@@ -37,7 +37,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     else over the settings' model."""
     import uvicorn
 
-    from service.api.engine_app import create_engine_app
+    from service.api.engine_app import create_engine_app, engine_server_options
     from service.facade.engine import ENGINE_KEEP_ALIVE_S
     from service.serving.engine_server import EngineServer
 
@@ -52,6 +52,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
     print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
     app = create_engine_app(EngineServer(settings, engine_id, url, engine))
+    loop, http = engine_server_options()
     uvicorn.run(
         app,
         host=host,
@@ -60,5 +61,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
         access_log=False,
         timeout_keep_alive=ENGINE_KEEP_ALIVE_S,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+        loop=loop,
+        http=http,
     )
     return 0

@@ -199,3 +199,17 @@ def test_the_routing_setting_reaches_the_fleets_policy(setting: str, mode: Routi
 def test_ingestion_batches_cut_by_tokens_in_order() -> None:
     assert token_batches([4, 7, 9, 2], [10, 10, 25, 5], 20) == [[4, 7], [9], [2]]
     assert token_batches([], [], 20) == []
+
+
+def test_an_engine_serves_through_uvloop_and_httptools_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both are dependencies (the engine's event loop shares the GIL with its engine thread); without them, as on a
+    platform uvloop does not build for, the engine falls back to asyncio and h11 rather than failing to start."""
+    import importlib.util
+
+    from service.api import engine_app
+
+    assert engine_app.engine_server_options() == ("uvloop", "httptools")
+    real = importlib.util.find_spec
+    missing = ("uvloop", "httptools")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in missing else real(name))
+    assert engine_app.engine_server_options() == ("asyncio", "h11")
