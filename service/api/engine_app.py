@@ -17,24 +17,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.routing import Route
 
 from service.api.deps import field_error, http_error
-from service.facade.engine import (
-    MAX_CHUNK_TOKENS,
-    MAX_CHUNKS,
-    EngineAnswer,
-    EngineFacade,
-    error_line,
-    event_line,
-    parse_answer_request,
-)
-from service.facade.errors import UnavailableError
+from service.api.engine_answer import MAX_BODY_BYTES, AnswerRoute
+from service.facade.engine import MAX_CHUNK_TOKENS, MAX_CHUNKS, EngineFacade
 
-MAX_BODY_BYTES = 64 << 20  # 64 chunks of 64K token ids as JSON fit well within it
 MAX_TIER_KEYS = 10_000
-NDJSON = "application/x-ndjson"
 
 
 def engine_server_options() -> tuple[str, str]:
@@ -94,18 +85,9 @@ def create_engine_app(engine: EngineFacade) -> FastAPI:
         """Prometheus exposition."""
         return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/answer", response_model=None)
-    async def answer(request: Request) -> Any:
-        """Stream the answer to an already-retrieved question as JSON lines."""
-        try:
-            parsed = parse_answer_request(await _json(request))
-        except ValueError as err:
-            raise field_error("body", str(err)) from err
-        try:
-            stream = await engine.answer(parsed)
-        except Exception as err:
-            raise http_error(err) from err
-        return StreamingResponse(_lines(stream), media_type=NDJSON)
+    # POST /answer streams a line per token of every running answer: a plain ASGI app, off FastAPI's request
+    # machinery (`engine_answer`).
+    app.router.routes.append(Route("/answer", AnswerRoute(engine), methods=["POST"], include_in_schema=False))
 
     @app.post("/precompute")
     async def precompute(request: Request) -> dict[str, int]:
@@ -141,17 +123,3 @@ def _token_lists(value: Any) -> bool:
         and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids)
         for ids in value
     )
-
-
-async def _lines(stream: EngineAnswer) -> AsyncIterator[bytes]:
-    """The answer's events as lines; an error after the start becomes an `error` line (the status is sent). A gateway
-    that closes the connection ends the iteration, which cancels the answer."""
-    try:
-        async for event in stream:
-            yield event_line(event)
-    except UnavailableError as err:
-        yield error_line(str(err))
-    except Exception as err:
-        yield error_line(f"generation failed: {type(err).__name__}: {err}")
-    finally:
-        stream.cancel()

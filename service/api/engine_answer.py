@@ -1,0 +1,119 @@
+"""`POST /answer` of an engine's internal API as a plain ASGI app, under the engine's FastAPI app (`engine_app`).
+
+Every running answer streams a line per token, and the engine's event loop shares the GIL with the engine thread:
+FastAPI's request machinery (dependency resolution, the response model) and `StreamingResponse` (an anyio task group
+per response, a cancel scope and a timeout per line) cost that loop as much as the answer's own work. Here a request
+is read, checked and answered with the same statuses and bodies the framework gave (`http_error`, `field_error`),
+and the lines go to `send` directly; a watcher on `receive` cancels the answer when the gateway goes away, as
+`StreamingResponse` did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import HTTPException
+
+from service.api.deps import field_error, http_error
+from service.facade.engine import EngineAnswer, EngineFacade, error_line, event_line, parse_answer_request
+from service.facade.errors import UnavailableError
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MAX_BODY_BYTES = 64 << 20  # 64 chunks of 64K token ids as JSON fit well within it
+NDJSON = b"application/x-ndjson"
+
+
+class BodyTooLargeError(Exception):
+    """A request body past MAX_BODY_BYTES (answered 413)."""
+
+
+class AnswerRoute:
+    """The ASGI app of `POST /answer` over `engine` (the router checks the method and path)."""
+
+    def __init__(self, engine: EngineFacade) -> None:
+        self._engine = engine
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        try:
+            stream = await self._open(receive)
+        except HTTPException as refused:
+            await _refuse(send, refused)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, stream))
+        try:
+            async for line in _lines(stream):
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the gateway went away mid-answer (uvicorn's ClientDisconnected): nobody to tell
+            pass
+        finally:
+            watcher.cancel()
+            stream.cancel()
+
+    async def _open(self, receive: Receive) -> EngineAnswer:
+        """The request's answer, started; HTTPException for a refusal (413, 422, 503, ...)."""
+        try:
+            body = await _body(receive)
+        except BodyTooLargeError:
+            raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB") from None
+        try:
+            parsed = parse_answer_request(json.loads(body))
+        except json.JSONDecodeError as err:
+            raise field_error("body", f"not JSON: {err}") from err
+        except ValueError as err:
+            raise field_error("body", str(err)) from err
+        try:
+            return await self._engine.answer(parsed)
+        except Exception as err:
+            raise http_error(err) from err
+
+
+async def _body(receive: Receive) -> bytes:
+    """The whole request body; BodyTooLargeError past MAX_BODY_BYTES."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise HTTPException(400, detail="the client went away before its request arrived")
+        part = message.get("body", b"")
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLargeError
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _refuse(send: Send, refused: HTTPException) -> None:
+    """A refusal as FastAPI's own handler writes an HTTPException: its status, headers and `{"detail": ...}`."""
+    body = json.dumps({"detail": refused.detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (refused.headers or {}).items()]
+    await send({"type": "http.response.start", "status": refused.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _cancel_on_disconnect(receive: Receive, stream: EngineAnswer) -> None:
+    """Cancel the answer once the gateway disconnects (it gave up on the answer)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()
+
+
+async def _lines(stream: EngineAnswer) -> AsyncIterator[bytes]:
+    """The answer's events as lines; an error after the start becomes an `error` line (the status is sent)."""
+    try:
+        async for event in stream:
+            yield event_line(event)
+    except UnavailableError as err:
+        yield error_line(str(err))
+    except Exception as err:
+        yield error_line(f"generation failed: {type(err).__name__}: {err}")
