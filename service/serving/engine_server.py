@@ -40,6 +40,7 @@ from service.serving.answer_session import AnswerSession
 from service.serving.answer_stream import EventStream
 from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineBusyError, EngineLoop
+from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.serving.readiness import startup_checks
 from service.serving.runtime import (
     GateOutcome,
@@ -125,6 +126,10 @@ class EngineServer:
         self.startup_error: str | None = None
         self.started = threading.Event()
         self._given = engine
+        # As the gateway's `Server`: an engine holds torch, transformers and the tokenizer (hundreds of thousands of
+        # objects), and every full collection walks them with the GIL held, stopping the engine thread.
+        self._gc_pauses = GcPauses()
+        self.metrics.watch_gc(self._gc_pauses)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
@@ -134,6 +139,7 @@ class EngineServer:
     def start_now(self) -> None:
         try:
             began = time.perf_counter()
+            self._gc_pauses.install()
             runtime = self.runtime = open_engine_runtime(self.settings, self.engine_id, self.url, self._given)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
@@ -151,6 +157,9 @@ class EngineServer:
             if scheduler.shared is not None:
                 self.metrics.watch_arena(scheduler.shared.stats)
             self.answerer = Answerer(runtime.engine, runtime.store, _no_search)
+            if self.settings.gc_freeze:
+                log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
+            set_young_threshold(self.settings.gc_gen0_threshold)
             log.info("engine %s ready in %.1f s at %s", self.engine_id, time.perf_counter() - began, self.url)
         except Exception as err:
             log.exception("engine start-up failed")
@@ -159,6 +168,7 @@ class EngineServer:
             self.started.set()
 
     def close(self) -> None:
+        self._gc_pauses.uninstall()
         if self.runtime is not None:
             self.runtime.close()
 

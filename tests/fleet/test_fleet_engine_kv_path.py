@@ -1,9 +1,12 @@
 """An engine process (`kvstitch engine`) chooses its KV path at start as the embedded gateway does: with
 `KVSTITCH_SHARED_CHUNKS=on` its gate checks the zero-copy path, its scheduler reads chunks from the arena, and its
-/readyz and /metrics say so; off, the copy path, reported too."""
+/readyz and /metrics say so; off, the copy path, reported too. Once ready it also sets up the garbage collector as
+the gateway does."""
 
 from __future__ import annotations
 
+import gc
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +28,9 @@ def test_an_engine_reports_the_kv_path_it_serves(
         gpu_cache_mb=0,
         host_cache_mb=8,
         disk_cache_mb=64,
+        # The collector as this test process has it: a ready engine would freeze the heap and raise the threshold.
+        gc_freeze=False,
+        gc_gen0_threshold=gc.get_threshold()[0],
         shared_chunks=shared,
     )
     server = EngineServer(settings, "e1", "http://127.0.0.1:9", get_engine("qwen2", "cpu"))
@@ -53,3 +59,34 @@ def test_an_engine_reports_the_kv_path_it_serves(
             assert "kvstitch_arena_bytes" not in text
     finally:
         server.close()
+
+
+def test_a_ready_engine_froze_its_start_up_heap_and_reports_every_collection(
+    get_engine: Callable[[str, str], StitchEngine], tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """As the gateway does: an engine process holds torch and transformers, and a full collection walking them would
+    stop its engine thread for hundreds of milliseconds."""
+    frozen_before, threshold_before = gc.get_freeze_count(), gc.get_threshold()
+    settings = Settings(
+        model=str(tiny_model_dirs["qwen2"]),
+        data_dir=tmp_path / "engine",
+        device="cpu",
+        gpu_cache_mb=0,
+        gate_on_start=False,
+        gc_freeze=True,
+        gc_gen0_threshold=12_345,
+    )
+    server = EngineServer(settings, "e1", "http://127.0.0.1:9", get_engine("qwen2", "cpu"))
+    try:
+        server.start_now()
+        assert server.ready, server.startup_error
+        assert gc.get_freeze_count() > frozen_before + 100_000  # torch and transformers alone
+        assert gc.get_threshold() == (12_345, *threshold_before[1:])
+        gc.collect()
+        text = server.metrics_text().decode()
+    finally:
+        server.close()
+        gc.unfreeze()
+        gc.set_threshold(*threshold_before)
+    count = re.search(r'kvstitch_gc_pause_seconds_count\{generation="2"\} (\S+)', text)
+    assert count is not None and float(count.group(1)) >= 1
