@@ -112,3 +112,42 @@ def test_naive_and_turbo_report_timings(get_engine: Callable[..., StitchEngine])
         timings = result.timings
         assert timings.prefill_ms > 0 and timings.ttft_ms >= timings.prefill_ms
         assert (timings.stitch_ms > 0) == (mode == "turbo")
+
+
+def test_deltas_through_the_rust_decoder_equal_the_tokenizers_own() -> None:
+    """The detokenizer calls a fast tokenizer's Rust decoder directly (two decodes a token of every running answer
+    on the engine thread): the text is the tokenizer's `decode`, special tokens skipped, for every prefix."""
+    from service.engine.detokenize import rust_decoder
+
+    tok = build_tokenizer()
+    assert rust_decoder(tok) is not None
+    ids = [*tok.encode(MULTIBYTE + " <|im_end|> end", add_special_tokens=False), tok.eos_token_id]
+    fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    slow._backend = None
+    pairs = [(fast.push(i), slow.push(i)) for i in ids]
+    assert [f for f, _ in pairs] == [s for _, s in pairs]
+    assert fast.text == slow.text == tok.decode(ids, skip_special_tokens=True)
+    for end in range(len(ids) + 1):
+        assert rust_decoder(tok).decode(ids[:end], skip_special_tokens=True) == tok.decode(
+            ids[:end], skip_special_tokens=True
+        )
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode() -> None:
+    """The clean-up of tokenization spaces (" ," -> ",") happens in transformers, not in the Rust decoder: a
+    tokenizer that asks for it is not bypassed, except a BPE one, for which transformers skips it too."""
+    from sentence_transformers import SentenceTransformer
+
+    from service.engine.detokenize import rust_decoder
+    from service.retrieval.embedder import bundled_model_path
+
+    wordpiece = SentenceTransformer(str(bundled_model_path()), device="cpu").tokenizer
+    wordpiece.clean_up_tokenization_spaces = True
+    assert rust_decoder(wordpiece) is None
+    detok = IncrementalDetokenizer(wordpiece)
+    ids = wordpiece.encode("hello , world .", add_special_tokens=False)
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == wordpiece.decode(ids, skip_special_tokens=True)
+
+    bpe = build_tokenizer()
+    bpe.clean_up_tokenization_spaces = True
+    assert rust_decoder(bpe) is not None

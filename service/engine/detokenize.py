@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +19,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
+        self._backend = rust_decoder(tokenizer)
         self._stop = tuple(stop)
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -26,8 +28,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped = False
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=True))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now safe to show (possibly empty)."""
@@ -60,6 +64,21 @@ class IncrementalDetokenizer:
             out, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
         self.text += out
         return out
+
+
+def rust_decoder(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer a fast tokenizer's `decode` ends in, where calling it directly gives the same text: no
+    clean-up of tokenization spaces applies (transformers skips it for BPE, where it would corrupt the text). Two
+    decodes a token of every running answer run on the engine thread, and the Python layers around the Rust call
+    (argument conversion, the clean-up checks) cost more than the call. None: decode through the tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return None
+    cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if cleans_up and (type(backend.model).__name__ != "BPE" or forced):
+        return None
+    return backend
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
