@@ -45,9 +45,9 @@ class AnswerRoute:
         except HTTPException as refused:
             await _refuse(send, refused)
             return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
         watcher = asyncio.create_task(_cancel_on_disconnect(receive, stream))
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
             async for line in _lines(stream):
                 await send({"type": "http.response.body", "body": line, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

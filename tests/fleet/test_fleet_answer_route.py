@@ -143,3 +143,22 @@ def test_a_gateway_that_goes_away_cancels_its_answer() -> None:
 
     assert answer.cancelled.is_set()
     assert sent[0]["status"] == 200 and parse_event(sent[1]["body"]) == TokenEvent("a")
+
+
+def test_an_answer_whose_gateway_is_gone_before_the_first_byte_is_cancelled() -> None:
+    """The send of the response's start fails (the connection closed): the answer is cancelled, nothing raised."""
+    answer = Answer([TokenEvent("a")], hang=True)
+    parts = [{"type": "http.request", "body": REQUEST.body(), "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if parts:
+            return parts.pop(0)
+        await asyncio.Event().wait()
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise ConnectionResetError("gone")
+
+    route = AnswerRoute(Engine(answer))  # type: ignore[arg-type]
+    asyncio.run(asyncio.wait_for(route({"type": "http"}, receive, send), 5))
+    assert answer.cancelled.is_set()
