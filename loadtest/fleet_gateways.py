@@ -23,6 +23,7 @@ import uvicorn
 from loadtest.bench_prefill import random_qwen2_7b_shell
 from loadtest.serve_random import quiet_logging, wait_ready
 from service.api.app import create_app
+from service.api.connections import ConnectionLimits, server_options
 from service.engine.engine import StitchEngine
 from service.engine.model import load_model_shell
 from service.retrieval.embedder import Embedder
@@ -113,7 +114,9 @@ def serve_replica(
     embedder = Embedder(args.embedding_model, device=args.embedding_device)
     gateway = gateway_server(args, config, urls, number, redis_prefix, embedder, replica)
     port = gateway.settings.port
-    uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    # `kvstitch serve`'s server options, as the first gateway's (`bench_gateway.GatewayThread`).
+    options = server_options(ConnectionLimits())
+    uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options)
 
 
 class GatewayReplicas:

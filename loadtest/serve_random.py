@@ -67,6 +67,7 @@ from loadtest.proc_cpu import Watched, cores, cpu_snapshot, cpu_use, group_cores
 from loadtest.qwen_vocab import installed_qwen_vocab
 from loadtest.stack_sampler import NO_PY_SPY, find_py_spy, start_profiles
 from service.api.app import create_app
+from service.api.connections import ConnectionLimits, server_options
 from service.engine.engine import StitchEngine
 from service.serving.gc_pauses import set_young_threshold
 from service.serving.server import Server
@@ -133,7 +134,8 @@ class BackgroundServer:
     """uvicorn serving the app on its own thread and event loop (it installs no signal handlers there)."""
 
     def __init__(self, app: Any, port: int) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        options = server_options(ConnectionLimits())  # `kvstitch serve`'s
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url = f"http://127.0.0.1:{port}"

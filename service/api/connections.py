@@ -144,8 +144,14 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
 
 
 def server_options(limits: ConnectionLimits) -> dict[str, Any]:
-    """uvicorn's options (for `uvicorn.run` or `uvicorn.Config`) that serve through the guarded protocol."""
-    return {"http": guarded_protocol(limits), "timeout_keep_alive": max(1, round(limits.keep_alive_s))}
+    """uvicorn's options (for `uvicorn.run` or `uvicorn.Config`) that serve through the guarded protocol, on
+    asyncio's event loop: uvloop (installed for the engine's API) would be uvicorn's pick otherwise, and the
+    guards and the rate-limited logs of failed accepts are built on asyncio's."""
+    return {
+        "http": guarded_protocol(limits),
+        "loop": "asyncio",
+        "timeout_keep_alive": max(1, round(limits.keep_alive_s)),
+    }
 
 
 def limit_log_floods() -> None:
