@@ -228,6 +228,7 @@ class EngineServer:
         started = time.perf_counter()
         runtime = self._ready_runtime()
         assert self.answerer is not None
+        _check_vocabulary([c.token_ids for c in request.chunks], runtime.engine.spec.vocab_size)
         try:
             question = self.answerer.prepare(_question(request))
         except InvalidRequestError:
@@ -249,6 +250,7 @@ class EngineServer:
     def precompute_now(self, chunks: Sequence[Sequence[int]]) -> dict[str, int]:
         """The chunks' KV fetched once on the engine loop (misses computed and kept by the store's tiers)."""
         runtime = self._ready_runtime()
+        _check_vocabulary(chunks, runtime.engine.spec.vocab_size)
         template = runtime.engine.template
         blocks = [template.chunk_block(tuple(ids)) for ids in chunks]
         result = runtime.loop.call(lambda: runtime.store.fetch(blocks))
@@ -257,6 +259,17 @@ class EngineServer:
         finally:
             runtime.store.release(result)
         return {tier.value: counts[tier.value] for tier in Tier}
+
+
+def _check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """InvalidRequestError (422) for a chunk holding an id the model has no embedding for. The engine's port takes
+    ids from any caller, and a gateway's collection may hold another tokenizer's: such an id would index past the
+    embedding table, which on CUDA is a device-side assert that ends the process and every answer in it."""
+    for i, ids in enumerate(chunks):
+        if ids and max(ids) >= vocab_size:
+            raise InvalidRequestError(
+                f"chunks[{i}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {max(ids)}"
+            )
 
 
 def _question(request: EngineAnswerRequest) -> Question:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from service.engine.engine import StitchEngine
+from service.errors import InvalidRequestError
+from service.facade.engine import EngineAnswerRequest, WireChunk
 from service.serving.engine_server import EngineServer
 from service.settings import Settings
 
@@ -90,3 +92,35 @@ def test_a_ready_engine_froze_its_start_up_heap_and_reports_every_collection(
         gc.set_threshold(*threshold_before)
     count = re.search(r'kvstitch_gc_pause_seconds_count\{generation="2"\} (\S+)', text)
     assert count is not None and float(count.group(1)) >= 1
+
+
+def test_an_engine_refuses_chunk_ids_outside_its_vocabulary(
+    get_engine: Callable[[str, str], StitchEngine], tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Ids past the embedding table (another tokenizer's, a stray caller's) are a 422 before admission, for answers
+    and precomputes alike: on CUDA the lookup would be a device-side assert ending the process."""
+    engine = get_engine("qwen2", "cpu")
+    settings = Settings(
+        model=str(tiny_model_dirs["qwen2"]),
+        data_dir=tmp_path / "engine",
+        device="cpu",
+        gpu_cache_mb=0,
+        gate_on_start=False,
+        gc_freeze=False,
+        gc_gen0_threshold=gc.get_threshold()[0],
+    )
+    server = EngineServer(settings, "e1", "http://127.0.0.1:9", engine)
+    vocab = engine.spec.vocab_size
+    try:
+        server.start_now()
+        assert server.ready, server.startup_error
+        fits = WireChunk("c0", "d", 1.0, "t", (1, 2, vocab - 1))
+        past = WireChunk("c1", "d", 1.0, "t", (1, vocab, 2))
+        with pytest.raises(InvalidRequestError, match=re.escape("chunks[1].token_ids: ids of this model's vocabulary")):
+            server.open_answer(EngineAnswerRequest("why?", (fits, past), max_new_tokens=2))
+        with pytest.raises(InvalidRequestError, match=re.escape("chunks[0].token_ids")):
+            server.precompute_now([[vocab + 5]])
+        assert server.runtime is not None and server.runtime.loop.waiting == 0  # nothing was admitted
+        assert server.precompute_now([[1, 2, vocab - 1]])["miss"] == 1  # the last id of the table is fine
+    finally:
+        server.close()

@@ -87,7 +87,6 @@ def test_the_request_body_is_what_the_http_client_would_encode() -> None:
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": [1 << 31]}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "1,2,3"}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:AAA"}]}, "chunks[0].token_ids"),
-        ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:AAAAgA=="}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": "u32le:"}]}, "chunks[0].token_ids"),
         ({"chunks": [{"id": "c", "doc_id": "d", "token_ids": {"a": 1}}]}, "chunks[0].token_ids"),
         ({"mode": "fast"}, "mode"),
