@@ -25,6 +25,7 @@ import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_path import KVPath
+from service.engine.prompt import out_of_vocabulary
 from service.engine.recompute_spec import NO_RECOMPUTE, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
@@ -262,14 +263,14 @@ class EngineServer:
 
 
 def _check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """InvalidRequestError (422) for a chunk holding an id the model has no embedding for. The engine's port takes
-    ids from any caller, and a gateway's collection may hold another tokenizer's: such an id would index past the
-    embedding table, which on CUDA is a device-side assert that ends the process and every answer in it."""
-    for i, ids in enumerate(chunks):
-        if ids and max(ids) >= vocab_size:
-            raise InvalidRequestError(
-                f"chunks[{i}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {max(ids)}"
-            )
+    """InvalidRequestError (422) for a chunk holding an id the model has no embedding for: the engine's port takes
+    ids from any caller, and a gateway's collection may hold another tokenizer's."""
+    found = out_of_vocabulary(chunks, vocab_size)
+    if found is not None:
+        index, top = found
+        raise InvalidRequestError(
+            f"chunks[{index}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {top}"
+        )
 
 
 def _question(request: EngineAnswerRequest) -> Question:

@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
+from service.engine.prompt import out_of_vocabulary
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
@@ -294,6 +295,7 @@ class Server:
             raise BusyError(f"server busy: {err}; retry shortly") from err
         try:
             retrieval = self.answerer.retrieve(question)
+            _check_vocabulary(retrieval, runtime.engine.spec.vocab_size)
         except BaseException as err:
             admission.release()
             if isinstance(err, UnavailableError):
@@ -521,3 +523,18 @@ def _model_name(model: str) -> str:
 
 def _never() -> bool:
     return False
+
+
+class ForeignVocabularyError(RuntimeError):
+    """A retrieved chunk holds ids outside the model's vocabulary: its collection was ingested with another
+    tokenizer (a data dir kept across a model change). Answered 500 with what to do, never sent to the device."""
+
+
+def _check_vocabulary(retrieval: Retrieval, vocab_size: int) -> None:
+    found = out_of_vocabulary([c.token_ids for c in retrieval.chunks], vocab_size)
+    if found is not None:
+        chunk = retrieval.chunks[found[0]]
+        raise ForeignVocabularyError(
+            f"chunk {chunk.id} of document {chunk.doc_id!r} holds token id {found[1]}, outside this model's "
+            f"vocabulary of {vocab_size}: the collection was ingested with another tokenizer; ingest it again"
+        )
