@@ -276,35 +276,22 @@ def kernel_breakdown(work: Workload, rotary: Rotary, args: argparse.Namespace) -
     tails = random_kv(work.tail_tokens, args.device, args.dtype, gen)
     q = torch.randn((len(work.batch.rows), HEADS, HEAD_DIM), generator=gen, device=args.device, dtype=args.dtype)
     attend = SegmentAttention(plan, rotary)
-    group = HEADS // KV_HEADS
-    part_out = torch.empty((plan.pairs, HEADS, HEAD_DIM), dtype=args.dtype, device=args.device)
-    part_lse = torch.zeros((plan.pairs, HEADS), dtype=torch.float32, device=args.device)
-    rotation = segment_launch._Rotation(q, attend._cos, attend._sin)
-    partials = segment_launch._Partials(part_out, part_lse, group)
-    by_chunk = (plan.q_rows, plan.pair_q, plan.pair_visible)
     scale = HEAD_DIM**-0.5
-    phases: dict[str, Callable[[int], Any]] = {}
-    for launch in plan.chunks:
-        name = f"chunks m{launch.block_m} x{launch.programs}"
-        phases[name] = functools.partial(_one_launch, launch, arena, rotation, by_chunk, partials, scale)
-    for launch in plan.tails:
-        name = f"tails m{launch.block_m} x{launch.programs}"
-        phases[name] = functools.partial(_one_launch, launch, tails, rotation, by_chunk, partials, scale)
-    phases["merge"] = lambda _layer: segment_launch._run_merge(plan, part_out, part_lse, args.dtype, 1.0)
-    phases["whole"] = lambda _layer: attend(q, arena, tails, scale)
-    return {name: round(time_layers(fn, args.runs, args.warmup, True, args.device), 3) for name, fn in phases.items()}
+    launches, merge = attend.launches(q, arena, tails, scale)
+    phases: dict[str, Callable[[], Any]] = {
+        f"{kind} m{launch.block_m} x{launch.programs}": run for kind, launch, run in launches
+    }
+    phases["merge"] = merge
+    phases["whole"] = lambda: attend(q, arena, tails, scale)
+    return {
+        name: round(time_layers(_each_layer(run), args.runs, args.warmup, True, args.device), 3)
+        for name, run in phases.items()
+    }
 
 
-def _one_launch(
-    launch: segment_launch.Launch,
-    kv: torch.Tensor,
-    rotation: Any,
-    metadata: tuple[torch.Tensor, ...],
-    partials: Any,
-    scale: float,
-    _layer: int,
-) -> None:
-    segment_launch._run_partials(launch, kv, rotation, metadata, partials, scale)
+def _each_layer(run: Callable[[], Any]) -> Callable[[int], Any]:
+    """`run` as `time_layers` calls a layer (the same launch for every layer: one copy of the data)."""
+    return lambda _layer: run()
 
 
 def time_copy(work: Workload, backend: str, args: argparse.Namespace, graph: bool) -> float:
@@ -359,7 +346,7 @@ def measure(level: str, requests: int, rotary: Rotary, args: argparse.Namespace)
     row["chunk_tiles"] = {launch.block_m: launch.tiles.shape[0] for launch in plan.chunks}
     graph = args.device.type == "cuda"  # a CPU smoke run times everything eagerly, under the same keys
     if args.profile and graph:
-        row["kernels_us_per_layer"] = kernel_breakdown(work, rotary, args)
+        row["kernels_ms_per_step"] = kernel_breakdown(work, rotary, args)
     if args.segment_only:
         row["segment_graph_ms"] = timed_or_none(functools.partial(time_segment, work, rotary, args, graph), "segment")
         return row
@@ -429,7 +416,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="also time the plan padded as its decode graph's (shared_graph's bucket), with at most N programs "
         "per KV head a launch (0: one per tile), once per N",
     )
-    parser.add_argument("--profile", action="store_true", help="also each kernel's device µs per layer (CUDA)")
+    parser.add_argument("--profile", action="store_true", help="also each launch's device ms per step, alone (CUDA)")
     parser.add_argument(
         "--segment-only", action="store_true", help="time the segment path's graph only (a parameter sweep)"
     )

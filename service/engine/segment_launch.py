@@ -27,6 +27,7 @@ copied into the captured one (`copy_from`, then `SegmentAttention.refresh`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +219,16 @@ class SegmentAttention:
     def __call__(self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention [N, Hq, D] of the unrotated queries q [N, Hq, D] over the arena's chunks and the pool's tails
         (both [2, Hkv, slots, D], q's dtype, unit stride on D), in q's dtype."""
+        launches, merge = self.launches(q, arena, tail_kv, scale)
+        for _, _, run in launches:
+            run()
+        return merge()
+
+    def launches(
+        self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float
+    ) -> tuple[list[tuple[str, Launch, Callable[[], None]]], Callable[[], torch.Tensor]]:
+        """The call's kernel launches, in order, each with its kind ("chunks" or "tails") and its `Launch`, then the
+        merge that gives the call's output: run in turn they are `__call__`; a benchmark times each alone."""
         plan = self.plan
         if not (q.dtype == arena.dtype == tail_kv.dtype):
             raise ValueError("queries, arena and tails must share one dtype")
@@ -236,11 +247,21 @@ class SegmentAttention:
         by_chunk = (plan.q_rows, plan.pair_q, plan.pair_visible)
         chunk_metadata = (plan.segments,) if plan.by_request else by_chunk
         chunk_scale = scale / self.context.temperature
-        for launch in plan.chunks:
-            _run_partials(launch, arena, rotation, chunk_metadata, partials, chunk_scale, plan.by_request)
-        for launch in plan.tails:
-            _run_partials(launch, tail_kv, rotation, by_chunk, partials, scale)
-        return _run_merge(plan, part_out, part_lse, q.dtype, self.context.scale)
+        runs: list[tuple[str, Launch, Callable[[], None]]] = [
+            (
+                "chunks",
+                launch,
+                functools.partial(
+                    _run_partials, launch, arena, rotation, chunk_metadata, partials, chunk_scale, plan.by_request
+                ),
+            )
+            for launch in plan.chunks
+        ]
+        runs += [
+            ("tails", launch, functools.partial(_run_partials, launch, tail_kv, rotation, by_chunk, partials, scale))
+            for launch in plan.tails
+        ]
+        return runs, functools.partial(_run_merge, plan, part_out, part_lse, q.dtype, self.context.scale)
 
 
 @dataclass(frozen=True)
