@@ -19,21 +19,26 @@ from service.serving.engine_server import EngineServer
 from service.settings import Settings
 
 
+def engine_settings(model: Path, tmp_path: Path, **overrides: object) -> Settings:
+    """A CPU engine's settings over `model` with no GPU tier, and the garbage collector as this test process has it
+    (a ready engine would otherwise freeze the heap and raise the threshold); `overrides` on top."""
+    defaults: dict[str, object] = {
+        "model": str(model),
+        "data_dir": tmp_path / "engine",
+        "device": "cpu",
+        "gpu_cache_mb": 0,
+        "gc_freeze": False,
+        "gc_gen0_threshold": gc.get_threshold()[0],
+    }
+    return Settings(**{**defaults, **overrides})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("shared", ["on", "off"])
 def test_an_engine_reports_the_kv_path_it_serves(
     get_engine: Callable[[str, str], StitchEngine], tiny_model_dirs: dict[str, Path], tmp_path: Path, shared: str
 ) -> None:
-    settings = Settings(
-        model=str(tiny_model_dirs["qwen2"]),
-        data_dir=tmp_path / "engine",
-        device="cpu",
-        gpu_cache_mb=0,
-        host_cache_mb=8,
-        disk_cache_mb=64,
-        # The collector as this test process has it: a ready engine would freeze the heap and raise the threshold.
-        gc_freeze=False,
-        gc_gen0_threshold=gc.get_threshold()[0],
-        shared_chunks=shared,
+    settings = engine_settings(
+        tiny_model_dirs["qwen2"], tmp_path, host_cache_mb=8, disk_cache_mb=64, shared_chunks=shared
     )
     server = EngineServer(settings, "e1", "http://127.0.0.1:9", get_engine("qwen2", "cpu"))
     server.start_now()
@@ -69,14 +74,8 @@ def test_a_ready_engine_froze_its_start_up_heap_and_reports_every_collection(
     """As the gateway does: an engine process holds torch and transformers, and a full collection walking them would
     stop its engine thread for hundreds of milliseconds."""
     frozen_before, threshold_before = gc.get_freeze_count(), gc.get_threshold()
-    settings = Settings(
-        model=str(tiny_model_dirs["qwen2"]),
-        data_dir=tmp_path / "engine",
-        device="cpu",
-        gpu_cache_mb=0,
-        gate_on_start=False,
-        gc_freeze=True,
-        gc_gen0_threshold=12_345,
+    settings = engine_settings(
+        tiny_model_dirs["qwen2"], tmp_path, gate_on_start=False, gc_freeze=True, gc_gen0_threshold=12_345
     )
     server = EngineServer(settings, "e1", "http://127.0.0.1:9", get_engine("qwen2", "cpu"))
     try:
@@ -100,15 +99,7 @@ def test_an_engine_refuses_chunk_ids_outside_its_vocabulary(
     """Ids past the embedding table (another tokenizer's, a stray caller's) are a 422 before admission, for answers
     and precomputes alike: on CUDA the lookup would be a device-side assert ending the process."""
     engine = get_engine("qwen2", "cpu")
-    settings = Settings(
-        model=str(tiny_model_dirs["qwen2"]),
-        data_dir=tmp_path / "engine",
-        device="cpu",
-        gpu_cache_mb=0,
-        gate_on_start=False,
-        gc_freeze=False,
-        gc_gen0_threshold=gc.get_threshold()[0],
-    )
+    settings = engine_settings(tiny_model_dirs["qwen2"], tmp_path, gate_on_start=False)
     server = EngineServer(settings, "e1", "http://127.0.0.1:9", engine)
     vocab = engine.spec.vocab_size
     try:
