@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         description="`kvstitch engine`: the URL gateways reach its internal API at, announced in Redis; unset = "
         "http://HOST:PORT (HOST 127.0.0.1 when it listens on every address).",
     )
+    engine_api_process: bool = Field(
+        False,
+        description="`kvstitch engine`: serve the internal HTTP API from a second process, so that writing every "
+        "running answer's lines does not share the engine thread's GIL (the core process sends each decode step's "
+        "lines in one message).",
+    )
     fleet_balance_abs: int = Field(
         32,
         ge=0,

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import HTTPException
 
 from service.api.deps import field_error, http_error
-from service.facade.engine import EngineAnswer, EngineFacade, error_line, event_line, parse_answer_request
-from service.facade.errors import UnavailableError
+from service.facade.engine import EngineAnswer, EngineFacade, event_line, failure_line, parse_answer_request
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -27,6 +26,10 @@ Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY_BYTES = 64 << 20  # 64 chunks of 64K token ids as JSON fit well within it
 NDJSON = b"application/x-ndjson"
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
 
 
 class BodyTooLargeError(Exception):
@@ -43,9 +46,9 @@ class AnswerRoute:
         try:
             stream = await self._open(receive)
         except HTTPException as refused:
-            await _refuse(send, refused)
+            await refuse(send, refused)
             return
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, stream))
+        watcher = asyncio.create_task(cancel_on_disconnect(receive, stream))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
             async for line in _lines(stream):
@@ -60,7 +63,7 @@ class AnswerRoute:
     async def _open(self, receive: Receive) -> EngineAnswer:
         """The request's answer, started; HTTPException for a refusal (413, 422, 503, ...)."""
         try:
-            body = await _body(receive)
+            body = await read_body(receive)
         except BodyTooLargeError:
             raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB") from None
         try:
@@ -75,7 +78,7 @@ class AnswerRoute:
             raise http_error(err) from err
 
 
-async def _body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     """The whole request body; BodyTooLargeError past MAX_BODY_BYTES."""
     parts: list[bytes] = []
     size = 0
@@ -92,7 +95,7 @@ async def _body(receive: Receive) -> bytes:
             return b"".join(parts)
 
 
-async def _refuse(send: Send, refused: HTTPException) -> None:
+async def refuse(send: Send, refused: HTTPException) -> None:
     """A refusal as FastAPI's own handler writes an HTTPException: its status, headers and `{"detail": ...}`."""
     body = json.dumps({"detail": refused.detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -101,7 +104,7 @@ async def _refuse(send: Send, refused: HTTPException) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _cancel_on_disconnect(receive: Receive, stream: EngineAnswer) -> None:
+async def cancel_on_disconnect(receive: Receive, stream: Cancellable) -> None:
     """Cancel the answer once the gateway disconnects (it gave up on the answer)."""
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -113,7 +116,5 @@ async def _lines(stream: EngineAnswer) -> AsyncIterator[bytes]:
     try:
         async for event in stream:
             yield event_line(event)
-    except UnavailableError as err:
-        yield error_line(str(err))
     except Exception as err:
-        yield error_line(f"generation failed: {type(err).__name__}: {err}")
+        yield failure_line(err)

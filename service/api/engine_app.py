@@ -20,10 +20,11 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.deps import field_error, http_error
 from service.api.engine_answer import MAX_BODY_BYTES, AnswerRoute
-from service.facade.engine import MAX_CHUNK_TOKENS, MAX_CHUNKS, EngineFacade
+from service.facade.engine import MAX_CHUNK_TOKENS, MAX_CHUNKS, EngineFacade, EngineStatus
 
 MAX_TIER_KEYS = 10_000
 
@@ -39,8 +40,33 @@ def engine_server_options() -> tuple[str, str]:
     return loop, http
 
 
+class EngineApp(FastAPI):
+    """The engine's FastAPI app, except that `POST /answer` goes straight to its plain ASGI app (`engine_answer`).
+
+    Every running answer streams a line per token, and each line sent through the framework's stack passes the
+    send wrappers of its error middleware, a few coroutine calls apiece on the event loop that shares the GIL with
+    the engine thread. The answer route handles its own errors, so it needs none of them.
+    """
+
+    def __init__(self, answer: ASGIApp, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/answer":
+            await self._answer(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_engine_app(engine: EngineFacade) -> FastAPI:
     """The engine's app; its start-up (model, gate, publisher) begins in the background when the server starts."""
+    return engine_api(engine, AnswerRoute(engine))
+
+
+def engine_api(engine: EngineStatus, answer: ASGIApp) -> FastAPI:
+    """The engine's routes over `engine`, `POST /answer` answered by `answer` (in-process, or forwarded to the core
+    process by the API process)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,7 +76,7 @@ def create_engine_app(engine: EngineFacade) -> FastAPI:
         finally:
             engine.close()
 
-    app = FastAPI(title="kvstitch engine", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = EngineApp(answer, title="kvstitch engine", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -85,9 +111,8 @@ def create_engine_app(engine: EngineFacade) -> FastAPI:
         """Prometheus exposition."""
         return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    # POST /answer streams a line per token of every running answer: a plain ASGI app, off FastAPI's request
-    # machinery (`engine_answer`).
-    app.router.routes.append(Route("/answer", AnswerRoute(engine), methods=["POST"], include_in_schema=False))
+    # EngineApp answers POST /answer itself; the route stays for what the router gives other methods (405)
+    app.router.routes.append(Route("/answer", answer, methods=["POST"], include_in_schema=False))
 
     @app.post("/precompute")
     async def precompute(request: Request) -> dict[str, int]:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import signal
 import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from service.commands.logs import serving_logs
@@ -11,6 +16,9 @@ from service.settings import Settings
 
 if TYPE_CHECKING:
     from service.engine.engine import StitchEngine
+    from service.serving.engine_server import EngineServer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_PORT = 8100
 DEFAULT_ENGINE_HOST = "127.0.0.1"
@@ -51,7 +59,10 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     serving_logs()
     published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
     print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
-    app = create_engine_app(EngineServer(settings, engine_id, url, engine))
+    server = EngineServer(settings, engine_id, url, engine)
+    if settings.engine_api_process:
+        return serve_from_api_process(server, host, port, round(settings.shutdown_timeout_s))
+    app = create_engine_app(server)
     loop, http = engine_server_options()
     uvicorn.run(
         app,
@@ -65,3 +76,30 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
         http=http,
     )
     return 0
+
+
+def serve_from_api_process(server: EngineServer, host: str, port: int, graceful_s: int) -> int:
+    """Run the engine here and its HTTP API in a second process (`api/engine_front.py`) until that process exits.
+    SIGTERM or SIGINT asks the API process to stop: it finishes the streams it has, then exits, and so does this."""
+    from service.serving.engine_core import CoreHost
+
+    core_end, front_end = socket.socketpair()
+    command = [sys.executable, "-m", "service.api.engine_front", "--fd", str(front_end.fileno())]
+    command += ["--host", host, "--port", str(port), "--graceful-s", str(max(1, graceful_s))]
+    front = subprocess.Popen(command, pass_fds=[front_end.fileno()])
+    front_end.close()
+    core = CoreHost(server, Connection(core_end.detach()))
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda *_: core.stop())
+    server.start()
+    try:
+        core.serve()  # until the API process closes its end
+    finally:
+        server.close()
+        try:
+            front.wait(timeout=graceful_s + 10)
+        except subprocess.TimeoutExpired:
+            front.kill()
+    if front.returncode:
+        log.error("the engine's API process exited with status %s", front.returncode)
+    return 0 if front.returncode in (0, None) else 1

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
+from service.errors import UnavailableError
 from service.facade.types import AnswerEvent, ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
 from service.packed_ids import pack_token_ids, unpack_token_ids
 
@@ -226,6 +227,14 @@ def error_line(message: str) -> bytes:
     return json.dumps({"event": "error", "message": message}, ensure_ascii=False).encode() + b"\n"
 
 
+def failure_line(err: BaseException) -> bytes:
+    """The error line of an answer that failed after it started: a backing service away by its message, anything
+    else as a failed generation."""
+    if isinstance(err, UnavailableError):
+        return error_line(str(err))
+    return error_line(f"generation failed: {type(err).__name__}: {err}")
+
+
 def parse_event(line: bytes | str) -> AnswerEvent:
     """The event of one line; `EngineStreamError` for an error line, ValueError for a malformed one."""
     try:
@@ -275,8 +284,9 @@ class EngineAnswer(Protocol):
     def cancel(self) -> None: ...
 
 
-class EngineFacade(Protocol):
-    """`kvstitch engine` as its internal HTTP API uses it."""
+class EngineStatus(Protocol):
+    """`kvstitch engine` as its internal HTTP API uses it, but for answers (`EngineFacade`, or the API process's
+    link to the core process, which forwards answers as they come)."""
 
     def start(self) -> None: ...
 
@@ -298,13 +308,17 @@ class EngineFacade(Protocol):
         """The blocks held per tier (at most `limit` keys each)."""
         ...
 
-    async def answer(self, request: EngineAnswerRequest) -> EngineAnswer:
-        """Admit the question (`BusyError`, `NotReadyError`, `InvalidRequestError` before any event)."""
-        ...
-
     async def precompute(self, chunks: Sequence[Sequence[int]]) -> dict[str, int]:
         """Bring the chunks' KV into this engine's tiers (computed where missing); blocks by the tier they were
         found in."""
         ...
 
     def metrics_text(self) -> bytes: ...
+
+
+class EngineFacade(EngineStatus, Protocol):
+    """`kvstitch engine` as its internal HTTP API uses it in one process."""
+
+    async def answer(self, request: EngineAnswerRequest) -> EngineAnswer:
+        """Admit the question (`BusyError`, `NotReadyError`, `InvalidRequestError` before any event)."""
+        ...

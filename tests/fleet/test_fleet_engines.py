@@ -135,7 +135,9 @@ def fleet(
         "KVSTITCH_DATA_DIR": str(shared),
         "KVSTITCH_MAX_BATCH": "1",
     }
-    started = start_engines([("e1", free_port(), env), ("e2", free_port(), env)], root)
+    # e2 serves its API from a second process (KVSTITCH_ENGINE_API_PROCESS): every test here runs through both forms
+    split = {**env, "KVSTITCH_ENGINE_API_PROCESS": "true"}
+    started = start_engines([("e1", free_port(), env), ("e2", free_port(), split)], root)
     engines = {e.engine_id: e for e in started}
     settings = Settings(
         model=model,

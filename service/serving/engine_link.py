@@ -1,0 +1,128 @@
+"""The messages between an engine's core process (the model, its engine thread) and its API process.
+
+With `KVSTITCH_ENGINE_API_PROCESS` an engine serves its internal HTTP API from a second process (`api/engine_front.py`)
+so that the event loop writing every running answer's lines no longer shares the engine thread's GIL. The two talk
+over one socket pair, a message per `Connection.send_bytes` (length-prefixed by `multiprocessing.connection`; no
+pickle: every message is bytes built here). A message is a kind byte, then:
+
+    front -> core   ANSWER   id, the request's JSON body as the gateway sent it (the core parses and checks it)
+                    CANCEL   id (the gateway went away)
+                    CALL     JSON {"call": n, "method": ..., "args": [...]} (readiness, info, load, tiers, ...)
+    core -> front   OPENED   id (admitted: stream its lines)
+                    REFUSED  id, JSON {"type": error class, "message": ..., "field": ...} (before any line)
+                    LINES    (id, length, line) ... : a step's lines of every answer in one message; length 0
+                             ends that answer
+                    RESULT   JSON {"call": n, "result": ...} or {"call": n, "error": {...}}
+                    STOP     the core is stopping: stop accepting, finish what streams
+
+Ids are unsigned 64-bit, little-endian; a line is one of `facade.engine`'s JSON lines, so the API process writes
+it as it comes without decoding it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+from service.errors import BusyError, InvalidRequestError, NotReadyError, TooLargeError, UnavailableError
+
+ANSWER = b"A"
+CANCEL = b"C"
+CALL = b"R"
+OPENED = b"O"
+REFUSED = b"X"
+LINES = b"L"
+RESULT = b"r"
+STOP = b"S"
+
+_ID = struct.Struct("<Q")
+_LINE_HEAD = struct.Struct("<QI")
+# The errors a refusal or a call may carry across; anything else arrives as a RuntimeError with its message.
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (BusyError, NotReadyError, UnavailableError, InvalidRequestError, TooLargeError)
+}
+
+
+class LinkError(ValueError):
+    """A message that is not one of this module's (a bug on the other side, never the gateway's input)."""
+
+
+def with_id(kind: bytes, answer_id: int, payload: bytes = b"") -> bytes:
+    return kind + _ID.pack(answer_id) + payload
+
+
+def split_id(message: bytes) -> tuple[int, bytes]:
+    """The id and payload of an ANSWER, CANCEL, OPENED or REFUSED message."""
+    if len(message) < 1 + _ID.size:
+        raise LinkError(f"a {message[:1]!r} message of {len(message)} bytes has no id")
+    return _ID.unpack_from(message, 1)[0], message[1 + _ID.size :]
+
+
+def json_message(kind: bytes, body: Any) -> bytes:
+    return kind + json.dumps(body, separators=(",", ":")).encode()
+
+
+def json_body(message: bytes) -> Any:
+    """The JSON after a message's kind byte."""
+    return json_payload(message[1:])
+
+
+def json_payload(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError as err:
+        raise LinkError(f"a message's payload is not JSON: {err}") from err
+
+
+def lines_message(lines: list[tuple[int, bytes]]) -> bytes:
+    """One LINES message of `(id, line)` pairs; an empty line ends that answer."""
+    parts = [LINES]
+    for answer_id, line in lines:
+        parts.append(_LINE_HEAD.pack(answer_id, len(line)))
+        parts.append(line)
+    return b"".join(parts)
+
+
+def read_lines(message: bytes) -> Iterator[tuple[int, bytes]]:
+    """The `(id, line)` pairs of a LINES message, in order."""
+    view = memoryview(message)
+    at = 1
+    while at < len(view):
+        if at + _LINE_HEAD.size > len(view):
+            raise LinkError("a LINES message ends inside a line's head")
+        answer_id, length = _LINE_HEAD.unpack_from(view, at)
+        at += _LINE_HEAD.size
+        if at + length > len(view):
+            raise LinkError("a LINES message ends inside a line")
+        yield answer_id, bytes(view[at : at + length])
+        at += length
+
+
+def error_json(err: BaseException) -> dict[str, Any]:
+    """An error as a refusal or a failed call carries it."""
+    body: dict[str, Any] = {"type": type(err).__name__, "message": str(err)}
+    if isinstance(err, InvalidRequestError):
+        body["field"], body["message"] = err.field, err.message
+    if isinstance(err, UnavailableError):
+        body["component"] = err.component
+    return body
+
+
+def error_from_json(body: Any) -> Exception:
+    """The error `error_json` wrote, as the same class where it is one of the service's (so the API process answers
+    with the status the in-process engine gives), else a RuntimeError with its message."""
+    if not isinstance(body, dict):
+        return RuntimeError(f"malformed error from the engine core: {body!r}"[:300])
+    message = str(body.get("message", ""))
+    cls = _ERRORS.get(str(body.get("type")))
+    if cls is not None and issubclass(cls, InvalidRequestError):
+        return cls(str(body.get("field", "body")), message)
+    if cls is UnavailableError:
+        unavailable = UnavailableError(str(body.get("component", "engine")), "")
+        unavailable.args = (message,)  # its message as the core wrote it, not rebuilt around the component
+        return unavailable
+    if cls is not None:
+        return cls(message)
+    return RuntimeError(f"{body.get('type')}: {message}")
