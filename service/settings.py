@@ -78,10 +78,10 @@ class Settings(BaseSettings):
         "http://HOST:PORT (HOST 127.0.0.1 when it listens on every address).",
     )
     engine_api_process: bool = Field(
-        False,
+        True,
         description="`kvstitch engine`: serve the internal HTTP API from a second process, so that writing every "
         "running answer's lines does not share the engine thread's GIL (the core process sends each decode step's "
-        "lines in one message).",
+        "lines in one message); false serves it from the engine's own process.",
     )
     fleet_balance_abs: int = Field(
         32,

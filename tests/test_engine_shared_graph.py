@@ -1,6 +1,6 @@
 """Shared decode steps through CUDA graphs (`shared_graph.py`) against the same steps run eagerly (CUDA only).
 
-The two schedulers differ only in `cuda_graphs`: with it, every shared decode step of up to 128 rows replays a
+The two schedulers differ only in `cuda_graphs`: with it, every shared decode step of up to 256 rows replays a
 graph captured for its (batch, reads) bucket, its segment plan padded to the bucket's capacity and copied into the
 captured one. Same requests as the CPU scheduler tests (sharing chunks, a naive one, one without chunks, half
 joining after two steps), pools and arenas NaN-poisoned: the tokens and texts must be the eager steps'.
@@ -32,7 +32,7 @@ def test_buckets_cover_every_batch_and_size_plans_for_their_worst_case() -> None
     """Host-side sizing (no GPU needed): reads round up to powers of two from 4; a bucket's capacity holds every
     row reading its reads, each chunk cut into the bucket's pieces, one tile per (entry, piece) and width."""
     assert [reads_bucket(n) for n in (0, 1, 4, 5, 16, 17)] == [4, 4, 4, 8, 16, 32]
-    assert SHARED_BUCKETS[0] == 1 and SHARED_BUCKETS[-1] == 128 and list(SHARED_BUCKETS) == sorted(SHARED_BUCKETS)
+    assert SHARED_BUCKETS[0] == 1 and SHARED_BUCKETS[-1] == 256 and list(SHARED_BUCKETS) == sorted(SHARED_BUCKETS)
     assert [pieces_for(b) for b in (1, 2, 4, 8, 16)] == [4, 4, 2, 2, 1]
     capacity = capacity_for(8, 16, 2)
     assert (capacity.rows, capacity.entries, capacity.pairs, capacity.chunk_tiles) == (8, 136, 264, 256)

@@ -60,7 +60,7 @@ def run_engine(settings: Settings, host: str | None, port: int | None, engine: S
     published = "tier moves published to Redis" if settings.redis_url else "no Redis: nothing published"
     print(f"kvstitch engine {engine_id} serving {settings.model} on {url} — {published}", flush=True)
     server = EngineServer(settings, engine_id, url, engine)
-    if settings.engine_api_process:
+    if settings.engine_api_process and sys.platform != "win32":  # the link's socket passes by fd: POSIX only
         return serve_from_api_process(server, host, port, round(settings.shutdown_timeout_s))
     app = create_engine_app(server)
     loop, http = engine_server_options()

@@ -33,10 +33,11 @@ from service.engine.shared_decode import SharedDecoder
 
 log = logging.getLogger(__name__)
 
-# Rows per captured step: powers of two to 32, then coarser (the step's cost grows slowly with the batch). None
-# above 128: a bucket's plan is padded to its worst case (every row reading its own chunks), and at 256 rows the
-# padding's idle tiles cost more than the launches the graph saves (docs/benchmarks.md §13.2); such steps run eagerly.
-SHARED_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+# Rows per captured step: powers of two to 32, then coarser (the step's cost grows slowly with the batch). A bucket's
+# plan is padded to its worst case (every row reading its own chunks); since a padded launch holds a bounded number
+# of programs that loop over the live tiles (`segment_launch.PADDED_PROGRAMS`), the idle tiles of 192 and 256 rows
+# cost less than the thousands of launches an eager step of that size makes the engine thread issue.
+SHARED_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MIN_READS_BUCKET = 4
 
 

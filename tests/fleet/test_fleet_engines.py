@@ -135,9 +135,10 @@ def fleet(
         "KVSTITCH_DATA_DIR": str(shared),
         "KVSTITCH_MAX_BATCH": "1",
     }
-    # e2 serves its API from a second process (KVSTITCH_ENGINE_API_PROCESS): every test here runs through both forms
-    split = {**env, "KVSTITCH_ENGINE_API_PROCESS": "true"}
-    started = start_engines([("e1", free_port(), env), ("e2", free_port(), split)], root)
+    # e1 serves its API from its own process, e2 from a second one (KVSTITCH_ENGINE_API_PROCESS, the default): every
+    # test here runs through both forms
+    inline = {**env, "KVSTITCH_ENGINE_API_PROCESS": "false"}
+    started = start_engines([("e1", free_port(), inline), ("e2", free_port(), env)], root)
     engines = {e.engine_id: e for e in started}
     settings = Settings(
         model=model,
