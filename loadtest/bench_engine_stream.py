@@ -7,8 +7,10 @@ and writing an answer's lines is a millisecond the engine thread cannot launch t
 `kvstitch engine`'s own app (`service.api.engine_app`, the same `/answer` route, `EventStream` and mailbox) over a
 stand-in engine thread: every `--step-ms` it emits one token to every running answer, as a decode step does, and
 ends an answer after `--tokens`. Clients in another process keep `--clients` questions in flight, each with 16
-chunks of 520 packed ids as a gateway sends them. It reports answers/s and the CPU of the server's threads per
-answer (the event loop's is what the engine thread competes with).
+chunks of 520 packed ids as a gateway sends them. With `--api-process` the API runs in a second process as
+`kvstitch engine` runs it by default (`CoreHost` here, `api/engine_front.py` there). It reports answers/s and the CPU
+per answer of the process holding the engine thread (what the engine thread competes with for the GIL) and of the
+API process.
 """
 
 from __future__ import annotations
