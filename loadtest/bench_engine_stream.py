@@ -33,10 +33,10 @@ from typing import Any
 
 import anyio
 import httpx
-import uvicorn
 
-from service.api.engine_app import create_engine_app, engine_server_options
-from service.facade.engine import ENGINE_KEEP_ALIVE_S, EngineAnswerRequest, WireChunk
+from loadtest.canned_engine import serve_engine_app
+from service.api.engine_app import create_engine_app
+from service.facade.engine import EngineAnswerRequest, WireChunk
 from service.facade.types import DoneEvent, TokenEvent
 from service.serving.answer_stream import EventStream
 from service.serving.engine_core import CoreHost
@@ -164,18 +164,7 @@ def serve(port: int, step_s: float, front_pid_file: str | None) -> None:
     if front_pid_file is not None:
         serve_from_api_process(port, step_s, Path(front_pid_file), cores - {min(cores)} or cores)
         return
-    app = create_engine_app(SteppedEngine(step_s))  # type: ignore[arg-type]
-    loop, http = engine_server_options()
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=ENGINE_KEEP_ALIVE_S,
-        loop=loop,
-        http=http,
-    )
+    serve_engine_app(create_engine_app(SteppedEngine(step_s)), port)  # type: ignore[arg-type]
 
 
 def serve_from_api_process(port: int, step_s: float, front_pid_file: Path, front_cores: set[int]) -> None:

@@ -112,7 +112,11 @@ class CannedEngine:
 
 def serve_canned_engine(config: CannedConfig, port: int) -> None:
     """The canned engine's process: its API on 127.0.0.1:`port` until terminated."""
-    app = create_engine_app(CannedEngine(config, f"http://127.0.0.1:{port}"))
+    serve_engine_app(create_engine_app(CannedEngine(config, f"http://127.0.0.1:{port}")), port)
+
+
+def serve_engine_app(app: Any, port: int) -> None:
+    """An engine's app on 127.0.0.1:`port`, served as `kvstitch engine` serves it, until terminated."""
     loop, http = engine_server_options()
     uvicorn.run(
         app,

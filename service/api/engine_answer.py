@@ -48,17 +48,7 @@ class AnswerRoute:
         except HTTPException as refused:
             await refuse(send, refused)
             return
-        watcher = asyncio.create_task(cancel_on_disconnect(receive, stream))
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
-            async for line in _lines(stream):
-                await send({"type": "http.response.body", "body": line, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the gateway went away mid-answer (uvicorn's ClientDisconnected): nobody to tell
-            pass
-        finally:
-            watcher.cancel()
-            stream.cancel()
+        await stream_bodies(receive, send, stream, _lines(stream))
 
     async def _open(self, receive: Receive) -> EngineAnswer:
         """The request's answer, started; HTTPException for a refusal (413, 422, 503, ...)."""
@@ -76,6 +66,22 @@ class AnswerRoute:
             return await self._engine.answer(parsed)
         except Exception as err:
             raise http_error(err) from err
+
+
+async def stream_bodies(receive: Receive, send: Send, answer: Cancellable, bodies: AsyncIterator[bytes]) -> None:
+    """An admitted answer's response: 200, then `bodies` as they come; `answer` cancelled when the gateway goes away
+    (a watcher on `receive`) and once the response ends, however it ends."""
+    watcher = asyncio.create_task(cancel_on_disconnect(receive, answer))
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
+        async for body in bodies:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except OSError:  # the gateway went away mid-answer (uvicorn's ClientDisconnected): nobody to tell
+        pass
+    finally:
+        watcher.cancel()
+        answer.cancel()
 
 
 async def read_body(receive: Receive) -> bytes:

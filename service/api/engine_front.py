@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,14 +30,13 @@ from fastapi import HTTPException
 from service.api.deps import http_error
 from service.api.engine_answer import (
     MAX_BODY_BYTES,
-    NDJSON,
     BodyTooLargeError,
     Message,
     Receive,
     Send,
-    cancel_on_disconnect,
     read_body,
     refuse,
+    stream_bodies,
 )
 from service.serving import engine_link as link
 
@@ -236,21 +235,7 @@ class FrontAnswerRoute:
         except HTTPException as refused:
             await refuse(send, refused)
             return
-        watcher = asyncio.create_task(cancel_on_disconnect(receive, answer))
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
-            while True:
-                body, ended = _gathered(await answer.lines.get(), answer.lines)
-                if body:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                if ended:
-                    break
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the gateway went away mid-answer: nobody to tell
-            pass
-        finally:
-            watcher.cancel()
-            answer.cancel()
+        await stream_bodies(receive, send, answer, _bodies(answer.lines))
 
     async def _open(self, receive: Receive) -> FrontAnswer:
         try:
@@ -261,6 +246,15 @@ class FrontAnswerRoute:
             return await self._core.open(body)
         except Exception as err:
             raise http_error(err) from err
+
+
+async def _bodies(lines: asyncio.Queue[bytes]) -> AsyncIterator[bytes]:
+    """The answer's lines up to its end, every line already queued behind the first joined into one body."""
+    ended = False
+    while not ended:
+        body, ended = _gathered(await lines.get(), lines)
+        if body:
+            yield body
 
 
 def _gathered(first: bytes, lines: asyncio.Queue[bytes]) -> tuple[bytes, bool]:

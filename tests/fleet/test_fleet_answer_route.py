@@ -59,7 +59,12 @@ class Engine:
 
 
 async def call(engine: Engine, body: bytes, disconnect_after_s: float | None = None) -> list[dict[str, Any]]:
-    """The messages the route sends for `body` (in two parts); the gateway disconnects after `disconnect_after_s`
+    """The messages the route over `engine` sends for `body`."""
+    return await drive(AnswerRoute(engine), body, disconnect_after_s)  # type: ignore[arg-type]
+
+
+async def drive(route: Any, body: bytes, disconnect_after_s: float | None = None) -> list[dict[str, Any]]:
+    """The messages `route` sends for `body` (in two parts); the gateway disconnects after `disconnect_after_s`
     (None: never, it waits for the answer)."""
     parts = [{"type": "http.request", "body": body[:5], "more_body": True}]
     parts.append({"type": "http.request", "body": body[5:], "more_body": False})
@@ -76,7 +81,6 @@ async def call(engine: Engine, body: bytes, disconnect_after_s: float | None = N
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    route = AnswerRoute(engine)  # type: ignore[arg-type]
     await asyncio.wait_for(route({"type": "http", "method": "POST", "path": "/answer"}, receive, send), 5)
     return sent
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from engine_processes import ENGINE_ENV, ROOT
-from test_fleet_answer_route import DONE, REQUEST, status_and_body
+from test_fleet_answer_route import DONE, REQUEST, drive, status_and_body
 
 from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
@@ -113,25 +113,9 @@ def linked() -> Iterator[Callable[[Core], CoreLink]]:
 
 
 async def post(front: CoreLink, body: bytes, disconnect_after_s: float | None = None) -> list[dict[str, Any]]:
-    """The messages `FrontAnswerRoute` sends for `body`; the gateway disconnects after `disconnect_after_s`."""
+    """The messages `FrontAnswerRoute` sends for `body`, the link's reader started in this event loop."""
     front.start()
-    parts = [{"type": "http.request", "body": body, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if parts:
-            return parts.pop(0)
-        if disconnect_after_s is None:
-            await asyncio.Event().wait()
-        await asyncio.sleep(disconnect_after_s or 0.0)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    route = FrontAnswerRoute(front)
-    await asyncio.wait_for(route({"type": "http", "method": "POST", "path": "/answer"}, receive, send), 5)
-    return sent
+    return await drive(FrontAnswerRoute(front), body, disconnect_after_s)
 
 
 def test_an_answer_streams_the_cores_lines(linked: Callable[[Core], CoreLink]) -> None:
