@@ -38,7 +38,7 @@ from service.api.engine_answer import (
     refuse,
     stream_bodies,
 )
-from service.serving import engine_link as link
+from service.facade import engine_link as link
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from service.api.engine_app import engine_api, engine_server_options
-    from service.commands.logs import serving_logs
     from service.facade.engine import ENGINE_KEEP_ALIVE_S
 
     parser = argparse.ArgumentParser(description="an engine's API process (started by `kvstitch engine`)")
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--graceful-s", type=int, default=30)
     args = parser.parse_args(argv)
-    serving_logs()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s %(message)s")
     core = CoreLink(Connection(args.fd))
     loop, http = engine_server_options()
     server = uvicorn.Server(

@@ -19,8 +19,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from service.errors import InvalidRequestError
+from service.facade import engine_link as link
 from service.facade.engine import event_line, failure_line, parse_answer_request
-from service.serving import engine_link as link
 from service.serving.answer_session import AnswerItem, AnswerSession
 from service.serving.engine_server import EngineServer
 

@@ -27,9 +27,9 @@ from test_fleet_answer_route import DONE, REQUEST, drive, status_and_body
 from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError
+from service.facade import engine_link as link
 from service.facade.engine import EngineAnswerRequest, parse_event
 from service.facade.types import TokenEvent
-from service.serving import engine_link as link
 from service.serving.engine_core import CoreHost
 
 Item = TokenEvent | Exception | None
