@@ -3,7 +3,7 @@
 Every running answer streams a line per token, and the engine's event loop shares the GIL with the engine thread:
 FastAPI's request machinery (dependency resolution, the response model) and `StreamingResponse` (an anyio task group
 per response, a cancel scope and a timeout per line) cost that loop as much as the answer's own work. Here a request
-is read, checked and answered with the same statuses and bodies the framework gave (`http_error`, `field_error`),
+is read, checked and answered with the same statuses and bodies the framework gave (`http_error`),
 and the lines go to `send` directly; a watcher on `receive` cancels the answer when the gateway goes away, as
 `StreamingResponse` did.
 """
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from fastapi import HTTPException
 
-from service.api.deps import field_error, http_error
-from service.facade.engine import EngineAnswer, EngineFacade, event_line, failure_line, parse_answer_request
+from service.api.deps import http_error
+from service.facade.engine import EngineAnswer, EngineFacade, event_line, failure_line, parse_answer_body
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -32,8 +32,8 @@ class Cancellable(Protocol):
     def cancel(self) -> None: ...
 
 
-class BodyTooLargeError(Exception):
-    """A request body past MAX_BODY_BYTES (answered 413)."""
+# An admitted answer and its response bodies, from the request's body; HTTPException for a refusal.
+Admit = Callable[[bytes], Awaitable[tuple[Cancellable, AsyncIterator[bytes]]]]
 
 
 class AnswerRoute:
@@ -43,29 +43,25 @@ class AnswerRoute:
         self._engine = engine
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        try:
-            stream = await self._open(receive)
-        except HTTPException as refused:
-            await refuse(send, refused)
-            return
-        await stream_bodies(receive, send, stream, _lines(stream))
+        await answer_request(receive, send, self._admit)
 
-    async def _open(self, receive: Receive) -> EngineAnswer:
-        """The request's answer, started; HTTPException for a refusal (413, 422, 503, ...)."""
+    async def _admit(self, body: bytes) -> tuple[EngineAnswer, AsyncIterator[bytes]]:
         try:
-            body = await read_body(receive)
-        except BodyTooLargeError:
-            raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB") from None
-        try:
-            parsed = parse_answer_request(json.loads(body))
-        except json.JSONDecodeError as err:
-            raise field_error("body", f"not JSON: {err}") from err
-        except ValueError as err:
-            raise field_error("body", str(err)) from err
-        try:
-            return await self._engine.answer(parsed)
+            stream = await self._engine.answer(parse_answer_body(body))
         except Exception as err:
             raise http_error(err) from err
+        return stream, _lines(stream)
+
+
+async def answer_request(receive: Receive, send: Send, admit: Admit) -> None:
+    """`POST /answer` as both forms of the engine's API answer it: the body read (413 past `MAX_BODY_BYTES`), the
+    answer admitted by `admit` or refused with its status, then its bodies streamed."""
+    try:
+        answer, bodies = await admit(await read_body(receive))
+    except HTTPException as refused:
+        await refuse(send, refused)
+        return
+    await stream_bodies(receive, send, answer, bodies)
 
 
 async def stream_bodies(receive: Receive, send: Send, answer: Cancellable, bodies: AsyncIterator[bytes]) -> None:
@@ -85,7 +81,7 @@ async def stream_bodies(receive: Receive, send: Send, answer: Cancellable, bodie
 
 
 async def read_body(receive: Receive) -> bytes:
-    """The whole request body; BodyTooLargeError past MAX_BODY_BYTES."""
+    """The whole request body; HTTPException 413 past MAX_BODY_BYTES, 400 when the client left first."""
     parts: list[bytes] = []
     size = 0
     while True:
@@ -95,7 +91,7 @@ async def read_body(receive: Receive) -> bytes:
         part = message.get("body", b"")
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise BodyTooLargeError
+            raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB")
         parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)

@@ -25,19 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fastapi import HTTPException
-
 from service.api.deps import http_error
-from service.api.engine_answer import (
-    MAX_BODY_BYTES,
-    BodyTooLargeError,
-    Message,
-    Receive,
-    Send,
-    read_body,
-    refuse,
-    stream_bodies,
-)
+from service.api.engine_answer import Message, Receive, Send, answer_request
 from service.facade import engine_link as link
 
 log = logging.getLogger(__name__)
@@ -230,22 +219,14 @@ class FrontAnswerRoute:
         self._core = core
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        try:
-            answer = await self._open(receive)
-        except HTTPException as refused:
-            await refuse(send, refused)
-            return
-        await stream_bodies(receive, send, answer, _bodies(answer.lines))
+        await answer_request(receive, send, self._admit)
 
-    async def _open(self, receive: Receive) -> FrontAnswer:
+    async def _admit(self, body: bytes) -> tuple[FrontAnswer, AsyncIterator[bytes]]:
         try:
-            body = await read_body(receive)
-        except BodyTooLargeError:
-            raise HTTPException(413, detail=f"request body larger than {MAX_BODY_BYTES >> 20} MiB") from None
-        try:
-            return await self._core.open(body)
+            answer = await self._core.open(body)
         except Exception as err:
             raise http_error(err) from err
+        return answer, _bodies(answer.lines)
 
 
 async def _bodies(lines: asyncio.Queue[bytes]) -> AsyncIterator[bytes]:

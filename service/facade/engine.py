@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from service.errors import UnavailableError
+from service.errors import InvalidRequestError, UnavailableError
 from service.facade.types import AnswerEvent, ChatMessage, DoneEvent, Logprob, TokenChoice, TokenEvent
 from service.packed_ids import pack_token_ids, unpack_token_ids
 
@@ -132,6 +132,17 @@ def parse_answer_request(body: Any) -> EngineAnswerRequest:
         history=tuple(_message(m) for m in history),
         dropped=_int(body.get("dropped", 0), "dropped", 0, 1 << 20),
     )
+
+
+def parse_answer_body(body: bytes) -> EngineAnswerRequest:
+    """A request as an engine receives it, a JSON body; `InvalidRequestError` naming the body for one that is not
+    JSON or not a valid request (the 422 both forms of the engine's API give)."""
+    try:
+        return parse_answer_request(json.loads(body))
+    except json.JSONDecodeError as err:
+        raise InvalidRequestError("body", f"not JSON: {err}") from err
+    except ValueError as err:
+        raise InvalidRequestError("body", str(err)) from err
 
 
 def _chunk(value: Any, i: int) -> WireChunk:

@@ -18,9 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from service.errors import InvalidRequestError
 from service.facade import engine_link as link
-from service.facade.engine import event_line, failure_line, parse_answer_request
+from service.facade.engine import event_line, failure_line, parse_answer_body
 from service.serving.answer_session import AnswerItem, AnswerSession
 from service.serving.engine_server import EngineServer
 
@@ -90,7 +89,7 @@ class CoreHost:
     def _open(self, answer_id: int, body: bytes) -> None:
         """Parse and admit a question as the in-process route does; OPENED, or REFUSED with the error."""
         try:
-            session = self._server.open_answer(_parsed(body))
+            session = self._server.open_answer(parse_answer_body(body))
             self._sessions[answer_id] = session
             session.start(lambda item: self._post(answer_id, item))
         except Exception as err:
@@ -152,13 +151,3 @@ class CoreHost:
         for session in list(self._sessions.values()):
             session.cancel()  # nobody reads them any more
         self._calls.shutdown(wait=False, cancel_futures=True)
-
-
-def _parsed(body: bytes) -> Any:
-    """The gateway's request, checked as `AnswerRoute` checks it (its errors name the body)."""
-    try:
-        return parse_answer_request(json.loads(body))
-    except json.JSONDecodeError as err:
-        raise InvalidRequestError("body", f"not JSON: {err}") from err
-    except ValueError as err:
-        raise InvalidRequestError("body", str(err)) from err

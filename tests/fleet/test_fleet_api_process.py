@@ -24,6 +24,7 @@ import pytest
 from engine_processes import ENGINE_ENV, ROOT
 from test_fleet_answer_route import DONE, REQUEST, drive, status_and_body
 
+from service.api import engine_answer
 from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError
@@ -147,6 +148,17 @@ def test_a_bad_body_is_the_same_422(linked: Callable[[Core], CoreLink], body: by
     assert status == 422 and headers[b"content-type"] == b"application/json"
     (detail,) = json.loads(sent)["detail"]
     assert detail["loc"] == ["body", "body"] and message in detail["msg"] and detail["type"] == "value_error"
+    assert core.requests == []
+
+
+def test_a_body_past_the_bound_is_a_413_and_never_reaches_the_core(
+    linked: Callable[[Core], CoreLink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_answer, "MAX_BODY_BYTES", 64)
+    core = Core([DONE, None])
+    status, _, sent = status_and_body(asyncio.run(post(linked(core), b"x" * 65)))
+
+    assert status == 413 and "larger than" in json.loads(sent)["detail"]
     assert core.requests == []
 
 
