@@ -249,6 +249,45 @@ def test_questions_over_the_ride_budget_are_prefilled_apart(
     assert scheduler.prefilled_with_decode == 0 and scheduler.prefilled_together == 3
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
+def test_the_part_of_a_wave_a_step_cannot_hold_rides_in_the_next_step(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """Four shared questions arrive at once while an answer runs, and a decode step holds two of them: two ride
+    in this step, the other two wait for the next and ride in it. None is prefilled apart (which would stall the
+    running answer for a forward of its own), and every token is the copy path's."""
+    from service.engine import shared_chunks
+
+    engine = get_engine("qwen2", "cpu")
+    asks = (
+        Ask((0, 1), max_new=12, seed=1),
+        Ask((2, 0), max_new=6, seed=2),
+        Ask((0, 3), max_new=5, seed=3),
+        Ask((1,), max_new=7, seed=4),
+        Ask((4, 2), max_new=6, seed=5),
+    )
+    want = copy_path(engine, asks, overlap)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(engine, nan_pool(engine, 2000), 8, overlap=overlap, arena=arena, prefill_with_decode=True)
+    run = Run(engine, asks)
+    question = len(run.requests[1].prompt.question)
+    assert all(len(r.prompt.question) == question for r in run.requests)
+    monkeypatch.setattr(shared_chunks, "RIDE_TOKENS", 2 * question)
+    scheduler.add(run.requests[0])
+    scheduler.step()
+    assert scheduler.prefilled_together == 1
+    for request in run.requests[1:]:
+        scheduler.add(request)
+    scheduler.step()
+    assert scheduler.prefilled_with_decode == 2 and list(scheduler.waiting) == run.requests[3:]
+    scheduler.step()
+    assert scheduler.prefilled_with_decode == 4 and not scheduler.waiting
+    drain(scheduler)
+    assert run.outcomes() == want
+    assert scheduler.prefilled_together == 5 and scheduler.prefilled_with_decode == 4  # one apart, four rode
+    assert_nothing_pinned(scheduler)
+
+
 def test_cancelled_and_failed_requests_give_their_pins_back(
     get_engine: Callable[[str, str], StitchEngine], store: KVStore
 ) -> None:

@@ -20,7 +20,9 @@ its tail only; at admission the chunks the arena holds are pinned there, and onl
 (pinned where the source pins; nothing when all are resident) and placed in the arena, pinned too. When pinned
 chunks leave the arena no room it waits at the head of the line, as for a full pool, holding no pin and no block.
 Every end of a request gives both pins back (`release_chunks`). Its question rides in the running answers' next
-decode step where `prefill_with_decode` is on and the shared step holds it (`_shared_rides`).
+decode step where `prefill_with_decode` is on and the shared step holds it (`_shared_rides`); the part of a wave
+the step cannot hold waits for the next step rather than sending the whole wave to a prefill apart
+(`_ride_is_full`).
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class Planner:
                 request = line[0]
                 if not self._admissible(request, len(admitted) + len(plan.shared)):
                     break
+                if self._ride_is_full(plan.shared, request):
+                    break
                 try:
                     error = self._reserve(request)
                 except ArenaFullError:
@@ -199,6 +203,17 @@ class Planner:
         if self._shared_rides(plan):
             plan.shared_riding, plan.shared = plan.shared, []
         return plan
+
+    def _ride_is_full(self, riders: Sequence[BatchRequest], request: BatchRequest) -> bool:
+        """Whether shared `request` must wait for the next step because this step's decode forward holds `riders`
+        but not `request` beside them. Admitting it would send the whole wave to a prefill apart: a forward of its
+        own that every running answer waits for, where the rest of the wave rides in the next step instead. A
+        request that rides with no other (too long for any rider bucket) is admitted and prefilled apart."""
+        if not (riders and request.tail_tokens is not None and self.prefill_with_decode and self.shared is not None):
+            return False
+        if self.prefilling or not self.shared.mixes(len(self.running), riders):
+            return False  # this step's questions go apart anyway: nothing is gained by holding one back
+        return not self.shared.mixes(len(self.running), [*riders, request])
 
     def _admissible(self, request: BatchRequest, admitted: int) -> bool:
         """Whether `request` can be admitted now, beside `admitted` others admitted in this step: the batch has a

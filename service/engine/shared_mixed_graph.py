@@ -11,7 +11,7 @@ bucket taken by a padding request in a scratch slab). The two parts' tokens go t
 queries through its own plan (`SplitAttend`).
 
 Buckets: the decode step's rows (`SHARED_BUCKETS`) x reads per row (`reads_bucket`, over both parts) x the
-riders (`RIDER_BUCKETS`: up to 8 questions of T tokens in all). A step whose riders fit no bucket does not take
+riders (`RIDER_BUCKETS`: up to 16 questions of T tokens in all). A step whose riders fit no bucket does not take
 them (`fits`): they are prefilled apart through the prefill's own graphs.
 """
 
@@ -44,11 +44,12 @@ from service.engine.shared_graph import (
 log = logging.getLogger(__name__)
 
 # (questions, question tokens in all) a mixed step is captured for. Under load the questions arrive in waves (a
-# cohort of answers ends, its clients ask again), several per step, and a question with the template's is ~90-250
-# tokens: buckets of a few questions let most waves go apart, stalling every running answer. Eight rows cost a
-# graph little (dead tiles are skipped); a replay computes its whole token bucket, hence steps of 128-256 tokens.
-# A wave past the largest bucket is prefilled apart (in parts), as a wave arriving while nothing runs.
-RIDER_BUCKETS = tuple((8, tokens) for tokens in (128, 256, 384, 512, 768, 1024))
+# cohort of answers ends, its clients ask again), several per step, and a question with the template's is ~70-250
+# tokens. A wave no bucket holds would be prefilled apart, stalling every running answer for a forward of its
+# own, so the planner holds the rest of a wave back for the next step (`Planner.admit`): the largest bucket bounds
+# how many questions enter a step while answers run. Sixteen rows cost a graph little (dead tiles are skipped); a replay
+# computes its whole token bucket, hence the fine token steps.
+RIDER_BUCKETS = tuple((16, tokens) for tokens in (128, 256, 384, 512, 768, 1024, 1536, 2048))
 
 
 def rider_bucket(
