@@ -36,13 +36,14 @@ import httpx
 
 from loadtest.canned_engine import serve_engine_app
 from service.api.engine_app import create_engine_app
-from service.facade.engine import EngineAnswerRequest, WireChunk
+from service.facade.engine import EngineAnswerRequest, WireChunk, check_vocabulary
 from service.facade.types import DoneEvent, TokenEvent
 from service.serving.answer_stream import EventStream
 from service.serving.engine_core import CoreHost
 
 CHUNKS = 16
 CHUNK_TOKENS = 520
+VOCAB_SIZE = 152_064  # Qwen2's: the ids the stand-in questions carry are below it
 
 
 class SteppedSession:
@@ -124,8 +125,13 @@ class SteppedEngine:
     def __init__(self, step_s: float) -> None:
         self._stepper = Stepper(step_s)
 
-    def open_answer(self, request: EngineAnswerRequest) -> SteppedSession:
+    def open_answer(self, request: EngineAnswerRequest, vocabulary_checked: bool = False) -> SteppedSession:
+        if not vocabulary_checked:  # as the real engine: here in one process, in the API process in two
+            check_vocabulary([c.token_ids for c in request.chunks], VOCAB_SIZE)
         return SteppedSession(self._stepper, request)
+
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
 
     def readiness(self) -> dict[str, Any]:
         return {"ready": True, "checks": {}}

@@ -3,9 +3,10 @@
     python -m service.api.engine_front --fd N --host H --port P   (started by `kvstitch engine`, never by hand)
 
 The core process (`serving/engine_core.py`) holds the model and the engine thread; this process serves the same
-routes as the in-process engine (`engine_app.engine_api`) over `CoreLink`. `POST /answer` forwards the gateway's body
-as it came and writes the core's lines as they come (`FrontAnswerRoute`): nothing is decoded twice, and the HTTP
-work of every running answer runs here, on another GIL than the engine thread's. When the core process goes away
+routes as the in-process engine (`engine_app.engine_api`) over `CoreLink`. `POST /answer` parses the gateway's body
+and checks its chunks' ids against the model's vocabulary here, sends the core the request with its ids as raw
+uint32, and writes the core's lines as they come (`FrontAnswerRoute`): the parsing and the HTTP work of every
+running answer run here, on another GIL than the engine thread's. When the core process goes away
 this process exits at once, so gateways see the engine gone as they would see a one-process engine die.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 from service.api.deps import http_error
 from service.api.engine_answer import Message, Receive, Send, answer_request
 from service.facade import engine_link as link
+from service.facade.engine import EngineAnswerRequest, check_vocabulary, parse_answer_body
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class CoreLink:
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._vocab_size: int | None = None
 
     # ---- EngineStatus -------------------------------------------------------------------------------------------
 
@@ -104,13 +107,20 @@ class CoreLink:
 
     # ---- answers ------------------------------------------------------------------------------------------------
 
-    async def open(self, body: bytes) -> FrontAnswer:
+    async def vocab_size(self) -> int:
+        """The core's model's vocabulary, asked once it is loaded (`NotReadyError` before)."""
+        if self._vocab_size is None:
+            future = self._submit("vocab_size")
+            self._vocab_size = int(await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S))
+        return self._vocab_size
+
+    async def open(self, request: EngineAnswerRequest) -> FrontAnswer:
         """The answer admitted by the core; the service error it refused with, raised, otherwise."""
         answer = FrontAnswer(self, next(self._ids))
         # Its lines may cross the OPENED message (the core's writer thread sends them): both places hold it.
         self._answers[answer.id] = self._opening[answer.id] = answer
         try:
-            self._send(link.with_id(link.ANSWER, answer.id, body))
+            self._send(link.answer_message(answer.id, request))
             await answer.opened
         except BaseException:
             refused = answer.opened.done() and not answer.opened.cancelled() and answer.opened.exception() is not None
@@ -212,8 +222,9 @@ class CoreLink:
 
 
 class FrontAnswerRoute:
-    """`POST /answer` forwarded: the body to the core as it came, the core's lines to the gateway as they come
-    (every line that arrived together in one write)."""
+    """`POST /answer` forwarded: the body parsed and checked here, as the in-process route parses and checks it
+    (the same 422s), the request to the core, the core's lines to the gateway as they come (every line that arrived
+    together in one write)."""
 
     def __init__(self, core: CoreLink) -> None:
         self._core = core
@@ -223,7 +234,9 @@ class FrontAnswerRoute:
 
     async def _admit(self, body: bytes) -> tuple[FrontAnswer, AsyncIterator[bytes]]:
         try:
-            answer = await self._core.open(body)
+            request = parse_answer_body(body)
+            check_vocabulary([c.token_ids for c in request.chunks], await self._core.vocab_size())
+            answer = await self._core.open(request)
         except Exception as err:
             raise http_error(err) from err
         return answer, _bodies(answer.lines)

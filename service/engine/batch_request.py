@@ -73,7 +73,7 @@ class BatchRequest:
         self.status = RequestStatus.WAITING
         self.cancelled = False
         self.error: BaseException | None = None
-        self.result = GenerationResult(prompt_tokens=len(prompt.joined()), context_tokens=prompt.context_tokens)
+        self.result = GenerationResult(prompt_tokens=prompt.total_tokens, context_tokens=prompt.context_tokens)
         self.queue_ms = 0.0  # from `add` to admission; part of `result.timings.ttft_ms`
         # State the scheduler keeps while the request runs.
         self.slab: Slab | None = None

@@ -145,6 +145,17 @@ def parse_answer_body(body: bytes) -> EngineAnswerRequest:
         raise InvalidRequestError("body", str(err)) from err
 
 
+def check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """InvalidRequestError (the 422 of either form of the engine's API) for a chunk holding an id the model has no
+    embedding for: the engine's port takes ids from any caller, and a gateway's collection may hold another
+    tokenizer's. Such an id would index past the embedding table: on CUDA a device-side assert ending the process."""
+    for index, ids in enumerate(chunks):
+        if ids and (top := max(ids)) >= vocab_size:
+            raise InvalidRequestError(
+                f"chunks[{index}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {top}"
+            )
+
+
 def _chunk(value: Any, i: int) -> WireChunk:
     if not isinstance(value, dict):
         raise ValueError(f"chunks[{i}]: an object")

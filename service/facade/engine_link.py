@@ -5,7 +5,9 @@ so that the event loop writing every running answer's lines no longer shares the
 over one socket pair, a message per `Connection.send_bytes` (length-prefixed by `multiprocessing.connection`; no
 pickle: every message is bytes built here). A message is a kind byte, then:
 
-    front -> core   ANSWER   id, the request's JSON body as the gateway sent it (the core parses and checks it)
+    front -> core   ANSWER   id, a header's length (uint32), the header, then every chunk's ids: the request
+                             the API process parsed and checked (`answer_message`: the header is its fields as
+                             JSON, each chunk's ids replaced by their count; the ids follow as uint32)
                     CANCEL   id (the gateway went away)
                     CALL     JSON {"call": n, "method": ..., "args": [...]} (readiness, info, load, tiers, ...)
     core -> front   OPENED   id (admitted: stream its lines)
@@ -16,17 +18,24 @@ pickle: every message is bytes built here). A message is a kind byte, then:
                     STOP     the core is stopping: stop accepting, finish what streams
 
 Ids are unsigned 64-bit, little-endian; a line is one of `facade.engine`'s JSON lines, so the API process writes
-it as it comes without decoding it.
+it as it comes without decoding it. The API process parses each request and checks its chunks' ids against the
+model's vocabulary (on its own GIL), so the core decodes a small header and one run of raw ids: an ~8K-id request
+as the gateway's JSON with packed ids cost the core's GIL about a millisecond to parse and check.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import struct
+import sys
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 from service.errors import BusyError, InvalidRequestError, NotReadyError, TooLargeError, UnavailableError
+from service.facade.engine import EngineAnswerRequest, WireChunk
+from service.facade.types import ChatMessage
 
 ANSWER = b"A"
 CANCEL = b"C"
@@ -38,6 +47,7 @@ RESULT = b"r"
 STOP = b"S"
 
 _ID = struct.Struct("<Q")
+_HEADER = struct.Struct("<QI")  # an ANSWER's id and header length
 _LINE_HEAD = struct.Struct("<QI")
 # The errors a refusal or a call may carry across; anything else arrives as a RuntimeError with its message.
 _ERRORS: dict[str, type[Exception]] = {
@@ -58,6 +68,66 @@ def split_id(message: bytes) -> tuple[int, bytes]:
     if len(message) < 1 + _ID.size:
         raise LinkError(f"a {message[:1]!r} message of {len(message)} bytes has no id")
     return _ID.unpack_from(message, 1)[0], message[1 + _ID.size :]
+
+
+def answer_message(answer_id: int, request: EngineAnswerRequest) -> bytes:
+    """ANSWER for a request the API process parsed and checked: `read_answer` gives it back."""
+    header = {f.name: getattr(request, f.name) for f in fields(request)}
+    header["chunks"] = [_chunk_header(c) for c in request.chunks]
+    header["history"] = [[m.role, m.text] for m in request.history]
+    ids = array.array("I")
+    for chunk in request.chunks:
+        ids.extend(chunk.token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+    return ANSWER + _HEADER.pack(answer_id, len(encoded)) + encoded + ids.tobytes()
+
+
+def read_answer(message: bytes) -> tuple[int, EngineAnswerRequest]:
+    """The id and request of an ANSWER message; LinkError when it is not one `answer_message` built."""
+    if len(message) < 1 + _HEADER.size:
+        raise LinkError(f"an ANSWER message of {len(message)} bytes has no header")
+    answer_id, length = _HEADER.unpack_from(message, 1)
+    begin = 1 + _HEADER.size
+    header = json_payload(message[begin : begin + length])
+    ids = array.array("I")
+    try:
+        ids.frombytes(message[begin + length :])
+    except ValueError as err:
+        raise LinkError(f"an ANSWER's ids are not whole uint32 values: {err}") from err
+    if sys.byteorder != "little":
+        ids.byteswap()
+    try:
+        return answer_id, _request(header, ids)
+    except (KeyError, TypeError, ValueError) as err:
+        raise LinkError(f"an ANSWER's header does not match its ids: {err}") from err
+
+
+def _chunk_header(chunk: WireChunk) -> dict[str, Any]:
+    return {
+        "id": chunk.id,
+        "doc_id": chunk.doc_id,
+        "score": chunk.score,
+        "text": chunk.text,
+        "tokens": len(chunk.token_ids),
+        "metadata": dict(chunk.metadata),
+        "context": dict(chunk.context),
+    }
+
+
+def _request(header: dict[str, Any], ids: array.array[int]) -> EngineAnswerRequest:
+    """The request of a header and its ids (written by `answer_message`, after the API process's checks)."""
+    chunks, at = [], 0
+    for c in header.pop("chunks"):
+        tokens = int(c.pop("tokens"))
+        chunks.append(WireChunk(**c, token_ids=tuple(ids[at : at + tokens])))
+        at += tokens
+    if at != len(ids):
+        raise ValueError(f"{len(ids)} ids for chunks of {at}")
+    history = tuple(ChatMessage(role, text) for role, text in header.pop("history"))
+    stop = tuple(header.pop("stop"))
+    return EngineAnswerRequest(**header, chunks=tuple(chunks), history=history, stop=stop)
 
 
 def json_message(kind: bytes, body: Any) -> bytes:

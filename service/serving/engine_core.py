@@ -1,11 +1,11 @@
 """An engine's core process serving its API process (`KVSTITCH_ENGINE_API_PROCESS`): `CoreHost` over one link.
 
 The core process holds the model and the engine thread; the API process (`api/engine_front.py`) holds the HTTP
-server. Questions arrive as the gateway's JSON bodies and are parsed and admitted here exactly as the in-process
-route does (`EngineServer.open_answer`). The engine thread hands each event to `CoreHost`'s outbox, and one writer
-thread sends everything that gathered while it was away in one LINES message: a decode step of a hundred answers
-costs this process one socket write, not a hundred HTTP writes and coroutine wake-ups on an event loop that holds
-the GIL the engine thread launches with.
+server. Questions arrive parsed and checked by the API process (`engine_link.answer_message`) and are admitted
+here as the in-process route admits them (`EngineServer.open_answer`). The engine thread hands each event to
+`CoreHost`'s outbox, and one writer thread sends everything that gathered while it was away in one LINES message: a
+decode step of a hundred answers costs this process one socket write, not a hundred HTTP writes and coroutine
+wake-ups on an event loop that holds the GIL the engine thread launches with.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from service.facade import engine_link as link
-from service.facade.engine import event_line, failure_line, parse_answer_body
+from service.facade.engine import EngineAnswerRequest, event_line, failure_line
 from service.serving.answer_session import AnswerItem, AnswerSession
 from service.serving.engine_server import EngineServer
 
@@ -47,6 +47,7 @@ class CoreHost:
             "tiers": server.tiers,
             "metrics_text": lambda: server.metrics_text().decode(),
             "precompute": server.precompute_now,
+            "vocab_size": server.vocab_size,
         }
 
     def serve(self) -> None:
@@ -76,7 +77,7 @@ class CoreHost:
     def _dispatch(self, message: bytes) -> None:
         kind = message[:1]
         if kind == link.ANSWER:
-            self._open(*link.split_id(message))
+            self._open(*link.read_answer(message))
         elif kind == link.CANCEL:
             session = self._sessions.get(link.split_id(message)[0])
             if session is not None:
@@ -86,10 +87,10 @@ class CoreHost:
         else:
             raise link.LinkError(f"unknown message kind {kind!r}")
 
-    def _open(self, answer_id: int, body: bytes) -> None:
-        """Parse and admit a question as the in-process route does; OPENED, or REFUSED with the error."""
+    def _open(self, answer_id: int, request: EngineAnswerRequest) -> None:
+        """Admit a question as the in-process route does; OPENED, or REFUSED with the error."""
         try:
-            session = self._server.open_answer(parse_answer_body(body))
+            session = self._server.open_answer(request, vocabulary_checked=True)
             self._sessions[answer_id] = session
             session.start(lambda item: self._post(answer_id, item))
         except Exception as err:

@@ -25,12 +25,11 @@ import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.kv_path import KVPath
-from service.engine.prompt import out_of_vocabulary
 from service.engine.recompute_spec import NO_RECOMPUTE, parse_recompute
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
 from service.errors import BusyError, InvalidRequestError, NotReadyError
-from service.facade.engine import EngineAnswerRequest, WireChunk
+from service.facade.engine import EngineAnswerRequest, WireChunk, check_vocabulary
 from service.fleet.tier_events import TierPublisher
 from service.kvcache.index import KVIndex, open_index
 from service.kvcache.store import KVStore
@@ -213,6 +212,10 @@ class EngineServer:
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
+    def vocab_size(self) -> int:
+        """The model's vocabulary (`NotReadyError` while it loads): every chunk id an answer reads is below it."""
+        return self._ready_runtime().engine.spec.vocab_size
+
     def _ready_runtime(self) -> EngineRuntime:
         if self.runtime is None or not self.ready:
             raise NotReadyError(self.startup_error or "the engine is still loading")
@@ -224,12 +227,14 @@ class EngineServer:
         session = await anyio.to_thread.run_sync(self.open_answer, request)
         return EventStream(session)
 
-    def open_answer(self, request: EngineAnswerRequest) -> AnswerSession:
-        """Admit the question with its chunks (`BusyError` when the line is full)."""
+    def open_answer(self, request: EngineAnswerRequest, vocabulary_checked: bool = False) -> AnswerSession:
+        """Admit the question with its chunks (`BusyError` when the line is full). `vocabulary_checked`: the
+        engine's API process checked the chunks' ids against `vocab_size()` already."""
         started = time.perf_counter()
         runtime = self._ready_runtime()
         assert self.answerer is not None
-        _check_vocabulary([c.token_ids for c in request.chunks], runtime.engine.spec.vocab_size)
+        if not vocabulary_checked:
+            check_vocabulary([c.token_ids for c in request.chunks], runtime.engine.spec.vocab_size)
         try:
             question = self.answerer.prepare(_question(request))
         except InvalidRequestError:
@@ -251,7 +256,7 @@ class EngineServer:
     def precompute_now(self, chunks: Sequence[Sequence[int]]) -> dict[str, int]:
         """The chunks' KV fetched once on the engine loop (misses computed and kept by the store's tiers)."""
         runtime = self._ready_runtime()
-        _check_vocabulary(chunks, runtime.engine.spec.vocab_size)
+        check_vocabulary(chunks, runtime.engine.spec.vocab_size)
         template = runtime.engine.template
         blocks = [template.chunk_block(tuple(ids)) for ids in chunks]
         result = runtime.loop.call(lambda: runtime.store.fetch(blocks))
@@ -260,17 +265,6 @@ class EngineServer:
         finally:
             runtime.store.release(result)
         return {tier.value: counts[tier.value] for tier in Tier}
-
-
-def _check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """InvalidRequestError (422) for a chunk holding an id the model has no embedding for: the engine's port takes
-    ids from any caller, and a gateway's collection may hold another tokenizer's."""
-    found = out_of_vocabulary(chunks, vocab_size)
-    if found is not None:
-        index, top = found
-        raise InvalidRequestError(
-            f"chunks[{index}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {top}"
-        )
 
 
 def _question(request: EngineAnswerRequest) -> Question:

@@ -29,8 +29,8 @@ from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError
 from service.facade import engine_link as link
-from service.facade.engine import EngineAnswerRequest, parse_event
-from service.facade.types import TokenEvent
+from service.facade.engine import EngineAnswerRequest, WireChunk, parse_event
+from service.facade.types import ChatMessage, TokenEvent
 from service.serving.engine_core import CoreHost
 
 Item = TokenEvent | Exception | None
@@ -60,12 +60,19 @@ class Session:
 class Core:
     """`EngineServer`'s part that `CoreHost` serves: answers as told, a refusal, and the calls."""
 
-    def __init__(self, items: list[Any] | None = None, hang: bool = False, refusal: Exception | None = None) -> None:
-        self.items, self.hang, self.refusal = items or [], hang, refusal
+    def __init__(
+        self,
+        items: list[Any] | None = None,
+        hang: bool = False,
+        refusal: Exception | None = None,
+        vocab: int | Exception = 50,
+    ) -> None:
+        self.items, self.hang, self.refusal, self.vocab = items or [], hang, refusal, vocab
         self.requests: list[EngineAnswerRequest] = []
         self.sessions: list[Session] = []
 
-    def open_answer(self, request: EngineAnswerRequest) -> Session:
+    def open_answer(self, request: EngineAnswerRequest, vocabulary_checked: bool = False) -> Session:
+        assert vocabulary_checked, "the API process checks the vocabulary: the core must not check it again"
         self.requests.append(request)
         if self.refusal is not None:
             raise self.refusal
@@ -89,6 +96,11 @@ class Core:
 
     def precompute_now(self, chunks: list[list[int]]) -> dict[str, int]:
         return {"gpu": len(chunks), "host": 0, "disk": 0, "miss": 0}
+
+    def vocab_size(self) -> int:
+        if isinstance(self.vocab, Exception):
+            raise self.vocab
+        return self.vocab
 
 
 @pytest.fixture
@@ -125,7 +137,7 @@ def test_an_answer_streams_the_cores_lines(linked: Callable[[Core], CoreLink]) -
 
     assert status == 200 and headers[b"content-type"] == b"application/x-ndjson"
     assert [parse_event(line) for line in body.splitlines()] == [TokenEvent("a"), TokenEvent("b"), DONE]
-    assert core.requests == [REQUEST]  # parsed in the core as the in-process route parses it
+    assert core.requests == [REQUEST]  # parsed in the API process as the in-process route parses it
 
 
 def test_an_error_after_the_start_is_the_same_error_line(linked: Callable[[Core], CoreLink]) -> None:
@@ -185,6 +197,52 @@ def test_a_refused_field_names_itself(linked: Callable[[Core], CoreLink]) -> Non
 
     (detail,) = json.loads(sent)["detail"]
     assert status == 422 and detail["loc"] == ["body", "chunks[0].token_ids"] and "below 8" in detail["msg"]
+
+
+def test_ids_past_the_vocabulary_are_a_422_in_the_api_process(linked: Callable[[Core], CoreLink]) -> None:
+    """The API process checks the ids against the vocabulary the core reports (the in-process route's 422), and
+    the request never reaches the core; while the core loads, the question is refused as the core would."""
+    core = Core([DONE, None], vocab=3)
+    status, _, sent = status_and_body(asyncio.run(post(linked(core), REQUEST.body())))
+
+    (detail,) = json.loads(sent)["detail"]
+    assert status == 422 and detail["loc"] == ["body", "chunks[0].token_ids"]
+    assert "below 3); got 3" in detail["msg"] and core.requests == []
+
+    loading = Core([DONE, None], vocab=NotReadyError("loading"))
+    status, _, sent = status_and_body(asyncio.run(post(linked(loading), REQUEST.body())))
+    assert status == 503 and json.loads(sent) == {"detail": "not ready: loading"} and loading.requests == []
+
+
+def test_a_request_crosses_the_link_whole_and_a_cut_one_is_refused() -> None:
+    request = EngineAnswerRequest(
+        "why é?",
+        (
+            WireChunk("c1", "d1", 0.5, "text", (1, 2, 3), {"title": "t"}, {"before": "b"}),
+            WireChunk("c2", "d2", -1.0, "", (2**32 - 1,)),
+            WireChunk("c3", "d1", 0.0, "x", tuple(range(700))),
+        ),
+        mode="naive",
+        positions="composite",
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=11,
+        stop=("\n", "END"),
+        logprobs=2,
+        recompute="top:0.1",
+        history=(ChatMessage("user", "hi"), ChatMessage("assistant", "hello")),
+        dropped=2,
+    )
+    message = link.answer_message(2**63, request)
+
+    assert link.read_answer(message) == (2**63, request)
+    with pytest.raises(link.LinkError, match="whole uint32"):
+        link.read_answer(message[:-1])
+    with pytest.raises(link.LinkError, match="does not match"):
+        link.read_answer(message[:-4])
+    with pytest.raises(link.LinkError):
+        link.read_answer(message[:20])
 
 
 def test_a_gateway_that_goes_away_cancels_the_answer_in_the_core(linked: Callable[[Core], CoreLink]) -> None:
