@@ -26,15 +26,17 @@ NEEDS_GPU = pytest.mark.skipif(
 
 
 def test_riders_take_the_smallest_bucket_holding_their_count_and_tokens() -> None:
-    assert RIDER_BUCKETS == ((16, 128), (16, 256), (16, 384), (16, 512), (16, 768), (16, 1024), (16, 1536), (16, 2048))
+    assert [q for q, _ in RIDER_BUCKETS] == [16] * 11
+    assert [t for _, t in RIDER_BUCKETS] == [64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048]
+    assert rider_bucket(1, 60) == (16, 64)
     assert rider_bucket(1, 90) == (16, 128)
-    assert rider_bucket(1, 200) == (16, 256)
+    assert rider_bucket(2, 200) == (16, 256)
     assert rider_bucket(3, 500) == (16, 512)
     assert rider_bucket(16, 1100) == (16, 1536)
     assert rider_bucket(16, 2048) == (16, 2048)
     assert rider_bucket(17, 100) is None and rider_bucket(2, 2049) is None
     # A pool spares a quarter of its slots for the padding (as the prefill's graphs): a small one, small buckets.
-    assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:5]
+    assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:8]
     assert SharedMixedGraphs.riders_for(100) == ()
     assert rider_bucket(3, 800, SharedMixedGraphs.riders_for(4000)) is None
 

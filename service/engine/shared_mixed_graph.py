@@ -45,11 +45,12 @@ log = logging.getLogger(__name__)
 
 # (questions, question tokens in all) a mixed step is captured for. Under load the questions arrive in waves (a
 # cohort of answers ends, its clients ask again), several per step, and a question with the template's is ~70-250
-# tokens. A wave no bucket holds would be prefilled apart, stalling every running answer for a forward of its
-# own, so the planner holds the rest of a wave back for the next step (`Planner.admit`): the largest bucket bounds
-# how many questions enter a step while answers run. Sixteen rows cost a graph little (dead tiles are skipped); a replay
-# computes its whole token bucket, hence the fine token steps.
-RIDER_BUCKETS = tuple((16, tokens) for tokens in (128, 256, 384, 512, 768, 1024, 1536, 2048))
+# tokens. A wave no bucket holds would be prefilled apart, stalling every running answer for a forward of its own,
+# so the planner holds the rest of a wave back for the next step (`Planner.admit`): the largest bucket bounds how
+# many questions enter a step while answers run. Sixteen rows cost a graph little (dead tiles are skipped). A replay
+# computes its whole token bucket, and under load nearly every step carries riders, so the padding is paid at every
+# step: hence token buckets 64 apart up to 384 (a wave of one to five questions), coarser above.
+RIDER_BUCKETS = tuple((16, tokens) for tokens in (64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048))
 
 
 def rider_bucket(
