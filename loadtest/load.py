@@ -308,6 +308,30 @@ async def gateway_pools(
         yield [pools[g][j] for j, g in order], [g for _, g in order]
 
 
+@contextlib.asynccontextmanager
+async def assigned_pools(
+    urls: Sequence[str], gateways: Sequence[int], headers: dict[str, str] | None = None
+) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """`drive`'s clients when each client loop's gateway is given: loop i asks `urls[gateways[i]]`. One entry per
+    loop (so `drive`'s loop i takes entry i; pass `gateways` as its labels), the k-th loop of a gateway on its
+    pool k mod P, P pools for each gateway asked (`client_pools` of the busiest gateway's loops). For
+    gateways[i] == i mod N this is `gateway_pools`' assignment, pool for pool."""
+    counts = [sum(g == index for g in gateways) for index in range(len(urls))]
+    per_gateway = max(counts, default=0)
+    async with contextlib.AsyncExitStack() as stack:
+        pools = {
+            g: await stack.enter_async_context(client_pools(url, per_gateway, headers))
+            for g, url in enumerate(urls)
+            if counts[g]
+        }
+        ranks = [0] * len(urls)
+        assigned = []
+        for g in gateways:
+            assigned.append(pools[g][ranks[g] % len(pools[g])])
+            ranks[g] += 1
+        yield assigned
+
+
 async def drive(
     client: httpx.AsyncClient | Sequence[httpx.AsyncClient], config: LoadConfig, labels: Sequence[int] = ()
 ) -> tuple[list[Result], float]:

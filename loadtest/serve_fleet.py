@@ -8,8 +8,11 @@ Engines are separate processes, one per GPU (`CUDA_VISIBLE_DEVICES`): `python -m
 Qwen2-7B-shaped model drawn on the device (`--model DIR` loads a folder instead), serving `kvstitch engine`'s API.
 The gateway runs in this process (uvicorn on a background thread, as `serve_random`'s), built from `Settings` in
 gateway mode over a shell of the same model (`bench_prefill.random_qwen2_7b_shell` or `load_model_shell`): no
-weights, no GPU, the engines' key space. Clients run in a second process (`loadtest.load`), so their work does not
-hold the gateway's GIL. `--gateways N` adds N - 1 gateway processes over the same engines on the next ports
+weights, no GPU, the engines' key space. Clients run in other processes (`loadtest.load`), so their work does not
+hold the gateway's GIL: `--client-processes K` (default 4) of them, started once; a level's clients split over them
+(client j in process j mod K, each process with its own question seed and its share of `--max-requests`), their
+timed runs started at one instant and their results merged into one report (the engines' /metrics read here,
+before and after). `--gateways N` adds N - 1 gateway processes over the same engines on the next ports
 (`loadtest.fleet_gateways`: each with its own embedded Qdrant, the corpus ingested into each, as the fleet's
 Kubernetes Deployment runs several gateway pods over one Qdrant server); client i asks through gateway i mod N.
 
@@ -36,11 +39,11 @@ of table.md): CPU ms per answer and cores busy (CPU seconds / wall seconds) of t
 group (`event_loop`: uvicorn's thread; `retrieval`: the batcher that embeds and searches; `request_threads`: anyio's
 workers, each request's retrieval wait, preparation and routing; `other`: the rest, threads that ended included), of
 the question embedder's child (on CUDA: `embedding_process` on), of each engine process of the configuration
-(`engine-N`), of the clients' process and of any other child of the gateway's process; per process also its busiest
-thread's cores. Python threads share their process's GIL: a gateway whose event loop, or whose Python threads
-together, sit near 1.0 core is bound by it; an engine whose busiest thread is near 1.0 has a saturated scheduler;
-all of them well below 1.0 means the run waits (on the GPU, or on a queue). The clients' process near 1.0 would
-make the clients the wall.
+(`engine-N`), of the client processes (`clients`, summed) and of any other child of the gateway's process; per
+process also its busiest thread's cores. Python threads share their process's GIL: a gateway whose event loop, or
+whose Python threads together, sit near 1.0 core is bound by it; an engine whose busiest thread is near 1.0 has a
+saturated scheduler; all of them well below 1.0 means the run waits (on the GPU, or on a queue). Client processes
+near 1.0 each (`clients` near K cores, its busiest thread near 1.0) would make the clients the wall.
 
     python -m loadtest.serve_fleet --out $OUT --gpus 0,1 --phases scale --concurrency 64 --profile
 
@@ -65,8 +68,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -182,12 +186,84 @@ def engine_environment(
     return env
 
 
-# ---- the clients (a second process) -------------------------------------------------------------------------
+# ---- the clients (further processes) ------------------------------------------------------------------------
+
+# A client process's question seed: the level's seed plus this times its number (process 0 keeps the level's seed,
+# so one process asks what the single clients' process asked; the stride keeps the others off the seeds of other
+# levels, which differ by a concurrency).
+SEED_STRIDE = 1_000_003
+START_LEAD_S = 0.5  # the timed run starts this long after its processes are handed their shares
+LATE_START_S = 0.1  # a process that starts later than this is logged
+READY_TIMEOUT_S = 300.0  # for every client process to have started (spawned: each imports torch and the service)
+
+_ready: Any = None  # in a client process: the barrier every client process meets at `client_pid`
+
+
+@dataclass(frozen=True)
+class ClientShare:
+    """One client process's part of a level: the clients whose global index is its number modulo the processes
+    used (`clients`; client j asks gateway j mod N, as `load.gateway_pools` interleaves them), each one's gateway,
+    its question seed and its share of the questions."""
+
+    process: int
+    clients: tuple[int, ...]
+    gateways: tuple[int, ...]
+    seed: int
+    max_requests: int
+
+
+def client_shares(clients: int, processes: int, gateways: int, seed: int, max_requests: int) -> list[ClientShare]:
+    """A level's clients split over at most `processes` processes: as evenly as possible, none without a client or
+    a question (1 client: 1 process); the questions one each, the rest in proportion to the clients (they add up
+    to `max_requests`)."""
+    if min(clients, processes, gateways, max_requests) < 1:
+        raise ValueError("clients, processes, gateways and max_requests must be at least 1")
+    used = min(processes, clients, max_requests)
+    members = [tuple(range(i, clients, used)) for i in range(used)]
+    extra = max_requests - used
+    requests, given, done = [], 0, 0
+    for share in members:
+        given += len(share)
+        requests.append(1 + extra * given // clients - done)
+        done += requests[-1] - 1
+    return [
+        ClientShare(i, share, tuple(j % gateways for j in share), seed + i * SEED_STRIDE, n)
+        for i, (share, n) in enumerate(zip(members, requests, strict=True))
+    ]
+
+
+def start_clients(count: int) -> tuple[ProcessPoolExecutor, list[int]]:
+    """`count` client processes (spawned: no CUDA or threads inherited from the gateway's) and their pids. They are
+    started here, all of them: a task for each that waits for the others at a barrier, so that every level's timed
+    run finds `count` idle processes, one to each share."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(count)
+    pool = ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=client_init, initargs=(barrier,))
+    try:
+        pids = [f.result() for f in [pool.submit(client_pid, READY_TIMEOUT_S) for _ in range(count)]]
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    if len(set(pids)) != count:
+        pool.shutdown()
+        raise RuntimeError(f"{count} client processes expected, found {sorted(set(pids))}")
+    return pool, pids
+
+
+def client_init(barrier: Any) -> None:
+    global _ready
+    _ready = barrier
+
+
+def client_pid(timeout_s: float) -> int:
+    """In a client process: its pid, once every client process has started."""
+    _ready.wait(timeout_s)
+    return os.getpid()
 
 
 def clients_ingest_all(args: argparse.Namespace, urls: list[str]) -> tuple[int, float]:
-    """In the clients' process: the corpus ingested through every gateway replica in turn (each has its own
-    embedded Qdrant); the first one's chunks and the seconds all took."""
+    """In a client process: the corpus ingested through every gateway replica in turn (each has its own embedded
+    Qdrant); the first one's chunks and the seconds all took."""
     began = time.perf_counter()
     chunks = [clients_ingest(args, url)[0] for url in urls]
     if len(set(chunks)) != 1:
@@ -195,31 +271,77 @@ def clients_ingest_all(args: argparse.Namespace, urls: list[str]) -> tuple[int, 
     return chunks[0], time.perf_counter() - began
 
 
-def clients_warm_up_all(args: argparse.Namespace, urls: list[str], clients: int) -> tuple[int, list[str]]:
-    """In the clients' process: a level's untimed warm-up over every replica; the questions and the first errors."""
+def share_config(args: argparse.Namespace, urls: list[str], share: ClientShare, duration_s: float) -> load.LoadConfig:
+    config = phase_config(args, urls[0], len(share.clients), duration_s, share.max_requests)
+    return replace(config, seed=share.seed)
+
+
+def level_shares(args: argparse.Namespace, urls: list[str], clients: int, max_requests: int) -> list[ClientShare]:
+    """The level's shares over `--client-processes` processes, from the level's seed (`phase_config`'s)."""
+    seed = phase_config(args, urls[0], clients, args.duration, max_requests).seed
+    return client_shares(clients, args.client_processes, len(urls), seed, max_requests)
+
+
+def clients_warm_up_all(
+    args: argparse.Namespace, urls: list[str], clients: int, pool: ProcessPoolExecutor
+) -> tuple[int, list[str]]:
+    """A level's untimed warm-up over every replica, its clients split over the client processes; the questions
+    asked and the first errors."""
+    shares = level_shares(args, urls, clients, args.warmup_requests)
+    futures = [pool.submit(clients_warm_up_share, args, urls, share) for share in shares]
+    outcomes = [f.result() for f in futures]
+    return sum(asked for asked, _ in outcomes), [e for _, errors in outcomes for e in errors][:5]
+
+
+def clients_warm_up_share(args: argparse.Namespace, urls: list[str], share: ClientShare) -> tuple[int, list[str]]:
+    """In a client process: its share of a level's warm-up; the questions and the first errors."""
     quiet_logging()
 
     async def warm_up() -> tuple[int, list[str]]:
-        async with load.gateway_pools(urls, clients) as (pools, gateways):
-            config = phase_config(args, urls[0], clients, args.warmup_s, args.warmup_requests)
-            results, _ = await load.drive(pools, config, gateways)
+        async with load.assigned_pools(urls, share.gateways) as pools:
+            config = share_config(args, urls, share, args.warmup_s)
+            results, _ = await load.drive(pools, config, share.gateways)
         return len(results), [r.error for r in results if r.error][:5]
 
     return asyncio.run(warm_up())
 
 
-def clients_timed(args: argparse.Namespace, urls: list[str], engine_urls: list[str], clients: int) -> dict[str, Any]:
-    """In the clients' process: a level's timed run over every gateway replica between two reads of the engines'
-    /metrics (`run_report`)."""
+def clients_timed(
+    args: argparse.Namespace, urls: list[str], engine_urls: list[str], clients: int, pool: ProcessPoolExecutor
+) -> dict[str, Any]:
+    """A level's timed run over every gateway replica, its clients split over the client processes, all of them
+    starting at one instant, between two reads of the engines' /metrics (`run_report` of their results merged)."""
+    shares = level_shares(args, urls, clients, args.max_requests)
+    before = asyncio.run(engine_pages(engine_urls))
+    start_at = time.time() + START_LEAD_S
+    futures = [pool.submit(clients_timed_share, args, urls, share, start_at) for share in shares]
+    outcomes = [f.result() for f in futures]
+    after = asyncio.run(engine_pages(engine_urls))
+    late = max(late_s for _, _, late_s in outcomes)
+    if late > LATE_START_S:
+        log.warning("%d clients: a client process started its timed run %.2f s late", clients, late)
+    results = sorted((r for results, _, _ in outcomes for r in results), key=lambda r: r.started_s)
+    duration_s = max(duration for _, duration, _ in outcomes)
+    run = run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
+    run["client_processes"] = len(shares)
+    run["requests_per_client_process"] = [len(results) for results, _, _ in outcomes]
+    return run
+
+
+def clients_timed_share(
+    args: argparse.Namespace, urls: list[str], share: ClientShare, start_at: float
+) -> tuple[list[load.Result], float, float]:
+    """In a client process: its share of a level's timed run, started at `start_at` (`time.time()`); its results
+    (`started_s` from that start, `gateway` the global replica index), the seconds it ran and how late it began."""
     quiet_logging()
 
-    async def timed() -> dict[str, Any]:
-        async with load.gateway_pools(urls, clients) as (pools, gateways):
-            before = await engine_pages(engine_urls)
-            config = phase_config(args, urls[0], clients, args.duration, args.max_requests)
-            results, duration_s = await load.drive(pools, config, gateways)
-            after = await engine_pages(engine_urls)
-        return run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
+    async def timed() -> tuple[list[load.Result], float, float]:
+        async with load.assigned_pools(urls, share.gateways) as pools:
+            config = share_config(args, urls, share, args.duration)
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            late_s = time.time() - start_at
+            results, duration_s = await load.drive(pools, config, share.gateways)
+        return results, duration_s, late_s
 
     return asyncio.run(timed())
 
@@ -312,6 +434,19 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
     return plan
 
 
+@dataclass
+class FleetWatched(Watched):
+    """`Watched` with every client process under `clients` (their CPU summed; the busiest thread of any of them),
+    none of them among `other children`."""
+
+    client_pids: list[int] = field(default_factory=list)
+
+    def roles(self, samplers: Iterable[int] = ()) -> dict[str, int | list[int] | None]:
+        roles = super().roles([*samplers, *self.client_pids])
+        roles["clients"] = list(dict.fromkeys([self.clients_pid, *self.client_pids]))
+        return roles
+
+
 def run_configuration(
     args: argparse.Namespace,
     config: Configuration,
@@ -320,6 +455,7 @@ def run_configuration(
     redis_prefix: str | None,
     embedder: Embedder,
     clients: ProcessPoolExecutor,
+    client_pids: list[int],
 ) -> dict[str, Any]:
     urls = [group.urls[i] for i in config.engines]
     concurrency = args.concurrency if config.phase == "scale" else args.routing_concurrency
@@ -342,9 +478,10 @@ def run_configuration(
         )
         chunks, ingest_s = clients.submit(clients_ingest_all, args, gateways).result()
         log.info("ingested %d chunks in %.1f s", chunks, ingest_s)
-        watched = Watched(
+        watched = FleetWatched(
             embedder_pids=lambda: question_embedder_pids(gateway),
-            clients_pid=clients.submit(os.getpid).result(),
+            clients_pid=client_pids[0],
+            client_pids=client_pids,
             engines={f"engine-{i}": group.processes[i].pid for i in config.engines},
             ignored={process.pid for process in group.processes},  # the configuration's others sit idle
             replicas=lambda: replicas.pids,
@@ -383,14 +520,14 @@ def run_level(
 ) -> tuple[dict[str, Any], str | None]:
     """A warm-up, then a timed run with each watched process's CPU read before and after it (`cpu`); with `profile`
     py-spy samples the gateway and the first engine over the timed run (the profile's text, else None)."""
-    asked, errors = clients.submit(clients_warm_up_all, args, gateways, clients_count).result()
+    asked, errors = clients_warm_up_all(args, gateways, clients_count, clients)
     log.info("%d clients: warm-up of %d questions, errors %s", clients_count, asked, errors)
     first_engine = dict(list(watched.engines.items())[:1])
     spies = start_profiles(args.py_spy, {"gateway": os.getpid(), **first_engine}, args.out / "py-spy", profile)
     samplers = spies.sampler_pids if spies is not None else []
     before = cpu_snapshot(watched.roles(samplers))
     try:
-        run = clients.submit(clients_timed, args, gateways, engine_urls, clients_count).result()
+        run = clients_timed(args, gateways, engine_urls, clients_count, clients)
     except BaseException:
         if spies is not None:
             spies.stop()
@@ -436,8 +573,8 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
     began_all = time.perf_counter()
     group: EngineGroup | None = None
     embedder = Embedder(args.embedding_model, device=args.embedding_device)
-    # One clients' process for every configuration (spawned: no CUDA or threads inherited from the gateway's).
-    clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    # The client processes for every configuration (spawned: no CUDA or threads inherited from the gateway's).
+    clients, client_pids = start_clients(args.client_processes)
     try:
         for number, config in enumerate(configurations(args)):
             tier = args.gpu_cache_mb if config.phase == "scale" else args.routing_gpu_cache_mb
@@ -450,7 +587,8 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
                 log.info(
                     "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
                 )
-            outcomes.append(run_configuration(args, config, group, number, redis_prefix, embedder, clients))
+            outcome = run_configuration(args, config, group, number, redis_prefix, embedder, clients, client_pids)
+            outcomes.append(outcome)
             write_report(args, outcomes, began_all, final=False)
     finally:
         clients.shutdown()
@@ -624,7 +762,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--routing-first", default="chunk-aware", choices=["chunk-aware", "round-robin"])
     parser.add_argument("--routing-concurrency", type=int, nargs="+", default=[64])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of each timed run")
-    parser.add_argument("--max-requests", type=int, default=5000)
+    parser.add_argument("--max-requests", type=int, default=5000, help="questions of a timed run, all clients")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="processes the clients of a level are split over (1: all in one, as before; default 4)",
+    )
     parser.add_argument("--warmup-s", type=float, default=10.0)
     parser.add_argument("--warmup-requests", type=int, default=64)
     parser.add_argument("--gpu-cache-mb", type=int, default=4096, help="engines' GPU tier in the scale phase")
@@ -644,6 +788,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     if not 1 <= args.gateways <= MAX_GATEWAYS:
         parser.error(f"--gateways takes 1-{MAX_GATEWAYS}")
+    if args.client_processes < 1:
+        parser.error("--client-processes takes 1 or more")
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
     pairs = [item.partition("=") for item in args.engine_env]

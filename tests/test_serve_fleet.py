@@ -55,6 +55,11 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
     engines = [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"]
     for run in runs.values():
         assert run["requests"] == 40 and run["errors"] == run["refused"] == 0 and run["output_tokens_per_s"] > 0
+        # `--client-processes` left at 4: a process per client here (2 in the scale phase, 4 in routing), each
+        # asking its share of the 40 questions.
+        processes = run["concurrency"]
+        assert run["client_processes"] == processes
+        assert run["requests_per_client_process"] == [40 // processes] * processes
         # Every answer counted by the engines is one the clients had: no answer lost or counted twice.
         assert sum(e["answers"] for e in run["engines"].values()) == run["requests"]
         # Each engine thread's time by phase, as shares of the run, and the answers' server stages.
@@ -106,26 +111,32 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
 
 
 def test_gateway_replicas_share_the_engines_and_the_clients(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """`--gateways 2`: a second gateway process over the same engines, its own embedded Qdrant, half the clients."""
+    """`--gateways 2`: a second gateway process over the same engines, its own embedded Qdrant, half the clients;
+    `--client-processes 2`: the clients in two processes, client j in process j mod 2, so that here each process
+    asks one gateway (clients 0 and 2 the first, 1 and 3 the second), half the questions each."""
     out = tmp_path / "out"
     first = free_ports(4)  # two engines, the gateway, then its replica
     argv = ["--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--gpus", "0,1", "--phases", "scale"]
     argv += ["--engine-port", str(first), "--port", str(first + 2), "--gateways", "2", "--engine-env", *ENGINE_ENV]
     argv += ["--chunk-size", "192", "--topics", "12", "--sentences", "4", "--top-k", "4", "--max-new-tokens", "4"]
     argv += ["--concurrency", "4", "--duration", "30", "--max-requests", "24", "--warmup-s", "1"]
-    argv += ["--warmup-requests", "4"]
+    argv += ["--warmup-requests", "4", "--client-processes", "2"]
     assert main([*argv, "--data-dir", str(tmp_path / "data"), "--out", str(out)]) == 0
 
     report = json.loads((out / "report.json").read_text())
-    assert [c["gateways"] for c in report["configurations"]] == [2, 2]
+    assert [c["gateways"] for c in report["configurations"]] == [2, 2] and report["args"]["client_processes"] == 2
     for configuration in report["configurations"]:
         run = configuration["runs"][0]
         assert run["requests"] == 24 and run["errors"] == run["refused"] == 0
         per_gateway = run["requests_per_gateway"]  # clients 0 and 2 ask the first gateway, 1 and 3 the second
         assert len(per_gateway) == 2 and min(per_gateway) > 0 and sum(per_gateway) == 24
+        # Both processes asked their share (12 each of the 24), the merged results labelled with global gateways.
+        assert run["client_processes"] == 2 and run["requests_per_client_process"] == per_gateway == [12, 12]
         assert sum(e["answers"] for e in run["engines"].values()) == 24  # both gateways' answers reach the engines
         replicas = run["cpu"]["processes"]["gateway replicas"]
         assert replicas["cores"] > 0 and replicas["ms_per_answer"] > 0
+        clients = run["cpu"]["processes"]["clients"]  # both client processes, summed
+        assert clients["cores"] > 0 and 0 < clients["busiest_thread_cores"] <= clients["cores"] + 0.01
     table = (out / "table.md").read_text()
     assert "| scale | 2 engines, 2 gateways | 4 |" in table and "| scale | 1 engine, 2 gateways | 4 |" in table
 
