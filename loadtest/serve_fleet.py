@@ -312,11 +312,12 @@ def clients_timed(
     """A level's timed run over every gateway replica, its clients split over the client processes, all of them
     starting at one instant, between two reads of the engines' /metrics (`run_report` of their results merged)."""
     shares = level_shares(args, urls, clients, args.max_requests)
-    before = asyncio.run(engine_pages(engine_urls))
+    before = asyncio.run(engine_pages([*engine_urls, urls[0]]))
     start_at = time.time() + START_LEAD_S
     futures = [pool.submit(clients_timed_share, args, urls, share, start_at) for share in shares]
     outcomes = [f.result() for f in futures]
-    after = asyncio.run(engine_pages(engine_urls))
+    after = asyncio.run(engine_pages([*engine_urls, urls[0]]))
+    (gateway_before, gateway_after), before, after = (before[-1], after[-1]), before[:-1], after[:-1]
     late = max(late_s for _, _, late_s in outcomes)
     if late > LATE_START_S:
         log.warning("%d clients: a client process started its timed run %.2f s late", clients, late)
@@ -324,6 +325,7 @@ def clients_timed(
     duration_s = max(duration for _, duration, _ in outcomes)
     run = run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
     run["client_processes"] = len(shares)
+    run["gateway_retrieval_ms"] = retrieval_split(gateway_before, gateway_after)
     run["requests_per_client_process"] = [len(results) for results, _, _ in outcomes]
     return run
 
@@ -405,6 +407,21 @@ def summed_by_label(page: str, name: str, label: str) -> dict[str, float]:
             key = labels.split(f'{label}="')[1].split('"')[0]
             values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def retrieval_split(earlier: str, later: str) -> dict[str, float]:
+    """The first gateway's retrieval between two of its /metrics pages: ms a question spent by stage (wait for the
+    round before its own, embed, search; `RetrievalStats`), where a lone question's TTFT goes before the engine."""
+    seconds = grown(earlier, later, "kvstitch_retrieval_seconds_total", "stage")
+    questions = _counter(later, "kvstitch_retrieval_questions_total") - _counter(
+        earlier, "kvstitch_retrieval_questions_total"
+    )
+    return {stage: round(s * 1e3 / questions, 2) for stage, s in seconds.items()} if questions > 0 else {}
+
+
+def _counter(page: str, name: str) -> float:
+    """An unlabelled sample's value on a /metrics page (0 when absent)."""
+    return next((float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name + " ")), 0.0)
 
 
 def hit_ratio(kv: dict[str, int], tier: str) -> float | None:
@@ -552,6 +569,7 @@ def run_level(
     log.info(
         "%d clients: server stages p50 (ms) %s", clients_count, {k: round(v, 1) for k, v in run["stage_ms"].items()}
     )
+    log.info("%d clients: first gateway's retrieval, mean ms a question %s", clients_count, run["gateway_retrieval_ms"])
     for url, engine in run["engines"].items():
         log.info(
             "%d clients: %s thread share %s, questions prefilled %s",

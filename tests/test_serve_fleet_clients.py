@@ -15,7 +15,7 @@ import pytest
 
 from loadtest import load
 from loadtest.proc_cpu import cpu_snapshot
-from loadtest.serve_fleet import SEED_STRIDE, ClientShare, FleetWatched, client_shares, parse_args
+from loadtest.serve_fleet import SEED_STRIDE, ClientShare, FleetWatched, client_shares, parse_args, retrieval_split
 
 
 def test_a_levels_clients_go_to_process_index_mod_k_with_their_gateways_seeds_and_questions() -> None:
@@ -117,3 +117,18 @@ def test_every_client_process_is_watched_as_the_clients_and_none_as_another_chil
     others = roles["other children"]
     assert isinstance(others, list) and sleepers[2].pid in others and not set(pids) & set(others)
     assert set(snapshot.processes["clients"]) == set(pids)  # both counted, their CPU summed by `cpu_use`
+
+
+def test_the_retrieval_split_is_the_mean_ms_a_question_by_stage() -> None:
+    def page(wait: float, embed: float, search: float, questions: int) -> str:
+        return (
+            "# HELP kvstitch_retrieval_seconds_total x\n"
+            f'kvstitch_retrieval_seconds_total{{stage="wait"}} {wait}\n'
+            f'kvstitch_retrieval_seconds_total{{stage="embed"}} {embed}\n'
+            f'kvstitch_retrieval_seconds_total{{stage="search"}} {search}\n'
+            f"kvstitch_retrieval_questions_total {questions}.0\n"
+        )
+
+    split = retrieval_split(page(1.0, 2.0, 0.5, 10), page(1.1, 2.6, 0.7, 50))
+    assert split == {"wait": 2.5, "embed": 15.0, "search": 5.0}
+    assert retrieval_split(page(1.0, 2.0, 0.5, 10), page(1.0, 2.0, 0.5, 10)) == {}
