@@ -19,8 +19,8 @@ pickle: every message is bytes built here). A message is a kind byte, then:
 
 Ids are unsigned 64-bit, little-endian; a line is one of `facade.engine`'s JSON lines, so the API process writes
 it as it comes without decoding it. The API process parses each request and checks its chunks' ids against the
-model's vocabulary (on its own GIL), so the core decodes a small header and one run of raw ids: an ~8K-id request
-as the gateway's JSON with packed ids cost the core's GIL about a millisecond to parse and check.
+model's vocabulary (on its own GIL), so the core decodes a small header and one run of raw ids: parsing and checking
+the gateway's JSON, thousands of packed ids a question, would hold the GIL the engine thread launches with.
 """
 
 from __future__ import annotations
