@@ -10,7 +10,15 @@ re-ingested document is searchable throughout (the old version until the switch)
 leaves invisible points only (swept at the next start, or taken over by the job's retry).
 
 Embedded Qdrant commits every point on its own; `publish` gathers its writes into one SQLite transaction there,
-so a process killed mid-publish leaves either the old version or the new one on disk, never a mix.
+so a process killed mid-publish leaves either the old version or the new one on disk, never a mix (and `upsert`
+its batch, one commit instead of one per point).
+
+Embedded Qdrant has no payload index: it answers a filter (a scroll, a count, a delete or set-payload by filter) by
+checking it in Python on every point ever written, ~10 µs a point. Ingest asks about one document at a time, so by
+filter each document would cost time linear in the collection (four such calls a document made a 1,000-document
+ingest quadratic). So in embedded mode, the one client of its folder, the collection keeps `_PointIndex`: which
+points each document has and which points name each KV key (facts a point id fixes), and the per-document reads
+and writes go by point id (`retrieve`, id lists) instead: their cost is the document's points, not the collection's.
 
 Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and never re-tokenizes. They
 are packed into one string (`service.packed_ids`): a search copies and decodes each hit's payload
@@ -127,6 +135,45 @@ class RetrievedChunk:
     context: Mapping[str, Any] = field(default_factory=dict)  # title, headings, page, last_page (those known)
 
 
+class _PointIndex:
+    """Embedded mode: the points of each document and the points naming each KV key. A point's document and KV key
+    never change (its id is made of the document, the version and the index; the key of the chunk's content), so
+    only which points exist is tracked, as this collection writes and deletes them; what may change (visibility,
+    the version's other fields) is read from Qdrant by id."""
+
+    def __init__(self) -> None:
+        self.by_doc: dict[str, set[str]] = {}
+        self.by_key: dict[str, set[str]] = {}
+        self.of_point: dict[str, tuple[str, str]] = {}  # point id -> (doc id, KV key)
+
+    def add(self, point: str, doc_id: str, kv_key: str) -> None:
+        self.remove(point)
+        self.of_point[point] = (doc_id, kv_key)
+        self.by_doc.setdefault(doc_id, set()).add(point)
+        if kv_key:
+            self.by_key.setdefault(kv_key, set()).add(point)
+
+    def remove(self, point: str) -> None:
+        known = self.of_point.pop(point, None)
+        if known is None:
+            return
+        doc_id, kv_key = known
+        _discard(self.by_doc, doc_id, point)
+        if kv_key:
+            _discard(self.by_key, kv_key, point)
+
+    def points_of(self, doc_id: str) -> list[str]:
+        return sorted(self.by_doc.get(doc_id, ()))
+
+
+def _discard(sets: dict[str, set[str]], name: str, point: str) -> None:
+    members = sets.get(name)
+    if members is not None:
+        members.discard(point)
+        if not members:
+            del sets[name]
+
+
 class ChunkCollection:
     """Chunks and their vectors in one Qdrant collection; `path` for embedded mode, `url` for a server. `hybrid`:
     search with the sparse vector too (when the collection has one; points get it whenever it does)."""
@@ -160,6 +207,7 @@ class ChunkCollection:
             threading.RLock() if self.embedded else contextlib.nullcontext()
         )
         self.sparse = self._ensure_collection()
+        self._index: _PointIndex | None = None  # embedded mode: built at the first per-document call
         if not self.embedded:  # payload indexes do nothing in embedded mode
             self._index_metadata(filter_indexes or {})
         self.hybrid = hybrid and self.sparse
@@ -200,13 +248,24 @@ class ChunkCollection:
             self._point(chunk, vector, version, key, metadata or {}, visible, context, text)
             for chunk, vector, key, context, text in zip(chunks, vectors, keys, where, terms, strict=True)
         ]
-        with self._lock:
+        with self._lock, self._indexed_writes() as index:
             for start in range(0, len(points), UPSERT_BATCH):
-                self._client.upsert(self.name, points=points[start : start + UPSERT_BATCH], wait=True)
+                with _one_local_transaction(self._client, self.name):
+                    self._client.upsert(self.name, points=points[start : start + UPSERT_BATCH], wait=True)
+            if index is not None:
+                for point, chunk, key in zip(points, chunks, keys, strict=True):
+                    index.add(str(point.id), chunk.doc_id, key)
         return [str(p.id) for p in points]
 
     def delete_document(self, doc_id: str, keep_version: str | None = None) -> int:
         """Delete a document's points, or all but those of `keep_version`; how many were deleted."""
+        if self.embedded:
+            with self._lock:
+                records = self._document_records(doc_id, ["version"])
+                kept = {
+                    p for p, payload in records if keep_version is not None and payload.get("version") == keep_version
+                }
+                return self._delete_points([p for p, _ in records if p not in kept])
         selector = _document_filter(doc_id, keep_version)
         with self._lock:
             matching = self._client.count(self.name, count_filter=selector, exact=True).count
@@ -217,6 +276,8 @@ class ChunkCollection:
     def publish(self, doc_id: str, version: str) -> int:
         """Make one version of a document the visible one: its points visible, every other version's deleted, in
         one step (one transaction in embedded Qdrant); how many points of other versions were deleted."""
+        if self.embedded:
+            return self._publish_by_id(doc_id, version)
         shown = _version_filter(doc_id, version)
         others = _document_filter(doc_id, keep_version=version)
         operations: list[Any] = [
@@ -229,8 +290,32 @@ class ChunkCollection:
                 self._client.batch_update_points(self.name, operations, wait=True)
         return deleted
 
+    def _publish_by_id(self, doc_id: str, version: str) -> int:
+        """`publish` in embedded mode: the document's points by id, not by filter (see the module's note)."""
+        with self._lock:
+            records = self._document_records(doc_id, ["version"])
+            shown = [p for p, payload in records if payload.get("version") == version]
+            others = [p for p, payload in records if payload.get("version") != version]
+            operations: list[Any] = []
+            if shown:
+                payload = models.SetPayload(payload={VISIBLE: True}, points=shown)
+                operations.append(models.SetPayloadOperation(set_payload=payload))
+            if others:
+                operations.append(models.DeleteOperation(delete=models.PointIdsList(points=others)))
+            if operations:
+                with self._indexed_writes() as index, _one_local_transaction(self._client, self.name):
+                    self._client.batch_update_points(self.name, operations, wait=True)
+                    for point in others:
+                        if index is not None:
+                            index.remove(point)
+        return len(others)
+
     def delete_invisible(self, doc_id: str) -> int:
         """Delete a document's points not published (left by a job that failed or died); how many."""
+        if self.embedded:
+            with self._lock:
+                records = self._document_records(doc_id, [VISIBLE])
+                return self._delete_points([p for p, payload in records if payload.get(VISIBLE) is False])
         selector = models.Filter(must=[_match("doc_id", doc_id), _invisible()])
         with self._lock:
             matching = self._client.count(self.name, count_filter=selector, exact=True).count
@@ -399,20 +484,20 @@ class ChunkCollection:
 
     def document_versions(self, doc_id: str) -> set[str]:
         """The versions a document has points of (more than one only while a re-ingest is under way or failed)."""
-        return {str(p.get("version", "")) for p in self._scroll(_document_filter(doc_id, None), ["version"])}
+        return {str(p.get("version", "")) for p in self._document_payloads(doc_id, ["version"])}
 
     def count(self) -> int:
         with self._lock:
             return self._client.count(self.name, exact=True).count
 
     def document_points(self, doc_id: str) -> list[tuple[str, str]]:
-        """(version, KV key) of each of a document's points, in one scroll (what an ingest needs to decide)."""
-        payloads = self._scroll(_document_filter(doc_id, None), ["version", "kv_key"])
+        """(version, KV key) of each of a document's points, in one read (what an ingest needs to decide)."""
+        payloads = self._document_payloads(doc_id, ["version", "kv_key"])
         return [(str(p.get("version", "")), str(p.get("kv_key", ""))) for p in payloads]
 
     def document_state(self, doc_id: str) -> list[StoredPoint]:
-        """Version, KV key and visibility of each of a document's points, in one scroll."""
-        payloads = self._scroll(_document_filter(doc_id, None), ["version", "kv_key", VISIBLE])
+        """Version, KV key and visibility of each of a document's points, in one read (by id in embedded mode)."""
+        payloads = self._document_payloads(doc_id, ["version", "kv_key", VISIBLE])
         return [
             StoredPoint(str(p.get("version", "")), str(p.get("kv_key", "")), p.get(VISIBLE) is not False)
             for p in payloads
@@ -420,16 +505,87 @@ class ChunkCollection:
 
     def document_kv_keys(self, doc_id: str, exclude_version: str | None = None) -> set[str]:
         """The KV keys a document's points name (of every version but `exclude_version`)."""
+        if self.embedded:
+            payloads = self._document_payloads(doc_id, ["version", "kv_key"])
+            keys = {
+                str(p.get("kv_key", ""))
+                for p in payloads
+                if exclude_version is None or p.get("version") != exclude_version
+            }
+            keys.discard("")
+            return keys
         return self._scroll_kv_keys(_document_filter(doc_id, exclude_version))
 
     def referenced_kv_keys(self, kv_keys: Sequence[str]) -> set[str]:
         """Which of these KV keys some point still names (the rest can be released)."""
+        if self.embedded:
+            with self._lock:
+                index = self._point_index()
+                return {key for key in kv_keys if key and key in index.by_key}
         found: set[str] = set()
         for start in range(0, len(kv_keys), SCROLL_PAGE):
             page = list(kv_keys[start : start + SCROLL_PAGE])
             selector = models.Filter(must=models.FieldCondition(key="kv_key", match=models.MatchAny(any=page)))
             found |= self._scroll_kv_keys(selector)
         return found
+
+    def _document_payloads(self, doc_id: str, fields: list[str]) -> list[Mapping[str, Any]]:
+        """The chosen payload fields of each of a document's points: by id in embedded mode, else one scroll."""
+        if self.embedded:
+            with self._lock:
+                return [payload for _, payload in self._document_records(doc_id, fields)]
+        return list(self._scroll(_document_filter(doc_id, None), fields))
+
+    def _document_records(self, doc_id: str, fields: list[str]) -> list[tuple[str, Mapping[str, Any]]]:
+        """Embedded mode, under the lock: (point id, chosen payload fields) of each of a document's points."""
+        points = self._point_index().points_of(doc_id)
+        if not points:
+            return []
+        records = self._client.retrieve(self.name, points, with_payload=fields)
+        return [(str(r.id), r.payload or {}) for r in records]
+
+    def _delete_points(self, points: list[str]) -> int:
+        """Embedded mode, under the lock: delete these points by id; how many."""
+        if points:
+            with self._indexed_writes() as index:
+                self._client.delete(self.name, points_selector=models.PointIdsList(points=points), wait=True)
+                for point in points:
+                    if index is not None:
+                        index.remove(point)
+        return len(points)
+
+    def _point_index(self) -> _PointIndex:
+        """Embedded mode, under the lock: the index of the points by document and KV key, built by one scroll
+        over the collection the first time it is needed."""
+        if self._index is None:
+            index = _PointIndex()
+            total = self._client.count(self.name, exact=True).count
+            offset: Any = None
+            while True:  # one page in practice: each page of an embedded scroll sorts every point id
+                records, offset = self._client.scroll(
+                    self.name, limit=max(total, 1), offset=offset, with_payload=["doc_id", "kv_key"]
+                )
+                for record in records:
+                    payload = record.payload or {}
+                    index.add(str(record.id), str(payload.get("doc_id", "")), str(payload.get("kv_key", "")))
+                if offset is None:
+                    break
+            self._index = index
+        return self._index
+
+    @contextlib.contextmanager
+    def _indexed_writes(self) -> Iterator[_PointIndex | None]:
+        """Embedded mode, under the lock: the index to update along with a write (None elsewhere). A write that
+        fails may have applied part of its points: the index is dropped, and built again when next needed."""
+        if not self.embedded:
+            yield None
+            return
+        index = self._point_index()
+        try:
+            yield index
+        except BaseException:
+            self._index = None
+            raise
 
     def _scroll_kv_keys(self, selector: models.Filter) -> set[str]:
         keys = {str(p.get("kv_key", "")) for p in self._scroll(selector, ["kv_key"])}

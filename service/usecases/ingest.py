@@ -372,8 +372,9 @@ class Ingestor:
         """Embed and write the document's points unpublished unless they are all in place, then publish the
         version (which drops the others) unless it is the only one and visible already.
 
-        One scroll reads what the document has now (embedded Qdrant answers filters by scanning every point, so
-        the number of calls per document decides how ingest scales with the corpus)."""
+        One read finds what the document has now. Each call here is per document: against embedded Qdrant, which
+        answers a filter by checking every point, one by filter would make ingest quadratic in the corpus; the
+        collection answers these by point id there (`ChunkCollection`'s per-document index)."""
         doc, version = prepared.doc, prepared.version
         existing = self.collection.document_state(doc.id)
         mine = [p for p in existing if p.version == version]
