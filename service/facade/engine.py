@@ -85,12 +85,16 @@ class EngineAnswerRequest:
 
 
 def _chunk_json(chunk: WireChunk) -> dict[str, Any]:
+    return {**chunk_fields(chunk), "token_ids": pack_token_ids(chunk.token_ids)}
+
+
+def chunk_fields(chunk: WireChunk) -> dict[str, Any]:
+    """A chunk's fields as JSON values, all but its token ids (each form of the request carries those its own way)."""
     return {
         "id": chunk.id,
         "doc_id": chunk.doc_id,
         "score": chunk.score,
         "text": chunk.text,
-        "token_ids": pack_token_ids(chunk.token_ids),
         "metadata": dict(chunk.metadata),
         "context": dict(chunk.context),
     }

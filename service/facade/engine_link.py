@@ -34,7 +34,7 @@ from dataclasses import fields
 from typing import Any
 
 from service.errors import BusyError, InvalidRequestError, NotReadyError, TooLargeError, UnavailableError
-from service.facade.engine import EngineAnswerRequest, WireChunk
+from service.facade.engine import EngineAnswerRequest, WireChunk, chunk_fields
 from service.facade.types import ChatMessage
 
 ANSWER = b"A"
@@ -73,7 +73,7 @@ def split_id(message: bytes) -> tuple[int, bytes]:
 def answer_message(answer_id: int, request: EngineAnswerRequest) -> bytes:
     """ANSWER for a request the API process parsed and checked: `read_answer` gives it back."""
     header = {f.name: getattr(request, f.name) for f in fields(request)}
-    header["chunks"] = [_chunk_header(c) for c in request.chunks]
+    header["chunks"] = [{**chunk_fields(c), "tokens": len(c.token_ids)} for c in request.chunks]
     header["history"] = [[m.role, m.text] for m in request.history]
     ids = array.array("I")
     for chunk in request.chunks:
@@ -102,18 +102,6 @@ def read_answer(message: bytes) -> tuple[int, EngineAnswerRequest]:
         return answer_id, _request(header, ids)
     except (KeyError, TypeError, ValueError) as err:
         raise LinkError(f"an ANSWER's header does not match its ids: {err}") from err
-
-
-def _chunk_header(chunk: WireChunk) -> dict[str, Any]:
-    return {
-        "id": chunk.id,
-        "doc_id": chunk.doc_id,
-        "score": chunk.score,
-        "text": chunk.text,
-        "tokens": len(chunk.token_ids),
-        "metadata": dict(chunk.metadata),
-        "context": dict(chunk.context),
-    }
 
 
 def _request(header: dict[str, Any], ids: array.array[int]) -> EngineAnswerRequest:
