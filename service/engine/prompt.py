@@ -94,15 +94,6 @@ class PromptTemplate:
         return PromptIds(self.prefix, blocks, self.question_suffix(question_ids))
 
 
-def out_of_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> tuple[int, int] | None:
-    """The first chunk holding an id the model has no embedding for, and that id; None when every id fits. Such an
-    id would index past the embedding table: on CUDA a device-side assert that ends the process."""
-    for i, ids in enumerate(chunks):
-        if ids and (top := max(ids)) >= vocab_size:
-            return i, top
-    return None
-
-
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> TokenIds:
     """Token ids of a piece of the template, without any special tokens added around it: a special token's string
     in it becomes its control id. Only for the template's own text; a client's or a document's goes through

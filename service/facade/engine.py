@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -70,10 +70,15 @@ class EngineAnswerRequest:
     dropped: int = 0  # chunks the gateway retrieved but left out (they would not fit)
 
     def to_json(self) -> dict[str, Any]:
-        """The request as JSON values (lists, objects), what `parse_answer_request` reads back. Built field by
-        field: `asdict` would walk (and copy) every token id of every chunk, milliseconds a question."""
+        """The request as JSON values (lists, objects), what `parse_answer_request` reads back."""
+        return self.json_with(_chunk_json)
+
+    def json_with(self, chunk_json: Callable[[WireChunk], dict[str, Any]]) -> dict[str, Any]:
+        """The request as JSON values, each chunk as `chunk_json` writes it (the gateway's body packs its ids, the
+        engine link's header counts them). Built field by field: `asdict` would walk (and copy) every token id of
+        every chunk, milliseconds a question."""
         body = {f.name: getattr(self, f.name) for f in fields(self)}
-        body["chunks"] = [_chunk_json(c) for c in self.chunks]
+        body["chunks"] = [chunk_json(c) for c in self.chunks]
         body["stop"] = list(self.stop)
         body["history"] = [{"role": m.role, "text": m.text} for m in self.history]
         return body
@@ -149,15 +154,25 @@ def parse_answer_body(body: bytes) -> EngineAnswerRequest:
         raise InvalidRequestError("body", str(err)) from err
 
 
-def check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """InvalidRequestError (the 422 of either form of the engine's API) for a chunk holding an id the model has no
-    embedding for: the engine's port takes ids from any caller, and a gateway's collection may hold another
-    tokenizer's. Such an id would index past the embedding table: on CUDA a device-side assert ending the process."""
-    for index, ids in enumerate(chunks):
+def out_of_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> tuple[int, int] | None:
+    """The first chunk holding an id the model has no embedding for, and that id; None when every id fits. Such an
+    id would index past the embedding table: on CUDA a device-side assert that ends the process."""
+    for i, ids in enumerate(chunks):
         if ids and (top := max(ids)) >= vocab_size:
-            raise InvalidRequestError(
-                f"chunks[{index}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {top}"
-            )
+            return i, top
+    return None
+
+
+def check_vocabulary(chunks: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """InvalidRequestError (the 422 of either form of the engine's API) for a chunk holding an id outside the
+    model's vocabulary: the engine's port takes ids from any caller, and a gateway's collection may hold another
+    tokenizer's."""
+    found = out_of_vocabulary(chunks, vocab_size)
+    if found is not None:
+        index, top = found
+        raise InvalidRequestError(
+            f"chunks[{index}].token_ids", f"ids of this model's vocabulary (below {vocab_size}); got {top}"
+        )
 
 
 def _chunk(value: Any, i: int) -> WireChunk:

@@ -30,7 +30,6 @@ import json
 import struct
 import sys
 from collections.abc import Iterator
-from dataclasses import fields
 from typing import Any
 
 from service.errors import BusyError, InvalidRequestError, NotReadyError, TooLargeError, UnavailableError
@@ -64,7 +63,7 @@ def with_id(kind: bytes, answer_id: int, payload: bytes = b"") -> bytes:
 
 
 def split_id(message: bytes) -> tuple[int, bytes]:
-    """The id and payload of an ANSWER, CANCEL, OPENED or REFUSED message."""
+    """The id and payload of a CANCEL, OPENED or REFUSED message."""
     if len(message) < 1 + _ID.size:
         raise LinkError(f"a {message[:1]!r} message of {len(message)} bytes has no id")
     return _ID.unpack_from(message, 1)[0], message[1 + _ID.size :]
@@ -72,9 +71,7 @@ def split_id(message: bytes) -> tuple[int, bytes]:
 
 def answer_message(answer_id: int, request: EngineAnswerRequest) -> bytes:
     """ANSWER for a request the API process parsed and checked: `read_answer` gives it back."""
-    header = {f.name: getattr(request, f.name) for f in fields(request)}
-    header["chunks"] = [{**chunk_fields(c), "tokens": len(c.token_ids)} for c in request.chunks]
-    header["history"] = [[m.role, m.text] for m in request.history]
+    header = request.json_with(lambda c: {**chunk_fields(c), "tokens": len(c.token_ids)})
     ids = array.array("I")
     for chunk in request.chunks:
         ids.extend(chunk.token_ids)
@@ -113,7 +110,7 @@ def _request(header: dict[str, Any], ids: array.array[int]) -> EngineAnswerReque
         at += tokens
     if at != len(ids):
         raise ValueError(f"{len(ids)} ids for chunks of {at}")
-    history = tuple(ChatMessage(role, text) for role, text in header.pop("history"))
+    history = tuple(ChatMessage(m["role"], m["text"]) for m in header.pop("history"))
     stop = tuple(header.pop("stop"))
     return EngineAnswerRequest(**header, chunks=tuple(chunks), history=history, stop=stop)
 

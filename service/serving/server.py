@@ -21,7 +21,6 @@ from typing import Any
 import anyio
 
 from service.engine.engine import GenerationMode, StitchEngine
-from service.engine.prompt import out_of_vocabulary
 from service.engine.recompute_spec import NO_RECOMPUTE, RecomputeSpec
 from service.engine.sampling import SamplingParams
 from service.engine.stitch import PositionMode
@@ -36,7 +35,7 @@ from service.errors import (
     UnknownJobError,
 )
 from service.facade import AnswerStream
-from service.facade.engine import EngineAnswerRequest, WireChunk
+from service.facade.engine import EngineAnswerRequest, WireChunk, out_of_vocabulary
 from service.facade.types import (
     AnswerLimits,
     AnswerRequest,
