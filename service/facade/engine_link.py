@@ -63,7 +63,7 @@ def with_id(kind: bytes, answer_id: int, payload: bytes = b"") -> bytes:
 
 
 def split_id(message: bytes) -> tuple[int, bytes]:
-    """The id and payload of a CANCEL, OPENED or REFUSED message."""
+    """The id and payload of a CANCEL, OPENED or REFUSED message (and the id of an ANSWER, its first field too)."""
     if len(message) < 1 + _ID.size:
         raise LinkError(f"a {message[:1]!r} message of {len(message)} bytes has no id")
     return _ID.unpack_from(message, 1)[0], message[1 + _ID.size :]

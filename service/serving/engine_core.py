@@ -77,7 +77,7 @@ class CoreHost:
     def _dispatch(self, message: bytes) -> None:
         kind = message[:1]
         if kind == link.ANSWER:
-            self._open(*link.read_answer(message))
+            self._open_message(message)
         elif kind == link.CANCEL:
             session = self._sessions.get(link.split_id(message)[0])
             if session is not None:
@@ -87,6 +87,17 @@ class CoreHost:
         else:
             raise link.LinkError(f"unknown message kind {kind!r}")
 
+    def _open_message(self, message: bytes) -> None:
+        """An ANSWER message; one whose request cannot be read is refused (so the API process answers its gateway
+        with an error rather than waiting for it), then raised to be logged."""
+        answer_id = link.split_id(message)[0]
+        try:
+            request = link.read_answer(message)[1]
+        except link.LinkError as err:
+            self._refuse(answer_id, err)
+            raise
+        self._open(answer_id, request)
+
     def _open(self, answer_id: int, request: EngineAnswerRequest) -> None:
         """Admit a question as the in-process route does; OPENED, or REFUSED with the error."""
         try:
@@ -95,9 +106,12 @@ class CoreHost:
             session.start(lambda item: self._post(answer_id, item))
         except Exception as err:
             self._sessions.pop(answer_id, None)
-            self._send(link.with_id(link.REFUSED, answer_id, json.dumps(link.error_json(err)).encode()))
+            self._refuse(answer_id, err)
             return
         self._send(link.with_id(link.OPENED, answer_id))
+
+    def _refuse(self, answer_id: int, err: BaseException) -> None:
+        self._send(link.with_id(link.REFUSED, answer_id, json.dumps(link.error_json(err)).encode()))
 
     def _call(self, body: Any) -> None:
         number = body.get("call") if isinstance(body, dict) else None

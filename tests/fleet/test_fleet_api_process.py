@@ -245,6 +245,26 @@ def test_a_request_crosses_the_link_whole_and_a_cut_one_is_refused() -> None:
         link.read_answer(message[:20])
 
 
+def test_an_answer_message_the_core_cannot_read_is_refused_not_left_waiting() -> None:
+    core_end, front_end = socket.socketpair()
+    core = Core([DONE, None])
+    host = CoreHost(core, Connection(core_end.detach()))  # type: ignore[arg-type]
+    thread = threading.Thread(target=host.serve, daemon=True)
+    thread.start()
+    front = Connection(front_end.detach())
+    try:
+        front.send_bytes(link.answer_message(7, REQUEST)[:-1])  # the ids cut short
+
+        reply = front.recv_bytes()
+        answer_id, payload = link.split_id(reply)
+        refusal = link.error_from_json(link.json_payload(payload))
+        assert reply[:1] == link.REFUSED and answer_id == 7
+        assert "whole uint32" in str(refusal) and core.requests == []
+    finally:
+        front.close()
+        thread.join(5)
+
+
 def test_a_gateway_that_goes_away_cancels_the_answer_in_the_core(linked: Callable[[Core], CoreLink]) -> None:
     core = Core([TokenEvent("a")], hang=True)
     sent = asyncio.run(post(linked(core), REQUEST.body(), disconnect_after_s=0.1))
