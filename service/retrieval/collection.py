@@ -305,8 +305,8 @@ class ChunkCollection:
             if operations:
                 with self._indexed_writes() as index, _one_local_transaction(self._client, self.name):
                     self._client.batch_update_points(self.name, operations, wait=True)
-                    for point in others:
-                        if index is not None:
+                    if index is not None:
+                        for point in others:
                             index.remove(point)
         return len(others)
 
@@ -549,8 +549,8 @@ class ChunkCollection:
         if points:
             with self._indexed_writes() as index:
                 self._client.delete(self.name, points_selector=models.PointIdsList(points=points), wait=True)
-                for point in points:
-                    if index is not None:
+                if index is not None:
+                    for point in points:
                         index.remove(point)
         return len(points)
 
