@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from qdrant_client import QdrantClient, models
+from threadpoolctl import ThreadpoolController
 
 from service.engine.kv_layout import TokenIds
 from service.packed_ids import pack_token_ids, unpack_token_ids
@@ -174,6 +175,32 @@ def _discard(sets: dict[str, set[str]], name: str, point: str) -> None:
             del sets[name]
 
 
+class _EmbeddedLock:
+    """The embedded client's lock, which also keeps numpy's BLAS on one thread while it is held. Embedded Qdrant
+    scores every point with numpy for each question: OpenBLAS would wake a thread per core for each product, and
+    those threads spin after it, taking the cores of the gateway's request path and of any replica beside it. One
+    thread does a question's product over thousands of points in a fraction of a millisecond."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._blas = ThreadpoolController()
+        self._limits: list[Any] = []  # one per nested hold (the lock is re-entrant)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            self._limits.append(self._blas.limit(limits=1, user_api="blas"))
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._limits.pop().restore_original_limits()
+        finally:
+            self._lock.release()
+
+
 class ChunkCollection:
     """Chunks and their vectors in one Qdrant collection; `path` for embedded mode, `url` for a server. `hybrid`:
     search with the sparse vector too (when the collection has one; points get it whenever it does)."""
@@ -204,7 +231,7 @@ class ChunkCollection:
             self._client = QdrantClient(url=url, api_key=api_key, timeout=timeout_s)
         # Embedded Qdrant is plain Python state over SQLite, not made for concurrent callers; a server is.
         self._lock: contextlib.AbstractContextManager[Any] = (
-            threading.RLock() if self.embedded else contextlib.nullcontext()
+            _EmbeddedLock() if self.embedded else contextlib.nullcontext()
         )
         self.sparse = self._ensure_collection()
         self._index: _PointIndex | None = None  # embedded mode: built at the first per-document call

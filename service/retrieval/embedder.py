@@ -7,6 +7,7 @@ so a fresh install embeds without any download. Vectors are L2-normalized, so co
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,6 +16,10 @@ from typing import Any
 import torch
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as hf_logging
+
+from service.retrieval.graphed_queries import BucketedQueryEncoder
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -55,6 +60,7 @@ class Embedder:
             self._model.float()  # half-precision weights (a folder saved in fp16) run several times slower on CPU
         self._on_own_stream = SideStream(device)
         self._dimension = self._read_dimension()
+        self._graphed_queries = self._capture_queries() if device.startswith("cuda") else None
 
     @property
     def dimension(self) -> int:
@@ -86,7 +92,27 @@ class Embedder:
         """The unit vectors of several questions in one batch (concurrent requests, `RetrievalBatcher`)."""
         if not texts:
             return []
+        if self._graphed_queries is not None:
+            with self._lock, self._on_own_stream():
+                rows: list[list[float]] = self._graphed_queries.encode(texts).tolist()
+            return rows
         return self._encode(list(texts), self._prompt_name("query"))
+
+    @property
+    def graphed_queries(self) -> bool:
+        """Whether questions are embedded by CUDA graph replays (`graphed_queries`) rather than `encode`."""
+        return self._graphed_queries is not None
+
+    def _capture_queries(self) -> BucketedQueryEncoder | None:
+        """The question forwards captured as CUDA graphs; None (plain `encode`) for a model that cannot be run
+        from fixed-shape buckets or whose capture fails, which is said once here."""
+        name = self._prompt_name("query")
+        prompt = str(self._model.prompts[name]) if name is not None else ""
+        try:
+            return BucketedQueryEncoder(self._model, prompt=prompt, graphs=True)
+        except Exception as err:  # any failure to capture leaves the eager forward, which always works
+            log.warning("questions embedded without CUDA graphs (%s: %s)", type(err).__name__, err)
+            return None
 
     def _encode(self, texts: list[str], prompt_name: str | None) -> list[list[float]]:
         with self._lock, self._on_own_stream():

@@ -138,3 +138,27 @@ def test_a_write_that_fails_leaves_the_collection_answering_from_what_qdrant_hol
     assert collection.publish("a", "v2") == 2
     assert [(p.version, p.visible) for p in collection.document_state("a")] == [("v2", True)] * 2
     assert collection.referenced_kv_keys(keys("a", 3)) == set()
+
+
+def test_embedded_searches_run_numpy_on_one_blas_thread(
+    collection: ChunkCollection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each embedded search is a numpy product over every point: with a thread per core, the threads it wakes spin
+    after it on the cores the gateway serves with, so the collection keeps BLAS to one thread while it queries."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    ingest(collection, "doc")
+    seen: list[int] = []
+    scoring = local_collection.calculate_distance
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"))
+        return scoring(*args, **kwargs)
+
+    monkeypatch.setattr(local_collection, "calculate_distance", counting)
+    with threadpool_limits(limits=2, user_api="blas"):  # what a 2-core machine has by default, set for the test
+        hits = collection.search_many([VECTOR, VECTOR], [2, 2])
+        after = max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+    assert [len(h) for h in hits] == [2, 2]
+    assert seen and set(seen) == {1}
+    assert after == 2  # given back when the search ends
