@@ -84,8 +84,8 @@ class BucketedQueryEncoder:
         features = self._tokenize([self._prompt + text for text in texts])
         rows, tokens = features["input_ids"].shape
         bucket = self._bucket(bucket_of(rows, BATCH_BUCKETS), bucket_of(tokens, self._lengths))
-        _fill(bucket.features, features, self._pad_id)
-        with torch.inference_mode():
+        with torch.inference_mode():  # the static inputs were made in it: updated in place only inside it
+            _fill(bucket.features, features, self._pad_id)
             if bucket.graph is not None:
                 bucket.graph.replay()
                 output = bucket.output
@@ -108,8 +108,9 @@ class BucketedQueryEncoder:
 
     def _bucket(self, rows: int, tokens: int) -> _Bucket:
         bucket = self._buckets.get((rows, tokens))
-        if bucket is None:  # eager mode makes its buckets as they are first needed
-            bucket = self._buckets[(rows, tokens)] = _Bucket(self._static_features(rows, tokens))
+        if bucket is None:  # eager mode makes its buckets as they are first needed, as inference tensors too
+            with torch.inference_mode():
+                bucket = self._buckets[(rows, tokens)] = _Bucket(self._static_features(rows, tokens))
         return bucket
 
     def _static_features(self, rows: int, tokens: int) -> dict[str, Any]:
