@@ -55,6 +55,7 @@ from service.engine.kv_layout import TokenIds
 from service.packed_ids import pack_token_ids, unpack_token_ids
 from service.retrieval import sparse
 from service.retrieval.chunker import Chunk
+from service.retrieval.dense_rows import DenseRows
 from service.retrieval.document_summary import DocumentSummary
 from service.search_filter import (
     DOC_ID_KEY,
@@ -142,10 +143,11 @@ class _PointIndex:
     only which points exist is tracked, as this collection writes and deletes them; what may change (visibility,
     the version's other fields) is read from Qdrant by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, dimension: int) -> None:
         self.by_doc: dict[str, set[str]] = {}
         self.by_key: dict[str, set[str]] = {}
         self.of_point: dict[str, tuple[str, str]] = {}  # point id -> (doc id, KV key)
+        self.dense = DenseRows(dimension)  # the dense search's vectors and visibility
 
     def add(self, point: str, doc_id: str, kv_key: str) -> None:
         self.remove(point)
@@ -155,6 +157,7 @@ class _PointIndex:
             self.by_key.setdefault(kv_key, set()).add(point)
 
     def remove(self, point: str) -> None:
+        self.dense.remove(point)
         known = self.of_point.pop(point, None)
         if known is None:
             return
@@ -280,8 +283,9 @@ class ChunkCollection:
                 with _one_local_transaction(self._client, self.name):
                     self._client.upsert(self.name, points=points[start : start + UPSERT_BATCH], wait=True)
             if index is not None:
-                for point, chunk, key in zip(points, chunks, keys, strict=True):
+                for point, chunk, key, vector in zip(points, chunks, keys, vectors, strict=True):
                     index.add(str(point.id), chunk.doc_id, key)
+                    index.dense.put(str(point.id), vector, visible)
         return [str(p.id) for p in points]
 
     def delete_document(self, doc_id: str, keep_version: str | None = None) -> int:
@@ -335,6 +339,8 @@ class ChunkCollection:
                     if index is not None:
                         for point in others:
                             index.remove(point)
+                        for point in shown:
+                            index.dense.show(point)
         return len(others)
 
     def delete_invisible(self, doc_id: str) -> int:
@@ -425,6 +431,23 @@ class ChunkCollection:
         return self._query([vector], selector, [top_k])[0]
 
     def _search_embedded(self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]) -> list[list[RetrievedChunk]]:
+        """A round's dense search from the collection's own vectors (`DenseRows`): one product for the round, the
+        winners' payloads read by id. Should a winner be gone from Qdrant (the index out of step), the index is
+        dropped, to be built again, and the round asked of Qdrant."""
+        with self._lock:
+            ranked = self._point_index().dense.nearest(vectors, top_ks)
+            winners = sorted({point for hits in ranked for point, _ in hits})
+            records = self._client.retrieve(self.name, winners, with_payload=True) if winners else []
+            payloads = {str(record.id): record.payload or {} for record in records}
+            if len(payloads) == len(winners):
+                return [[_retrieved_from(p, score, payloads[p]) for p, score in hits] for hits in ranked]
+            log.warning("embedded collection %r: the search index was out of step with Qdrant; rebuilt", self.name)
+            self._index = None
+        return self._search_embedded_by_query(vectors, top_ks)
+
+    def _search_embedded_by_query(
+        self, vectors: Sequence[Sequence[float]], top_ks: Sequence[int]
+    ) -> list[list[RetrievedChunk]]:
         """Embedded Qdrant checks a filter in Python on every point for every query: at 400 points and 32 queries
         that was most of a retrieval round. So query unfiltered for a few more hits than asked and drop the
         unpublished ones here. The result is exact: when the deeper list holds `k` published hits they are the `k`
@@ -447,10 +470,10 @@ class ChunkCollection:
         self, vectors: Sequence[Sequence[float]], texts: Sequence[str], top_ks: Sequence[int]
     ) -> list[list[RetrievedChunk]]:
         """Dense and sparse rankings of published points fused by reciprocal rank. Both rankings take the filter:
-        dropping unpublished hits after fusion (as `_search_embedded` does) would leave the ranks they held in the
-        fused scores, so the order would differ from the filtered one. Embedded Qdrant checks a filter in Python on
-        every point for each ranking, so there the filter is left out while no point is unpublished (the usual case
-        between ingests), counted under the same lock as the query (every write takes it too)."""
+        dropping unpublished hits after fusion (as `_search_embedded_by_query` does) would leave the ranks they held
+        in the fused scores, so the order would differ from the filtered one. Embedded Qdrant checks a filter in
+        Python on every point for each ranking, so there the filter is left out while no point is unpublished (the
+        usual case between ingests, known from the collection's own index), under the same lock as the query."""
         with self._lock:
             selector = _SHOWN if not self.embedded or self._has_invisible() else None
             requests = [
@@ -466,6 +489,8 @@ class ChunkCollection:
         return [[_retrieved(h) for h in r.points] for r in responses]
 
     def _has_invisible(self) -> bool:
+        if self.embedded:
+            return self._point_index().dense.has_hidden()
         return self._client.count(self.name, count_filter=models.Filter(must=_invisible()), exact=True).count > 0
 
     def _prefetches(
@@ -585,16 +610,21 @@ class ChunkCollection:
         """Embedded mode, under the lock: the index of the points by document and KV key, built by one scroll
         over the collection the first time it is needed."""
         if self._index is None:
-            index = _PointIndex()
+            index = _PointIndex(self.dimension)
             total = self._client.count(self.name, exact=True).count
             offset: Any = None
             while True:  # one page in practice: each page of an embedded scroll sorts every point id
                 records, offset = self._client.scroll(
-                    self.name, limit=max(total, 1), offset=offset, with_payload=["doc_id", "kv_key"]
+                    self.name,
+                    limit=max(total, 1),
+                    offset=offset,
+                    with_payload=["doc_id", "kv_key", VISIBLE],
+                    with_vectors=True,
                 )
                 for record in records:
                     payload = record.payload or {}
                     index.add(str(record.id), str(payload.get("doc_id", "")), str(payload.get("kv_key", "")))
+                    index.dense.put(str(record.id), _dense_vector(record.vector), payload.get(VISIBLE) is not False)
                 if offset is None:
                     break
             self._index = index
@@ -808,12 +838,23 @@ def _summary(doc_id: str, payloads: list[Mapping[str, Any]]) -> DocumentSummary:
 
 
 def _retrieved(hit: models.ScoredPoint) -> RetrievedChunk:
-    payload = hit.payload or {}
+    return _retrieved_from(str(hit.id), float(hit.score), hit.payload or {})
+
+
+def _dense_vector(stored: Any) -> list[float]:
+    """A record's dense vector: the vector itself, or the unnamed one beside the sparse vector."""
+    vector = stored.get("") if isinstance(stored, dict) else stored
+    if not isinstance(vector, list):
+        raise ValueError(f"a point without a dense vector ({type(stored).__name__})")
+    return vector
+
+
+def _retrieved_from(point: str, score: float, payload: Mapping[str, Any]) -> RetrievedChunk:
     return RetrievedChunk(
-        id=str(hit.id),
+        id=point,
         doc_id=str(payload["doc_id"]),
         index=int(payload["index"]),
-        score=float(hit.score),
+        score=score,
         text=str(payload["text"]),
         token_ids=unpack_token_ids(payload.get("token_ids", ())),
         version=str(payload.get("version", "")),

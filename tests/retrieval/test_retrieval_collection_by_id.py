@@ -12,6 +12,7 @@ from qdrant_client.local import local_collection
 
 from service.retrieval.chunker import Chunk
 from service.retrieval.collection import ChunkCollection
+from service.retrieval.dense_rows import DenseRows
 
 DIM = 4
 VECTOR = [1.0, 0.0, 0.0, 0.0]
@@ -149,13 +150,13 @@ def test_embedded_searches_run_numpy_on_one_blas_thread(
 
     ingest(collection, "doc")
     seen: list[int] = []
-    scoring = local_collection.calculate_distance
+    ranking = DenseRows.nearest
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         seen.append(max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"))
-        return scoring(*args, **kwargs)
+        return ranking(*args, **kwargs)
 
-    monkeypatch.setattr(local_collection, "calculate_distance", counting)
+    monkeypatch.setattr(DenseRows, "nearest", counting)
     with threadpool_limits(limits=2, user_api="blas"):  # what a 2-core machine has by default, set for the test
         hits = collection.search_many([VECTOR, VECTOR], [2, 2])
         after = max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
