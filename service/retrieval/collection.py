@@ -19,6 +19,9 @@ filter each document would cost time linear in the collection (four such calls a
 ingest quadratic). So in embedded mode, the one client of its folder, the collection keeps `_PointIndex`: which
 points each document has and which points name each KV key (facts a point id fixes), and the per-document reads
 and writes go by point id (`retrieve`, id lists) instead: their cost is the document's points, not the collection's.
+The same index holds each point's unit vector and visibility (`DenseRows`), so a round of questions' dense search
+there is one matrix product and a read of the winners by id, where embedded Qdrant would score every point again
+for each question.
 
 Each payload carries the chunk's token ids, so the gateway builds KV blocks from them and never re-tokenizes. They
 are packed into one string (`service.packed_ids`): a search copies and decodes each hit's payload
