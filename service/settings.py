@@ -258,6 +258,15 @@ class Settings(BaseSettings):
     max_upload_files: int = Field(100, ge=1, le=1000, description="Files one POST /ingest/files may carry.")
     max_upload_file_mb: int = Field(32, ge=1, description="Largest file POST /ingest/files accepts (MiB); 413 above.")
     max_queue: int = Field(16, ge=1, description="Requests waiting for the engine before 503 + Retry-After.")
+    step_profile_path: Path | None = Field(
+        None,
+        description="Benchmark aid: write a table of the device kernels (CPU: ops) of the engine's own steps here, "
+        "once, for STEP_PROFILE_STEPS steps from the first after STEP_PROFILE_AFTER_S seconds with at least "
+        "STEP_PROFILE_MIN_BATCH answers decoding.",
+    )
+    step_profile_after_s: float = Field(0.0, ge=0, le=86_400, description="See STEP_PROFILE_PATH.")
+    step_profile_min_batch: int = Field(1, ge=1, le=4096, description="See STEP_PROFILE_PATH.")
+    step_profile_steps: int = Field(200, ge=1, le=100_000, description="See STEP_PROFILE_PATH.")
     gc_freeze: bool = Field(
         True,
         description="Once ready, freeze the start-up heap out of Python's garbage collector, so full collections "

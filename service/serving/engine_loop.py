@@ -24,6 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from service.engine.batch_request import BatchRequest
 from service.engine.scheduler import Scheduler
+from service.serving.step_profile import StepProfile
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -64,6 +65,7 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.scheduler: Scheduler | None = None
         self.on_step: Callable[[int], None] | None = None  # called with each decode step's batch size (metrics)
+        self.step_profile: StepProfile | None = None  # profiles a run of steps once, then is dropped
         self._wake = threading.Condition()
         self._tasks: deque[_Task] = deque()
         self._arrived: deque[BatchRequest] = deque()
@@ -219,12 +221,17 @@ class EngineLoop:
                 scheduler.finish_unstarted(request, err)
         if not scheduler.has_work():
             return
+        profile = self.step_profile
+        if profile is not None:
+            profile.before_step()
         try:
             scheduler.step()
         except Exception as err:  # the batch's device state is unknown: every request in it fails, the loop lives
             log.exception("engine step failed; failing %d requests", len(scheduler.running) + len(scheduler.waiting))
             scheduler.fail_all(err)
             return
+        if profile is not None and profile.after_step(scheduler.last_batch):
+            self.step_profile = None
         if self.on_step is not None and scheduler.last_batch:
             self.on_step(scheduler.last_batch)
 

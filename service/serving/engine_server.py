@@ -47,6 +47,7 @@ from service.serving.runtime import (
     gate_on_loop,
     kv_path_after_gate,
     open_engine,
+    open_engine_loop,
     open_kv_path,
     open_store,
     open_tier_publisher,
@@ -96,7 +97,7 @@ def open_engine_runtime(
     lock = claim_data_dir(settings.data_dir) if settings.redis_url is None else None
     try:
         engine = engine or open_engine(settings)
-        loop = EngineLoop(settings.max_queue)
+        loop = open_engine_loop(settings, engine)
         index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")
         store = open_store(settings, engine, index, loop.bind(engine.precompute))
         publisher = open_tier_publisher(settings, store, engine_id, url)

@@ -53,6 +53,7 @@ from service.retrieval.reranker import RerankedSearch, Reranker
 from service.serving.data_dir_lock import DataDirLock, claim_data_dir
 from service.serving.engine_loop import EngineLoop
 from service.serving.kv_source import StoreChunks, kv_store_for
+from service.serving.step_profile import StepProfile, StepProfileConfig
 from service.settings import MIB, Settings
 from service.usecases.ingest import (
     IngestCounts,
@@ -615,12 +616,26 @@ def open_reranker(settings: Settings, embedder: Embedder) -> Reranker | None:
     return Reranker(settings.rerank_model, device=embedder.device)
 
 
+def open_engine_loop(settings: Settings, engine: StitchEngine) -> EngineLoop:
+    """The engine thread, profiling its steps once where `step_profile_path` asks for it."""
+    loop = EngineLoop(settings.max_queue)
+    if settings.step_profile_path is not None:
+        config = StepProfileConfig(
+            settings.step_profile_path,
+            settings.step_profile_after_s,
+            settings.step_profile_min_batch,
+            settings.step_profile_steps,
+        )
+        loop.step_profile = StepProfile(config, engine.spec.device)
+    return loop
+
+
 def _open_components(
     settings: Settings, engine: StitchEngine | None, embedder: Embedder | None, answers: bool = True
 ) -> Runtime:
     # A gateway in front of engines keeps a shell; a worker or `kvstitch ingest` (no answers) computes KV itself.
     engine = engine or open_engine(settings, gateway=answers and settings.gateway)
-    loop = EngineLoop(settings.max_queue)
+    loop = open_engine_loop(settings, engine)
     precompute = loop.bind(engine.precompute)
     index = open_index(settings.redis_url, settings.data_dir, f"{settings.redis_prefix}:kv")
     store = open_store(settings, engine, index, precompute)
