@@ -143,8 +143,9 @@ class RetrievedChunk:
 class _PointIndex:
     """Embedded mode: the points of each document and the points naming each KV key. A point's document and KV key
     never change (its id is made of the document, the version and the index; the key of the chunk's content), so
-    only which points exist is tracked, as this collection writes and deletes them; what may change (visibility,
-    the version's other fields) is read from Qdrant by id."""
+    only which points exist is tracked, as this collection writes and deletes them; the version's other fields are
+    read from Qdrant by id. `dense` also keeps each point's unit vector and visibility, which only this collection's
+    upserts and publishes change, for the dense search."""
 
     def __init__(self, dimension: int) -> None:
         self.by_doc: dict[str, set[str]] = {}

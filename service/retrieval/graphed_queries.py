@@ -12,15 +12,12 @@ are bucketed, others keep `encode`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a retrieval round holds at most 64 questions (RetrievalBatcher)
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
