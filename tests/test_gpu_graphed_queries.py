@@ -20,7 +20,7 @@ def test_graph_replays_give_the_vectors_of_encode_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     embedder = Embedder(MODEL, device="cuda")
-    assert embedder.graphed_queries
+    assert embedder.warm_queries()
     model = embedder._model
     rounds = [
         ["Who wrote it?"],

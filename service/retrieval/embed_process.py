@@ -263,7 +263,8 @@ def serve_embeddings(conn: Connection, model: str | None, device: str, threads: 
 def _load_embedder(model: str | None, device: str, threads: int) -> Embedder:
     torch.set_num_threads(threads)  # its own cores: the parent's threads are not competing for them here
     embedder = Embedder(model, device=device)
-    embedder.embed_queries(["warm-up"])  # the first forward pays lazy set-up (~200 ms): at start, not a user's
+    embedder.warm_queries()  # CUDA graphs, or the first forward's lazy set-up (~200 ms): at start, not a user's
+    embedder.embed_queries(["warm-up"])
     return embedder
 
 

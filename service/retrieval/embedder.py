@@ -60,7 +60,9 @@ class Embedder:
             self._model.float()  # half-precision weights (a folder saved in fp16) run several times slower on CPU
         self._on_own_stream = SideStream(device)
         self._dimension = self._read_dimension()
-        self._graphed_queries = self._capture_queries() if device.startswith("cuda") else None
+        # Captured at the first question (`warm_queries`), so an embedder that only embeds documents holds none.
+        self._graphed_queries: BucketedQueryEncoder | None = None
+        self._capture_due = device.startswith("cuda")
 
     @property
     def dimension(self) -> int:
@@ -92,16 +94,25 @@ class Embedder:
         """The unit vectors of several questions in one batch (concurrent requests, `RetrievalBatcher`)."""
         if not texts:
             return []
-        if self._graphed_queries is not None:
-            with self._lock, self._on_own_stream():
-                rows: list[list[float]] = self._graphed_queries.encode(texts).tolist()
-            return rows
+        with self._lock, self._on_own_stream():
+            graphed = self._graphed()
+            if graphed is not None:
+                rows: list[list[float]] = graphed.encode(texts).tolist()
+                return rows
         return self._encode(list(texts), self._prompt_name("query"))
 
-    @property
-    def graphed_queries(self) -> bool:
-        """Whether questions are embedded by CUDA graph replays (`graphed_queries`) rather than `encode`."""
-        return self._graphed_queries is not None
+    def warm_queries(self) -> bool:
+        """Capture the question graphs now (a CUDA embedder's first question would pay for it, a second or two);
+        whether questions are embedded by graph replays (`graphed_queries.py`) rather than `encode`."""
+        with self._lock, self._on_own_stream():
+            return self._graphed() is not None
+
+    def _graphed(self) -> BucketedQueryEncoder | None:
+        """Under the lock: the question graphs, captured at the first call on a CUDA embedder."""
+        if self._capture_due:
+            self._capture_due = False
+            self._graphed_queries = self._capture_queries()
+        return self._graphed_queries
 
     def _capture_queries(self) -> BucketedQueryEncoder | None:
         """The question forwards captured as CUDA graphs; None (plain `encode`) for a model that cannot be run

@@ -603,6 +603,8 @@ def open_retrieval(
     """The retrieval batcher: a round in flight per question-embedder child (in this process one: the embedder
     serves one batch at a time)."""
     if question_embedder is None:
+        if embedder.device.startswith("cuda"):
+            embedder.warm_queries()  # its question graphs captured at start, not at the first question
         return RetrievalBatcher(embedder.embed_queries, collection.search_many)
     rounds = len(question_embedder.children)
     return RetrievalBatcher(question_embedder.embed_queries, collection.search_many, rounds=rounds)

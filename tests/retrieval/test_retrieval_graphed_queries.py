@@ -95,4 +95,4 @@ def test_a_tokenizer_with_features_padding_does_not_know_is_not_bucketed(embedde
 
 
 def test_the_cpu_embedder_keeps_encode(embedder: Embedder) -> None:
-    assert not embedder.graphed_queries
+    assert not embedder.warm_queries()
