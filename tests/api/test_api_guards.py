@@ -150,7 +150,7 @@ def test_qdrant_away_gives_503_and_readyz_says_so_then_service_resumes(
         raise ConnectionRefusedError("connection refused")
 
     with monkeypatch.context() as patch:
-        for method in ("query_batch_points", "query_points"):  # the Qdrant client itself
+        for method in ("query_batch_points", "query_points", "retrieve"):  # the Qdrant client itself
             patch.setattr(collection._client, method, unreachable)
         patch.setattr(collection, "ping", lambda: False)
         reply = client.post("/ask", json={"question": QUESTION})
