@@ -69,7 +69,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -262,10 +262,14 @@ def client_pid(timeout_s: float) -> int:
 
 
 def clients_ingest_all(args: argparse.Namespace, urls: list[str]) -> tuple[int, float]:
-    """In a client process: the corpus ingested through every gateway replica in turn (each has its own embedded
-    Qdrant); the first one's chunks and the seconds all took."""
+    """In a client process: the corpus ingested through every gateway replica (each has its own embedded Qdrant);
+    the first one's chunks and the seconds all took. The first gateway goes alone, so that the engines compute
+    the corpus's KV once; the others, which find it stored, chunk, embed and write their collections side by side
+    (one after another they took most of a large corpus's device time)."""
     began = time.perf_counter()
-    chunks = [clients_ingest(args, url)[0] for url in urls]
+    chunks = [clients_ingest(args, urls[0])[0]]
+    with ThreadPoolExecutor(max_workers=max(1, len(urls) - 1), thread_name_prefix="ingest") as replicas:
+        chunks += [count for count, _ in replicas.map(lambda url: clients_ingest(args, url), urls[1:])]
     if len(set(chunks)) != 1:
         raise RuntimeError(f"the gateway replicas ingested different chunk counts: {chunks}")
     return chunks[0], time.perf_counter() - began

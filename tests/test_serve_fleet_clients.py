@@ -132,3 +132,43 @@ def test_the_retrieval_split_is_the_mean_ms_a_question_by_stage() -> None:
     split = retrieval_split(page(1.0, 2.0, 0.5, 10), page(1.1, 2.6, 0.7, 50))
     assert split == {"wait": 2.5, "embed": 15.0, "search": 5.0}
     assert retrieval_split(page(1.0, 2.0, 0.5, 10), page(1.0, 2.0, 0.5, 10)) == {}
+
+
+def test_the_first_gateway_ingests_alone_and_the_replicas_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first gateway's ingest computes the corpus's KV: it ends before any replica's begins; the replicas'
+    ingests (embedding and writing their own collections) then overlap."""
+    import threading
+    import time
+
+    from loadtest import serve_fleet
+
+    spans: dict[str, tuple[float, float]] = {}
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def ingest(args: object, url: str) -> tuple[int, float]:
+        began = time.perf_counter()
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        spans[url] = (began, time.perf_counter())
+        return 40, 0.2
+
+    monkeypatch.setattr(serve_fleet, "clients_ingest", ingest)
+    chunks, seconds = serve_fleet.clients_ingest_all(parse_args([]), ["g0", "g1", "g2", "g3"])
+
+    assert chunks == 40 and 0.4 <= seconds < 0.75  # the first, then the three at once (not 0.8 in turn)
+    assert all(spans["g0"][1] <= spans[url][0] for url in ("g1", "g2", "g3"))
+    assert most[0] == 3
+
+
+def test_replicas_that_ingest_different_counts_stop_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest import serve_fleet
+
+    counts = {"g0": 40, "g1": 40, "g2": 39}
+    monkeypatch.setattr(serve_fleet, "clients_ingest", lambda args, url: (counts[url], 0.0))
+    with pytest.raises(RuntimeError, match=r"different chunk counts: \[40, 40, 39\]"):
+        serve_fleet.clients_ingest_all(parse_args([]), ["g0", "g1", "g2"])
