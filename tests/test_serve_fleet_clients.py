@@ -9,11 +9,13 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
 
-from loadtest import load
+from loadtest import load, serve_fleet
 from loadtest.proc_cpu import cpu_snapshot
 from loadtest.serve_fleet import SEED_STRIDE, ClientShare, FleetWatched, client_shares, parse_args, retrieval_split
 
@@ -137,11 +139,6 @@ def test_the_retrieval_split_is_the_mean_ms_a_question_by_stage() -> None:
 def test_the_first_gateway_ingests_alone_and_the_replicas_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first gateway's ingest computes the corpus's KV: it ends before any replica's begins; the replicas'
     ingests (embedding and writing their own collections) then overlap."""
-    import threading
-    import time
-
-    from loadtest import serve_fleet
-
     spans: dict[str, tuple[float, float]] = {}
     running, most = [0], [0]
     lock = threading.Lock()
@@ -166,8 +163,6 @@ def test_the_first_gateway_ingests_alone_and_the_replicas_side_by_side(monkeypat
 
 
 def test_replicas_that_ingest_different_counts_stop_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loadtest import serve_fleet
-
     counts = {"g0": 40, "g1": 40, "g2": 39}
     monkeypatch.setattr(serve_fleet, "clients_ingest", lambda args, url: (counts[url], 0.0))
     with pytest.raises(RuntimeError, match=r"different chunk counts: \[40, 40, 39\]"):

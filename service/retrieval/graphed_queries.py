@@ -59,11 +59,12 @@ class BucketedQueryEncoder:
         self._prompt = prompt
         self._device = torch.device(model.device)
         self._pad_id = int(getattr(model.tokenizer, "pad_token_id", None) or 0)
-        self._check_bucketable()
+        # `preprocess` replaced `tokenize` in sentence-transformers 5.2; older versions have only `tokenize`.
+        self._tokenize: Any = getattr(model, "preprocess", None) or model.tokenize
+        self._probe = self._bucketable_features()  # the features' names, dtypes and constants, for every bucket
         self._lengths = length_buckets(int(model.max_seq_length))
         self._buckets: dict[tuple[int, int], _Bucket] = {}
-        self._graphs = graphs and self._device.type == "cuda"
-        if self._graphs:
+        if graphs and self._device.type == "cuda":
             self._capture_all()
 
     @property
@@ -92,12 +93,6 @@ class BucketedQueryEncoder:
             vectors = torch.nn.functional.normalize(output[:rows].float(), dim=-1)
             return vectors.cpu().numpy()
 
-    def _tokenize(self, texts: list[str]) -> dict[str, Any]:
-        # `preprocess` replaced `tokenize` in sentence-transformers 5.2; older versions have only `tokenize`.
-        tokenize = getattr(self._model, "preprocess", None) or self._model.tokenize
-        features: dict[str, Any] = tokenize(texts)
-        return features
-
     def _forward(self, features: dict[str, Any]) -> torch.Tensor:
         # A fresh dict: the model's modules add their outputs to the one they are given.
         embedding: torch.Tensor = self._model(dict(features))["sentence_embedding"]
@@ -117,11 +112,13 @@ class BucketedQueryEncoder:
             name: torch.zeros((rows, tokens), dtype=value.dtype, device=self._device)
             if isinstance(value, torch.Tensor)
             else value
-            for name, value in self._tokenize(["probe"]).items()
+            for name, value in self._probe.items()
         }
 
-    def _check_bucketable(self) -> None:
-        features = self._tokenize(["a probe question", "a"])
+    def _bucketable_features(self) -> dict[str, Any]:
+        """The tokenizer's features for two probe questions, checked to be what padding into a bucket can fill
+        (NotBucketableError otherwise)."""
+        features: dict[str, Any] = self._tokenize(["a probe question", "a"])
         tensors = {name for name, value in features.items() if isinstance(value, torch.Tensor)}
         unknown = tensors - PADDED_FEATURES
         if unknown or "input_ids" not in tensors or "attention_mask" not in tensors:
@@ -134,6 +131,7 @@ class BucketedQueryEncoder:
             raise NotBucketableError(f"tokenizer features {sorted(constants)} change with the text")
         if self._prompt and any(getattr(module, "include_prompt", True) is False for module in self._model):
             raise NotBucketableError("the pooling leaves the prompt out, which needs each question's prompt length")
+        return features
 
     def _capture_all(self) -> None:
         """Every bucket, the largest first so that the smaller ones fit in the memory its capture reserved (one

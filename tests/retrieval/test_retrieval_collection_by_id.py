@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from qdrant_client.local import local_collection
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from service.retrieval.chunker import Chunk
 from service.retrieval.collection import ChunkCollection
@@ -146,8 +147,6 @@ def test_embedded_searches_run_numpy_on_one_blas_thread(
 ) -> None:
     """Each embedded search is a numpy product over every point: with a thread per core, the threads it wakes spin
     after it on the cores the gateway serves with, so the collection keeps BLAS to one thread while it queries."""
-    from threadpoolctl import threadpool_info, threadpool_limits
-
     ingest(collection, "doc")
     seen: list[int] = []
     ranking = DenseRows.nearest
