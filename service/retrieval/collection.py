@@ -182,30 +182,15 @@ def _discard(sets: dict[str, set[str]], name: str, point: str) -> None:
             del sets[name]
 
 
-class _EmbeddedLock:
-    """The embedded client's lock, which also keeps numpy's BLAS on one thread while it is held. Embedded Qdrant
-    scores every point with numpy for each question: OpenBLAS would wake a thread per core for each product, and
-    those threads spin after it, taking the cores of the gateway's request path and of any replica beside it. One
-    thread does a question's product over thousands of points in a fraction of a millisecond."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._blas = ThreadpoolController()
-        self._limits: list[Any] = []  # one per nested hold (the lock is re-entrant)
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        try:
-            self._limits.append(self._blas.limit(limits=1, user_api="blas"))
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._limits.pop().restore_original_limits()
-        finally:
-            self._lock.release()
+@functools.cache
+def _numpy_blas_on_one_thread() -> None:
+    """Embedded mode's searches are numpy products over every point (Qdrant's own and `DenseRows`'). OpenBLAS
+    would run each on a thread per core, and its threads spin after the product, taking the cores of the gateway's
+    request path and of any replica beside it. Limiting BLAS around each search did not hold: setting the count
+    back after it woke the pool, which then spun on all 16 cores of a GPU machine for every search. So the first
+    embedded collection keeps the process's numpy BLAS on one thread for good; nothing else in a gateway uses
+    numpy's BLAS (the models run on torch), and one thread does a round's product in about a millisecond."""
+    ThreadpoolController().limit(limits=1, user_api="blas")
 
 
 class ChunkCollection:
@@ -238,8 +223,10 @@ class ChunkCollection:
             self._client = QdrantClient(url=url, api_key=api_key, timeout=timeout_s)
         # Embedded Qdrant is plain Python state over SQLite, not made for concurrent callers; a server is.
         self._lock: contextlib.AbstractContextManager[Any] = (
-            _EmbeddedLock() if self.embedded else contextlib.nullcontext()
+            threading.RLock() if self.embedded else contextlib.nullcontext()
         )
+        if self.embedded:
+            _numpy_blas_on_one_thread()
         self.sparse = self._ensure_collection()
         self._index: _PointIndex | None = None  # embedded mode: built at the first per-document call
         if not self.embedded:  # payload indexes do nothing in embedded mode

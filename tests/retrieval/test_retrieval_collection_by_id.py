@@ -11,6 +11,7 @@ import pytest
 from qdrant_client.local import local_collection
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from service.retrieval import collection as collection_module
 from service.retrieval.chunker import Chunk
 from service.retrieval.collection import ChunkCollection
 from service.retrieval.dense_rows import DenseRows
@@ -142,23 +143,31 @@ def test_a_write_that_fails_leaves_the_collection_answering_from_what_qdrant_hol
     assert collection.referenced_kv_keys(keys("a", 3)) == set()
 
 
-def test_embedded_searches_run_numpy_on_one_blas_thread(
-    collection: ChunkCollection, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_embedded_collection_keeps_numpy_blas_on_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each embedded search is a numpy product over every point: with a thread per core, the threads it wakes spin
-    after it on the cores the gateway serves with, so the collection keeps BLAS to one thread while it queries."""
-    ingest(collection, "doc")
+    after it on the cores the gateway serves with. Limiting BLAS only around each search woke the pool again when
+    the count was set back, so the first embedded collection sets one thread for the process, and it stays."""
     seen: list[int] = []
     ranking = DenseRows.nearest
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        seen.append(max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"))
+        seen.append(_blas_threads())
         return ranking(*args, **kwargs)
 
     monkeypatch.setattr(DenseRows, "nearest", counting)
     with threadpool_limits(limits=2, user_api="blas"):  # what a 2-core machine has by default, set for the test
-        hits = collection.search_many([VECTOR, VECTOR], [2, 2])
-        after = max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+        collection_module._numpy_blas_on_one_thread.cache_clear()  # another test's collection may have set it
+        opened = ChunkCollection("chunks", DIM, path=tmp_path / "qdrant")
+        try:
+            ingest(opened, "doc")
+            hits = opened.search_many([VECTOR, VECTOR], [2, 2])
+            after = _blas_threads()
+        finally:
+            opened.close()
     assert [len(h) for h in hits] == [2, 2]
-    assert seen and set(seen) == {1}
-    assert after == 2  # given back when the search ends
+    assert seen == [1]
+    assert after == 1  # not set back when the search ends: setting it back is what woke the spinning pool
+
+
+def _blas_threads() -> int:
+    return max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
