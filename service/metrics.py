@@ -300,7 +300,7 @@ class Metrics:
     def watch_engine(
         self, seconds: Callable[[], dict[str, float]], prefills: Callable[[], dict[str, int]] | None = None
     ) -> None:
-        """The engine thread's time by phase (idle, work, admit, prefill, decode, emit), read at every scrape:
+        """The engine thread's time by phase (idle, work, pace, admit, prefill, decode, emit), read at every scrape:
         `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does;
         with `prefills`, the questions prefilled in batched forwards by how (riding in a decode step's forward, or
         apart): whether arrivals ride or stall the running answers."""

@@ -304,6 +304,12 @@ class Settings(BaseSettings):
         description="Launch each batched decode step before reading the previous step's tokens, so the host's "
         "per-step work overlaps the GPU's; unset = on where the decode step runs through CUDA graphs.",
     )
+    late_launch: bool = Field(
+        False,
+        description="With overlapped decode steps, wait before each launch until shortly before the running step "
+        "ends (its length from the last steps, a margin for the launch that adapts), so questions arriving "
+        "meanwhile ride one step sooner; off = launch as soon as the previous step is read.",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )

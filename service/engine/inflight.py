@@ -7,6 +7,7 @@ write it goes back to the pool only once that step has been read (`release`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class PendingPicks:
     first_from: int  # rows from here on are first tokens (0: an admission's; len(batch): none, a plain step)
     watch: Stopwatch | None = None  # what timed the first tokens' stages
     free_after: list[Slab] = field(default_factory=list)
+    launched_at: float = 0.0  # perf_counter when this work was queued (the launch pacer's clock)
 
     def tokens(self) -> list[int]:
         """The picks on the host, waiting for the step (and the copy) to finish."""
@@ -47,12 +49,12 @@ def copy_to_host(
 ) -> PendingPicks:
     """The record of queued picks, their host copy queued behind them (pinned memory and an event on CUDA)."""
     if picks.device.type != "cuda":
-        return PendingPicks(batch, picks, picks, None, first_from, watch)
+        return PendingPicks(batch, picks, picks, None, first_from, watch, launched_at=time.perf_counter())
     host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
     host.copy_(picks, non_blocking=True)
     copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
     copied.record()
-    return PendingPicks(batch, picks, host, copied, first_from, watch)
+    return PendingPicks(batch, picks, host, copied, first_from, watch, launched_at=time.perf_counter())
 
 
 class InFlight:

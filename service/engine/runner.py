@@ -32,6 +32,7 @@ from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import StitchEngine, Stopwatch, stage_setter
 from service.engine.first_logits import keep_first_logits
 from service.engine.inflight import InFlight, PendingPicks, copy_to_host
+from service.engine.launch_pacer import LaunchPacer
 from service.engine.output import Failed, Started, StepOutput, Tokens
 from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
 from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
@@ -57,8 +58,10 @@ class StepRunner:
         overlap: bool,
         overlap_admissions: bool,
         shared: SharedChunks | None = None,
+        pacer: LaunchPacer | None = None,
     ) -> None:
         self.engine = engine
+        self.pacer = pacer  # overlapped steps launched as late as the device allows (`launch_pacer.py`)
         self.shared = shared
         self.planner = planner
         self.decoder = decoder
@@ -79,6 +82,13 @@ class StepRunner:
 
     def has_work(self) -> bool:
         return bool(self.inflight) or bool(self.questions)
+
+    def launch_delay_s(self, now: float) -> float:
+        """How long the loop may wait before the next step's admissions and launch with the device kept busy
+        (0 unless paced, overlapped and a step runs)."""
+        if self.pacer is None or not self.overlap or not self.inflight:
+            return 0.0
+        return self.pacer.delay_s(now)
 
     # ---- admission -------------------------------------------------------------------------------------------
 
@@ -315,7 +325,10 @@ class StepRunner:
         except Exception as err:  # the step failed for the whole batch: end it, keep the loop serving
             log.exception("batched decode step over %d requests failed", len(rows))
             outcome = Failed(rows, err)
-        self.busy_s["decode"] += time.perf_counter() - began
+        launched = time.perf_counter()
+        if self.pacer is not None:
+            self.pacer.launched(launched)
+        self.busy_s["decode"] += launched - began
         yield outcome
 
     def _read(self, step: PendingPicks) -> Outputs:
@@ -335,6 +348,8 @@ class StepRunner:
             yield failed
             return
         read = time.perf_counter()
+        if self.pacer is not None:
+            self.pacer.read(began, read, step.launched_at)
         self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
         live = [

@@ -24,6 +24,7 @@ from service.engine.chunk_arena import ChunkArena
 from service.engine.chunk_source import ChunkSource
 from service.engine.engine import StitchEngine
 from service.engine.kv_pool import KVPool
+from service.engine.launch_pacer import LaunchPacer
 from service.engine.output import Failed, OutputProcessor, StepOutput
 from service.engine.planner import Planner, QueueFullError
 from service.engine.runner import STEP_PHASES, StepRunner
@@ -52,6 +53,7 @@ class Scheduler:
         overlap_admissions: bool = True,
         kv_source: ChunkSource | None = None,
         arena: ChunkArena | None = None,
+        late_launch: bool = False,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive prompt longer than this many tokens goes in by chunks, at most this many tokens
@@ -70,7 +72,9 @@ class Scheduler:
         engine computes it (offline use, tests).
         `arena`: shared-chunk mode (`shared_chunks.py`): turbo requests without recompute read their chunks from
         it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), and with
-        `prefill_with_decode` its questions ride in decode steps (`SharedChunks.mixes`)."""
+        `prefill_with_decode` its questions ride in decode steps (`SharedChunks.mixes`).
+        `late_launch` (with `overlap`): the loop waits before each launch until shortly before the running step
+        ends (`launch_delay_s`, `launch_pacer.py`), so the questions arriving meanwhile ride a step sooner."""
         shared_graphs = cuda_graphs
         if arena is not None:
             cuda_graphs = False
@@ -97,7 +101,10 @@ class Scheduler:
             prefill_with_decode,
             shared,
         )
-        self.runner = StepRunner(engine, self.planner, decoder, slabs, graphs, overlap, overlap_admissions, shared)
+        pacer = LaunchPacer() if late_launch else None
+        self.runner = StepRunner(
+            engine, self.planner, decoder, slabs, graphs, overlap, overlap_admissions, shared, pacer
+        )
         self.output = OutputProcessor(self.planner, self.runner.inflight.release, engine.eos_ids())
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -128,6 +135,11 @@ class Scheduler:
         busy["prefill"] += time.perf_counter() - chunk_began
         finished += self._apply(self.runner.decode_step())
         return finished
+
+    def launch_delay_s(self, now: float) -> float:
+        """Seconds the loop may wait (taking in arrivals) before the next `step` with the device kept busy: 0
+        unless `late_launch` and a launched step runs."""
+        return self.runner.launch_delay_s(now)
 
     def drain(self) -> list[BatchRequest]:
         """Read every launched step and unread first token (before work that must not overlap them); returns the

@@ -38,6 +38,7 @@ class BatchingOptions:
     batch_prefill_min: int = batching_defaults.BATCH_PREFILL_MIN
     prefill_with_decode: bool | None = None
     overlap: bool | None = None
+    late_launch: bool = False
 
 
 def graphs_on(engine: StitchEngine) -> bool:
@@ -70,6 +71,7 @@ def build_scheduler(
         overlap=_unset_is(options.overlap, on_cuda),
         kv_source=kv_source,
         arena=arena,
+        late_launch=options.late_launch,
     )
 
 

@@ -73,6 +73,7 @@ class EngineLoop:
         self._admitted = 0  # answers running + waiting
         self._idle_s = 0.0  # waiting for anything to do
         self._work_s = 0.0  # running queued work items (precompute batches, the gate, the warm-up)
+        self._paced_s = 0.0  # waiting on purpose before a launch, taking in arrivals (`Scheduler.launch_delay_s`)
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -171,10 +172,11 @@ class EngineLoop:
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def seconds(self) -> dict[str, float]:
-        """Wall seconds of the engine thread since start, by what it did: idle, work (queued items) and the
-        scheduler's step phases (admit, prefill, decode, emit). Their rates add up to ~1 (metrics, benchmarks)."""
+        """Wall seconds of the engine thread since start, by what it did: idle, work (queued items), pace
+        (waiting to launch late, `late_launch`) and the scheduler's step phases (admit, prefill, decode, emit).
+        Their rates add up to ~1 (metrics, benchmarks)."""
         phases = dict(self.scheduler.busy_s) if self.scheduler is not None else {}
-        return {"idle": self._idle_s, "work": self._work_s, **phases}
+        return {"idle": self._idle_s, "work": self._work_s, "pace": self._paced_s, **phases}
 
     def question_prefills(self) -> dict[str, int]:
         """Turbo questions prefilled in batched forwards since start: `riding` in a decode step's forward, `apart`
@@ -191,6 +193,7 @@ class EngineLoop:
                 began = time.perf_counter()
                 self._wake.wait_for(self._has_work)
                 self._idle_s += time.perf_counter() - began
+                self._pace()
                 if self._closing:
                     break
                 task = self._tasks.popleft() if self._tasks else None
@@ -204,6 +207,21 @@ class EngineLoop:
                 self._work_s += time.perf_counter() - began
             self._step(arrived)
         self._shut_down()
+
+    def _pace(self) -> None:
+        """Wait (lock released, so answers keep arriving) until the scheduler's next launch is due: with
+        `late_launch` shortly before the running step ends, so what arrives meanwhile rides in the next step. A
+        work item or closing ends the wait at once."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        began = time.perf_counter()
+        due = began + scheduler.launch_delay_s(began)
+        now = began
+        while now < due and not self._closing and not self._tasks:
+            self._wake.wait(due - now)
+            now = time.perf_counter()
+        self._paced_s += now - began
 
     def _has_work(self) -> bool:
         busy = self.scheduler is not None and self.scheduler.has_work()

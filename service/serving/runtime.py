@@ -701,4 +701,5 @@ def batching_options(settings: Settings) -> BatchingOptions:
         settings.batch_prefill_min,
         settings.prefill_with_decode,
         settings.overlap_decode,
+        settings.late_launch,
     )

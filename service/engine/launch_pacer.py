@@ -1,0 +1,83 @@
+"""When to launch an overlapped decode step: as late as the device allows, so that the questions arriving
+meanwhile ride in it (`KVSTITCH_LATE_LAUNCH`).
+
+Overlapped, the loop launches step k+1 as soon as it has read step k-1, and step k+1 then waits on the device
+behind step k. A question that arrives while step k runs can only ride in step k+2: it waits about half a step
+for the loop, a whole step (k+1) on the device, then its own step. Paced, the loop waits before it launches until
+shortly before the running step ends, taking in the questions that arrive meanwhile, so a question waits about
+half a step plus the margin before its step starts. The device stays as busy as before as long as the launch
+comes before the running step ends.
+
+When the running step ends is known from the reads: a read that waited for the device returned when its step
+ended, and the step launched before it started then. Its length is taken as the shortest of the last few steps
+(a step with questions riding is longer, so the shortest errs on the early side). The margin, the host's time to
+admit, plan and launch, adapts: a paced launch whose next read did not wait found the device already idle (a
+bubble), so the margin doubles; reads that waited longer than needed shrink it a little at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PacerConfig:
+    margin_s: float = 0.003  # the host's launch work before the running step ends, at first
+    min_margin_s: float = 0.0005
+    max_margin_s: float = 0.02
+    steps: int = 8  # recent step lengths the shortest is taken from
+    waited_s: float = 0.0002  # a read that took at least this long waited for the device
+    slack_s: float = 0.001  # a paced launch's read that waits longer than this leaves room to launch later
+    shrink: float = 0.25  # of the extra slack taken off the margin at each such read
+
+
+class LaunchPacer:
+    """Owned by the engine thread: `read` after each read of a step's picks, `launched` after each launch,
+    `delay_s` before taking in arrivals for the next step."""
+
+    def __init__(self, config: PacerConfig | None = None) -> None:
+        self.config = config or PacerConfig()
+        self.margin_s = self.config.margin_s
+        self._lengths: deque[float] = deque(maxlen=self.config.steps)
+        self._ended_at: float | None = None  # when the last read returned after waiting: the running step began
+        self._launched_at = 0.0  # the newest launch's time
+        self._delayed = False  # the last `delay_s` asked the loop to wait
+        self._paced = False  # the step launched last was launched late on purpose, its read not seen yet
+        self.bubbles = 0  # paced launches that came after the device had gone idle
+
+    def read(self, began: float, returned: float, launched_at: float) -> None:
+        """The picks of a step launched at `launched_at` were read: waiting from `began`, back at `returned`
+        (perf_counter seconds)."""
+        config = self.config
+        waited = returned - began
+        if waited < config.waited_s:  # the step had ended before the read: its end, and the next start, unknown
+            if self._paced:
+                self.bubbles += 1
+                self.margin_s = min(config.max_margin_s, 2 * self.margin_s)
+            self._paced = False
+            self._ended_at = None
+            return
+        if self._ended_at is not None and launched_at <= self._ended_at:
+            self._lengths.append(returned - self._ended_at)  # queued behind the last: it ran from then to now
+        if self._paced and waited > config.slack_s:
+            self.margin_s = max(config.min_margin_s, self.margin_s - config.shrink * (waited - config.slack_s))
+        self._paced = False
+        self._ended_at = returned
+
+    def launched(self, at: float) -> None:
+        """A step was launched at `at`."""
+        self._launched_at = at
+        self._paced = self._delayed
+        self._delayed = False
+
+    def delay_s(self, now: float) -> float:
+        """How long to wait before taking in arrivals and launching the next step; 0 when the running step's
+        start or length is not known (a read that did not wait, too few steps seen)."""
+        if self._ended_at is None or not self._lengths:
+            self._delayed = False
+            return 0.0
+        began = max(self._ended_at, self._launched_at)  # launched after the last read: it started when launched
+        delay = began + min(self._lengths) - self.margin_s - now
+        self._delayed = delay > 0
+        return max(0.0, delay)
