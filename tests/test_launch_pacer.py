@@ -65,6 +65,20 @@ def test_the_shortest_recent_step_sets_the_deadline() -> None:
     assert pacer.delay_s(34 * MS) == pytest.approx((33 + 10 - 3 - 34) * MS)
 
 
+def test_a_step_with_questions_riding_is_timed_apart_from_plain_ones() -> None:
+    pacer = running_pacer(10.0)  # C, plain, began at 15 ms
+    pacer.launched(16 * MS, riding=True)  # D, with questions
+    pacer.read(began=17 * MS, returned=25 * MS, launched_at=6 * MS)  # C ran 10 ms; D began at 25 ms
+    # No riding step seen yet: D borrows the plain length, launching early rather than late.
+    assert pacer.delay_s(26 * MS) == pytest.approx((25 + 10 - 3 - 26) * MS)
+    pacer.launched(27 * MS)  # E, plain
+    pacer.read(began=27 * MS, returned=45 * MS, launched_at=16 * MS, riding=True)  # D ran 20 ms
+    assert pacer.delay_s(46 * MS) == pytest.approx((45 + 10 - 3 - 46) * MS)  # E is plain: 10 ms
+    pacer.launched(47 * MS, riding=True)  # F
+    pacer.read(began=47 * MS, returned=55 * MS, launched_at=27 * MS)  # E ran 10 ms; F began at 55 ms
+    assert pacer.delay_s(56 * MS) == pytest.approx((55 + 20 - 3 - 56) * MS)  # F rides: 20 ms
+
+
 def test_a_step_launched_after_the_last_read_counts_from_its_launch() -> None:
     pacer = running_pacer(10.0)
     pacer.read(began=16 * MS, returned=25 * MS, launched_at=6 * MS)  # C read with nothing launched behind it

@@ -9,8 +9,9 @@ half a step plus the margin before its step starts. The device stays as busy as 
 comes before the running step ends.
 
 When the running step ends is known from the reads: a read that waited for the device returned when its step
-ended, and the step launched before it started then. Its length is taken as the shortest of the last few steps
-(a step with questions riding is longer, so the shortest errs on the early side). The margin, the host's time to
+ended, and the step launched before it started then. Its length is taken as the shortest of the last few steps of
+its kind: a step with questions riding runs longer (their prefill), so those are kept apart, and a kind not seen
+yet borrows the plain steps' (the shortest errs on the early side). The margin, the host's time to
 admit, plan and launch, adapts: a paced launch whose next read did not wait found the device already idle (a
 bubble), so the margin doubles; reads that waited longer than needed shrink it a little at a time.
 """
@@ -39,16 +40,18 @@ class LaunchPacer:
     def __init__(self, config: PacerConfig | None = None) -> None:
         self.config = config or PacerConfig()
         self.margin_s = self.config.margin_s
-        self._lengths: deque[float] = deque(maxlen=self.config.steps)
+        # Recent step lengths, plain (False) and with questions riding (True).
+        self._lengths: dict[bool, deque[float]] = {kind: deque(maxlen=self.config.steps) for kind in (False, True)}
         self._ended_at: float | None = None  # when the last read returned after waiting: the running step began
         self._launched_at = 0.0  # the newest launch's time
+        self._riding = False  # whether questions ride in the newest launch
         self._delayed = False  # the last `delay_s` asked the loop to wait
         self._paced = False  # the step launched last was launched late on purpose, its read not seen yet
         self.bubbles = 0  # paced launches that came after the device had gone idle
 
-    def read(self, began: float, returned: float, launched_at: float) -> None:
-        """The picks of a step launched at `launched_at` were read: waiting from `began`, back at `returned`
-        (perf_counter seconds)."""
+    def read(self, began: float, returned: float, launched_at: float, riding: bool = False) -> None:
+        """The picks of a step launched at `launched_at` (`riding`: with questions in it) were read: waiting from
+        `began`, back at `returned` (perf_counter seconds)."""
         config = self.config
         waited = returned - began
         if waited < config.waited_s:  # the step had ended before the read: its end, and the next start, unknown
@@ -59,25 +62,27 @@ class LaunchPacer:
             self._ended_at = None
             return
         if self._ended_at is not None and launched_at <= self._ended_at:
-            self._lengths.append(returned - self._ended_at)  # queued behind the last: it ran from then to now
+            self._lengths[riding].append(returned - self._ended_at)  # queued behind the last: ran from then to now
         if self._paced and waited > config.slack_s:
             self.margin_s = max(config.min_margin_s, self.margin_s - config.shrink * (waited - config.slack_s))
         self._paced = False
         self._ended_at = returned
 
-    def launched(self, at: float) -> None:
-        """A step was launched at `at`."""
+    def launched(self, at: float, riding: bool = False) -> None:
+        """A step was launched at `at` (`riding`: with questions in it)."""
         self._launched_at = at
+        self._riding = riding
         self._paced = self._delayed
         self._delayed = False
 
     def delay_s(self, now: float) -> float:
         """How long to wait before taking in arrivals and launching the next step; 0 when the running step's
         start or length is not known (a read that did not wait, too few steps seen)."""
-        if self._ended_at is None or not self._lengths:
+        lengths = self._lengths[self._riding] or self._lengths[False]
+        if self._ended_at is None or not lengths:
             self._delayed = False
             return 0.0
         began = max(self._ended_at, self._launched_at)  # launched after the last read: it started when launched
-        delay = began + min(self._lengths) - self.margin_s - now
+        delay = began + min(lengths) - self.margin_s - now
         self._delayed = delay > 0
         return max(0.0, delay)

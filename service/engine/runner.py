@@ -327,7 +327,7 @@ class StepRunner:
             outcome = Failed(rows, err)
         launched = time.perf_counter()
         if self.pacer is not None:
-            self.pacer.launched(launched)
+            self.pacer.launched(launched, riding=bool(questions))
         self.busy_s["decode"] += launched - began
         yield outcome
 
@@ -349,7 +349,7 @@ class StepRunner:
             return
         read = time.perf_counter()
         if self.pacer is not None:
-            self.pacer.read(began, read, step.launched_at)
+            self.pacer.read(began, read, step.launched_at, riding=step.first_from < len(step.batch))
         self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
         live = [
