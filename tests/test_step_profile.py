@@ -65,11 +65,38 @@ def test_a_profile_that_cannot_be_written_is_logged_and_dropped(
 
 def test_the_table_gives_each_rows_share_and_time_a_step() -> None:
     rows = [ProfileRow("kernel|a", 20, 3000.0), ProfileRow("b", 10, 1000.0)]
-    table = step_table(rows, steps=10, batch_rows=320, wall_s=0.05, on_device=True)
+    table = step_table(rows, steps=10, batch_rows=320, wall_s=0.05, on_device=False)
     lines = table.splitlines()
-    assert lines[0] == "10 steps, 32.0 rows a step, 5.00 ms a step (wall), 0.40 ms a step in device kernels"
+    assert lines[0] == "10 steps, 32.0 rows a step, 5.00 ms a step (wall), 0.40 ms a step in CPU ops"
     assert lines[4] == "| kernel/a | 20 | 3.00 | 0.300 | 75.0% |"
     assert lines[5] == "| b | 10 | 1.00 | 0.100 | 25.0% |"
+
+
+def test_on_a_gpu_the_table_sums_the_kernels_by_kind_first() -> None:
+    """Kernel names as torch's profiler gave them for a served step on an H200."""
+    rows = [
+        ProfileRow("segment_partials_kernel", 196, 5500.0),
+        ProfileRow("nvjet_sm90_tst_144x128_64x6_2x1_v_bz_TNN", 19, 1300.0),
+        ProfileRow("request_partials_kernel", 9, 2600.0),
+        ProfileRow("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 24, 150.0),
+        ProfileRow("segment_merge_kernel", 37, 500.0),
+        ProfileRow("memcpy128", 19, 100.0),
+        ProfileRow("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, true>", 56, 350.0),
+    ]
+    lines = step_table(rows, steps=1, batch_rows=112, wall_s=0.012, on_device=True).splitlines()
+    assert lines[0].endswith("10.50 ms a step in device kernels")
+    assert lines[2:10] == [
+        "| kind | ms a step | share |",
+        "|---|---|---|",
+        "| attention: running answers (segment partials) | 5.500 | 52.4% |",
+        "| attention: riders' questions (request partials) | 2.600 | 24.8% |",
+        "| GEMMs (weights) | 1.450 | 13.8% |",
+        "| attention: merges | 0.500 | 4.8% |",
+        "| elementwise, norms and the rest | 0.350 | 3.3% |",
+        "| copies | 0.100 | 1.0% |",
+    ]
+    assert lines[11] == "| kernel | calls | ms | ms a step | share |"
+    assert lines[13] == "| segment_partials_kernel | 196 | 5.50 | 5.500 | 52.4% |"
 
 
 def test_the_engine_loop_profiles_its_own_steps_once(

@@ -5,8 +5,8 @@ A step under load is a decode step with the arriving questions riding in it, rep
 kernels (the GEMMs, the chunk partials of the running answers, the riders' attention, the merges) depends on the
 load, so a benchmark of the kernels alone does not show where a served step's time goes. This profiles the real
 steps: it starts at the first step after `after_s` once a step ran with at least `min_batch` rows, runs for
-`steps` steps, and writes the table. torch's profiler (CUPTI) records the kernels a CUDA graph replay runs,
-by name, without the op that launched them.
+`steps` steps, and writes the table (on a GPU summed by kind of kernel first). torch's profiler (CUPTI) records
+the kernels a CUDA graph replay runs, by name, without the op that launched them (seen on an H200).
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ class StepProfile:
         log.info("step profile of %d steps written to %s", self._steps, path)
 
 
+# Kinds of device kernels by name, first match wins: what a step's time is spent on at a glance (the table below
+# it names every kernel). cuBLAS's Hopper GEMMs are `nvjet_*`, its split-K reductions `splitKreduce`.
+KERNEL_KINDS = (
+    ("attention: running answers (segment partials)", ("segment_partials",)),
+    ("attention: riders' questions (request partials)", ("request_partials",)),
+    ("attention: merges", ("merge_kernel",)),
+    ("attention: other", ("attn", "flash", "slot_")),
+    ("GEMMs (weights)", ("nvjet", "gemm", "cublas", "cutlass", "splitkreduce", "xmma")),
+    ("copies", ("memcpy", "copy_kernel", "index_copy", "memset")),
+)
+OTHER_KIND = "elementwise, norms and the rest"
+
+
 @dataclass(frozen=True)
 class ProfileRow:
     name: str
@@ -111,14 +124,25 @@ def _is_kernel(event: Any) -> bool:
     return str(getattr(event, "device_type", "")).endswith("CUDA")
 
 
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), OTHER_KIND)
+
+
 def step_table(rows: list[ProfileRow], steps: int, batch_rows: int, wall_s: float, on_device: bool) -> str:
-    """The profile as Markdown: a summary line, then the costliest rows with their share and time a step."""
+    """The profile as Markdown: a summary line, on a GPU the time by kind of kernel, then the costliest rows with
+    their share and time a step."""
     total_us = sum(row.self_us for row in rows)
+    per_step = max(steps, 1)
     where = "device kernels" if on_device else "CPU ops"
     lines = [
-        f"{steps} steps, {batch_rows / max(steps, 1):.1f} rows a step, {wall_s * 1e3 / max(steps, 1):.2f} ms a step "
-        f"(wall), {total_us / 1e3 / max(steps, 1):.2f} ms a step in {where}",
+        f"{steps} steps, {batch_rows / per_step:.1f} rows a step, {wall_s * 1e3 / per_step:.2f} ms a step "
+        f"(wall), {total_us / 1e3 / per_step:.2f} ms a step in {where}",
         "",
+    ]
+    if on_device:
+        lines += _kinds_table(rows, per_step, total_us)
+    lines += [
         "| kernel | calls | ms | ms a step | share |",
         "|---|---|---|---|---|",
     ]
@@ -130,3 +154,15 @@ def step_table(rows: list[ProfileRow], steps: int, batch_rows: int, wall_s: floa
             f"{share:.1%} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _kinds_table(rows: list[ProfileRow], per_step: int, total_us: float) -> list[str]:
+    spent: dict[str, float] = {}
+    for row in rows:
+        kind = kernel_kind(row.name)
+        spent[kind] = spent.get(kind, 0.0) + row.self_us
+    lines = ["| kind | ms a step | share |", "|---|---|---|"]
+    for kind, us in sorted(spent.items(), key=lambda item: -item[1]):
+        share = us / total_us if total_us else 0.0
+        lines.append(f"| {kind} | {us / 1e3 / per_step:.3f} | {share:.1%} |")
+    return [*lines, ""]
