@@ -279,7 +279,8 @@ def kernel_breakdown(work: Workload, rotary: Rotary, args: argparse.Namespace) -
     scale = HEAD_DIM**-0.5
     launches, merge = attend.launches(q, arena, tails, scale)
     phases: dict[str, Callable[[], Any]] = {
-        f"{kind} m{launch.block_m} x{launch.programs}": run for kind, launch, run in launches
+        kind if launch is None else f"{kind} m{launch.block_m} x{launch.programs}": run
+        for kind, launch, run in launches
     }
     phases["merge"] = merge
     phases["whole"] = lambda: attend(q, arena, tails, scale)
@@ -409,6 +410,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-n", type=int, default=None, help="keys per K/V tile (default: 64)")
     parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
     parser.add_argument(
+        "--prerotate",
+        action="store_true",
+        help="rotate every query entry once before the partials (segment_launch.PREROTATE) instead of in each tile",
+    )
+    parser.add_argument(
         "--padded-programs",
         type=int,
         nargs="*",
@@ -446,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_n is not None:
         segment_launch.BLOCK_N = args.block_n
     segment_launch.NUM_STAGES = args.stages
+    segment_launch.PREROTATE = args.prerotate
     rotary = qwen2_rotary(device)
     # Triton's interpreter multiplies bf16 tiles wrongly: a CPU smoke run checks fp16 and fp32 only.
     dtypes = (torch.float16, torch.float32) if interpreter else (torch.bfloat16, torch.float16, torch.float32)

@@ -276,9 +276,20 @@ def _kernel_case(rope: str, heads: int, kv_heads: int, dtype: torch.dtype) -> tu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize(("rope", "heads", "kv_heads"), [("default", 4, 4), ("llama3", 4, 2), ("yarn", 6, 2)])
 @pytest.mark.parametrize("pieces", (1, 3))
-def test_kernels_equal_the_reference(rope: str, heads: int, kv_heads: int, dtype: torch.dtype, pieces: int) -> None:
+@pytest.mark.parametrize("prerotate", (False, True))
+def test_kernels_equal_the_reference(
+    rope: str,
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    pieces: int,
+    prerotate: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Shared reads (a chunk's readers in one program), pieces of chunks, tails causal, NaN in every slot the call
-    does not name: the kernels give the reference's answer (itself held to the stitched copy above)."""
+    does not name: the kernels give the reference's answer (itself held to the stitched copy above), with the
+    queries rotated in the tiles or before them (`PREROTATE`)."""
+    monkeypatch.setattr(segment_launch, "PREROTATE", prerotate)
     if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu":
         pytest.skip("Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); bf16 runs on CUDA")
     s, rotary = _kernel_case(rope, heads, kv_heads, dtype)
@@ -379,9 +390,13 @@ def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
 @pytest.mark.gpu
 @NEEDS_KERNELS
 @pytest.mark.parametrize("pieces", (None, 1, 4))
-def test_kernels_equal_the_reference_on_many_readers(pieces: int | None) -> None:
+@pytest.mark.parametrize("prerotate", (False, True))
+def test_kernels_equal_the_reference_on_many_readers(
+    pieces: int | None, prerotate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """12 requests x 3 of 6 chunks at GQA 7 (a chunk's queries span several 64-item blocks), a 2-row prefill,
-    queries strided in memory."""
+    queries strided in memory; queries rotated in the tiles or before them."""
+    monkeypatch.setattr(segment_launch, "PREROTATE", prerotate)
     rotary = rotary_for("llama3", KERNEL_DEVICE)
     batch, (arena_slots, pool_slots) = random_batch(requests=12, chunks=6, reads=3, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -433,12 +448,14 @@ def test_a_padded_plan_counts_its_live_tiles_and_bounds_its_grid(monkeypatch: py
 
 @pytest.mark.gpu
 @NEEDS_KERNELS
-@pytest.mark.parametrize("programs", (None, 2))
+@pytest.mark.parametrize(("programs", "prerotate"), [(None, False), (2, False), (2, True)])
 def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows(
-    programs: int | None, monkeypatch: pytest.MonkeyPatch
+    programs: int | None, prerotate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a program per tile, and with two programs per KV head looping over every live tile."""
+    """With a program per tile, and with two programs per KV head looping over every live tile; and with every
+    padded entry rotated before the partials."""
     monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", programs)
+    monkeypatch.setattr(segment_launch, "PREROTATE", prerotate)
     device = torch.device(KERNEL_DEVICE)
     batches = [random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]]
     assert_one_plan_replays(batches, lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY), CAPACITY.rows)
@@ -481,11 +498,14 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
     pointers |= {"pair_visible_ptr": "i64"}
-    for block_m in (16, 32, 64):
+    for block_m, prerotated in ((16, False), (32, False), (64, False), (64, True)):
         constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": block_m, "block_n": 64}
-        constants["ieee"] = dtype == "fp32"
+        constants |= {"ieee": dtype == "fp32", "prerotated": prerotated}
         kernel = _segment_kernel.segment_partials_kernel
         assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, constants, segment_launch._warps(block_m))
+    rotate = _segment_kernel.rotate_entries_kernel
+    pointers = {"q_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "q_rows_ptr": "i64", "out_ptr": dtype}
+    assert compiles_for_sm90(rotate, pointers, {}, {"head_dim": 128, "dim_p2": 128, "block_e": 16})
     merge = _segment_kernel.segment_merge_kernel
     pointers = {"part_out_ptr": dtype, "part_lse_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"row_ptr_ptr": "i64", "row_parts_ptr": "i64", "row_tail_ptr": "i64"}

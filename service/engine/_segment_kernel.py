@@ -41,6 +41,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     block_m: tl.constexpr,
     block_n: tl.constexpr,
     ieee: tl.constexpr,
+    prerotated: tl.constexpr = False,
 ):
     """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
     (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
@@ -76,6 +77,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
             block_m,
             block_n,
             ieee,
+            prerotated,
         )
 
 
@@ -109,6 +111,7 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     block_m: tl.constexpr,
     block_n: tl.constexpr,
     ieee: tl.constexpr,
+    prerotated: tl.constexpr,
 ):
     """One tile (one key range, a block of the queries that read it) and one KV head.
 
@@ -119,7 +122,8 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     and every request reading the range), online softmax in base 2 (`qk_scale` carries log2(e)); item i sees
     keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
     output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
-    -inf.
+    -inf. `prerotated`: q holds each entry's rotated query instead (`rotate_entries_kernel`, row e = entry e), read
+    as it is.
     """
     row = tiles_ptr + tile * 5
     # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's
@@ -137,18 +141,28 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     d = tl.arange(0, dim_p2)
     d_live = d < head_dim
     entry = tl.load(pair_q_ptr + pair, mask=live, other=0).to(tl.int32)
-    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0).to(tl.int32)
     visible = tl.load(pair_visible_ptr + pair, mask=live, other=0).to(tl.int32)
     q_mask = live[:, None] & d_live[None, :]
-    q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
-    half = head_dim // 2
-    partner = tl.where(d < half, d + half, d - half)
-    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
-    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
-    table = entry[:, None] * table_stride + d[None, :]
-    cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
-    sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
-    q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
+    if prerotated:
+        q_base = entry[:, None] * q_stride_t + head[:, None] * q_stride_h
+        q = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0).to(kv_ptr.dtype.element_ty)
+    else:
+        q = _rotated_rows(
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            q_rows_ptr,
+            entry,
+            head,
+            live,
+            d,
+            q_mask,
+            q_stride_t,
+            q_stride_h,
+            table_stride,
+            head_dim,
+        )
+        q = q.to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
@@ -175,6 +189,69 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_live[None, :])
     tl.store(lse_ptr + pair * lse_stride_p + head, lse, mask=live)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _rotated_rows(  # type: ignore[no-untyped-def]
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_rows_ptr,
+    entry,
+    head,
+    live,
+    d,
+    q_mask,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    head_dim: tl.constexpr,
+):
+    """The queries of `entry` x `head` (rows q_rows[entry] of the unrotated q), rotated in fp32 by the entries'
+    cos/sin rows (RoPE's rotate-half form, the model's own tables)."""
+    q_row = tl.load(q_rows_ptr + entry, mask=live, other=0).to(tl.int32)
+    q_base = q_row[:, None] * q_stride_t + head[:, None] * q_stride_h
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
+    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
+    table = entry[:, None] * table_stride + d[None, :]
+    cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
+    return rope_rows(x, x_partner, cos, sin, d < half)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def rotate_entries_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_rows_ptr,
+    out_ptr,
+    entries,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    out_stride_e,
+    out_stride_h,
+    head_dim: tl.constexpr,
+    dim_p2: tl.constexpr,
+    block_e: tl.constexpr,
+):
+    """One program: `block_e` query entries, one query head (axis 1). Writes each entry's rotated query (as the
+    partials kernel rotates it, cast to out's dtype) to out[entry, head], so that the partials kernel's tiles read
+    one row per query item instead of the query, its rotation partner and two fp32 table rows."""
+    head = tl.program_id(1)
+    entry = tl.program_id(0) * block_e + tl.arange(0, block_e)
+    live = entry < entries
+    d = tl.arange(0, dim_p2)
+    mask = live[:, None] & (d < head_dim)[None, :]
+    heads = tl.zeros((block_e,), dtype=tl.int32) + head
+    q = _rotated_rows(
+        q_ptr, cos_ptr, sin_ptr, q_rows_ptr, entry, heads, live, d, mask, q_stride_t, q_stride_h, table_stride, head_dim
+    )
+    out = out_ptr + entry[:, None] * out_stride_e + head * out_stride_h + d[None, :]
+    tl.store(out, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]

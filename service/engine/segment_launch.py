@@ -52,6 +52,12 @@ _MERGE_HEADS = 8
 # plan counts on the device instead of the grid holding one program per tile, live or not. Module-level so a
 # benchmark can compare.
 PADDED_PROGRAMS: int | None = 256
+# Whether a by-chunk call rotates every query entry once, in a kernel of its own, before the partials: a tile then
+# reads one row per query item instead of the query, its rotation partner and two fp32 table rows, and keeps no
+# rotation in registers; at the price of writing the rotated entries ([entries, Hq, D]) and one launch more.
+# Module-level so a benchmark can compare; off until measured on a GPU.
+PREROTATE = False
+_ROTATE_BLOCK = 16  # entries a rotation program takes
 
 
 @functools.cache
@@ -59,6 +65,13 @@ def _kernels() -> tuple[Any, Any]:
     from service.engine import _segment_kernel
 
     return _segment_kernel.segment_partials_kernel, _segment_kernel.segment_merge_kernel
+
+
+@functools.cache
+def _rotate_kernel() -> Any:
+    from service.engine import _segment_kernel
+
+    return _segment_kernel.rotate_entries_kernel
 
 
 @functools.cache
@@ -226,9 +239,10 @@ class SegmentAttention:
 
     def launches(
         self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float
-    ) -> tuple[list[tuple[str, Launch, Callable[[], None]]], Callable[[], torch.Tensor]]:
-        """The call's kernel launches, in order, each with its kind ("chunks" or "tails") and its `Launch`, then the
-        merge that gives the call's output: run in turn they are `__call__`; a benchmark times each alone."""
+    ) -> tuple[list[tuple[str, Launch | None, Callable[[], None]]], Callable[[], torch.Tensor]]:
+        """The call's kernel launches, in order, each with its kind ("rotate" with `PREROTATE`, "chunks" or
+        "tails") and its `Launch` (None: the rotation), then the merge that gives the call's output: run in turn
+        they are `__call__`; a benchmark times each alone."""
         plan = self.plan
         if not (q.dtype == arena.dtype == tail_kv.dtype):
             raise ValueError("queries, arena and tails must share one dtype")
@@ -243,11 +257,16 @@ class SegmentAttention:
         part_out = torch.empty((plan.pairs, heads, dim), dtype=q.dtype, device=q.device)
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
         rotation = _Rotation(q, self._cos, self._sin)
+        runs: list[tuple[str, Launch | None, Callable[[], None]]] = []
+        if PREROTATE and not plan.by_request:  # a by-request plan's entries are rows x chunks: rotated in its tiles
+            rotated = torch.empty((plan.q_rows.shape[0], heads, dim), dtype=q.dtype, device=q.device)
+            runs.append(("rotate", None, functools.partial(_run_rotation, plan, rotation, rotated)))
+            rotation = _Rotation(rotated, self._cos, self._sin, prerotated=True)
         partials = _Partials(part_out, part_lse, group)
         by_chunk = (plan.q_rows, plan.pair_q, plan.pair_visible)
         chunk_metadata = (plan.segments,) if plan.by_request else by_chunk
         chunk_scale = scale / self.context.temperature
-        runs: list[tuple[str, Launch, Callable[[], None]]] = [
+        runs += [
             (
                 "chunks",
                 launch,
@@ -266,11 +285,38 @@ class SegmentAttention:
 
 @dataclass(frozen=True)
 class _Rotation:
-    """What the kernels rotate queries from: q [N, Hq, D] unrotated, cos/sin [entries, D]."""
+    """What the kernels rotate queries from: q [N, Hq, D] unrotated, cos/sin [entries, D]; or (`prerotated`) q
+    [entries, Hq, D] each entry's query already rotated."""
 
     q: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    prerotated: bool = False
+
+
+def _run_rotation(plan: SegmentPlan, rotation: _Rotation, out: torch.Tensor) -> None:
+    """Every query entry of `plan` rotated into `out` [entries, Hq, D] (`PREROTATE`)."""
+    entries = plan.q_rows.shape[0]
+    if entries == 0:
+        return
+    q, heads, dim = rotation.q, out.shape[1], out.shape[2]
+    _rotate_kernel()[(-(-entries // _ROTATE_BLOCK), heads)](
+        q,
+        rotation.cos,
+        rotation.sin,
+        plan.q_rows,
+        out,
+        entries,
+        q.stride(0),
+        q.stride(1),
+        rotation.cos.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim=dim,
+        dim_p2=next_power_of_2(dim),
+        block_e=_ROTATE_BLOCK,
+        num_warps=4,
+    )
 
 
 @dataclass(frozen=True)
@@ -331,6 +377,7 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
+        **({} if by_request else {"prerotated": rotation.prerotated}),
     )
 
 
