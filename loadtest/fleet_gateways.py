@@ -44,6 +44,7 @@ class Configuration:
     name: str
     engines: tuple[int, ...]
     routing: str
+    engine_env: tuple[tuple[str, str], ...] = ()  # settings its engines get beyond --engine-env (`--engine-env-b`)
 
 
 def gateway_engine(args: argparse.Namespace) -> StitchEngine:

@@ -30,6 +30,11 @@ engine it belongs to), then per concurrency level an untimed warm-up and a timed
 With `--redis` the engines and the gateway share one data dir and KV index (one host); without, each engine keeps its
 KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU tiers differ.
 
+`--engine-env-b KEY=VALUE ...` repeats the scale phase with the engines restarted with those settings too: an A/B
+pair in one run (one lease, one machine), in the report as "1 engine, KEY=VALUE". The B engines keep the A engines'
+data dirs, so they find the corpus's KV files on disk instead of computing them at ingestion; each level's warm-up
+fills their GPU tier as it filled A's.
+
 Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
 engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
 `done` events report. Writes `report.json` and `table.md` under --out, and prints the table.
@@ -112,18 +117,26 @@ TIERS = ("gpu", "host", "disk", "miss")
 class EngineGroup:
     """The engine processes of one or more phases (one per `--gpus` entry), started together; `stop` ends them."""
 
-    def __init__(self, args: argparse.Namespace, gpu_cache_mb: int, redis_prefix: str | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        gpu_cache_mb: int,
+        redis_prefix: str | None,
+        extra_env: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.urls: list[str] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         self.gpu_cache_mb = gpu_cache_mb
+        self.extra_env = extra_env
         for index, gpu in enumerate(args.gpus):
             port = args.engine_port + index
-            log_path = args.out / f"engine-{index}-gpu{gpu_cache_mb}mb.log"
+            variant = "-b" if extra_env else ""
+            log_path = args.out / f"engine-{index}-gpu{gpu_cache_mb}mb{variant}.log"
             command = [sys.executable, "-m", "loadtest.random_engine", "--host", "127.0.0.1", "--port", str(port)]
             command += ["--device", args.device, "--vocabulary", args.vocabulary_used]
             command += ["--model", args.model] if args.model else []
-            env = engine_environment(args, index, gpu, gpu_cache_mb, redis_prefix)
+            env = engine_environment(args, index, gpu, gpu_cache_mb, redis_prefix) | dict(extra_env)
             with log_path.open("wb") as out:
                 self.processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out))
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -443,9 +456,13 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
     if "scale" in args.phases:
         # All engines first: their ingestion spreads the chunks over them (each on its owner), where after one
         # engine's it would find every chunk on that engine and the others would start cold.
+        scale = [Configuration("scale", "1 engine", (0,), "chunk-aware")]
         if len(every) > 1:
-            plan.append(Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
-        plan.append(Configuration("scale", "1 engine", (0,), "chunk-aware"))
+            scale.insert(0, Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
+        plan += scale
+        if args.engine_env_b:  # the same again, every engine given the B settings: an A/B pair in one lease
+            label = " ".join(f"{key}={value}" for key, value in args.engine_env_b)
+            plan += [replace(c, name=f"{c.name}, {label}", engine_env=tuple(args.engine_env_b)) for c in scale]
     if "routing" in args.phases:
         # Both on the same engines, one after the other: --routing-first says which goes first, so that a second
         # run in the other order shows what the order itself (tiers warmed by the first) gives the second.
@@ -600,11 +617,11 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
     try:
         for number, config in enumerate(configurations(args)):
             tier = args.gpu_cache_mb if config.phase == "scale" else args.routing_gpu_cache_mb
-            if group is None or group.gpu_cache_mb != tier:
+            if group is None or (group.gpu_cache_mb, group.extra_env) != (tier, config.engine_env):
                 if group is not None:
                     group.stop()
                 began = time.perf_counter()
-                group = EngineGroup(args, tier, redis_prefix)
+                group = EngineGroup(args, tier, redis_prefix, config.engine_env)
                 group.wait_ready(args.engine_ready_timeout_s)
                 log.info(
                     "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
@@ -769,6 +786,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gateways", type=int, default=1, help=f"gateway processes over the engines (1-{MAX_GATEWAYS}; default 1)"
     )
     parser.add_argument("--engine-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra engine settings")
+    parser.add_argument(
+        "--engine-env-b",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run the scale phase again with engines restarted with these settings too (an A/B pair in one run)",
+    )
     parser.add_argument("--engine-ready-timeout-s", type=float, default=ENGINE_READY_TIMEOUT_S)
     parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
     parser.add_argument("--embedding-device", default="cpu")
@@ -814,10 +838,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--client-processes takes 1 or more")
     if len(args.gpus) < 2 and "routing" in args.phases:
         parser.error("--phases routing needs at least two engines (--gpus)")
-    pairs = [item.partition("=") for item in args.engine_env]
-    if any(not key or not sep for key, sep, _ in pairs):
-        parser.error("--engine-env takes KEY=VALUE entries")
-    args.engine_env = {key: value for key, _, value in pairs}
+    for name in ("engine_env", "engine_env_b"):
+        pairs = [item.partition("=") for item in getattr(args, name)]
+        if any(not key or not sep for key, sep, _ in pairs):
+            parser.error(f"--{name.replace('_', '-')} takes KEY=VALUE entries")
+        setattr(args, name, [(key, value) for key, _, value in pairs])
+    args.engine_env = dict(args.engine_env)
+    if args.engine_env_b and "scale" not in args.phases:
+        parser.error("--engine-env-b repeats the scale phase: add it to --phases")
     return args
 
 

@@ -179,9 +179,32 @@ def test_an_engine_keeps_the_callers_python_path_and_gets_its_own_gpu_and_data_d
     assert (shared["KVSTITCH_REDIS_PREFIX"], shared["KVSTITCH_ENGINE_ID"]) == ("fleetbench-x", "engine1-gpu3")
 
 
+def test_engine_env_b_runs_the_scale_phase_again_with_those_settings(tmp_path: Path) -> None:
+    """An A/B pair in one run: the scale configurations, then the same with the B settings, whose engines (a group
+    restarted for them) get both --engine-env and --engine-env-b."""
+    from loadtest.serve_fleet import engine_environment, parse_args
+
+    argv = ["--gpus", "0,1", "--phases", "scale", "--data-dir", str(tmp_path), "--engine-env", "KVSTITCH_MAX_BATCH=8"]
+    args = parse_args([*argv, "--engine-env-b", "KVSTITCH_LATE_LAUNCH=true"])
+    plan = [(c.name, c.engines, c.engine_env) for c in serve_fleet.configurations(args)]
+    b = (("KVSTITCH_LATE_LAUNCH", "true"),)
+    assert plan == [
+        ("2 engines", (0, 1), ()),
+        ("1 engine", (0,), ()),
+        ("2 engines, KVSTITCH_LATE_LAUNCH=true", (0, 1), b),
+        ("1 engine, KVSTITCH_LATE_LAUNCH=true", (0,), b),
+    ]
+    env = engine_environment(args, 0, 0, 1024, None) | dict(b)
+    assert (env["KVSTITCH_MAX_BATCH"], env["KVSTITCH_LATE_LAUNCH"]) == ("8", "true")
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--engine-env-b", "KVSTITCH_LATE_LAUNCH"])  # not KEY=VALUE
+    with pytest.raises(SystemExit):
+        parse_args(["--gpus", "0,1", "--phases", "routing", "--engine-env-b", "A=1"])  # no scale phase to repeat
+
+
 @pytest.mark.parametrize("first", ["chunk-aware", "round-robin"])
 def test_the_routing_phase_runs_the_policy_asked_for_first(first: str) -> None:
-    args = argparse.Namespace(gpus=[0, 1], phases=["scale", "routing"], routing_first=first)
+    args = argparse.Namespace(gpus=[0, 1], phases=["scale", "routing"], routing_first=first, engine_env_b=[])
     plan = [(c.phase, c.name, c.routing) for c in serve_fleet.configurations(args)]
     other = "round-robin" if first == "chunk-aware" else "chunk-aware"
     assert plan == [
