@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,7 @@ def test_this_processs_threads_are_grouped_by_name_and_the_groups_add_up_to_the_
     ended = threading.Thread(target=burn_thread_cpu, args=(ENDED_BURN_S,), name="Thread-7 (burn)")
     ended.start()
     ended.join()
+    wait_until_gone(ended.native_id)
     after = cpu_snapshot({"gateway": os.getpid()})
     leave.set()
     worker.join()
@@ -129,10 +131,17 @@ def test_this_processs_threads_are_grouped_by_name_and_the_groups_add_up_to_the_
     assert thread_deltas(before, after, "gateway")[worker.native_id or -1] >= THREAD_BURN_S - TICK_S
 
 
+def wait_until_gone(native_id: int | None, timeout_s: float = 10.0) -> None:
+    """`join` returns once the Python thread is done; its OS thread may still be in /proc (with all its CPU) for a
+    moment after, and would count as a live thread."""
+    deadline = time.monotonic() + timeout_s
+    while native_id is not None and Path(f"/proc/self/task/{native_id}").exists():
+        assert time.monotonic() < deadline, f"thread {native_id} still in /proc"
+        time.sleep(0.005)
+
+
 @pytest.mark.skipif(find_py_spy(None) is None, reason="py-spy is not installed (an optional tool)")
 def test_py_spy_profiles_a_process_and_its_threads_cpu_comes_from_proc(tmp_path: os.PathLike[str]) -> None:
-    from pathlib import Path
-
     executable = find_py_spy(None)
     assert executable is not None
     with burner_child() as child:
