@@ -415,6 +415,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="rotate every query entry once before the partials (segment_launch.PREROTATE) instead of in each tile",
     )
     parser.add_argument(
+        "--kv-descriptors",
+        action="store_true",
+        help="read K/V tiles through a tensor descriptor, TMA on Hopper (segment_launch.KV_DESCRIPTORS)",
+    )
+    parser.add_argument(
         "--padded-programs",
         type=int,
         nargs="*",
@@ -453,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         segment_launch.BLOCK_N = args.block_n
     segment_launch.NUM_STAGES = args.stages
     segment_launch.PREROTATE = args.prerotate
+    segment_launch.KV_DESCRIPTORS = args.kv_descriptors
     rotary = qwen2_rotary(device)
     # Triton's interpreter multiplies bf16 tiles wrongly: a CPU smoke run checks fp16 and fp32 only.
     dtypes = (torch.float16, torch.float32) if interpreter else (torch.bfloat16, torch.float16, torch.float32)

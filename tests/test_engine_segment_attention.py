@@ -391,12 +391,14 @@ def test_a_plan_groups_pairs_by_chunk_and_cuts_chunks_into_pieces() -> None:
 @NEEDS_KERNELS
 @pytest.mark.parametrize("pieces", (None, 1, 4))
 @pytest.mark.parametrize("prerotate", (False, True))
+@pytest.mark.parametrize("descriptors", (False, True))
 def test_kernels_equal_the_reference_on_many_readers(
-    pieces: int | None, prerotate: bool, monkeypatch: pytest.MonkeyPatch
+    pieces: int | None, prerotate: bool, descriptors: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """12 requests x 3 of 6 chunks at GQA 7 (a chunk's queries span several 64-item blocks), a 2-row prefill,
-    queries strided in memory; queries rotated in the tiles or before them."""
+    queries strided in memory; queries rotated in the tiles or before them; K/V by pointers or a descriptor."""
     monkeypatch.setattr(segment_launch, "PREROTATE", prerotate)
+    monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
     rotary = rotary_for("llama3", KERNEL_DEVICE)
     batch, (arena_slots, pool_slots) = random_batch(requests=12, chunks=6, reads=3, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -448,14 +450,17 @@ def test_a_padded_plan_counts_its_live_tiles_and_bounds_its_grid(monkeypatch: py
 
 @pytest.mark.gpu
 @NEEDS_KERNELS
-@pytest.mark.parametrize(("programs", "prerotate"), [(None, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    ("programs", "prerotate", "descriptors"), [(None, False, False), (2, False, False), (2, True, True)]
+)
 def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows(
-    programs: int | None, prerotate: bool, monkeypatch: pytest.MonkeyPatch
+    programs: int | None, prerotate: bool, descriptors: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a program per tile, and with two programs per KV head looping over every live tile; and with every
-    padded entry rotated before the partials."""
+    padded entry rotated before the partials, K/V through a descriptor."""
     monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", programs)
     monkeypatch.setattr(segment_launch, "PREROTATE", prerotate)
+    monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
     device = torch.device(KERNEL_DEVICE)
     batches = [random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]]
     assert_one_plan_replays(batches, lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY), CAPACITY.rows)
@@ -498,11 +503,20 @@ def test_kernels_compile_for_an_h100_without_one(dtype: str) -> None:
     pointers = {"q_ptr": dtype, "kv_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": dtype}
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "q_rows_ptr": "i64", "pair_q_ptr": "i64"}
     pointers |= {"pair_visible_ptr": "i64"}
-    for block_m, prerotated in ((16, False), (32, False), (64, False), (64, True)):
+    for block_m, prerotated, described in (
+        (16, False, False),
+        (32, False, False),
+        (64, False, False),
+        (64, True, True),
+    ):
         constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": block_m, "block_n": 64}
         constants |= {"ieee": dtype == "fp32", "prerotated": prerotated}
+        # KV_DESCRIPTORS: K/V tiles through a tensor descriptor (TMA on sm_90), else no descriptor (None).
+        descriptor = {"kv_desc": f"tensordesc<{dtype}[64, 128]>"} if described else {}
+        constants |= {} if described else {"kv_desc": None}
         kernel = _segment_kernel.segment_partials_kernel
-        assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, constants, segment_launch._warps(block_m))
+        floats = {"qk_scale": "fp32", **descriptor}
+        assert compiles_for_sm90(kernel, pointers, floats, constants, segment_launch._warps(block_m))
     rotate = _segment_kernel.rotate_entries_kernel
     pointers = {"q_ptr": dtype, "cos_ptr": "fp32", "sin_ptr": "fp32", "q_rows_ptr": "i64", "out_ptr": dtype}
     assert compiles_for_sm90(rotate, pointers, {}, {"head_dim": 128, "dim_p2": 128, "block_e": 16})

@@ -3,10 +3,13 @@
 No `from __future__ import annotations` here: Triton reads the `tl.constexpr` annotations as objects.
 """
 
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import attend_keys, finished_partial, rope_rows
+from service.engine._softmax_tile import attend_keys, attend_keys_described, finished_partial, rope_rows
 
 # A tile row is segment_plan.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
@@ -42,6 +45,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
     prerotated: tl.constexpr = False,
+    kv_desc=None,
 ):
     """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
     (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
@@ -78,6 +82,7 @@ def segment_partials_kernel(  # type: ignore[no-untyped-def]
             block_n,
             ieee,
             prerotated,
+            kv_desc,
         )
 
 
@@ -112,6 +117,7 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
     prerotated: tl.constexpr,
+    kv_desc,
 ):
     """One tile (one key range, a block of the queries that read it) and one KV head.
 
@@ -123,7 +129,8 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     keys 0 .. visible[pair] - 1 of the range (the whole chunk, or a causal prefix of a tail). Writes the pair's
     output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
     -inf. `prerotated`: q holds each entry's rotated query instead (`rotate_entries_kernel`, row e = entry e), read
-    as it is.
+    as it is. `kv_desc` (not None): the K/V tiles come through this descriptor of kv as rows of D
+    (`attend_keys_described`; kv contiguous).
     """
     row = tiles_ptr + tile * 5
     # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's
@@ -167,23 +174,31 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
     acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
-    k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
-    m_i, l_i, acc = attend_keys(
-        q,
-        k_base,
-        k_base + kv_stride_kv,
-        kv_len,
-        visible,
-        kv_stride_t,
-        d,
-        d_live,
-        qk_scale,
-        m_i,
-        l_i,
-        acc,
-        block_n,
-        ieee,
-    )
+    if kv_desc is not None:
+        # Rows of D: 2 x Hkv x slots of them (millions at most), so int32 offsets, as the descriptor takes them.
+        k_row = ((kv_head * kv_stride_h) // kv_stride_t + kv_start).to(tl.int32)
+        v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
+        m_i, l_i, acc = attend_keys_described(
+            q, kv_desc, k_row, v_row, kv_len, visible, qk_scale, m_i, l_i, acc, block_n, ieee
+        )
+    else:
+        k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
+        m_i, l_i, acc = attend_keys(
+            q,
+            k_base,
+            k_base + kv_stride_kv,
+            kv_len,
+            visible,
+            kv_stride_t,
+            d,
+            d_live,
+            qk_scale,
+            m_i,
+            l_i,
+            acc,
+            block_n,
+            ieee,
+        )
 
     out, lse = finished_partial(m_i, l_i, acc)
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]
@@ -318,3 +333,13 @@ def segment_merge_kernel(  # type: ignore[no-untyped-def]
     ]
     out_offs = r * out_stride_t + h[:, None] * out_stride_h + d[None, :]
     tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_descriptor(kv: torch.Tensor, block_n: int, dim_p2: int) -> Any:
+    """A host tensor descriptor of kv [2, Hkv, slots, D] (contiguous) as rows of D, tiles of block_n rows; None
+    where this triton has no tensor descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor.from_tensor(kv.view(-1, kv.shape[-1]), [block_n, dim_p2])

@@ -83,3 +83,32 @@ def attend_keys(  # type: ignore[no-untyped-def]
         s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
     return m_i, l_i, acc
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_keys_described(  # type: ignore[no-untyped-def]
+    q,
+    kv_desc,
+    k_row,
+    v_row,
+    length,
+    visible,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """`attend_keys` with the K/V tiles read through a tensor descriptor of the whole K/V tensor as rows of D (on
+    Hopper TMA copies, prefetched into shared memory, with no per-element pointers in registers): keys 0 ..
+    length - 1 are rows k_row .. and v_row .. of it. A tile reaching past the range reads whatever rows follow (a
+    free page may hold NaN): those keys' scores are masked and their values zeroed before the product."""
+    for n0 in range(0, length, block_n):
+        n = n0 + tl.arange(0, block_n)
+        k = kv_desc.load([k_row + n0, 0])
+        v = kv_desc.load([v_row + n0, 0])
+        v = tl.where((n < length)[:, None], v, 0.0)
+        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+    return m_i, l_i, acc

@@ -57,6 +57,11 @@ PADDED_PROGRAMS: int | None = 256
 # rotation in registers; at the price of writing the rotated entries ([entries, Hq, D]) and one launch more.
 # Module-level so a benchmark can compare; off until measured on a GPU.
 PREROTATE = False
+# Whether the by-chunk partials read K/V tiles through a tensor descriptor of the whole K/V tensor (on Hopper TMA
+# copies prefetched into shared memory) instead of per-element pointers, which hold ~250 registers a thread and so
+# one 8-warp program an SM (ptxas, sm_90). Needs kv contiguous and a power-of-two head size (else pointers);
+# module-level so a benchmark can compare; off until measured on a GPU.
+KV_DESCRIPTORS = False
 _ROTATE_BLOCK = 16  # entries a rotation program takes
 
 
@@ -65,6 +70,16 @@ def _kernels() -> tuple[Any, Any]:
     from service.engine import _segment_kernel
 
     return _segment_kernel.segment_partials_kernel, _segment_kernel.segment_merge_kernel
+
+
+def _kv_descriptor(kv: torch.Tensor, dim: int) -> Any:
+    """The descriptor `KV_DESCRIPTORS` asks for, or None (off, kv not contiguous, a head size not a power of two,
+    or a triton without descriptors)."""
+    if not KV_DESCRIPTORS or not kv.is_contiguous() or dim != next_power_of_2(dim):
+        return None
+    from service.engine import _segment_kernel
+
+    return _segment_kernel.kv_descriptor(kv, BLOCK_N, dim)
 
 
 @functools.cache
@@ -377,7 +392,7 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
-        **({} if by_request else {"prerotated": rotation.prerotated}),
+        **({} if by_request else {"prerotated": rotation.prerotated, "kv_desc": _kv_descriptor(kv, dim)}),
     )
 
 
