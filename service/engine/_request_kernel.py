@@ -7,7 +7,7 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import attend_keys, finished_partial, rope_rows
+from service.engine._softmax_tile import attend_keys, attend_keys_described, finished_partial, rope_rows
 
 # A tile row is segment_plan.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
 # rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
@@ -41,6 +41,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     block_m: tl.constexpr,
     block_n: tl.constexpr,
     ieee: tl.constexpr,
+    kv_desc=None,
 ):
     """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
     (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
@@ -74,6 +75,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
             block_m,
             block_n,
             ieee,
+            kv_desc,
         )
 
 
@@ -105,6 +107,7 @@ def _request_tile(  # type: ignore[no-untyped-def]
     block_m: tl.constexpr,
     block_n: tl.constexpr,
     ieee: tl.constexpr,
+    kv_desc,
 ):
     """One tile: a block of one request's query items (row, query head of the KV head) and one KV head, over
     a run of the request's chunk segments, all in one online softmax.
@@ -115,7 +118,8 @@ def _request_tile(  # type: ignore[no-untyped-def]
     only the queries are rotated again (the request's rows, to m - o + base, by the cos/sin rows of entry
     entry0 + row * segments + j, the model's own tables in fp32, cast to the keys' dtype as `Rotary.apply` does).
     Writes the (row, split) pair's output and fp32 natural log-sum-exp; a pair that saw no key writes zeros and
-    -inf.
+    -inf. `kv_desc` (not None): the K/V tiles come through this descriptor of kv as rows of D
+    (`attend_keys_described`).
     """
     row = tiles_ptr + tile * 9
     n_rows = tl.load(row + 1).to(tl.int32)
@@ -153,24 +157,31 @@ def _request_tile(  # type: ignore[no-untyped-def]
         cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
         sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
         q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
-        k_base = k_head + start * kv_stride_t
         every_key = tl.zeros((block_m,), dtype=tl.int32) + length  # a chunk is fully visible to every row
-        m_i, l_i, acc = attend_keys(
-            q,
-            k_base,
-            k_base + kv_stride_kv,
-            length,
-            every_key,
-            kv_stride_t,
-            d,
-            d_live,
-            qk_scale,
-            m_i,
-            l_i,
-            acc,
-            block_n,
-            ieee,
-        )
+        if kv_desc is not None:
+            k_row = ((kv_head * kv_stride_h) // kv_stride_t + start).to(tl.int32)  # rows of D: int32 (see there)
+            v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
+            m_i, l_i, acc = attend_keys_described(
+                q, kv_desc, k_row, v_row, length, every_key, qk_scale, m_i, l_i, acc, block_n, ieee
+            )
+        else:
+            k_base = k_head + start * kv_stride_t
+            m_i, l_i, acc = attend_keys(
+                q,
+                k_base,
+                k_base + kv_stride_kv,
+                length,
+                every_key,
+                kv_stride_t,
+                d,
+                d_live,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                block_n,
+                ieee,
+            )
 
     out, lse = finished_partial(m_i, l_i, acc)
     pair = pair0 + local

@@ -57,10 +57,10 @@ PADDED_PROGRAMS: int | None = 256
 # rotation in registers; at the price of writing the rotated entries ([entries, Hq, D]) and one launch more.
 # Module-level so a benchmark can compare; off until measured on a GPU.
 PREROTATE = False
-# Whether the by-chunk partials read K/V tiles through a tensor descriptor of the whole K/V tensor (on Hopper TMA
-# copies prefetched into shared memory) instead of per-element pointers, which hold ~250 registers a thread and so
-# one 8-warp program an SM (ptxas, sm_90). Needs kv contiguous and a power-of-two head size (else pointers);
-# module-level so a benchmark can compare; off until measured on a GPU.
+# Whether the partials (by chunk and by request) read K/V tiles through a tensor descriptor of the whole K/V
+# tensor (on Hopper TMA copies prefetched into shared memory) instead of per-element pointers, which hold ~250
+# registers a thread and so one 8-warp program an SM (ptxas, sm_90). Needs kv contiguous and a power-of-two head
+# size (else pointers); module-level so a benchmark can compare; off until measured on a GPU.
 KV_DESCRIPTORS = False
 _ROTATE_BLOCK = 16  # entries a rotation program takes
 
@@ -392,7 +392,8 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
-        **({} if by_request else {"prerotated": rotation.prerotated, "kv_desc": _kv_descriptor(kv, dim)}),
+        kv_desc=_kv_descriptor(kv, dim),
+        **({} if by_request else {"prerotated": rotation.prerotated}),
     )
 
 
