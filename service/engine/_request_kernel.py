@@ -7,7 +7,7 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import attend_keys, attend_keys_described, finished_partial, rope_rows
+from service.engine._softmax_tile import attend_key_range, finished_partial, rope_rows
 
 # A tile row is segment_plan.REQUEST_COLUMNS = 9 int64s: the request's first query row and row count, its first
 # rotation entry and segment count, its first segment in the segment table, the split's segments lo .. hi - 1
@@ -149,7 +149,6 @@ def _request_tile(  # type: ignore[no-untyped-def]
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
     acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
-    k_head = kv_ptr + kv_head * kv_stride_h
     for j in range(lo, hi):
         start = tl.load(segments_ptr + (seg0 + j) * 2)
         length = tl.load(segments_ptr + (seg0 + j) * 2 + 1).to(tl.int32)
@@ -158,30 +157,26 @@ def _request_tile(  # type: ignore[no-untyped-def]
         sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
         q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
         every_key = tl.zeros((block_m,), dtype=tl.int32) + length  # a chunk is fully visible to every row
-        if kv_desc is not None:
-            k_row = ((kv_head * kv_stride_h) // kv_stride_t + start).to(tl.int32)  # rows of D: int32 (see there)
-            v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
-            m_i, l_i, acc = attend_keys_described(
-                q, kv_desc, k_row, v_row, length, every_key, qk_scale, m_i, l_i, acc, block_n, ieee
-            )
-        else:
-            k_base = k_head + start * kv_stride_t
-            m_i, l_i, acc = attend_keys(
-                q,
-                k_base,
-                k_base + kv_stride_kv,
-                length,
-                every_key,
-                kv_stride_t,
-                d,
-                d_live,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                block_n,
-                ieee,
-            )
+        m_i, l_i, acc = attend_key_range(
+            q,
+            kv_ptr,
+            kv_desc,
+            kv_head,
+            start,
+            length,
+            every_key,
+            kv_stride_kv,
+            kv_stride_h,
+            kv_stride_t,
+            d,
+            d_live,
+            qk_scale,
+            m_i,
+            l_i,
+            acc,
+            block_n,
+            ieee,
+        )
 
     out, lse = finished_partial(m_i, l_i, acc)
     pair = pair0 + local

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine._softmax_tile import attend_keys, attend_keys_described, finished_partial, rope_rows
+from service.engine._softmax_tile import attend_key_range, finished_partial, rope_rows
 
 # A tile row is segment_plan.TILE_COLUMNS = 5 int64s: key range start and length, the group's first pair and
 # pair count, and which block of the group's query items it takes.
@@ -174,31 +174,26 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
     acc = tl.zeros((block_m, dim_p2), dtype=tl.float32)
-    if kv_desc is not None:
-        # Rows of D: 2 x Hkv x slots of them (millions at most), so int32 offsets, as the descriptor takes them.
-        k_row = ((kv_head * kv_stride_h) // kv_stride_t + kv_start).to(tl.int32)
-        v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
-        m_i, l_i, acc = attend_keys_described(
-            q, kv_desc, k_row, v_row, kv_len, visible, qk_scale, m_i, l_i, acc, block_n, ieee
-        )
-    else:
-        k_base = kv_ptr + kv_head * kv_stride_h + kv_start * kv_stride_t
-        m_i, l_i, acc = attend_keys(
-            q,
-            k_base,
-            k_base + kv_stride_kv,
-            kv_len,
-            visible,
-            kv_stride_t,
-            d,
-            d_live,
-            qk_scale,
-            m_i,
-            l_i,
-            acc,
-            block_n,
-            ieee,
-        )
+    m_i, l_i, acc = attend_key_range(
+        q,
+        kv_ptr,
+        kv_desc,
+        kv_head,
+        kv_start,
+        kv_len,
+        visible,
+        kv_stride_kv,
+        kv_stride_h,
+        kv_stride_t,
+        d,
+        d_live,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        block_n,
+        ieee,
+    )
 
     out, lse = finished_partial(m_i, l_i, acc)
     out_offs = pair[:, None] * out_stride_p + head[:, None] * out_stride_h + d[None, :]

@@ -112,3 +112,50 @@ def attend_keys_described(  # type: ignore[no-untyped-def]
         s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
     return m_i, l_i, acc
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_key_range(  # type: ignore[no-untyped-def]
+    q,
+    kv_ptr,
+    kv_desc,
+    kv_head,
+    start,
+    length,
+    visible,
+    kv_stride_kv,
+    kv_stride_h,
+    kv_stride_t,
+    d,
+    d_live,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    block_n: tl.constexpr,
+    ieee: tl.constexpr,
+):
+    """The running state after keys start .. start + length - 1 of KV head `kv_head` of kv [2, Hkv, slots, D]: read
+    through `kv_desc` where one is given (`attend_keys_described`, kv contiguous), else by pointers."""
+    if kv_desc is not None:
+        # Rows of D: 2 x Hkv x slots of them (millions at most), so int32 offsets, as the descriptor takes them.
+        k_row = ((kv_head * kv_stride_h) // kv_stride_t + start).to(tl.int32)
+        v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
+        return attend_keys_described(q, kv_desc, k_row, v_row, length, visible, qk_scale, m_i, l_i, acc, block_n, ieee)
+    k_base = kv_ptr + kv_head * kv_stride_h + start * kv_stride_t
+    return attend_keys(
+        q,
+        k_base,
+        k_base + kv_stride_kv,
+        length,
+        visible,
+        kv_stride_t,
+        d,
+        d_live,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        block_n,
+        ieee,
+    )
