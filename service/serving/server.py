@@ -248,8 +248,9 @@ class Server:
     async def answer(self, request: AnswerRequest) -> AnswerStream:
         """`open_answer` on a worker thread (retrieval blocks), then its events as an async iterator; in gateway
         mode the retrieved question is routed to an engine and its answer streamed from there."""
+        arrived = time.perf_counter()  # TTFT counts from here: a wait for a worker thread is the answer's too
         if self.fleet is not None:
-            remote = await anyio.to_thread.run_sync(self.open_remote, request, self.fleet)
+            remote = await anyio.to_thread.run_sync(self.open_remote, request, self.fleet, arrived)
             try:
                 await remote.open()
             except BusyError:
@@ -259,13 +260,13 @@ class Server:
                 self.metrics.rejected.labels("dependency").inc()
                 raise
             return remote
-        session = await anyio.to_thread.run_sync(self.open_answer, request)
+        session = await anyio.to_thread.run_sync(self.open_answer, request, arrived)
         return EventStream(session)
 
-    def open_remote(self, request: AnswerRequest, fleet: Fleet) -> RemoteAnswer:
+    def open_remote(self, request: AnswerRequest, fleet: Fleet, arrived: float | None = None) -> RemoteAnswer:
         """Retrieve (blocking) and prepare the question for an engine; the refusals of `Facade.answer` but those of
-        the engines (`RemoteAnswer.open`)."""
-        started = time.perf_counter()
+        the engines (`RemoteAnswer.open`). `arrived`: when the request reached the server (default: now)."""
+        started = time.perf_counter() if arrived is None else arrived
         runtime = self._ready_runtime()
         assert self.answerer is not None
         question = self._prepared(self.answerer, request)
@@ -281,9 +282,10 @@ class Server:
         sources = [source(c) for c in retrieval.chunks]
         return RemoteAnswer(fleet, self.metrics, wire, refs, sources, started, retrieval.retrieve_ms)
 
-    def open_answer(self, request: AnswerRequest) -> AnswerSession:
-        """Admit and retrieve (blocking); the refusals of `Facade.answer`."""
-        started = time.perf_counter()
+    def open_answer(self, request: AnswerRequest, arrived: float | None = None) -> AnswerSession:
+        """Admit and retrieve (blocking); the refusals of `Facade.answer`. `arrived`: when the request reached the
+        server (default: now)."""
+        started = time.perf_counter() if arrived is None else arrived
         runtime = self._ready_runtime()
         assert self.answerer is not None
         question = self._prepared(self.answerer, request)

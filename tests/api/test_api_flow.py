@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 from api_support import DOCS, QUESTION, ask_events, ingest, wait_job
 from app_server import server_of
@@ -121,6 +122,30 @@ def test_the_documents_api_lists_pages_and_describes_what_is_stored(client: Test
     wait_job(client, client.delete("/documents/otters").json()["job_id"])
     assert client.get("/documents/otters").status_code == 404
     assert client.get("/documents").json()["total"] == len(DOCS) - 1
+
+
+def test_ttft_counts_the_wait_for_a_worker_thread(client: TestClient) -> None:
+    """Retrieval blocks, so a question is opened on one of the event loop's worker threads; when every one is busy
+    (many questions at once) the question waits for one, and that wait is part of its time to the first token."""
+    ingest(client)
+    portal = client.portal
+    assert portal is not None
+
+    async def occupy_every_worker_thread(seconds: float) -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        borrowers = [object() for _ in range(int(limiter.total_tokens))]
+        for borrower in borrowers:
+            await limiter.acquire_on_behalf_of(borrower)
+        await anyio.sleep(seconds)
+        for borrower in borrowers:
+            limiter.release_on_behalf_of(borrower)
+
+    held = portal.start_task_soon(occupy_every_worker_thread, 0.4)
+    done = ask_events(client, top_k=1, max_new_tokens=2)[-1][1]
+    held.result(timeout=5)
+
+    assert done["ttft_ms"] >= 350
+    assert done["timings_ms"]["queue"] >= 300  # before admission, beside retrieval
 
 
 def test_engine_wait_is_the_time_a_question_waits_for_a_busy_engine_loop(client: TestClient) -> None:
