@@ -21,7 +21,14 @@ from service.metrics import Metrics
 from service.retrieval.collection import RetrievedChunk
 from service.serving.answer_session import AnswerSession
 from service.serving.runtime import open_engine_loop
-from service.serving.step_profile import ProfileRow, StepProfile, StepProfileConfig, step_table
+from service.serving.step_profile import (
+    Occupancy,
+    ProfileRow,
+    StepProfile,
+    StepProfileConfig,
+    occupancy,
+    step_table,
+)
 from service.settings import Settings
 from service.usecases.answer import Answerer, Question, Retrieval
 from tests.test_engine_shared_fetch import answer, retrieved, shared_scheduler
@@ -70,6 +77,24 @@ def test_the_table_gives_each_rows_share_and_time_a_step() -> None:
     assert lines[0] == "10 steps, 32.0 rows a step, 5.00 ms a step (wall), 0.40 ms a step in CPU ops"
     assert lines[4] == "| kernel/a | 20 | 3.00 | 0.300 | 75.0% |"
     assert lines[5] == "| b | 10 | 1.00 | 0.100 | 25.0% |"
+
+
+def test_occupancy_merges_overlapping_spans_and_counts_the_pauses_between_them() -> None:
+    """Kernels of a replayed graph follow each other within microseconds; a pause over 50 µs is the device
+    waiting for the host."""
+    spans = [(0.0, 100.0), (50.0, 120.0), (130.0, 200.0), (400.0, 500.0), (480.0, 490.0), (700.0, 1000.0)]
+    got = occupancy(spans[::-1])  # any order
+    assert got == Occupancy(busy_us=120.0 + 70.0 + 100.0 + 300.0, span_us=1000.0, gaps=2, gap_us=200.0 + 200.0)
+    assert occupancy([]) == Occupancy(0.0, 0.0, 0, 0.0)
+
+
+def test_the_table_says_how_busy_the_device_was() -> None:
+    rows = [ProfileRow("segment_partials_kernel", 10, 900.0)]
+    busy = Occupancy(busy_us=9_000.0, span_us=10_000.0, gaps=4, gap_us=800.0)
+    lines = step_table(rows, steps=5, batch_rows=500, wall_s=0.01, on_device=True, busy=busy).splitlines()
+    assert lines[2] == "device busy 90.0% of the 10.0 ms from the first kernel to the last; 4 pauses over 50 µs, " + (
+        "0.80 ms in all (0.160 ms a step)"
+    )
 
 
 def test_on_a_gpu_the_table_sums_the_kernels_by_kind_first() -> None:

@@ -77,7 +77,12 @@ class StepProfile:
     def _write(self, wall_s: float) -> None:
         on_device = self._device.type == "cuda"
         rows = profile_rows(self._profiler.key_averages(), on_device)
-        text = step_table(rows, self._steps, self._rows, wall_s, on_device)
+        spans = [
+            (float(e.time_range.start), float(e.time_range.end))
+            for e in self._profiler.events()
+            if not on_device or _is_kernel(e)
+        ]
+        text = step_table(rows, self._steps, self._rows, wall_s, on_device, occupancy(spans))
         path = self.config.path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,14 +129,58 @@ def _is_kernel(event: Any) -> bool:
     return str(getattr(event, "device_type", "")).endswith("CUDA")
 
 
+# A pause between kernels longer than this is a gap the device waited for the host through (a replayed graph's own
+# kernels follow each other within a few microseconds).
+GAP_US = 50.0
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """How busy the device (on the CPU: the ops) was from the first kernel to the last: time inside any kernel,
+    the span, and the pauses over GAP_US between them."""
+
+    busy_us: float
+    span_us: float
+    gaps: int
+    gap_us: float
+
+
+def occupancy(spans: list[tuple[float, float]]) -> Occupancy:
+    """The union of (start, end) spans (µs) against their overall span; the pauses over GAP_US between them."""
+    if not spans:
+        return Occupancy(0.0, 0.0, 0, 0.0)
+    ordered = sorted(spans)
+    busy = gap_us = 0.0
+    gaps = 0
+    start, end = ordered[0]
+    for begin, finish in ordered[1:]:
+        if begin > end:
+            busy += end - start
+            if begin - end > GAP_US:
+                gaps += 1
+                gap_us += begin - end
+            start, end = begin, finish
+        else:
+            end = max(end, finish)
+    busy += end - start
+    return Occupancy(busy, end - ordered[0][0], gaps, gap_us)
+
+
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), OTHER_KIND)
 
 
-def step_table(rows: list[ProfileRow], steps: int, batch_rows: int, wall_s: float, on_device: bool) -> str:
-    """The profile as Markdown: a summary line, on a GPU the time by kind of kernel, then the costliest rows with
-    their share and time a step."""
+def step_table(
+    rows: list[ProfileRow],
+    steps: int,
+    batch_rows: int,
+    wall_s: float,
+    on_device: bool,
+    busy: Occupancy | None = None,
+) -> str:
+    """The profile as Markdown: a summary line, how busy the device was (`busy`), on a GPU the time by kind of
+    kernel, then the costliest rows with their share and time a step."""
     total_us = sum(row.self_us for row in rows)
     per_step = max(steps, 1)
     where = "device kernels" if on_device else "CPU ops"
@@ -140,6 +189,14 @@ def step_table(rows: list[ProfileRow], steps: int, batch_rows: int, wall_s: floa
         f"(wall), {total_us / 1e3 / per_step:.2f} ms a step in {where}",
         "",
     ]
+    if busy is not None and busy.span_us > 0:
+        lines += [
+            f"{'device' if on_device else 'ops'} busy {busy.busy_us / busy.span_us:.1%} of the "
+            f"{busy.span_us / 1e3:.1f} ms from the first {'kernel' if on_device else 'op'} to the last; "
+            f"{busy.gaps} pauses over {GAP_US:.0f} µs, {busy.gap_us / 1e3:.2f} ms in all "
+            f"({busy.gap_us / 1e3 / per_step:.3f} ms a step)",
+            "",
+        ]
     if on_device:
         lines += _kinds_table(rows, per_step, total_us)
     lines += [
