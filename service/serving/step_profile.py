@@ -5,8 +5,9 @@ A step under load is a decode step with the arriving questions riding in it, rep
 kernels (the GEMMs, the chunk partials of the running answers, the riders' attention, the merges) depends on the
 load, so a benchmark of the kernels alone does not show where a served step's time goes. This profiles the real
 steps: it starts at the first step after `after_s` once a step ran with at least `min_batch` rows, runs for
-`steps` steps, and writes the table (on a GPU summed by kind of kernel first). torch's profiler (CUPTI) records
-the kernels a CUDA graph replay runs, by name, without the op that launched them (seen on an H200).
+`steps` steps, and writes the table (how busy the device was, then on a GPU the kernels summed by kind). torch's
+profiler (CUPTI) records the kernels a CUDA graph replay runs, by name, without the op that launched them (seen on
+an H200).
 """
 
 from __future__ import annotations
