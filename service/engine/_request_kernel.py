@@ -119,7 +119,7 @@ def _request_tile(  # type: ignore[no-untyped-def]
     entry0 + row * segments + j, the model's own tables in fp32, cast to the keys' dtype as `Rotary.apply` does).
     Writes the (row, split) pair's output and fp32 natural log-sum-exp; a pair that saw no key writes zeros and
     -inf. `kv_desc` (not None): the K/V tiles come through this descriptor of kv as rows of D
-    (`attend_keys_described`).
+    (`attend_key_range`).
     """
     row = tiles_ptr + tile * 9
     n_rows = tl.load(row + 1).to(tl.int32)

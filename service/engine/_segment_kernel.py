@@ -130,7 +130,7 @@ def _segment_tile(  # type: ignore[no-untyped-def]
     output (in the output buffer's dtype) and fp32 natural log-sum-exp; a pair that sees no key writes zeros and
     -inf. `prerotated`: q holds each entry's rotated query instead (`rotate_entries_kernel`, row e = entry e), read
     as it is. `kv_desc` (not None): the K/V tiles come through this descriptor of kv as rows of D
-    (`attend_keys_described`; kv contiguous).
+    (`attend_key_range`; kv contiguous).
     """
     row = tiles_ptr + tile * 5
     # Indices in int32 (every block offset below fits): 64-bit offset tensors double the registers of each tile's

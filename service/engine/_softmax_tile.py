@@ -55,66 +55,6 @@ def rope_rows(x, x_partner, cos, sin, first_half):  # type: ignore[no-untyped-de
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def attend_keys(  # type: ignore[no-untyped-def]
-    q,
-    k_base,
-    v_base,
-    length,
-    visible,
-    stride_t,
-    d,
-    d_live,
-    qk_scale,
-    m_i,
-    l_i,
-    acc,
-    block_n: tl.constexpr,
-    ieee: tl.constexpr,
-):
-    """The running state of q [M, D] (rotated, the keys' dtype) after keys 0 .. length - 1 at k_base / v_base
-    (`stride_t` apart, unit stride on D), row i seeing only the first visible[i] of them; `qk_scale` carries
-    log2(e)."""
-    for n0 in range(0, length, block_n):
-        n = n0 + tl.arange(0, block_n)
-        kv_mask = (n < length)[:, None] & d_live[None, :]
-        offs = n[:, None] * stride_t + d[None, :]
-        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs, mask=kv_mask, other=0.0)
-        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
-    return m_i, l_i, acc
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def attend_keys_described(  # type: ignore[no-untyped-def]
-    q,
-    kv_desc,
-    k_row,
-    v_row,
-    length,
-    visible,
-    qk_scale,
-    m_i,
-    l_i,
-    acc,
-    block_n: tl.constexpr,
-    ieee: tl.constexpr,
-):
-    """`attend_keys` with the K/V tiles read through a tensor descriptor of the whole K/V tensor as rows of D (on
-    Hopper TMA copies, prefetched into shared memory, with no per-element pointers in registers): keys 0 ..
-    length - 1 are rows k_row .. and v_row .. of it. A tile reaching past the range reads whatever rows follow (a
-    free page may hold NaN): those keys' scores are masked and their values zeroed before the product."""
-    for n0 in range(0, length, block_n):
-        n = n0 + tl.arange(0, block_n)
-        k = kv_desc.load([k_row + n0, 0])
-        v = kv_desc.load([v_row + n0, 0])
-        v = tl.where((n < length)[:, None], v, 0.0)
-        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
-    return m_i, l_i, acc
-
-
-@triton.jit  # type: ignore[untyped-decorator]
 def attend_key_range(  # type: ignore[no-untyped-def]
     q,
     kv_ptr,
@@ -135,27 +75,31 @@ def attend_key_range(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
 ):
-    """The running state after keys start .. start + length - 1 of KV head `kv_head` of kv [2, Hkv, slots, D]: read
-    through `kv_desc` where one is given (`attend_keys_described`, kv contiguous), else by pointers."""
+    """The running state of q [M, D] (rotated, the keys' dtype) after keys start .. start + length - 1 of KV head
+    `kv_head` of kv [2, Hkv, slots, D] (unit stride on D), row i seeing only the first visible[i] of them;
+    `qk_scale` carries log2(e).
+
+    The K/V tiles are read by pointers, masked to the range; or, where `kv_desc` is given (kv contiguous), through
+    that tensor descriptor of kv as rows of D (on Hopper TMA copies prefetched into shared memory, with no
+    per-element pointers in registers). A described tile reaching past the range reads whatever rows follow (a free
+    page may hold NaN): those keys' scores are masked and their values zeroed before the product."""
     if kv_desc is not None:
         # Rows of D: 2 x Hkv x slots of them (millions at most), so int32 offsets, as the descriptor takes them.
         k_row = ((kv_head * kv_stride_h) // kv_stride_t + start).to(tl.int32)
         v_row = k_row + (kv_stride_kv // kv_stride_t).to(tl.int32)
-        return attend_keys_described(q, kv_desc, k_row, v_row, length, visible, qk_scale, m_i, l_i, acc, block_n, ieee)
-    k_base = kv_ptr + kv_head * kv_stride_h + start * kv_stride_t
-    return attend_keys(
-        q,
-        k_base,
-        k_base + kv_stride_kv,
-        length,
-        visible,
-        kv_stride_t,
-        d,
-        d_live,
-        qk_scale,
-        m_i,
-        l_i,
-        acc,
-        block_n,
-        ieee,
-    )
+    else:
+        k_base = kv_ptr + kv_head * kv_stride_h + start * kv_stride_t
+        v_base = k_base + kv_stride_kv
+    for n0 in range(0, length, block_n):
+        n = n0 + tl.arange(0, block_n)
+        if kv_desc is not None:
+            k = kv_desc.load([k_row + n0, 0])
+            v = tl.where((n < length)[:, None], kv_desc.load([v_row + n0, 0]), 0.0)
+        else:
+            kv_mask = (n < length)[:, None] & d_live[None, :]
+            offs = n[:, None] * kv_stride_t + d[None, :]
+            k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs, mask=kv_mask, other=0.0)
+        s = tl.where(n[None, :] < visible[:, None], tile_scores(q, k, ieee) * qk_scale, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, ieee)
+    return m_i, l_i, acc
