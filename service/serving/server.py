@@ -263,10 +263,9 @@ class Server:
         session = await anyio.to_thread.run_sync(self.open_answer, request, arrived)
         return EventStream(session)
 
-    def open_remote(self, request: AnswerRequest, fleet: Fleet, arrived: float | None = None) -> RemoteAnswer:
+    def open_remote(self, request: AnswerRequest, fleet: Fleet, started: float) -> RemoteAnswer:
         """Retrieve (blocking) and prepare the question for an engine; the refusals of `Facade.answer` but those of
-        the engines (`RemoteAnswer.open`). `arrived`: when the request reached the server (default: now)."""
-        started = time.perf_counter() if arrived is None else arrived
+        the engines (`RemoteAnswer.open`). `started`: when the request reached the server (TTFT counts from it)."""
         runtime = self._ready_runtime()
         assert self.answerer is not None
         question = self._prepared(self.answerer, request)
@@ -282,10 +281,9 @@ class Server:
         sources = [source(c) for c in retrieval.chunks]
         return RemoteAnswer(fleet, self.metrics, wire, refs, sources, started, retrieval.retrieve_ms)
 
-    def open_answer(self, request: AnswerRequest, arrived: float | None = None) -> AnswerSession:
-        """Admit and retrieve (blocking); the refusals of `Facade.answer`. `arrived`: when the request reached the
-        server (default: now)."""
-        started = time.perf_counter() if arrived is None else arrived
+    def open_answer(self, request: AnswerRequest, started: float) -> AnswerSession:
+        """Admit and retrieve (blocking); the refusals of `Facade.answer`. `started`: when the request reached the
+        server (TTFT counts from it)."""
         runtime = self._ready_runtime()
         assert self.answerer is not None
         question = self._prepared(self.answerer, request)
