@@ -281,18 +281,20 @@ class SegmentAttention:
         by_chunk = (plan.q_rows, plan.pair_q, plan.pair_visible)
         chunk_metadata = (plan.segments,) if plan.by_request else by_chunk
         chunk_scale = scale / self.context.temperature
+        chunk_kv = (arena, _kv_descriptor(arena, dim))  # once a call: every launch over it shares the descriptor
+        tail = (tail_kv, _kv_descriptor(tail_kv, dim))
         runs += [
             (
                 "chunks",
                 launch,
                 functools.partial(
-                    _run_partials, launch, arena, rotation, chunk_metadata, partials, chunk_scale, plan.by_request
+                    _run_partials, launch, chunk_kv, rotation, chunk_metadata, partials, chunk_scale, plan.by_request
                 ),
             )
             for launch in plan.chunks
         ]
         runs += [
-            ("tails", launch, functools.partial(_run_partials, launch, tail_kv, rotation, by_chunk, partials, scale))
+            ("tails", launch, functools.partial(_run_partials, launch, tail, rotation, by_chunk, partials, scale))
             for launch in plan.tails
         ]
         return runs, functools.partial(_run_merge, plan, part_out, part_lse, q.dtype, self.context.scale)
@@ -346,16 +348,17 @@ class _Partials:
 
 def _run_partials(
     launch: Launch,
-    kv: torch.Tensor,
+    kv_read: tuple[torch.Tensor, Any],
     rotation: _Rotation,
     metadata: tuple[torch.Tensor, ...],
     partials: _Partials,
     scale: float,
     by_request: bool = False,
 ) -> None:
-    """One launch of a partials kernel over `kv`: the by-chunk one (`metadata`: the entries' rows, each pair's
-    entry and visible keys) or the by-request one (`metadata`: the segment table). Both take their arguments in
-    one order around the metadata."""
+    """One launch of a partials kernel over `kv_read`'s kv (with its descriptor, `KV_DESCRIPTORS`, or None): the
+    by-chunk one (`metadata`: the entries' rows, each pair's entry and visible keys) or the by-request one
+    (`metadata`: the segment table). Both take their arguments in one order around the metadata."""
+    kv, kv_desc = kv_read
     if kv.stride(-1) != 1:
         raise ValueError("segment attention needs unit stride on the head dimension")
     if launch.programs == 0:
@@ -392,7 +395,7 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
-        kv_desc=_kv_descriptor(kv, dim),
+        kv_desc=kv_desc,
         **({} if by_request else {"prerotated": rotation.prerotated}),
     )
 
