@@ -176,6 +176,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--level", default="pool192", help="sharing level (bench_segment_attention.draw_chunks)")
     parser.add_argument("--configs", type=parse_config, nargs="+", default=[(64, 4, 0), (64, 8, 0), (128, 8, 0)])
     parser.add_argument("--splits", type=int, nargs="+", default=[0], help="by-request splits to try (0: auto)")
+    parser.add_argument(
+        "--prerotate",
+        action=argparse.BooleanOptionalAction,
+        default=segment_launch.REQUEST_PREROTATE,
+        help="rotate the query entries before the by-request partials (segment_launch.REQUEST_PREROTATE)",
+    )
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -193,6 +199,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse(argv)
+    segment_launch.REQUEST_PREROTATE = args.prerotate
     rotary = qwen2_rotary(args.device)
     errors = {"by-chunk": check(args.device, rotary, args.dtype, False)}
     for config in args.configs:

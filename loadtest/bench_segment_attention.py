@@ -411,12 +411,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
     parser.add_argument(
         "--prerotate",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=segment_launch.PREROTATE,
         help="rotate every query entry once before the partials (segment_launch.PREROTATE) instead of in each tile",
     )
     parser.add_argument(
         "--kv-descriptors",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=segment_launch.KV_DESCRIPTORS,
         help="read K/V tiles through a tensor descriptor, TMA on Hopper (segment_launch.KV_DESCRIPTORS)",
     )
     parser.add_argument(

@@ -104,6 +104,7 @@ def _first_rows(batch: SegmentBatch, requests: int) -> tuple[tuple[int, ...], tu
 @pytest.mark.parametrize(("rope", "heads", "kv_heads"), [("default", 4, 4), ("llama3", 4, 2), ("yarn", 6, 2)])
 @pytest.mark.parametrize("splits", (1, 2, 5))
 @pytest.mark.parametrize("descriptors", (False, True))
+@pytest.mark.parametrize("prerotate", (False, True))
 def test_by_request_kernels_equal_the_reference(
     rope: str,
     heads: int,
@@ -111,11 +112,14 @@ def test_by_request_kernels_equal_the_reference(
     dtype: torch.dtype,
     splits: int,
     descriptors: bool,
+    prerotate: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The segment scenario (a chunk read twice by one request, a request reading none, a 3-row prefill, NaN
-    around every range) through a by-request plan; K/V by pointers or a descriptor (`KV_DESCRIPTORS`)."""
+    around every range) through a by-request plan; K/V by pointers or a descriptor (`KV_DESCRIPTORS`); queries
+    rotated in the tiles or before them (`REQUEST_PREROTATE`)."""
     monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(segment_launch, "REQUEST_PREROTATE", prerotate)
     if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu":
         pytest.skip("Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); bf16 runs on CUDA")
     rotary = rotary_for(rope, KERNEL_DEVICE)
@@ -146,12 +150,14 @@ def test_by_request_kernels_apply_ape_temperature_and_scale() -> None:
 @NEEDS_KERNELS
 @pytest.mark.parametrize("splits", (None, 1, 3))
 @pytest.mark.parametrize("descriptors", (False, True))
+@pytest.mark.parametrize("prerotate", (False, True))
 def test_by_request_kernels_on_many_rows_at_gqa_7(
-    splits: int | None, descriptors: bool, monkeypatch: pytest.MonkeyPatch
+    splits: int | None, descriptors: bool, prerotate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """6 requests x 3 of 6 chunks, 20 rows each at GQA 7 (a request's items span three 64-item blocks), queries
-    strided in memory; K/V by pointers or a descriptor."""
+    strided in memory; K/V by pointers or a descriptor; queries rotated in the tiles or before them."""
     monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(segment_launch, "REQUEST_PREROTATE", prerotate)
     rotary = rotary_for("llama3", KERNEL_DEVICE)
     batch, (arena_slots, pool_slots) = prefill_batch(requests=6, chunks=6, reads=3, rows=20, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -190,14 +196,17 @@ def test_a_padded_by_request_plan_has_fixed_shapes_and_refuses_a_batch_too_large
 
 @pytest.mark.gpu
 @NEEDS_KERNELS
-@pytest.mark.parametrize(("programs", "descriptors"), [(None, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    ("programs", "descriptors", "prerotate"), [(None, False, False), (2, False, True), (2, True, False)]
+)
 def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows(
-    programs: int | None, descriptors: bool, monkeypatch: pytest.MonkeyPatch
+    programs: int | None, descriptors: bool, prerotate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a program per tile, and with two programs per KV head looping over every live tile (K/V through a
-    descriptor too)."""
+    descriptor too; every padded entry rotated before the partials)."""
     monkeypatch.setattr(segment_launch, "PADDED_PROGRAMS", programs)
     monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(segment_launch, "REQUEST_PREROTATE", prerotate)
     device = torch.device(KERNEL_DEVICE)
     first, _ = prefill_batch(requests=4, chunks=5, reads=3, rows=6, seed=3)
     second, _ = prefill_batch(requests=3, chunks=5, reads=2, rows=4, seed=4)
@@ -222,3 +231,4 @@ def test_the_request_kernel_compiles_for_an_h100_without_one(dtype: str) -> None
     assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, {**constants, "kv_desc": None}, warps)
     floats = {"qk_scale": "fp32", "kv_desc": f"tensordesc<{dtype}[64, 128]>"}  # KV_DESCRIPTORS
     assert compiles_for_sm90(kernel, pointers, floats, constants, warps)
+    assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, {**constants, "prerotated": True}, warps)

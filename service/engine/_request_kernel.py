@@ -42,6 +42,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
     kv_desc=None,
+    prerotated: tl.constexpr = False,
 ):
     """Programs (grid axis 0) take the launch's live tiles (the first count_ptr[0] rows) in turn, one KV head each
     (axis 1): one tile a program where the grid holds a program per tile; a padded plan's smaller grid loops."""
@@ -76,6 +77,7 @@ def request_partials_kernel(  # type: ignore[no-untyped-def]
             block_n,
             ieee,
             kv_desc,
+            prerotated,
         )
 
 
@@ -108,6 +110,7 @@ def _request_tile(  # type: ignore[no-untyped-def]
     block_n: tl.constexpr,
     ieee: tl.constexpr,
     kv_desc,
+    prerotated: tl.constexpr,
 ):
     """One tile: a block of one request's query items (row, query head of the KV head) and one KV head, over
     a run of the request's chunk segments, all in one online softmax.
@@ -119,7 +122,8 @@ def _request_tile(  # type: ignore[no-untyped-def]
     entry0 + row * segments + j, the model's own tables in fp32, cast to the keys' dtype as `Rotary.apply` does).
     Writes the (row, split) pair's output and fp32 natural log-sum-exp; a pair that saw no key writes zeros and
     -inf. `kv_desc` (not None): the K/V tiles come through this descriptor of kv as rows of D
-    (`attend_key_range`).
+    (`attend_key_range`). `prerotated`: q holds every entry's rotated query (`rotate_entries_kernel`, row e = entry
+    e), read per chunk as it is: no query, partner or fp32 table rows held across the chunks.
     """
     row = tiles_ptr + tile * 9
     n_rows = tl.load(row + 1).to(tl.int32)
@@ -139,12 +143,14 @@ def _request_tile(  # type: ignore[no-untyped-def]
     d = tl.arange(0, dim_p2)
     d_live = d < head_dim
     q_mask = live[:, None] & d_live[None, :]
-    q_base = (row0 + local)[:, None] * q_stride_t + head[:, None] * q_stride_h
-    half = head_dim // 2
-    partner = tl.where(d < half, d + half, d - half)
-    # Kept in q's dtype between chunks (half an fp32 copy's registers); each rotation starts from the same values.
-    x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
-    x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
+    head_offs = head[:, None] * q_stride_h + d[None, :]
+    if not prerotated:
+        q_base = (row0 + local)[:, None] * q_stride_t + head[:, None] * q_stride_h
+        half = head_dim // 2
+        partner = tl.where(d < half, d + half, d - half)
+        # Kept in q's dtype between chunks (half an fp32 copy's registers); each rotation starts from the same values.
+        x = tl.load(q_ptr + q_base + d[None, :], mask=q_mask, other=0.0)
+        x_partner = tl.load(q_ptr + q_base + partner[None, :], mask=q_mask, other=0.0)
 
     m_i = tl.full((block_m,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((block_m,), dtype=tl.float32)
@@ -152,10 +158,15 @@ def _request_tile(  # type: ignore[no-untyped-def]
     for j in range(lo, hi):
         start = tl.load(segments_ptr + (seg0 + j) * 2)
         length = tl.load(segments_ptr + (seg0 + j) * 2 + 1).to(tl.int32)
-        table = (entry0 + local * segments + j)[:, None] * table_stride + d[None, :]
-        cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
-        sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
-        q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
+        entry = entry0 + local * segments + j
+        if prerotated:
+            q = tl.load(q_ptr + entry[:, None] * q_stride_t + head_offs, mask=q_mask, other=0.0)
+            q = q.to(kv_ptr.dtype.element_ty)
+        else:
+            table = entry[:, None] * table_stride + d[None, :]
+            cos = tl.load(cos_ptr + table, mask=q_mask, other=0.0)
+            sin = tl.load(sin_ptr + table, mask=q_mask, other=0.0)
+            q = rope_rows(x, x_partner, cos, sin, d < half).to(kv_ptr.dtype.element_ty)
         every_key = tl.zeros((block_m,), dtype=tl.int32) + length  # a chunk is fully visible to every row
         m_i, l_i, acc = attend_key_range(
             q,

@@ -55,13 +55,19 @@ PADDED_PROGRAMS: int | None = 256
 # Whether a by-chunk call rotates every query entry once, in a kernel of its own, before the partials: a tile then
 # reads one row per query item instead of the query, its rotation partner and two fp32 table rows, and keeps no
 # rotation in registers; at the price of writing the rotated entries ([entries, Hq, D]) and one launch more.
-# Module-level so a benchmark can compare; off until measured on a GPU.
-PREROTATE = False
+# Module-level so a benchmark can compare; on because the by-chunk graph measured faster so (benchmarks §13.13).
+PREROTATE = True
 # Whether the partials (by chunk and by request) read K/V tiles through a tensor descriptor of the whole K/V
 # tensor (on Hopper TMA copies prefetched into shared memory) instead of per-element pointers, which hold ~250
 # registers a thread and so one 8-warp program an SM (ptxas, sm_90). Needs kv contiguous and a power-of-two head
-# size (else pointers); module-level so a benchmark can compare; off until measured on a GPU.
+# size (else pointers); module-level so a benchmark can compare; off: slower than pointers on an H200 (§13.13).
 KV_DESCRIPTORS = False
+# Whether a by-request call (question prefill) rotates its query entries, one per (row, chunk), before the
+# partials, as PREROTATE does for a by-chunk call: its tiles then hold no query, partner or fp32 table rows across
+# the chunks (less spill: ptxas sm_90 still gives 255 registers a thread, the attention loop's own), at the price
+# of writing rows x chunks rotated queries a layer. Module-level so a benchmark can compare; on because the
+# question-prefill benchmark measured faster so (§13.13).
+REQUEST_PREROTATE = True
 _ROTATE_BLOCK = 16  # entries a rotation program takes
 
 
@@ -255,9 +261,9 @@ class SegmentAttention:
     def launches(
         self, q: torch.Tensor, arena: torch.Tensor, tail_kv: torch.Tensor, scale: float
     ) -> tuple[list[tuple[str, Launch | None, Callable[[], None]]], Callable[[], torch.Tensor]]:
-        """The call's kernel launches, in order, each with its kind ("rotate" with `PREROTATE`, "chunks" or
-        "tails") and its `Launch` (None: the rotation), then the merge that gives the call's output: run in turn
-        they are `__call__`; a benchmark times each alone."""
+        """The call's kernel launches, in order, each with its kind ("rotate" with `PREROTATE` or
+        `REQUEST_PREROTATE`, "chunks" or "tails") and its `Launch` (None: the rotation), then the merge that gives
+        the call's output: run in turn they are `__call__`; a benchmark times each alone."""
         plan = self.plan
         if not (q.dtype == arena.dtype == tail_kv.dtype):
             raise ValueError("queries, arena and tails must share one dtype")
@@ -273,7 +279,7 @@ class SegmentAttention:
         part_lse = torch.empty((plan.pairs, heads), dtype=torch.float32, device=q.device)
         rotation = _Rotation(q, self._cos, self._sin)
         runs: list[tuple[str, Launch | None, Callable[[], None]]] = []
-        if PREROTATE and not plan.by_request:  # a by-request plan's entries are rows x chunks: rotated in its tiles
+        if REQUEST_PREROTATE if plan.by_request else PREROTATE:
             rotated = torch.empty((plan.q_rows.shape[0], heads, dim), dtype=q.dtype, device=q.device)
             runs.append(("rotate", None, functools.partial(_run_rotation, plan, rotation, rotated)))
             rotation = _Rotation(rotated, self._cos, self._sin, prerotated=True)
@@ -396,7 +402,7 @@ def _run_partials(
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
         kv_desc=kv_desc,
-        **({} if by_request else {"prerotated": rotation.prerotated}),
+        prerotated=rotation.prerotated,
     )
 
 
