@@ -177,6 +177,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", type=parse_config, nargs="+", default=[(64, 4, 0), (64, 8, 0), (128, 8, 0)])
     parser.add_argument("--splits", type=int, nargs="+", default=[0], help="by-request splits to try (0: auto)")
     parser.add_argument(
+        "--maxnreg", type=int, default=None, help="registers a thread of the by-request partials (REQUEST_MAXNREG)"
+    )
+    parser.add_argument(
         "--prerotate",
         action=argparse.BooleanOptionalAction,
         default=segment_launch.REQUEST_PREROTATE,
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse(argv)
     segment_launch.REQUEST_PREROTATE = args.prerotate
+    segment_launch.REQUEST_MAXNREG = args.maxnreg
     rotary = qwen2_rotary(args.device)
     errors = {"by-chunk": check(args.device, rotary, args.dtype, False)}
     for config in args.configs:

@@ -8,6 +8,11 @@ cannot stream text (`serve_random.stream_in_vocab`), and serves the engine's int
 `service.commands.engine.run_engine` over it: the same app, start-up, gate and metrics as `kvstitch engine`. Every
 other setting comes from the environment (`KVSTITCH_*`), as for `kvstitch engine`.
 
+`BENCH_ENGINE_CONSTANTS` (optional, for A/B runs: `serve_fleet --engine-env-b BENCH_ENGINE_CONSTANTS=...`) sets
+module constants of `service.engine` in the engine's process before it starts, e.g.
+`segment_launch.PARTIALS_MAXNREG=128 segment_launch.PREROTATE=false` (an int, true, false or none each); a name the
+module does not have is an error, not a silent no-op.
+
 The random model names its fingerprint (`bench_prefill.random_fingerprint`), so engines built on the same kind of
 device and a gateway holding `bench_prefill.random_qwen2_7b_shell` share one key space.
 """
@@ -15,7 +20,9 @@ device and a gateway holding `bench_prefill.random_qwen2_7b_shell` share one key
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 
 import torch
@@ -27,6 +34,36 @@ from service.settings import Settings
 
 log = logging.getLogger("random_engine")
 
+CONSTANTS_ENV = "BENCH_ENGINE_CONSTANTS"
+
+
+def set_engine_constants(text: str) -> dict[str, object]:
+    """Set `module.NAME=value` pairs (space-separated) on modules of `service.engine`; what was set, by name."""
+    done: dict[str, object] = {}
+    for pair in text.split():
+        name, _, raw = pair.partition("=")
+        module_name, _, attribute = name.rpartition(".")
+        if not (module_name and attribute and raw):
+            raise ValueError(f"{CONSTANTS_ENV}: {pair!r} is not module.NAME=value")
+        module = importlib.import_module(f"service.engine.{module_name}")
+        if not hasattr(module, attribute):
+            raise ValueError(f"{CONSTANTS_ENV}: service.engine.{module_name} has no {attribute}")
+        value = _constant(raw)
+        setattr(module, attribute, value)
+        done[name] = value
+    return done
+
+
+def _constant(raw: str) -> object:
+    """An int, True, False or None from its text."""
+    words: dict[str, object] = {"true": True, "false": False, "none": None}
+    if raw.lower() in words:
+        return words[raw.lower()]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{CONSTANTS_ENV}: {raw!r} is not an int, true, false or none") from None
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if os.environ.get(CONSTANTS_ENV):
+        log.info("engine constants set: %s", set_engine_constants(os.environ[CONSTANTS_ENV]))
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device: pass --device cpu --model DIR for a smoke run")
         return 2

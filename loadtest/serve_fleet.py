@@ -394,6 +394,9 @@ def run_report(
         # Questions prefilled riding in decode steps or apart: whether arrivals stall the running answers.
         prefills = grown(earlier, later, "kvstitch_question_prefills_total", "how")
         engines[url]["question_prefills"] = {how: int(n) for how, n in prefills.items()}
+        # Their tokens and the rider buckets' padding: compute every running answer waited for.
+        riders = grown(earlier, later, "kvstitch_rider_tokens_total", "kind")
+        engines[url]["rider_tokens"] = {kind: int(n) for kind, n in riders.items()}
     served = {t: sum(e["blocks"][t] for e in engines.values()) for t in TIERS}
     modes = sorted({r.mode for r in results})
     return {
@@ -593,11 +596,12 @@ def run_level(
     log.info("%d clients: first gateway's retrieval, mean ms a question %s", clients_count, run["gateway_retrieval_ms"])
     for url, engine in run["engines"].items():
         log.info(
-            "%d clients: %s thread share %s, questions prefilled %s",
+            "%d clients: %s thread share %s, questions prefilled %s, rider tokens %s",
             clients_count,
             url,
             engine["thread_share"],
             engine["question_prefills"],
+            engine.get("rider_tokens", {}),
         )
     if spies is None:
         return run, (NO_PY_SPY if profile else None)

@@ -298,13 +298,17 @@ class Metrics:
         self.registry.register(_ArenaCollector(stats))
 
     def watch_engine(
-        self, seconds: Callable[[], dict[str, float]], prefills: Callable[[], dict[str, int]] | None = None
+        self,
+        seconds: Callable[[], dict[str, float]],
+        prefills: Callable[[], dict[str, int]] | None = None,
+        rider_tokens: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """The engine thread's time by phase (idle, work, pace, admit, prefill, decode, emit), read at every scrape:
         `rate()` of each is the share of the engine it takes, so a dashboard shows what the one GPU owner does;
         with `prefills`, the questions prefilled in batched forwards by how (riding in a decode step's forward, or
-        apart): whether arrivals ride or stall the running answers."""
-        self.registry.register(_EngineCollector(seconds, prefills))
+        apart): whether arrivals ride or stall the running answers; with `rider_tokens`, the token slots computed
+        for riding questions, theirs and padding: the compute the rider buckets waste."""
+        self.registry.register(_EngineCollector(seconds, prefills, rider_tokens))
 
     def watch_retrieval(self, stats: Callable[[], RetrievalStats]) -> None:
         """Retrieval's time per question by stage (wait, embed, search), its questions and rounds, read at every
@@ -346,9 +350,15 @@ class Metrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, seconds: Callable[[], dict[str, float]], prefills: Callable[[], dict[str, int]] | None) -> None:
+    def __init__(
+        self,
+        seconds: Callable[[], dict[str, float]],
+        prefills: Callable[[], dict[str, int]] | None,
+        rider_tokens: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self._seconds = seconds
         self._prefills = prefills
+        self._rider_tokens = rider_tokens
 
     def collect(self) -> Iterator[Any]:
         family = CounterMetricFamily(
@@ -367,6 +377,17 @@ class _EngineCollector(Collector):
         for how, count in self._prefills().items():
             prefills.add_metric([how], count)
         yield prefills
+        if self._rider_tokens is None:
+            return
+        tokens = CounterMetricFamily(
+            "kvstitch_rider_tokens",
+            "Token slots computed for questions riding in decode steps: the questions' own, and their graph "
+            "buckets' padding (computed, thrown away, waited for by every running answer)",
+            labels=["kind"],
+        )
+        for kind, count in self._rider_tokens().items():
+            tokens.add_metric([kind], count)
+        yield tokens
 
 
 class _RetrievalCollector(Collector):

@@ -52,7 +52,11 @@ def exported() -> dict[str, set[str]]:
     metrics.watch_store(store_stats)
     metrics.watch_queue_depth(lambda: 0)
     metrics.watch_batching(lambda: 2, lambda: 1 << 20, 1 << 30)
-    metrics.watch_engine(lambda: {"idle": 1.0, "decode": 2.0}, lambda: {"riding": 3, "apart": 1})
+    metrics.watch_engine(
+        lambda: {"idle": 1.0, "decode": 2.0},
+        lambda: {"riding": 3, "apart": 1},
+        lambda: {"question": 210, "padding": 46},
+    )
     metrics.watch_retrieval(lambda: RetrievalStats(questions=4, rounds=2, wait_s=0.1, embed_s=0.2, search_s=0.3))
     metrics.watch_gc(GcPauses())
     metrics.batch_size.observe(2)

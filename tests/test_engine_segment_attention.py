@@ -448,6 +448,71 @@ def test_a_padded_plan_counts_its_live_tiles_and_bounds_its_grid(monkeypatch: py
     assert padded.counts.tolist() == [int(launch.count) for launch in (*padded.chunks, *padded.tails)]
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **options)` records the options of each launch."""
+
+    def __init__(self, name: str, launches: list[tuple[str, dict[str, Any]]]) -> None:
+        self._name, self._launches = name, launches
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **options: Any) -> None:
+            self._launches.append((self._name, options))
+
+        return launch
+
+
+@pytest.mark.parametrize(("chunks", "requests"), [(None, None), (128, 168)])
+def test_register_caps_reach_each_partials_launch(
+    chunks: int | None, requests: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PARTIALS_MAXNREG caps the by-chunk kernel's registers a thread and REQUEST_MAXNREG the by-request one's (the
+    launch option `maxnreg`); unset, no cap is asked for. The kernels are recorded, not run (the CPU has none)."""
+    launches: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        segment_launch,
+        "_kernels",
+        lambda: (_LaunchRecorder("chunks", launches), _LaunchRecorder("merge", launches)),
+    )
+    monkeypatch.setattr(segment_launch, "_request_kernel", lambda: _LaunchRecorder("request", launches))
+    monkeypatch.setattr(segment_launch, "_rotate_kernel", lambda: _LaunchRecorder("rotate", launches))
+    monkeypatch.setattr(segment_launch, "PARTIALS_MAXNREG", chunks)
+    monkeypatch.setattr(segment_launch, "REQUEST_MAXNREG", requests)
+    rotary = rotary_for("default", "cpu")
+    s = scenario(rotary, 4, 2, torch.float32, "cpu")
+    for by_request in (False, True):
+        plan = SegmentPlan.build(s.batch, 2, 2, torch.device("cpu"), 1, by_request=by_request)
+        SegmentAttention(plan, rotary)(s.q, s.arena, s.pool, SCALE)
+    caps = {name: {o.get("maxnreg") for n, o in launches if n == name} for name in ("chunks", "request")}
+    assert caps == {"chunks": {chunks}, "request": {requests}}
+    assert all("maxnreg" not in o for n, o in launches if n in ("merge", "rotate"))
+    if chunks is None:
+        assert all("maxnreg" not in o for _, o in launches)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or INTERPRETER or torch.cuda.is_available(),
+    reason="a CPU check: needs triton importable, no interpreter, no CUDA",
+)
+def test_a_register_cap_compiles_into_the_partials_kernel() -> None:
+    """`maxnreg` reaches ptxas as the kernel's .maxnreg directive (sm_90, 64 query items, 8 warps)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from service.engine import _segment_kernel
+
+    kernel = _segment_kernel.segment_partials_kernel
+    pointers = {"q_ptr": "bf16", "kv_ptr": "bf16", "cos_ptr": "fp32", "sin_ptr": "fp32", "out_ptr": "bf16"}
+    pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "q_rows_ptr": "i64"}
+    pointers |= {"pair_q_ptr": "i64", "pair_visible_ptr": "i64"}
+    constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": 64, "block_n": 64, "ieee": False}
+    constants |= {"prerotated": True, "kv_desc": None}
+    source = ASTSource(kernel, _signature(kernel.arg_names, pointers, {"qk_scale": "fp32"}, constants), constants)
+    options = {"num_warps": 8, "maxnreg": 128}
+    ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert ".maxnreg 128" in ptx
+
+
 @pytest.mark.gpu
 @NEEDS_KERNELS
 @pytest.mark.parametrize(

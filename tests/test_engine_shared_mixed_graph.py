@@ -26,19 +26,25 @@ NEEDS_GPU = pytest.mark.skipif(
 
 
 def test_riders_take_the_smallest_bucket_holding_their_count_and_tokens() -> None:
-    assert [q for q, _ in RIDER_BUCKETS] == [16] * 11
-    assert [t for _, t in RIDER_BUCKETS] == [64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048]
+    tokens = [t for _, t in RIDER_BUCKETS]
+    assert [q for q, _ in RIDER_BUCKETS] == [16] * 19
+    assert tokens[:12] == [64 * k for k in range(1, 13)] and tokens[12:] == [896, 1024, 1152, 1280, 1536, 1792, 2048]
+    # No wave pads more than 63 tokens up to 768, 127 up to 1,280, 255 above.
+    gaps = [b - a for a, b in zip([0, *tokens], tokens, strict=False)]
+    assert max(g for g, t in zip(gaps, tokens, strict=True) if t <= 768) == 64
+    assert max(g for g, t in zip(gaps, tokens, strict=True) if t <= 1280) == 128 and max(gaps) == 256
     assert rider_bucket(1, 60) == (16, 64)
     assert rider_bucket(1, 90) == (16, 128)
     assert rider_bucket(2, 200) == (16, 256)
     assert rider_bucket(3, 500) == (16, 512)
-    assert rider_bucket(16, 1100) == (16, 1536)
+    assert rider_bucket(11, 825) == (16, 896)
+    assert rider_bucket(16, 1100) == (16, 1152)
     assert rider_bucket(16, 2048) == (16, 2048)
     assert rider_bucket(17, 100) is None and rider_bucket(2, 2049) is None
     # A pool spares a quarter of its slots for the padding (as the prefill's graphs): a small one, small buckets.
-    assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:8]
+    assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:13]  # up to 896 tokens
     assert SharedMixedGraphs.riders_for(100) == ()
-    assert rider_bucket(3, 800, SharedMixedGraphs.riders_for(4000)) is None
+    assert rider_bucket(3, 900, SharedMixedGraphs.riders_for(4000)) is None
 
 
 def test_mixed_graphs_need_the_segment_kernels_on_cuda(get_engine: Callable[[str, str], StitchEngine]) -> None:
@@ -64,7 +70,7 @@ def test_graphed_riders_decode_the_eager_riders_tokens(
         monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
     monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
 
-    def run(graphs: bool) -> tuple[list[tuple[list[int], str, str]], int, int]:
+    def run(graphs: bool) -> tuple[list[tuple[list[int], str, str]], int, int, dict[str, int]]:
         arena = nan_arena(engine, sum(block_sizes(engine)))
         pool = nan_pool(engine, 4000)
         scheduler = Scheduler(
@@ -82,12 +88,19 @@ def test_graphed_riders_decode_the_eager_riders_tokens(
         drain(scheduler)
         replays = shared.mixed_graphs.replays if shared.mixed_graphs is not None else 0
         rode = scheduler.prefilled_with_decode
+        tokens = scheduler.rider_tokens()
         shared.close()  # the graphs' scratch slabs back to the pool
         assert_nothing_pinned(scheduler)
-        return requests.outcomes(), rode, replays
+        return requests.outcomes(), rode, replays, tokens
 
-    eager, eager_rode, _ = run(False)
-    graphed, rode, replays = run(True)
+    eager, eager_rode, _, eager_tokens = run(False)
+    graphed, rode, replays, tokens = run(True)
     assert eager_rode == rode == 3  # the shared questions joining while answers ran (the naive one cannot ride)
     assert replays == 3
     assert graphed == eager
+    # Each of the three rode alone, in the smallest bucket holding its question: the padding is the rest of it.
+    lengths = [len(Run(engine, ASKS).requests[i].prompt.question) for i in (2, 4, 5)]
+    assert tokens["question"] == eager_tokens["question"] == sum(lengths) and eager_tokens["padding"] == 0
+    buckets = [rider_bucket(1, n) for n in lengths]
+    assert None not in buckets
+    assert tokens["padding"] == sum(bucket[1] - n for n, bucket in zip(lengths, buckets, strict=True) if bucket)

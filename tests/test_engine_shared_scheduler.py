@@ -194,6 +194,10 @@ def test_shared_questions_ride_in_the_running_answers_step_with_the_copy_paths_t
     assert run.outcomes() == want
     # Joining one by one: the shared ones (2, 4 and 5, which reads no chunk) rode; the naive one is prefilled alone.
     assert scheduler.prefilled_with_decode == 3 and scheduler.prefilled_together == 5
+    # Their question tokens, counted as computed riding; eager on the CPU: no graph bucket, no padding.
+    riders = [run.requests[i] for i in (2, 4, 5)]
+    assert scheduler.rider_tokens() == {"question": sum(len(r.prompt.question) for r in riders), "padding": 0}
+    assert scheduler.rider_tokens()["question"] > 0
     assert_nothing_pinned(scheduler)
 
 

@@ -70,6 +70,7 @@ def test_the_fleet_benchmark_scales_out_and_compares_routing(
             # admitted together are prefilled apart, one admitted alone in neither count.
             prefills = engine["question_prefills"]
             assert prefills["riding"] == 0 and 0 <= prefills["apart"] <= engine["answers"], engine
+            assert engine["rider_tokens"] == {"question": 0, "padding": 0}, engine
         assert run["stage_ms"]["retrieve"] > 0 and run["stage_ms"]["decode"] > 0
     assert list(runs["scale", "1 engine"]["engines"]) == engines[:1]
     for (_, name), run in runs.items():

@@ -275,3 +275,7 @@ class Scheduler:
     @property
     def prefilled_with_decode(self) -> int:
         return self.runner.prefilled_with_decode
+
+    def rider_tokens(self) -> dict[str, int]:
+        """Shared mode's riding question tokens and their padding (`SharedChunks.rider_tokens`); zeros without."""
+        return self.shared.rider_tokens() if self.shared is not None else {"question": 0, "padding": 0}

@@ -68,6 +68,12 @@ KV_DESCRIPTORS = False
 # of writing rows x chunks rotated queries a layer. Module-level so a benchmark can compare; on because the
 # question-prefill benchmark measured faster so (§13.13).
 REQUEST_PREROTATE = True
+# Registers a thread of a partials program may hold (ptxas's .maxnreg; None: as many as ptxas takes, up to 255),
+# by chunk and by request. Compiled for sm_90 with the launch's alignment, the by-chunk kernel takes 182 registers at
+# 64 query items and 8 warps, so one program fits an SM; capped at 128 it spills 4 bytes and two fit, whose loads
+# then hide each other's latency. Module-level so a benchmark can compare; unset until measured on a GPU.
+PARTIALS_MAXNREG: int | None = None
+REQUEST_MAXNREG: int | None = None
 _ROTATE_BLOCK = 16  # entries a rotation program takes
 
 
@@ -373,6 +379,7 @@ def _run_partials(
     dim = q.shape[-1]
     kernel = _request_kernel() if by_request else _kernels()[0]
     warps, stages = (REQUEST_WARPS, REQUEST_STAGES) if by_request else (_warps(launch.block_m), NUM_STAGES)
+    maxnreg = REQUEST_MAXNREG if by_request else PARTIALS_MAXNREG
     kernel[(launch.programs, kv.shape[1])](
         q,
         rotation.cos,
@@ -401,6 +408,7 @@ def _run_partials(
         ieee=kv.dtype == torch.float32,
         num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
         kv_desc=kv_desc,
         prerotated=rotation.prerotated,
     )

@@ -86,6 +86,7 @@ class SharedChunks:
         self.answers = 0
         self.waited = 0
         self.resident_reads = 0  # chunks answers read from the arena as they found it: no fetch, no copy
+        self.rider_question_tokens = 0  # question tokens prefilled riding in decode steps
         self._held_back: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
         self._reading: weakref.WeakSet[BatchRequest] = weakref.WeakSet()
 
@@ -179,6 +180,12 @@ class SharedChunks:
             self.resident_reads,
         )
 
+    def rider_tokens(self) -> dict[str, int]:
+        """Token slots the decode steps' forwards computed for riding questions since start: the questions' own
+        (`question`) and their graphs' bucket padding (`padding`), which every running answer waits for too."""
+        padded = self.mixed_graphs.padded_tokens if self.mixed_graphs is not None else 0
+        return {"question": self.rider_question_tokens, "padding": padded}
+
     def _missing_kv(
         self, request: BatchRequest, missing: Sequence[int]
     ) -> tuple[Sequence[KVBlock], Sequence[BlockReady | None]]:
@@ -220,6 +227,7 @@ class SharedChunks:
         device = self.engine.spec.device
         step_call = decode_batch(positions, spans, [r.reads for r in batch])
         tokens = [list(request.prompt.question) for request in questions]
+        self.rider_question_tokens += sum(map(len, tokens))
         entries = reserve_new_tokens(questions, tokens)
         reads = [r.reads for r in questions]
         logits = None

@@ -48,9 +48,13 @@ log = logging.getLogger(__name__)
 # tokens. A wave no bucket holds would be prefilled apart, stalling every running answer for a forward of its own,
 # so the planner holds the rest of a wave back for the next step (`Planner.admit`): the largest bucket bounds how
 # many questions enter a step while answers run. Sixteen rows cost a graph little (dead tiles are skipped). A replay
-# computes its whole token bucket, and under load nearly every step carries riders, so the padding is paid at every
-# step: hence token buckets 64 apart up to 384 (a wave of one to five questions), coarser above.
-RIDER_BUCKETS = tuple((16, tokens) for tokens in (64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048))
+# computes its whole token bucket, and every running answer waits for it: a padding token costs what a question
+# token does (~25 µs of a 7B model's GEMMs on an H200 at a mixed step's size), so ~200 tokens of padding add ~5 ms
+# to a step. Hence token buckets 64 apart up to 768 (waves of up to ~10 questions: 128 clients' waves), 128 apart
+# to 1,280 and 256 apart to 2,048: a bucket pads at most 255 tokens, at most 127 below 1,280. Each bucket is one
+# more graph per decode-row bucket captured at start (~0.1 s each).
+RIDER_TOKENS = (*range(64, 769, 64), 896, 1024, 1152, 1280, 1536, 1792, 2048)
+RIDER_BUCKETS = tuple((16, tokens) for tokens in RIDER_TOKENS)
 
 
 def rider_bucket(
@@ -159,6 +163,8 @@ class SharedMixedGraphs:
         rows = max(SHARED_BUCKETS) + max(q for q, _ in self.riders)
         self._out = torch.empty((rows, spec.vocab_size), dtype=torch.float32, device=spec.device)
         self.replays = 0  # mixed steps that ran through a graph, for tests and benchmarks
+        # Token slots the replays computed past their questions' own tokens: the rider buckets' padding (metrics).
+        self.padded_tokens = 0
 
     def fits(self, batch: int, question_tokens: Sequence[int]) -> bool:
         """Whether a decode step of `batch` rows can take questions of these lengths through a graph."""
@@ -189,6 +195,7 @@ class SharedMixedGraphs:
         except ValueError:  # a plan over the bucket's capacity: eager, this once
             return None
         self.replays += 1
+        self.padded_tokens += riders[1] - sum(len(q[0]) for q in questions)
         return logits
 
     def _graph(self, batch: int, reads: int, riders: tuple[int, int]) -> SharedMixedGraph:

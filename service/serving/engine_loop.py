@@ -187,6 +187,13 @@ class EngineLoop:
         riding = scheduler.prefilled_with_decode
         return {"riding": riding, "apart": scheduler.prefilled_together - riding}
 
+    def rider_tokens(self) -> dict[str, int]:
+        """Token slots computed for questions riding in decode steps since start, their own and the graphs'
+        padding (`Scheduler.rider_tokens`; counters, read from the metrics' thread)."""
+        if self.scheduler is None:
+            return {"question": 0, "padding": 0}
+        return self.scheduler.rider_tokens()
+
     def _run(self) -> None:
         while True:
             with self._wake:

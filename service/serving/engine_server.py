@@ -144,7 +144,7 @@ class EngineServer:
             runtime = self.runtime = open_engine_runtime(self.settings, self.engine_id, self.url, self._given)
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
-            self.metrics.watch_engine(runtime.loop.seconds, runtime.loop.question_prefills)
+            self.metrics.watch_engine(runtime.loop.seconds, runtime.loop.question_prefills, runtime.loop.rider_tokens)
             asked = open_kv_path(self.settings, runtime.engine)
             self.gate = gate_on_loop(self.settings, runtime.engine, runtime.loop, asked.shared)
             if not self.gate.passed:

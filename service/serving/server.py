@@ -128,7 +128,7 @@ class Server:
             self.metrics.watch_store(runtime.store.stats)
             self.metrics.watch_ingest_backlog(runtime.queue.pending_count)
             self.metrics.watch_queue_depth(lambda: runtime.loop.waiting)
-            self.metrics.watch_engine(runtime.loop.seconds, runtime.loop.question_prefills)
+            self.metrics.watch_engine(runtime.loop.seconds, runtime.loop.question_prefills, runtime.loop.rider_tokens)
             self.metrics.watch_retrieval(runtime.retrieval.stats)
             if self.settings.gateway:
                 self._start_fleet(runtime)

@@ -58,6 +58,8 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     # One turbo question at a time is prefilled alone: no batched question prefill, riding or apart.
     assert value(m, "kvstitch_question_prefills_total", how="riding") == 0
     assert value(m, "kvstitch_question_prefills_total", how="apart") == 0
+    assert value(m, "kvstitch_rider_tokens_total", kind="question") == 0
+    assert value(m, "kvstitch_rider_tokens_total", kind="padding") == 0
     assert value(m, "kvstitch_ingest_jobs_total", status="submitted") == 1
     assert value(m, "kvstitch_ingest_jobs_total", status="done") == 1
     assert value(m, "kvstitch_ingest_jobs_total", status="failed") == 0
