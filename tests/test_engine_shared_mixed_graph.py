@@ -17,7 +17,7 @@ from service.engine import segment_plan, shared_extend_graph, shared_graph, shar
 from service.engine.engine import StitchEngine
 from service.engine.fused_stitch import triton_available
 from service.engine.scheduler import Scheduler
-from service.engine.shared_mixed_graph import RIDER_BUCKETS, SharedMixedGraphs, rider_bucket
+from service.engine.shared_mixed_graph import RIDER_BUCKETS, SharedMixedGraphs, held_reads, rider_bucket
 from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
 
 NEEDS_GPU = pytest.mark.skipif(
@@ -45,6 +45,12 @@ def test_riders_take_the_smallest_bucket_holding_their_count_and_tokens() -> Non
     assert SharedMixedGraphs.riders_for(4000) == RIDER_BUCKETS[:13]  # up to 896 tokens
     assert SharedMixedGraphs.riders_for(100) == ()
     assert rider_bucket(3, 900, SharedMixedGraphs.riders_for(4000)) is None
+
+
+def test_a_step_replays_the_smallest_captured_graph_holding_its_reads() -> None:
+    assert held_reads([16], 4) == 16 and held_reads([4, 16], 4) == 4 and held_reads([8, 16], 4) == 8
+    assert held_reads([4, 8], 16) == 16  # none holds it: its own bucket, to be captured
+    assert held_reads([], 8) == 8
 
 
 def test_mixed_graphs_need_the_segment_kernels_on_cuda(get_engine: Callable[[str, str], StitchEngine]) -> None:
@@ -104,3 +110,53 @@ def test_graphed_riders_decode_the_eager_riders_tokens(
     buckets = [rider_bucket(1, n) for n in lengths]
     assert None not in buckets
     assert tokens["padding"] == sum(bucket[1] - n for n, bucket in zip(lengths, buckets, strict=True) if bucket)
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_mixed_steps_are_warmed_at_the_most_reads_and_serve_steps_reading_fewer(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up captures the mixed steps for the most reads only; questions riding over fewer chunks replay those
+    graphs (no capture while serving) and decode the eager path's tokens (splits fixed at one, as above)."""
+    engine = get_engine("qwen2", "cuda")
+    for module in (shared_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
+    for module in (shared_extend_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
+    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+
+    def run(graphs: bool) -> tuple[list[tuple[list[int], str, str]], set[int], int, int]:
+        scheduler = Scheduler(
+            engine,
+            nan_pool(engine, 4000),
+            8,
+            cuda_graphs=graphs,
+            arena=nan_arena(engine, sum(block_sizes(engine))),
+            prefill_with_decode=True,
+        )
+        shared = scheduler.shared
+        assert shared is not None
+        mixed = shared.mixed_graphs
+        if mixed is not None:
+            shared.warm(16, 8, 1)
+        captured = len(mixed._graphs) if mixed is not None else 0
+        requests = Run(engine, ASKS)
+        for request in requests.requests[:2]:
+            scheduler.add(request)
+        scheduler.step()
+        for request in requests.requests[2:]:
+            scheduler.add(request)
+            scheduler.step()
+        drain(scheduler)
+        reads = {r for _, r, _ in mixed._graphs} if mixed is not None else set()
+        replays = mixed.replays if mixed is not None else 0
+        grew = (len(mixed._graphs) if mixed is not None else 0) - captured
+        shared.close()
+        assert_nothing_pinned(scheduler)
+        return requests.outcomes(), reads, replays, grew
+
+    eager, *_ = run(False)
+    graphed, reads, replays, grew = run(True)
+    assert reads == {16} and grew == 0  # the asks read at most 3 chunks: the 16-read graphs served them
+    assert replays == 3 and graphed == eager

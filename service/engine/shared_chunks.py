@@ -283,8 +283,10 @@ class SharedChunks:
                 self.graphs.warm(reads, max_batch)
             if self.extend_graphs is not None:
                 self.extend_graphs.warm(reads, max_batch, max(self.extend_graphs.buckets), min_question)
-            if self.mixed_graphs is not None:
-                self.mixed_graphs.warm(reads, max_batch)
+        # The mixed steps at the most reads only: one serves steps reading fewer (`held_reads`), and with a graph
+        # per decode and rider bucket they are most of the start-up's captures.
+        if self.mixed_graphs is not None and levels:
+            self.mixed_graphs.warm(levels[-1], max_batch)
 
     def close(self) -> None:
         """Give the graphs' scratch slots back (the arena is closed by its owner)."""

@@ -57,6 +57,13 @@ RIDER_TOKENS = (*range(64, 769, 64), 896, 1024, 1152, 1280, 1536, 1792, 2048)
 RIDER_BUCKETS = tuple((16, tokens) for tokens in RIDER_TOKENS)
 
 
+def held_reads(held: Sequence[int], reads: int) -> int:
+    """The reads bucket a step reading up to `reads` (a bucket) replays: the smallest captured one (`held`) that
+    holds it, else its own (to be captured). A graph for more reads serves fewer: its plan is padded to its
+    capacity and its dead tiles are skipped."""
+    return min((r for r in held if r >= reads), default=reads)
+
+
 def rider_bucket(
     questions: int, tokens: int, buckets: Sequence[tuple[int, int]] = RIDER_BUCKETS
 ) -> tuple[int, int] | None:
@@ -160,6 +167,7 @@ class SharedMixedGraphs:
         self._scratch = (step_scratch, self._question_scratch.start)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, tuple[int, int]], SharedMixedGraph] = {}
+        self._reads_held: dict[tuple[int, tuple[int, int]], list[int]] = {}  # (batch, riders) -> reads captured
         rows = max(SHARED_BUCKETS) + max(q for q, _ in self.riders)
         self._out = torch.empty((rows, spec.vocab_size), dtype=torch.float32, device=spec.device)
         self.replays = 0  # mixed steps that ran through a graph, for tests and benchmarks
@@ -189,7 +197,8 @@ class SharedMixedGraphs:
         staged, src = stage_feed(self._feed, feed)
         if not staged:
             return None
-        graph = self._graph(batch, reads_bucket(most_reads), riders)
+        reads_held = held_reads(self._reads_held.get((batch, riders), ()), reads_bucket(most_reads))
+        graph = self._graph(batch, reads_held, riders)
         try:
             logits = graph.replay(decode, step_call, src, questions, reads)
         except ValueError:  # a plan over the bucket's capacity: eager, this once
@@ -205,6 +214,7 @@ class SharedMixedGraphs:
             buffers = (self._feed, self._out)
             graph = SharedMixedGraph(self.shared, batch, reads, riders, self._scratch, self._pool, buffers)
             self._graphs[key] = graph
+            self._reads_held.setdefault((batch, riders), []).append(reads)
             log.info(
                 "captured the shared mixed step: %d rows, %d questions of %d tokens, %d reads, in %.0f ms",
                 batch,
@@ -225,4 +235,5 @@ class SharedMixedGraphs:
     def close(self) -> None:
         """Give the question scratch slab back to the pool (the graphs must not replay afterwards)."""
         self._graphs.clear()
+        self._reads_held.clear()
         self.shared.decoder.pool.free(self._question_scratch)
