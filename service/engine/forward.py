@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from service.engine import kv_write
 from service.engine.attention import StaticAttend, attend_causal_end
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
@@ -213,24 +214,29 @@ class LeanForward:
         layer_attend, static_attend = (attend, None) if isinstance(attend, LayerAttend) else (None, attend)
         first = nq if layer_attend is not None else 0  # the first head rotated: q's, or only k's
         cos, sin = self.rotary.cos_sin(positions)
+        one_kernel = kv_write.applies(hidden.device)  # else torch's kernels, below
         # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one roll, no neg + cat per layer.
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
-        cos = cos.unsqueeze(1)
+        cos_rows = cos.unsqueeze(1)
         for index in range(*layers):
             layer = self.layers[index]
             fused = self._decode_weights(index)
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
             qkv = qkv.view(tokens, nq + 2 * nkv, d)
-            qk = qkv[:, first : nq + nkv].float()
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), signed_sin).to(hidden.dtype)
             keys, values = data[index, KEYS], data[index, VALUES]
-            keys.index_copy_(1, slots, qk[:, nq - first :].transpose(0, 1))
-            values.index_copy_(1, slots, qkv[:, nq + nkv :].transpose(0, 1))
+            if one_kernel:
+                q = kv_write.rotate_and_write(qkv, cos, sin, slots, keys, values, first, nq)
+            else:
+                qk = qkv[:, first : nq + nkv].float()
+                qk = torch.addcmul(qk * cos_rows, qk.roll(half, dims=-1), signed_sin).to(hidden.dtype)
+                keys.index_copy_(1, slots, qk[:, nq - first :].transpose(0, 1))
+                values.index_copy_(1, slots, qkv[:, nq + nkv :].transpose(0, 1))
+                q = qk[:, :nq] if first == 0 else None
             if layer_attend is not None:
                 out = layer_attend.attend_layer(index, qkv[:, :nq], data[index], layer.self_attn.scaling)
             else:
-                assert static_attend is not None
-                out = static_attend(qk[:, :nq], keys, values, layer.self_attn.scaling)
+                assert static_attend is not None and q is not None
+                out = static_attend(q, keys, values, layer.self_attn.scaling)
             hidden = _linear_plus(layer.self_attn.o_proj, out.reshape(tokens, -1), hidden)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias)
