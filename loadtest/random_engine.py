@@ -10,8 +10,8 @@ other setting comes from the environment (`KVSTITCH_*`), as for `kvstitch engine
 
 `BENCH_ENGINE_CONSTANTS` (optional, for A/B runs: `serve_fleet --engine-env-b BENCH_ENGINE_CONSTANTS=...`) sets
 module constants of `service.engine` in the engine's process before it starts, e.g.
-`segment_launch.PARTIALS_MAXNREG=128 segment_launch.PREROTATE=false` (an int, true, false or none each); a name the
-module does not have is an error, not a silent no-op.
+`segment_launch.PARTIALS_MAXNREG=128,kv_write.FUSED_KV_WRITE=true` (pairs apart by commas or spaces; an int, true,
+false or none each); a name the module does not have is an error, not a silent no-op.
 
 The random model names its fingerprint (`bench_prefill.random_fingerprint`), so engines built on the same kind of
 device and a gateway holding `bench_prefill.random_qwen2_7b_shell` share one key space.
@@ -38,9 +38,9 @@ CONSTANTS_ENV = "BENCH_ENGINE_CONSTANTS"
 
 
 def set_engine_constants(text: str) -> dict[str, object]:
-    """Set `module.NAME=value` pairs (space-separated) on modules of `service.engine`; what was set, by name."""
+    """Set `module.NAME=value` pairs (apart by commas or spaces) on modules of `service.engine`; what was set."""
     done: dict[str, object] = {}
-    for pair in text.split():
+    for pair in text.replace(",", " ").split():
         name, _, raw = pair.partition("=")
         module_name, _, attribute = name.rpartition(".")
         if not (module_name and attribute and raw):

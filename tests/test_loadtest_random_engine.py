@@ -14,7 +14,7 @@ def test_engine_constants_are_set_by_module_and_name(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(segment_launch, "PREROTATE", segment_launch.PREROTATE)
     monkeypatch.setattr(shared_decode, "PREFILL_BY_REQUEST", shared_decode.PREFILL_BY_REQUEST)
     done = set_engine_constants(
-        "segment_launch.PARTIALS_MAXNREG=128  segment_launch.PREROTATE=false shared_decode.PREFILL_BY_REQUEST=True"
+        "segment_launch.PARTIALS_MAXNREG=128,segment_launch.PREROTATE=false shared_decode.PREFILL_BY_REQUEST=True"
     )
     assert done == {
         "segment_launch.PARTIALS_MAXNREG": 128,
