@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from service.engine import segment_plan, shared_extend_graph, shared_graph, shared_mixed_graph
+from service.engine import segment_plan, shared_decode, shared_extend_graph, shared_graph, shared_mixed_graph
 from service.engine.engine import StitchEngine
 from service.engine.fused_stitch import triton_available
 from service.engine.scheduler import Scheduler
@@ -66,9 +66,17 @@ def test_mixed_graphs_need_the_segment_kernels_on_cuda(get_engine: Callable[[str
 @NEEDS_GPU
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))
+@pytest.mark.parametrize("concurrent", (False, True), ids=["one-stream", "riders-beside"])
 def test_graphed_riders_decode_the_eager_riders_tokens(
-    get_engine: Callable[[str, str], StitchEngine], arch: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+    get_engine: Callable[[str, str], StitchEngine],
+    arch: str,
+    overlap: bool,
+    concurrent: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Graphed mixed steps decode the eager ones' tokens, with the riders' attention after the running answers'
+    or beside it on a second stream (`CONCURRENT_SPLIT`)."""
+    monkeypatch.setattr(shared_decode, "CONCURRENT_SPLIT", concurrent)
     engine = get_engine(arch, "cuda")
     for module in (shared_graph, shared_mixed_graph):
         monkeypatch.setattr(module, "pieces_for", lambda batch: 1)

@@ -15,6 +15,7 @@ program streams all of one request's chunks for a block of its rows; see `segmen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,17 @@ from service.engine.stitch import PositionMode, StitchPlan, plan_positions, stit
 # Question prefills plan their attention by request (one program streams a request's chunks for a block of its
 # rows) rather than by chunk: module-level so a benchmark can compare the two.
 PREFILL_BY_REQUEST = True
+# Whether a captured mixed step runs its two attentions side by side, the riders' (compute-bound: many query rows
+# over their chunks) on a second stream beside the running answers' (bound by reading the chunks), instead of one
+# after the other. Module-level so a benchmark can compare; off until measured on a GPU.
+CONCURRENT_SPLIT = False
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of `device` that mixed steps fork their riders' attention onto (one a device, made once,
+    outside any graph capture)."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -198,14 +210,24 @@ class SegmentLayerAttend:
 
 class SplitAttend:
     """A mixed forward's attention (a `LayerAttend`): its first `rows` queries through `head`, the rest through
-    `tail`, over the same pool."""
+    `tail`, over the same pool. With a `side` stream the tail runs there, beside the head: the side stream first
+    waits for everything before (the layer's K/V written; the previous layer's use of the side's output, so its
+    memory is free again), and the current stream waits for the side before the two outputs are joined."""
 
-    def __init__(self, head: LayerAttend, tail: LayerAttend, rows: int) -> None:
-        self._head, self._tail, self._rows = head, tail, rows
+    def __init__(self, head: LayerAttend, tail: LayerAttend, rows: int, side: torch.cuda.Stream | None = None) -> None:
+        self._head, self._tail, self._rows, self._side = head, tail, rows, side
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        if self._side is None:
+            first = self._head.attend_layer(layer, q[: self._rows], kv, scale)
+            return torch.cat((first, self._tail.attend_layer(layer, q[self._rows :], kv, scale)))
+        main = torch.cuda.current_stream(q.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            rest = self._tail.attend_layer(layer, q[self._rows :], kv, scale)
         first = self._head.attend_layer(layer, q[: self._rows], kv, scale)
-        return torch.cat((first, self._tail.attend_layer(layer, q[self._rows :], kv, scale)))
+        main.wait_stream(self._side)
+        return torch.cat((first, rest))
 
 
 class SharedDecoder:

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
+from service.engine import shared_decode
 from service.engine.batch_decode import StepFeed
 from service.engine.batch_graph import StepInputs
 from service.engine.cuda_graph import _capture
 from service.engine.extend_graph import ExtendInputs, ExtendRequest, buckets_for
 from service.engine.segment_attention import SegmentArrays
-from service.engine.shared_decode import Reads, SharedDecoder, SplitAttend
+from service.engine.shared_decode import Reads, SharedDecoder, SplitAttend, side_stream
 from service.engine.shared_extend_graph import extend_splits, idle_extend, padded_extend, request_capacity
 from service.engine.shared_graph import (
     SHARED_BUCKETS,
@@ -104,7 +105,8 @@ class SharedMixedGraph:
         self._question_plan = CapturedPlan(shared, capacity, splits, idle, by_request=True)
 
         def mixed() -> torch.Tensor:
-            attend = SplitAttend(self._step_plan.attend(), self._question_plan.attend(), batch)
+            side = side_stream(out.device) if shared_decode.CONCURRENT_SPLIT else None
+            attend = SplitAttend(self._step_plan.attend(), self._question_plan.attend(), batch, side)
             rows, static = self._step_inputs.rows(feed), self._question_inputs.static_rows()
             logits = out[: batch + questions]
             logits.copy_(shared.mixed_forward(rows, static, attend, questions))
