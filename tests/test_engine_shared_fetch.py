@@ -16,7 +16,7 @@ import pytest
 
 from service.engine.batch_request import BatchRequest
 from service.engine.chunk_arena import ChunkArena
-from service.engine.engine import StitchEngine
+from service.engine.engine import GenerationMode, StitchEngine
 from service.engine.gate import synthetic_ids
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import Scheduler
@@ -237,3 +237,54 @@ def test_the_done_event_and_the_metrics_count_resident_chunks_as_gpu_hits(
     assert sample("kvstitch_kv_blocks_total", {"tier": "miss"}) == 4
     assert sample("kvstitch_arena_resident_reads_total") == 2
     assert store.stats().hits[Tier.GPU] == 0 and store.stats().misses == 4
+
+
+def test_an_answer_reads_its_disk_only_chunks_ahead_and_admits_them_as_host_hits(
+    get_engine: Callable[[str, str], StitchEngine], store: KVStore
+) -> None:
+    """Chunks whose KV only the disk holds are read into the host tier when the answer starts (before it waits in
+    line), so its admission copies them from host memory: the done event counts host hits, no disk reads."""
+    engine = get_engine("qwen2", "cpu")
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler, _ = shared_scheduler(engine, store, arena)
+    corpus = synthetic_ids(engine, LENGTHS, seed=31)
+    chunks = [retrieved(engine, corpus[i], i) for i in range(3)]
+    store.put(engine.precompute([engine.template.chunk_block(c.token_ids) for c in chunks]))
+    assert store.plan([engine.template.chunk_block(c.token_ids) for c in chunks]).counts()[Tier.DISK] == 3
+    loop = EngineLoop(8)
+    loop.serve_answers(scheduler)
+    answerer = Answerer(engine, store, lambda *_: [[]])
+    started: list[int] = []
+    read_ahead = answerer.read_ahead
+    answerer.read_ahead = lambda *args: started.append(read_ahead(*args)) or started[-1]  # type: ignore[method-assign]
+
+    def session_of(question: Question, retrieval: Retrieval) -> AnswerSession:
+        return AnswerSession(loop, answerer, Metrics(), question, retrieval, loop.admit(), time.perf_counter())
+
+    try:
+        done = answer(session_of, engine, chunks, seed=3)
+    finally:
+        loop.close()
+    assert started == [3] and store.prefetched == 3
+    assert done.kv == {"gpu": 0, "host": 3, "disk": 0, "miss": 0}
+
+
+def test_reading_ahead_is_for_turbo_prompts_and_never_fails_an_answer(
+    get_engine: Callable[[str, str], StitchEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = get_engine("qwen2", "cpu")
+    asked: list[object] = []
+
+    class Store:
+        def prefetch(self, blocks: object) -> int:
+            asked.append(blocks)
+            if len(asked) > 1:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return 2
+
+    answerer = Answerer(engine, Store(), lambda *_: [[]])  # type: ignore[arg-type]
+    prompt = engine.template.prompt(synthetic_ids(engine, (5, 6), seed=4), synthetic_ids(engine, (3,), seed=5)[0])
+    assert answerer.read_ahead(prompt, GenerationMode.NAIVE) == 0 and asked == []
+    assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 2 and asked == [prompt.blocks]
+    assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 0  # the store closing: logged, not raised
+    assert "no KV read ahead" in caplog.text

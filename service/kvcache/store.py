@@ -238,6 +238,9 @@ class KVStore:
         self._corrupt = 0
         self._put_blocks = 0  # blocks and bytes `put` wrote (ingestion); the write-back counts its own
         self._put_bytes = 0
+        # Disk reads `prefetch` started into busy host slots, by key, until a fetch settles them.
+        self._prefetching: dict[str, concurrent.futures.Future[KVBlock | QuantBlock]] = {}
+        self.prefetched = 0  # blocks `prefetch` read ahead into the host tier (metrics, tests)
 
     @property
     def key_space(self) -> KeySpace:
@@ -277,6 +280,71 @@ class KVStore:
             return Tier.HOST
         return Tier.DISK if self.disk.contains(key) else Tier.MISS
 
+    # ---- reading ahead -----------------------------------------------------------------------------------
+
+    def prefetch(self, prompt_blocks: Sequence[Sequence[int]]) -> int:
+        """Start reading into the host tier, on the reader threads, the blocks of a prompt that only the disk
+        holds; returns how many reads started. Called when a request arrives, so that its reads overlap its wait
+        in line and the fetch at its admission (on the engine thread, which every running answer waits for) finds
+        host hits to copy instead of disk reads to wait for. A block without host room is left to the fetch."""
+        with self._lock:
+            wanted = {}
+            for ids in prompt_blocks:
+                token_ids = ids if type(ids) is tuple else tuple(map(int, ids))
+                key = self._cached_key(token_ids)
+                if not self._held(key):
+                    wanted[key] = token_ids
+        try:
+            on_disk = {k: ids for k, ids in wanted.items() if self.disk.contains(k)}  # the index, outside the lock
+        except INDEX_ERRORS as err:  # reading ahead is a help, never a failure: the fetch will say what is wrong
+            log.debug("no KV read ahead, the index is away: %s", err)
+            return 0
+        started = 0
+        with self._lock:
+            for key, token_ids in on_disk.items():
+                if self._held(key):
+                    continue  # a fetch or another prefetch got there meanwhile
+                shape = block_shape(self.spec, len(token_ids))
+                slot = self.host.reserve(key, token_ids, self.spec.dtype, shape, self.disk_format)
+                if slot is None:
+                    break  # every host slot busy or too small: the rest wait for the fetch
+                read = self.readers.submit(self.disk.read, key, token_ids, self.host.buffer(slot))
+                self._prefetching[key] = read  # settled by the next fetch (no callback: it would need this lock)
+                started += 1
+        return started
+
+    def _held(self, key: str) -> bool:
+        """Under the lock: whether the GPU or the host tier holds the block, or a read ahead is bringing it."""
+        return key in self._prefetching or self.gpu.peek(key) is not None or self.host.pool.peek(key) is not None
+
+    def _settle_prefetches(self, prompt_blocks: Sequence[Sequence[int]]) -> None:
+        """Under the lock, before a fetch plans: every read ahead that ended settled, and those of this prompt's
+        blocks still running waited for (a host hit soon, rather than the same block read twice)."""
+        mine = {self._cached_key(ids if type(ids) is tuple else tuple(map(int, ids))) for ids in prompt_blocks}
+        for key in [k for k, read in self._prefetching.items() if k in mine or read.done()]:
+            self._settle(key)
+
+    def _settle(self, key: str) -> None:
+        """Under the lock: wait for the read ahead of `key` if it still runs, then mark its slot filled (a host
+        hit from now on) or discard it (the fetch reads the disk again, and counts what it finds). Once only."""
+        read = self._prefetching.pop(key, None)
+        if read is None:
+            return
+        slot = self.host.pool.peek(key)
+        try:
+            read.result()
+        except Exception as err:  # damaged (the disk tier deleted it), vanished or unreadable: not read ahead
+            if isinstance(err, CorruptBlockError):
+                self._corrupt += 1  # counted here: the fetch finds the block gone and computes it
+            elif not isinstance(err, MissingBlockError):
+                log.warning("cannot read KV block %s ahead: %s", key, err)
+            if slot is not None:
+                self.host.discard(key)
+            return
+        if slot is not None:
+            self.host.filled(slot)
+            self.prefetched += 1
+
     # ---- fetching ----------------------------------------------------------------------------------------
 
     def fetch(self, prompt_blocks: Sequence[Sequence[int]], *, overlap: bool = False, pin: bool = False) -> FetchResult:
@@ -289,6 +357,8 @@ class KVStore:
         """
         start = time.perf_counter()
         with self._lock:
+            if self._prefetching:
+                self._settle_prefetches(prompt_blocks)
             plan = self._plan(prompt_blocks)
             fetch = _Fetch(self, plan)
             result = fetch.run(overlap)
@@ -323,6 +393,7 @@ class KVStore:
     def remove(self, key: str) -> None:
         """Drop a block from every tier (no point names it any more)."""
         with self._lock:
+            self._settle(key)  # a read ahead still filling its host slot: never free memory a reader writes into
             self.gpu.discard(key)
             self.host.discard(key)
         self.disk.remove(key)

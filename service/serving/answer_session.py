@@ -60,6 +60,7 @@ class AnswerSession:
             recompute=question.recompute,
         )
         self._shadowed = self.shadows is not None and self.shadows.pick(self.request)
+        self.answerer.read_ahead(self.request.prompt, question.mode)  # disk reads overlap the wait in line
         try:
             self.loop.add_answer(self.request)
         except BaseException:

@@ -10,6 +10,7 @@ values (`service.facade.types`): they know nothing about HTTP.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -87,6 +88,8 @@ def fit_blocks(
 
 # The top-k chunks for each of a question's texts, with its search options, searched together (the runtime's
 # `search_many`); `UnavailableError` when Qdrant is away.
+log = logging.getLogger(__name__)
+
 Search = Callable[[Sequence[str], int, SearchOptions], list[list[RetrievedChunk]]]
 
 
@@ -138,6 +141,18 @@ class Answerer:
         conversation and the question (the prefilled suffix)."""
         blocks = tuple(self.engine.template.chunk_block(c.token_ids) for c in retrieval.chunks)
         return PromptIds(self.engine.template.prefix, blocks, self._ids(question))
+
+    def read_ahead(self, prompt: PromptIds, mode: GenerationMode) -> int:
+        """Start reading the turbo prompt's disk-only chunks into the host tier while it waits in line
+        (`KVStore.prefetch`); how many reads started. A help only: a failure is logged, the fetch at admission
+        reads what it must."""
+        if mode is not GenerationMode.TURBO or not prompt.blocks:
+            return 0
+        try:
+            return self.store.prefetch(prompt.blocks)
+        except Exception as err:  # the store closing, its readers gone: the admission's fetch says what is wrong
+            log.warning("no KV read ahead for a question: %s", err)
+            return 0
 
     def done_event(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -681,3 +682,120 @@ def test_a_background_write_failing_with_enospc_is_counted_as_no_space(
     assert store.stats().write_errors["no_space"] == 1
     assert len(block_files(stores.cache_dir)) == len(index.keys()) == len(prompt.blocks) - 1
     assert not [p for p in stores.cache_dir.rglob("*") if p.is_file() and p.suffix != ".kvblock"]  # no temp file
+
+
+# ---- reading ahead -----------------------------------------------------------------------------------------
+
+
+def test_blocks_read_ahead_are_fetched_as_host_hits_with_the_same_bits(
+    prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    """`prefetch` reads the disk-only blocks into the host tier in the background; the fetch then copies them
+    from there (no disk read on the caller's thread) and they hold the same bits as read from disk."""
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks)
+    writer.flush()
+    reader = stores.open(index, host=4 * MIB)
+    n = len(prompt.blocks)
+    assert reader.prefetch(prompt.blocks) == n
+    assert reader.prefetch(prompt.blocks) == 0  # already on their way: not read twice
+    result = reader.fetch(prompt.blocks)
+    assert result.counts == counts(host=n) and reader.prefetched == n
+    for got, want in zip(result.blocks, fresh, strict=True):
+        assert torch.equal(bits(got.kv), bits(want.kv))
+    assert reader.prefetch(prompt.blocks) == 0  # the host tier holds them now
+
+
+def test_a_fetch_waits_for_a_read_ahead_still_running(
+    prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch that finds its blocks still being read ahead waits for those reads (a host hit once they land)
+    rather than reading the same files again into the same slots."""
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks)
+    writer.flush()
+    reader = stores.open(index, host=4 * MIB)
+    gate = threading.Event()
+    reads: list[str] = []
+    real_read = reader.disk.read
+
+    def slow_read(key: str, *args: Any, **kwargs: Any) -> Any:
+        reads.append(key)
+        gate.wait(timeout=10)
+        return real_read(key, *args, **kwargs)
+
+    monkeypatch.setattr(reader.disk, "read", slow_read)
+    assert reader.prefetch(prompt.blocks) == len(prompt.blocks)
+    threading.Timer(0.2, gate.set).start()
+    result = reader.fetch(prompt.blocks)
+    assert result.counts == counts(host=len(prompt.blocks))
+    assert sorted(reads) == sorted(reader.key_of(b) for b in prompt.blocks)  # each file read once
+    for got, want in zip(result.blocks, fresh, strict=True):
+        assert torch.equal(bits(got.kv), bits(want.kv))
+
+
+def test_a_damaged_block_read_ahead_is_counted_and_recomputed(
+    engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks)
+    writer.flush()
+    bad = 1
+    path = stores.cache_dir / block_relpath(writer.key_of(prompt.blocks[bad]))
+    truncate(path, writer, fresh[bad])
+    reader = stores.open(index, host=4 * MIB)
+    assert reader.prefetch(prompt.blocks) == len(prompt.blocks)
+    result = reader.fetch(prompt.blocks)
+    n = len(prompt.blocks)
+    # The read ahead found the damage (the disk tier deleted the file) and counted it; the fetch computed it.
+    assert result.counts == counts(host=n - 1, miss=1) and reader.prefetched == n - 1
+    assert reader.stats().corrupt == 1
+    recomputed = engine.precompute([prompt.blocks[bad]])[0]
+    assert torch.equal(bits(result.blocks[bad].kv), bits(recomputed.kv))
+    reader.flush()  # and written again, whole
+    key = reader.key_of(prompt.blocks[bad])
+    rewritten = read_block(path, key, reader.fingerprint, engine.spec, expected_token_ids=prompt.blocks[bad])
+    assert torch.equal(bits(rewritten.kv), bits(recomputed.kv))
+
+
+def test_reading_ahead_skips_what_is_held_and_what_has_no_room(
+    prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
+) -> None:
+    """Misses (nothing on disk) and blocks the memory tiers hold are not read; a host tier with room for one
+    block reads one ahead and leaves the rest to the fetch, which reads them itself."""
+    fresh_store = stores.open(index)
+    assert fresh_store.prefetch(prompt.blocks) == 0  # nothing stored yet: all misses
+    fresh_store.fetch(prompt.blocks)
+    fresh_store.flush()
+    assert fresh_store.prefetch(prompt.blocks) == 0  # its host tier holds them all
+    small = stores.open(index, host=max(b.nbytes() for b in fresh) + 4096)
+    assert small.prefetch(prompt.blocks) == 1
+    result = small.fetch(prompt.blocks)
+    assert sorted(t.value for t in result.sources) == sorted(["host"] + ["disk"] * (len(fresh) - 1))
+    for got, want in zip(result.blocks, fresh, strict=True):
+        assert torch.equal(bits(got.kv), bits(want.kv))
+
+
+def test_removing_a_block_read_ahead_waits_for_its_read(
+    prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`remove` never frees a host slot a reader thread is still writing into: it waits for the read first."""
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks)
+    writer.flush()
+    reader = stores.open(index, host=4 * MIB)
+    gate, done = threading.Event(), threading.Event()
+    real_read = reader.disk.read
+
+    def slow_read(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(timeout=10)
+        block = real_read(*args, **kwargs)
+        done.set()
+        return block
+
+    monkeypatch.setattr(reader.disk, "read", slow_read)
+    assert reader.prefetch(prompt.blocks[:1]) == 1
+    threading.Timer(0.2, gate.set).start()
+    reader.remove(reader.key_of(prompt.blocks[0]))
+    assert done.is_set() and not reader.contains(reader.key_of(prompt.blocks[0]))
+    assert reader.host.pool.peek(reader.key_of(prompt.blocks[0])) is None
