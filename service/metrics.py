@@ -537,6 +537,11 @@ class _StoreCollector(Collector):
         yield from (tier_bytes, hits, evictions)
         yield CounterMetricFamily("kvstitch_kv_misses", "Blocks computed online", value=stats.misses)
         yield CounterMetricFamily("kvstitch_kv_corrupt", "Block files that failed a check", value=stats.corrupt)
+        yield CounterMetricFamily(
+            "kvstitch_kv_read_ahead",
+            "Blocks read from disk into the host tier when their answer started, before its admission asked",
+            value=stats.read_ahead,
+        )
         yield CounterMetricFamily("kvstitch_kv_blocks_written", "Block files written", value=stats.blocks_written)
         write_errors = CounterMetricFamily(
             "kvstitch_kv_write_errors",

@@ -165,6 +165,7 @@ class StoreStats:
     pending_writes: int
     write_errors: dict[str, int]  # by reason: index, disk, no_space, other (writeback.WRITE_ERROR_REASONS)
     shared: SharedStats | None = None  # the shared tier's, where one is configured
+    read_ahead: int = 0  # blocks read from disk into the host tier before their fetch asked (`prefetch`)
 
 
 class KVStore:
@@ -468,6 +469,7 @@ class KVStore:
             misses, corrupt = self._misses, self._corrupt
             evictions = {Tier.GPU: self.gpu.evictions, Tier.HOST: pool.evictions, Tier.DISK: self.disk.evictions}
             put_blocks, put_bytes = self._put_blocks, self._put_bytes
+            read_ahead = self.prefetched
         disk_usage = TierUsage(self._disk_used_bytes(), self.disk.budget_bytes, None)
         return StoreStats(
             usage={Tier.GPU: gpu_usage, Tier.HOST: host_usage, Tier.DISK: disk_usage},
@@ -480,6 +482,7 @@ class KVStore:
             pending_writes=wb.pending,
             write_errors=wb.error_counts(),
             shared=None if self.shared is None else self.shared.stats(),
+            read_ahead=read_ahead,
         )
 
     def _disk_used_bytes(self) -> int | None:

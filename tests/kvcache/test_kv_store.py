@@ -700,7 +700,7 @@ def test_blocks_read_ahead_are_fetched_as_host_hits_with_the_same_bits(
     assert reader.prefetch(prompt.blocks) == n
     assert reader.prefetch(prompt.blocks) == 0  # already on their way: not read twice
     result = reader.fetch(prompt.blocks)
-    assert result.counts == counts(host=n) and reader.prefetched == n
+    assert result.counts == counts(host=n) and reader.prefetched == n and reader.stats().read_ahead == n
     for got, want in zip(result.blocks, fresh, strict=True):
         assert torch.equal(bits(got.kv), bits(want.kv))
     assert reader.prefetch(prompt.blocks) == 0  # the host tier holds them now
