@@ -28,6 +28,7 @@ from service.retrieval.collection import RetrievedChunk
 from service.serving.answer_session import AnswerItem, AnswerSession
 from service.serving.engine_loop import EngineLoop
 from service.serving.kv_source import StoreChunks
+from service.serving.runtime import arena_residency
 from service.usecases.answer import Answerer, Question, Retrieval
 from tests.test_engine_shared_scheduler import (
     LENGTHS,
@@ -288,3 +289,39 @@ def test_reading_ahead_is_for_turbo_prompts_and_never_fails_an_answer(
     assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 2 and asked == [prompt.blocks]
     assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 0  # the store closing: logged, not raised
     assert "no KV read ahead" in caplog.text
+
+
+def test_chunks_the_arena_holds_are_not_read_ahead(
+    get_engine: Callable[[str, str], StitchEngine], store: KVStore
+) -> None:
+    """A chunk the arena holds is read there at admission, without a fetch: reading it ahead from disk would only
+    spend the disk and evict host blocks. With the arena's residency the answerer skips it; without, it would not."""
+    engine = get_engine("qwen2", "cpu")
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler, source = shared_scheduler(engine, store, arena)
+    corpus = synthetic_ids(engine, LENGTHS, seed=41)
+    chunks = [retrieved(engine, corpus[i], i) for i in range(3)]
+    blocks = [engine.template.chunk_block(c.token_ids) for c in chunks]
+    store.put(engine.precompute(blocks))
+    loop = EngineLoop(8)
+    loop.serve_answers(scheduler)
+    answerer = Answerer(engine, store, lambda *_: [[]], arena_residency(scheduler, engine))
+
+    def session_of(question: Question, retrieval: Retrieval) -> AnswerSession:
+        return AnswerSession(loop, answerer, Metrics(), question, retrieval, loop.admit(), time.perf_counter())
+
+    try:
+        answer(session_of, engine, chunks, seed=4)  # reads them ahead, then places them in the arena
+        assert store.prefetched == 3 and all(loop.call(lambda b=b: arena.holds(engine.kv_version, b)) for b in blocks)
+        for block in blocks:  # the store's memory tiers forget them: only the disk and the arena hold them now
+            store.gpu.discard(store.key_of(block))
+            store.host.discard(store.key_of(block))
+        assert store.plan(blocks).counts()[Tier.DISK] == 3
+        fetches = len(source.fetched)
+        done = answer(session_of, engine, chunks, seed=5)
+    finally:
+        loop.close()
+    assert store.prefetched == 3  # nothing read ahead for the second answer
+    assert done.kv == {"gpu": 3, "host": 0, "disk": 0, "miss": 0} and len(source.fetched) == fetches
+    prompt = engine.template.prompt([c.token_ids for c in chunks], synthetic_ids(engine, (3,), seed=6)[0])
+    assert Answerer(engine, store, lambda *_: [[]]).read_ahead(prompt, GenerationMode.TURBO) == 3  # no residency

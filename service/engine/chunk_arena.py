@@ -178,6 +178,11 @@ class ChunkArena:
         evictable = sum(e.slab.size for key, e in self._entries.items() if e.pins == 0 and key not in wanted)
         return missing <= free + evictable
 
+    def holds(self, version: str, token_ids: Sequence[int]) -> bool:
+        """Whether the arena holds the chunk now. Safe from another thread (one dict lookup; the answer may be
+        stale by the time it is used): how the KV read ahead skips chunks the arena serves without a fetch."""
+        return ChunkKey(version, tuple(token_ids)) in self._entries
+
     def pins(self, version: str, token_ids: Sequence[int]) -> int | None:
         """The chunk's pin count, or None when the arena does not hold it."""
         entry = self._entries.get(ChunkKey(version, tuple(token_ids)))

@@ -44,6 +44,7 @@ from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_t
 from service.serving.readiness import startup_checks
 from service.serving.runtime import (
     GateOutcome,
+    arena_residency,
     gate_on_loop,
     kv_path_after_gate,
     open_engine,
@@ -157,7 +158,8 @@ class EngineServer:
             self.metrics.set_kv_path(kv_path.mode.value, kv_path.reason.value)
             if scheduler.shared is not None:
                 self.metrics.watch_arena(scheduler.shared.stats)
-            self.answerer = Answerer(runtime.engine, runtime.store, _no_search)
+            resident = arena_residency(scheduler, runtime.engine)
+            self.answerer = Answerer(runtime.engine, runtime.store, _no_search, resident)
             if self.settings.gc_freeze:
                 log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
             set_young_threshold(self.settings.gc_gen0_threshold)

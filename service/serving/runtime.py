@@ -13,6 +13,7 @@ worker loop lives in `workers/`, which the core never imports.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ import torch
 from service.engine.chunk_arena import ChunkArena
 from service.engine.engine import StitchEngine
 from service.engine.gate import run_gate
+from service.engine.kv_layout import TokenIds
 from service.engine.kv_path import COPY_PATH, KVPath, KVPathReason, choose_kv_path
 from service.engine.kv_pool import KVPool
 from service.engine.model import WEIGHTLESS, LoadedModel, load_model, load_model_shell
@@ -678,6 +680,14 @@ def open_kv_path(settings: Settings, engine: StitchEngine) -> KVPath:
     if settings.shared_chunks == "on" and not path.shared:
         log.warning("shared chunks asked for, copy path serving: %s", path.detail)
     return path
+
+
+def arena_residency(scheduler: Scheduler | None, engine: StitchEngine) -> Callable[[TokenIds], bool] | None:
+    """Whether the scheduler's chunk arena holds a chunk block (None without one): what an answer's KV read ahead
+    skips, since its admission reads such a chunk in the arena without a fetch."""
+    if scheduler is None or scheduler.shared is None:
+        return None
+    return functools.partial(scheduler.shared.arena.holds, engine.kv_version)
 
 
 def open_arena(settings: Settings, engine: StitchEngine, pool_mib: int) -> tuple[int, ChunkArena | None]:

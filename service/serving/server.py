@@ -64,7 +64,7 @@ from service.serving.fleet_gateway import Fleet
 from service.serving.gc_pauses import GcPauses, freeze_startup_heap, set_young_threshold
 from service.serving.readiness import startup_checks
 from service.serving.remote_answer import RemoteAnswer
-from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, open_runtime
+from service.serving.runtime import GateOutcome, Runtime, WorkerFactory, arena_residency, open_runtime
 from service.serving.shadow import ShadowPolicy, Shadows
 from service.settings import MIB, Settings
 from service.usecases.answer import Answerer, Question, Retrieval
@@ -134,7 +134,8 @@ class Server:
                 self._start_fleet(runtime)
             else:
                 self._serve_here(runtime)
-            self.answerer = Answerer(runtime.engine, runtime.store, runtime.search_many)
+            resident = arena_residency(runtime.loop.scheduler, runtime.engine)
+            self.answerer = Answerer(runtime.engine, runtime.store, runtime.search_many, resident)
             self._start_worker(runtime)
             if self.settings.gc_freeze:
                 log.info("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())

@@ -96,10 +96,19 @@ Search = Callable[[Sequence[str], int, SearchOptions], list[list[RetrievedChunk]
 class Answerer:
     """Answers questions with one engine, KV store and retrieval."""
 
-    def __init__(self, engine: StitchEngine, store: KVStore, search: Search) -> None:
+    def __init__(
+        self,
+        engine: StitchEngine,
+        store: KVStore,
+        search: Search,
+        resident: Callable[[TokenIds], bool] | None = None,
+    ) -> None:
+        """`resident`: whether the engine holds a chunk block where an admission takes it without a fetch (the
+        shared chunk arena); such blocks are not read ahead."""
         self.engine = engine
         self.store = store
         self.search = search
+        self.resident = resident
 
     def retrieve(self, question: Question) -> Retrieval:
         """The top-k chunks that fit the context (best first); `UnavailableError` when Qdrant is away. Several
@@ -148,8 +157,10 @@ class Answerer:
         reads what it must."""
         if mode is not GenerationMode.TURBO or not prompt.blocks:
             return 0
+        resident = self.resident
+        blocks = prompt.blocks if resident is None else [b for b in prompt.blocks if not resident(b)]
         try:
-            return self.store.prefetch(prompt.blocks)
+            return self.store.prefetch(blocks) if blocks else 0
         except Exception as err:  # the store closing, its readers gone: the admission's fetch says what is wrong
             log.warning("no KV read ahead for a question: %s", err)
             return 0
