@@ -8,9 +8,11 @@ event and the metrics count a chunk read resident as a GPU hit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -257,7 +259,13 @@ def test_an_answer_reads_its_disk_only_chunks_ahead_and_admits_them_as_host_hits
     answerer = Answerer(engine, store, lambda *_: [[]])
     started: list[int] = []
     read_ahead = answerer.read_ahead
-    answerer.read_ahead = lambda *args: started.append(read_ahead(*args)) or started[-1]  # type: ignore[method-assign]
+
+    def read_ahead_first(*args: Any) -> Any:  # the reads ahead done before the engine sees the answer
+        future = read_ahead(*args)
+        started.append(future.result() if future is not None else 0)
+        return future
+
+    answerer.read_ahead = read_ahead_first  # type: ignore[method-assign]
 
     def session_of(question: Question, retrieval: Retrieval) -> AnswerSession:
         return AnswerSession(loop, answerer, Metrics(), question, retrieval, loop.admit(), time.perf_counter())
@@ -277,18 +285,26 @@ def test_reading_ahead_is_for_turbo_prompts_and_never_fails_an_answer(
     asked: list[object] = []
 
     class Store:
-        def prefetch(self, blocks: object) -> int:
+        def read_ahead(self, blocks: list[object]) -> concurrent.futures.Future[int]:
             asked.append(blocks)
-            if len(asked) > 1:
+            if len(asked) > 2:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            return 2
+            started: concurrent.futures.Future[int] = concurrent.futures.Future()
+            if len(asked) == 1:
+                started.set_result(2)
+            else:
+                started.set_exception(OSError("the index went away"))
+            return started
 
     answerer = Answerer(engine, Store(), lambda *_: [[]])  # type: ignore[arg-type]
     prompt = engine.template.prompt(synthetic_ids(engine, (5, 6), seed=4), synthetic_ids(engine, (3,), seed=5)[0])
-    assert answerer.read_ahead(prompt, GenerationMode.NAIVE) == 0 and asked == []
-    assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 2 and asked == [prompt.blocks]
-    assert answerer.read_ahead(prompt, GenerationMode.TURBO) == 0  # the store closing: logged, not raised
-    assert "no KV read ahead" in caplog.text
+    assert answerer.read_ahead(prompt, GenerationMode.NAIVE) is None and asked == []
+    first = answerer.read_ahead(prompt, GenerationMode.TURBO)
+    assert first is not None and first.result() == 2 and [list(b) for b in asked] == [list(prompt.blocks)]
+    failed = answerer.read_ahead(prompt, GenerationMode.TURBO)  # its failure logged, nobody waits for it
+    assert failed is not None and "the index went away" in caplog.text
+    assert answerer.read_ahead(prompt, GenerationMode.TURBO) is None  # the store closing: logged, not raised
+    assert "cannot schedule new futures" in caplog.text
 
 
 def test_chunks_the_arena_holds_are_not_read_ahead(
@@ -311,8 +327,8 @@ def test_chunks_the_arena_holds_are_not_read_ahead(
         return AnswerSession(loop, answerer, Metrics(), question, retrieval, loop.admit(), time.perf_counter())
 
     try:
-        answer(session_of, engine, chunks, seed=4)  # reads them ahead, then places them in the arena
-        assert store.prefetched == 3 and all(loop.call(lambda b=b: arena.holds(engine.kv_version, b)) for b in blocks)
+        answer(session_of, engine, chunks, seed=4)  # reads them ahead (or the fetch reads them), then places them
+        assert store.prefetched <= 3 and all(loop.call(lambda b=b: arena.holds(engine.kv_version, b)) for b in blocks)
         for block in blocks:  # the store's memory tiers forget them: only the disk and the arena hold them now
             store.gpu.discard(store.key_of(block))
             store.host.discard(store.key_of(block))
@@ -321,7 +337,8 @@ def test_chunks_the_arena_holds_are_not_read_ahead(
         done = answer(session_of, engine, chunks, seed=5)
     finally:
         loop.close()
-    assert store.prefetched == 3  # nothing read ahead for the second answer
     assert done.kv == {"gpu": 3, "host": 0, "disk": 0, "miss": 0} and len(source.fetched) == fetches
     prompt = engine.template.prompt([c.token_ids for c in chunks], synthetic_ids(engine, (3,), seed=6)[0])
-    assert Answerer(engine, store, lambda *_: [[]]).read_ahead(prompt, GenerationMode.TURBO) == 3  # no residency
+    assert answerer.read_ahead(prompt, GenerationMode.TURBO) is None  # every chunk resident: nothing to read
+    without = Answerer(engine, store, lambda *_: [[]]).read_ahead(prompt, GenerationMode.TURBO)  # no residency
+    assert without is not None and without.result() == 3

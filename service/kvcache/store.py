@@ -242,6 +242,8 @@ class KVStore:
         # Disk reads `prefetch` started into busy host slots, by key, until a fetch settles them.
         self._prefetching: dict[str, concurrent.futures.Future[KVBlock | QuantBlock]] = {}
         self.prefetched = 0  # blocks `prefetch` read ahead into the host tier (metrics, tests)
+        # `read_ahead`'s thread: its index lookups are round trips the caller (an answer's start) should not wait on.
+        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-read-ahead")
 
     @property
     def key_space(self) -> KeySpace:
@@ -313,6 +315,10 @@ class KVStore:
                 self._prefetching[key] = read  # settled by the next fetch (no callback: it would need this lock)
                 started += 1
         return started
+
+    def read_ahead(self, prompt_blocks: Sequence[Sequence[int]]) -> concurrent.futures.Future[int]:
+        """`prefetch` on the store's read-ahead thread; the future gives how many reads it started."""
+        return self._ahead.submit(self.prefetch, list(prompt_blocks))
 
     def _held(self, key: str) -> bool:
         """Under the lock: whether the GPU or the host tier holds the block, or a read ahead is bringing it."""
@@ -495,6 +501,7 @@ class KVStore:
     def close(self) -> None:
         """Finish background writes and stop the threads; the index stays open (the caller owns it)."""
         self._writeback.close()
+        self._ahead.shutdown(wait=True)  # before the readers: a read ahead submits to them
         self.readers.shutdown(wait=True)
         if self.shared_readers is not None:
             self.shared_readers.shutdown(wait=True)

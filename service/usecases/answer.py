@@ -10,6 +10,7 @@ values (`service.facade.types`): they know nothing about HTTP.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +91,12 @@ def fit_blocks(
 # `search_many`); `UnavailableError` when Qdrant is away.
 log = logging.getLogger(__name__)
 
+
+def _log_read_ahead_failure(started: concurrent.futures.Future[int]) -> None:
+    if not started.cancelled() and started.exception() is not None:
+        log.warning("no KV read ahead for a question: %s", started.exception())
+
+
 Search = Callable[[Sequence[str], int, SearchOptions], list[list[RetrievedChunk]]]
 
 
@@ -151,19 +158,23 @@ class Answerer:
         blocks = tuple(self.engine.template.chunk_block(c.token_ids) for c in retrieval.chunks)
         return PromptIds(self.engine.template.prefix, blocks, self._ids(question))
 
-    def read_ahead(self, prompt: PromptIds, mode: GenerationMode) -> int:
+    def read_ahead(self, prompt: PromptIds, mode: GenerationMode) -> concurrent.futures.Future[int] | None:
         """Start reading the turbo prompt's disk-only chunks into the host tier while it waits in line
-        (`KVStore.prefetch`); how many reads started. A help only: a failure is logged, the fetch at admission
-        reads what it must."""
+        (`KVStore.read_ahead`, off the caller's thread); None when there is nothing to read. A help only: a
+        failure is logged, the fetch at admission reads what it must."""
         if mode is not GenerationMode.TURBO or not prompt.blocks:
-            return 0
+            return None
         resident = self.resident
         blocks = prompt.blocks if resident is None else [b for b in prompt.blocks if not resident(b)]
+        if not blocks:
+            return None
         try:
-            return self.store.prefetch(blocks) if blocks else 0
-        except Exception as err:  # the store closing, its readers gone: the admission's fetch says what is wrong
+            started = self.store.read_ahead(blocks)
+        except RuntimeError as err:  # the store closing, its threads gone: the admission's fetch says what is wrong
             log.warning("no KV read ahead for a question: %s", err)
-            return 0
+            return None
+        started.add_done_callback(_log_read_ahead_failure)
+        return started
 
     def done_event(
         self,

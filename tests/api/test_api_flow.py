@@ -55,9 +55,10 @@ def test_a_repeated_question_is_served_from_the_memory_tier(client: TestClient) 
     first = ask_events(client, top_k=3, max_new_tokens=4)[-1][1]
     second = ask_events(client, top_k=3, max_new_tokens=4)[-1][1]
 
-    # The worker stored every chunk's KV on disk; the first question read its blocks ahead into the host tier when
-    # it started (on CPU the host tier is the memory tier), and the second finds them there.
-    assert first["kv"]["host"] == 3 and first["kv"]["disk"] == first["kv"]["miss"] == 0
+    # The worker stored every chunk's KV on disk: the first question's admission copied them from disk, or from the
+    # host tier where its read ahead landed first (on CPU the host tier is the memory tier); the second finds
+    # them there.
+    assert first["kv"]["host"] + first["kv"]["disk"] == 3 and first["kv"]["miss"] == 0
     assert second["kv"]["host"] == 3
 
 

@@ -42,11 +42,11 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     )
     for stage in ("retrieve", "queue", "load", "h2d", "stitch", "prefill", "decode"):
         assert value(m, "kvstitch_stage_seconds_count", stage=stage) == 2, stage
-    # The worker stored every chunk's KV on disk; the turbo question's 3 blocks were read ahead into the host tier
-    # when it started, so its admission copied them from there; naive reads none.
-    assert turbo["kv"]["host"] == 3 and turbo["kv"]["disk"] == 0
-    assert value(m, "kvstitch_kv_blocks_total", tier="host") == 3
-    assert value(m, "kvstitch_kv_bytes_loaded_total", tier="host") > 0
+    # The worker stored every chunk's KV on disk; the turbo question's 3 blocks came from there, or from the host
+    # tier where its read ahead (started with the answer) landed them first; naive reads none.
+    assert turbo["kv"]["host"] + turbo["kv"]["disk"] == 3
+    loaded = {tier: m.get(("kvstitch_kv_blocks_total", frozenset({("tier", tier)})), 0) for tier in ("host", "disk")}
+    assert loaded == {"host": turbo["kv"]["host"], "disk": turbo["kv"]["disk"]}
     assert ("kvstitch_kv_blocks_total", frozenset({("tier", "miss")})) not in m
     assert value(m, "kvstitch_output_tokens_total", mode="turbo") == turbo["output_tokens"]
     assert value(m, "kvstitch_output_tokens_total", mode="naive") == naive["output_tokens"]
@@ -71,8 +71,7 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     assert value(m, "kvstitch_tier_bytes", tier="host", kind="budget") == 8 << 20  # API_SETTINGS' host_cache_mb
     assert value(m, "kvstitch_tier_bytes", tier="disk", kind="used") > 0
     assert value(m, "kvstitch_kv_corrupt_total") == 0
-    # The turbo answer's 3 blocks, on disk only when it started, were read ahead into the host tier.
-    assert value(m, "kvstitch_kv_read_ahead_total") == 3
+    assert value(m, "kvstitch_kv_read_ahead_total") == turbo["kv"]["host"]  # each host hit was read ahead
     # ingestion writes its blocks itself (not through the answer path's write-back): every one is counted
     assert status["chunks_precomputed"] > 0
     assert value(m, "kvstitch_kv_blocks_written_total") == status["chunks_precomputed"]
