@@ -687,14 +687,20 @@ def test_a_background_write_failing_with_enospc_is_counted_as_no_space(
 # ---- reading ahead -----------------------------------------------------------------------------------------
 
 
+def stored(stores: Stores, index: KVIndex, prompt: PromptIds) -> KVStore:
+    """A store that computed the prompt's blocks and wrote them to disk (all written before it returns)."""
+    writer = stores.open(index)
+    writer.fetch(prompt.blocks)
+    writer.flush()
+    return writer
+
+
 def test_blocks_read_ahead_are_fetched_as_host_hits_with_the_same_bits(
     prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
 ) -> None:
     """`prefetch` reads the disk-only blocks into the host tier in the background; the fetch then copies them
     from there (no disk read on the caller's thread) and they hold the same bits as read from disk."""
-    writer = stores.open(index)
-    writer.fetch(prompt.blocks)
-    writer.flush()
+    stored(stores, index, prompt)
     reader = stores.open(index, host=4 * MIB)
     n = len(prompt.blocks)
     assert reader.prefetch(prompt.blocks) == n
@@ -711,9 +717,7 @@ def test_a_fetch_waits_for_a_read_ahead_still_running(
 ) -> None:
     """A fetch that finds its blocks still being read ahead waits for those reads (a host hit once they land)
     rather than reading the same files again into the same slots."""
-    writer = stores.open(index)
-    writer.fetch(prompt.blocks)
-    writer.flush()
+    stored(stores, index, prompt)
     reader = stores.open(index, host=4 * MIB)
     gate = threading.Event()
     reads: list[str] = []
@@ -737,9 +741,7 @@ def test_a_fetch_waits_for_a_read_ahead_still_running(
 def test_a_damaged_block_read_ahead_is_counted_and_recomputed(
     engine: StitchEngine, prompt: PromptIds, fresh: list[KVBlock], stores: Stores, index: KVIndex
 ) -> None:
-    writer = stores.open(index)
-    writer.fetch(prompt.blocks)
-    writer.flush()
+    writer = stored(stores, index, prompt)
     bad = 1
     path = stores.cache_dir / block_relpath(writer.key_of(prompt.blocks[bad]))
     truncate(path, writer, fresh[bad])
@@ -780,9 +782,7 @@ def test_removing_a_block_read_ahead_waits_for_its_read(
     prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`remove` never frees a host slot a reader thread is still writing into: it waits for the read first."""
-    writer = stores.open(index)
-    writer.fetch(prompt.blocks)
-    writer.flush()
+    stored(stores, index, prompt)
     reader = stores.open(index, host=4 * MIB)
     gate, done = threading.Event(), threading.Event()
     real_read = reader.disk.read
