@@ -87,8 +87,6 @@ def fit_blocks(
     return kept
 
 
-# The top-k chunks for each of a question's texts, with its search options, searched together (the runtime's
-# `search_many`); `UnavailableError` when Qdrant is away.
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +95,8 @@ def _log_read_ahead_failure(started: concurrent.futures.Future[int]) -> None:
         log.warning("no KV read ahead for a question: %s", started.exception())
 
 
+# The top-k chunks for each of a question's texts, with its search options, searched together (the runtime's
+# `search_many`); `UnavailableError` when Qdrant is away.
 Search = Callable[[Sequence[str], int, SearchOptions], list[list[RetrievedChunk]]]
 
 
