@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from service.engine import kv_write
+from service.engine import act_mul, kv_write
 from service.engine.attention import StaticAttend, attend_causal_end
 from service.engine.kv_buffer import KVBuffer
 from service.engine.kv_layout import KEYS, VALUES, KVBlock
@@ -240,8 +240,12 @@ class LeanForward:
             hidden = _linear_plus(layer.self_attn.o_proj, out.reshape(tokens, -1), hidden)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = _linear_plus(layer.mlp.down_proj, layer.mlp.act_fn(gate) * up, hidden)
+            if act_mul.applies(layer.mlp.act_fn, hidden.device):
+                activated = act_mul.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                activated = layer.mlp.act_fn(gate) * up
+            hidden = _linear_plus(layer.mlp.down_proj, activated, hidden)
         return hidden
 
     def head_static(self, hidden: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
