@@ -65,6 +65,8 @@ DEFAULT_READ_THREADS = 4
 # Shared-tier reads wait on the network, not the disk: more of them in flight (the S3 client pools as many connections).
 SHARED_READ_THREADS = 16
 KEY_CACHE_SIZE = 1 << 16
+# Prompts waiting for the read-ahead thread at most; more are not read ahead (their admission reads for them).
+READ_AHEAD_QUEUE = 64
 # The disk tier's blocks `tier_contents` lists at most (the most recently used): a snapshot of a huge disk tier would
 # stall the start of publishing, and the blocks used last are the likeliest to be asked for again.
 DISK_CONTENTS_LIMIT = 100_000
@@ -244,6 +246,8 @@ class KVStore:
         self.prefetched = 0  # blocks `prefetch` read ahead into the host tier (metrics, tests)
         # `read_ahead`'s thread: its index lookups are round trips the caller (an answer's start) should not wait on.
         self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-read-ahead")
+        self._ahead_queued = 0  # prompts waiting for that thread (bounded: READ_AHEAD_QUEUE), under _ahead_lock
+        self._ahead_lock = threading.Lock()
 
     @property
     def key_space(self) -> KeySpace:
@@ -316,9 +320,25 @@ class KVStore:
                 started += 1
         return started
 
-    def read_ahead(self, prompt_blocks: Sequence[Sequence[int]]) -> concurrent.futures.Future[int]:
-        """`prefetch` on the store's read-ahead thread; the future gives how many reads it started."""
-        return self._ahead.submit(self.prefetch, list(prompt_blocks))
+    def read_ahead(self, prompt_blocks: Sequence[Sequence[int]]) -> concurrent.futures.Future[int] | None:
+        """`prefetch` on the store's read-ahead thread; the future gives how many reads it started. None when
+        READ_AHEAD_QUEUE prompts already wait for that thread: a read ahead that starts after its admission's
+        fetch is of no use, and the queue must not grow without bound when lookups are slower than arrivals."""
+        with self._ahead_lock:
+            if self._ahead_queued >= READ_AHEAD_QUEUE:
+                return None
+            self._ahead_queued += 1
+        try:
+            return self._ahead.submit(self._prefetch_queued, list(prompt_blocks))
+        except RuntimeError:  # the store closing: nothing was queued
+            with self._ahead_lock:
+                self._ahead_queued -= 1
+            raise
+
+    def _prefetch_queued(self, prompt_blocks: Sequence[Sequence[int]]) -> int:
+        with self._ahead_lock:
+            self._ahead_queued -= 1
+        return self.prefetch(prompt_blocks)
 
     def _held(self, key: str) -> bool:
         """Under the lock: whether the GPU or the host tier holds the block, or a read ahead is bringing it."""

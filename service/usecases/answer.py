@@ -173,7 +173,8 @@ class Answerer:
         except RuntimeError as err:  # the store closing, its threads gone: the admission's fetch says what is wrong
             log.warning("no KV read ahead for a question: %s", err)
             return None
-        started.add_done_callback(_log_read_ahead_failure)
+        if started is not None:  # None: the read-ahead thread has a full queue
+            started.add_done_callback(_log_read_ahead_failure)
         return started
 
     def done_event(

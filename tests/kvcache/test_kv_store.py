@@ -20,6 +20,7 @@ from service.engine.offline import generate
 from service.engine.prompt import PromptIds
 from service.engine.sampling import SamplingParams
 from service.kvcache import device, fileformat, tiers
+from service.kvcache import store as store_module
 from service.kvcache.fileformat import block_relpath, read_block, read_header, write_block
 from service.kvcache.index import KVIndex
 from service.kvcache.precompute import precompute_batches
@@ -799,3 +800,28 @@ def test_removing_a_block_read_ahead_waits_for_its_read(
     reader.remove(reader.key_of(prompt.blocks[0]))
     assert done.is_set() and not reader.contains(reader.key_of(prompt.blocks[0]))
     assert reader.host.pool.peek(reader.key_of(prompt.blocks[0])) is None
+
+
+def test_the_read_ahead_queue_is_bounded(
+    prompt: PromptIds, stores: Stores, index: KVIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the read-ahead thread is busy, at most READ_AHEAD_QUEUE prompts wait for it; the next ones are not
+    read ahead (None), and once the queue drains read aheads are taken again."""
+    monkeypatch.setattr(store_module, "READ_AHEAD_QUEUE", 3)
+    reader = stores.open(index)
+    running, release = threading.Event(), threading.Event()
+
+    def busy_prefetch(blocks: Any) -> int:
+        running.set()
+        release.wait(timeout=10)
+        return len(blocks)
+
+    monkeypatch.setattr(reader, "prefetch", busy_prefetch)
+    first = reader.read_ahead(prompt.blocks)
+    assert first is not None and running.wait(timeout=10)
+    queued = [reader.read_ahead(prompt.blocks) for _ in range(4)]
+    assert [q is not None for q in queued] == [True, True, True, False]
+    release.set()
+    assert [f.result(timeout=10) for f in (first, *queued[:3]) if f is not None] == [len(prompt.blocks)] * 4
+    again = reader.read_ahead(prompt.blocks[:1])
+    assert again is not None and again.result(timeout=10) == 1
