@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def test_serve_ingest_and_ask_from_the_command_line(tiny_model_dirs: dict[str, P
     assert "done — 2 documents" in ingested.stdout and "2/2 documents" in ingested.stderr
     assert asked.returncode == 0, asked.stderr
     assert "[sources: corpus/otters.md" in asked.stdout
-    assert "TTFT" in asked.stdout and "KV tiers: gpu=0 host=0 disk=2 miss=0" in asked.stdout
+    # The two chunks' KV came from disk, or from the host tier where the answer's read ahead landed it first.
+    tiers = re.search(r"KV tiers: gpu=0 host=(\d) disk=(\d) miss=0", asked.stdout)
+    assert "TTFT" in asked.stdout and tiers is not None and int(tiers[1]) + int(tiers[2]) == 2, asked.stdout
     assert "(naive), KV tiers: gpu=0 host=0 disk=0 miss=0" in asked_naive.stdout
     assert cancel_finished.returncode == 1 and "409" in cancel_finished.stderr
     assert f"job {finished_job!r} already finished (done)" in cancel_finished.stderr
