@@ -12,10 +12,9 @@ import torch
 from transformers.activations import ACT2FN
 
 from service.engine import act_mul
-from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows
 from service.engine.engine import StitchEngine
+from tests.test_engine_kv_write import step_twice
 from tests.test_engine_segment_attention import INTERPRETER, KERNEL_DEVICE, NEEDS_KERNELS, compiles_for_sm90
-from tests.test_engine_shared_decode import nan_pool
 
 
 @pytest.mark.gpu
@@ -44,15 +43,12 @@ def test_a_decode_step_through_the_kernel_equals_torchs(
 ) -> None:
     engine = get_engine("llama", KERNEL_DEVICE)
     assert act_mul.is_silu(engine.forward.layers[0].mlp.act_fn)
-    pools = [nan_pool(engine, 64), nan_pool(engine, 64)]
-    filled = torch.randn(pools[0].data.shape, generator=torch.Generator().manual_seed(3)).to(pools[0].data)
-    for pool in pools:
-        pool.data.copy_(filled)
-    rows = DecodeRows.build([5, 17], [30, 12], [(0, 20), (30, 9)], engine.spec.device)
-    plain = BatchDecoder(engine.forward, pools[0], LOOP).step(rows)
-    monkeypatch.setattr(act_mul, "FUSED_ACT_MUL", True)
-    monkeypatch.setattr(act_mul, "triton_runs_on", lambda device: True)  # the CPU's interpreter too
-    fused = BatchDecoder(engine.forward, pools[1], LOOP).step(rows)
+
+    def switch_on() -> None:
+        monkeypatch.setattr(act_mul, "FUSED_ACT_MUL", True)
+        monkeypatch.setattr(act_mul, "triton_runs_on", lambda device: True)  # the CPU's interpreter too
+
+    plain, fused, _, _ = step_twice(engine, switch_on)
     assert float((fused - plain).abs().max()) <= 1e-5
     assert not torch.equal(fused, torch.zeros_like(fused))
 

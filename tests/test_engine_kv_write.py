@@ -17,6 +17,7 @@ from service.engine import kv_write
 from service.engine.batch_decode import LOOP, BatchDecoder, DecodeRows
 from service.engine.engine import StitchEngine
 from service.engine.kv_layout import KEYS, VALUES
+from service.engine.kv_pool import KVPool
 from tests.test_engine_segment_attention import (
     HEAD_DIM,
     INTERPRETER,
@@ -89,6 +90,21 @@ def test_one_kernel_writes_what_torchs_kernels_write(
     assert float((keys_got.float() - qkv[:, HEADS : HEADS + KV_HEADS].transpose(0, 1).float()).abs().max()) > 0.1
 
 
+def step_twice(
+    engine: StitchEngine, switch_on: Callable[[], None]
+) -> tuple[torch.Tensor, torch.Tensor, KVPool, KVPool]:
+    """One batched decode step (the loop attention) over two pools holding the same random K/V: first with torch's
+    kernels, then after `switch_on()`; both steps' logits and pools."""
+    pools = [nan_pool(engine, 64), nan_pool(engine, 64)]
+    filled = torch.randn(pools[0].data.shape, generator=torch.Generator().manual_seed(3)).to(pools[0].data)
+    for pool in pools:
+        pool.data.copy_(filled)
+    rows = DecodeRows.build([5, 17], [30, 12], [(0, 20), (30, 9)], engine.spec.device)
+    plain = BatchDecoder(engine.forward, pools[0], LOOP).step(rows)
+    switch_on()
+    return plain, BatchDecoder(engine.forward, pools[1], LOOP).step(rows), pools[0], pools[1]
+
+
 @pytest.mark.gpu
 @NEEDS_KERNELS
 def test_a_decode_step_through_the_kernel_equals_torchs(
@@ -96,19 +112,15 @@ def test_a_decode_step_through_the_kernel_equals_torchs(
 ) -> None:
     """A batched decode step of a tiny model with `FUSED_KV_WRITE` on gives the logits and the K/V of the step with
     torch's kernels (fp32, the loop attention over the rotated queries)."""
-    engine = get_engine("qwen2", KERNEL_DEVICE)
-    pools = [nan_pool(engine, 64), nan_pool(engine, 64)]
-    filled = torch.randn(pools[0].data.shape, generator=torch.Generator().manual_seed(3)).to(pools[0].data)
-    for pool in pools:
-        pool.data.copy_(filled)
-    rows = DecodeRows.build([5, 17], [30, 12], [(0, 20), (30, 9)], engine.spec.device)
-    plain = BatchDecoder(engine.forward, pools[0], LOOP).step(rows)
-    monkeypatch.setattr(kv_write, "FUSED_KV_WRITE", True)
-    monkeypatch.setattr(kv_write, "triton_runs_on", lambda device: True)  # the CPU's interpreter too
-    one_kernel = BatchDecoder(engine.forward, pools[1], LOOP).step(rows)
+
+    def switch_on() -> None:
+        monkeypatch.setattr(kv_write, "FUSED_KV_WRITE", True)
+        monkeypatch.setattr(kv_write, "triton_runs_on", lambda device: True)  # the CPU's interpreter too
+
+    plain, one_kernel, torchs, mine = step_twice(get_engine("qwen2", KERNEL_DEVICE), switch_on)
     assert float((one_kernel - plain).abs().max()) <= 1e-5
-    assert float((pools[0].data - pools[1].data).abs().max()) <= 1e-5
-    assert torch.equal(pools[0].data.isnan(), pools[1].data.isnan())
+    assert float((torchs.data - mine.data).abs().max()) <= 1e-5
+    assert torch.equal(torchs.data.isnan(), mine.data.isnan())
 
 
 def test_the_cpu_keeps_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
