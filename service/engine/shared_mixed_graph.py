@@ -192,7 +192,8 @@ class SharedMixedGraphs:
         """The mixed step through its bucket's graph; None when none holds it (the caller runs it eagerly)."""
         ids = decode[0]
         batch = next((b for b in SHARED_BUCKETS if b >= len(ids)), None)
-        riders = rider_bucket(len(questions), sum(len(q[0]) for q in questions), self.riders)
+        question_tokens = sum(len(q[0]) for q in questions)
+        riders = rider_bucket(len(questions), question_tokens, self.riders)
         if batch is None or riders is None:
             return None
         most_reads = max([*map(len, reads), int(step_call.seg_counts.max()) if step_call.seg_counts.size else 0])
@@ -206,7 +207,7 @@ class SharedMixedGraphs:
         except ValueError:  # a plan over the bucket's capacity: eager, this once
             return None
         self.replays += 1
-        self.padded_tokens += riders[1] - sum(len(q[0]) for q in questions)
+        self.padded_tokens += riders[1] - question_tokens
         return logits
 
     def _graph(self, batch: int, reads: int, riders: tuple[int, int]) -> SharedMixedGraph:

@@ -270,13 +270,17 @@ class KVStore:
     def _plan(self, token_id_blocks: Sequence[Sequence[int]]) -> LoadPlan:
         planned = []
         for ids in token_id_blocks:
-            # A prompt's blocks are tuples of ints already (`PromptTemplate.chunk_block`): converting a question's
-            # thousands of ids again would cost the engine thread about a millisecond per admission.
-            token_ids = ids if type(ids) is tuple else tuple(map(int, ids))
-            key = self._cached_key(token_ids)
+            token_ids, key = self._keyed(ids)
             nbytes = len(token_ids) * self._kv_bytes_per_token
             planned.append(PlannedBlock(key, token_ids, self._tier_of(key, token_ids), nbytes))
         return LoadPlan(tuple(planned))
+
+    def _keyed(self, ids: Sequence[int]) -> tuple[TokenIds, str]:
+        """A block's ids as a tuple of ints and its key. A prompt's blocks are tuples of ints already
+        (`PromptTemplate.chunk_block`): converting a question's thousands of ids again would cost the engine thread
+        about a millisecond per admission."""
+        token_ids = ids if type(ids) is tuple else tuple(map(int, ids))
+        return token_ids, self._cached_key(token_ids)
 
     def _tier_of(self, key: str, token_ids: TokenIds) -> Tier:
         gpu_block = self.gpu.peek(key)
@@ -297,8 +301,7 @@ class KVStore:
         with self._lock:
             wanted = {}
             for ids in prompt_blocks:
-                token_ids = ids if type(ids) is tuple else tuple(map(int, ids))
-                key = self._cached_key(token_ids)
+                token_ids, key = self._keyed(ids)
                 if not self._held(key):
                     wanted[key] = token_ids
         try:
@@ -347,7 +350,7 @@ class KVStore:
     def _settle_prefetches(self, prompt_blocks: Sequence[Sequence[int]]) -> None:
         """Under the lock, before a fetch plans: every read ahead that ended settled, and those of this prompt's
         blocks still running waited for (a host hit soon, rather than the same block read twice)."""
-        mine = {self._cached_key(ids if type(ids) is tuple else tuple(map(int, ids))) for ids in prompt_blocks}
+        mine = {self._keyed(ids)[1] for ids in prompt_blocks}
         for key in [k for k, read in self._prefetching.items() if k in mine or read.done()]:
             self._settle(key)
 
