@@ -177,7 +177,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", type=parse_config, nargs="+", default=[(64, 4, 0), (64, 8, 0), (128, 8, 0)])
     parser.add_argument("--splits", type=int, nargs="+", default=[0], help="by-request splits to try (0: auto)")
     parser.add_argument(
-        "--maxnreg", type=int, default=None, help="registers a thread of the by-request partials (REQUEST_MAXNREG)"
+        "--maxnreg",
+        type=int,
+        default=segment_launch.REQUEST_MAXNREG,
+        help="registers a thread of the by-request partials (REQUEST_MAXNREG; 0: as many as ptxas takes)",
     )
     parser.add_argument(
         "--prerotate",
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse(argv)
     segment_launch.REQUEST_PREROTATE = args.prerotate
-    segment_launch.REQUEST_MAXNREG = args.maxnreg
+    segment_launch.REQUEST_MAXNREG = args.maxnreg or None
     rotary = qwen2_rotary(args.device)
     errors = {"by-chunk": check(args.device, rotary, args.dtype, False)}
     for config in args.configs:

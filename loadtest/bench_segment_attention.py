@@ -410,7 +410,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-n", type=int, default=None, help="keys per K/V tile (default: 64)")
     parser.add_argument("--stages", type=int, default=None, help="Triton pipeline stages (default: Triton's)")
     parser.add_argument(
-        "--maxnreg", type=int, default=None, help="registers a thread of the partials (segment_launch.PARTIALS_MAXNREG)"
+        "--maxnreg",
+        type=int,
+        default=segment_launch.PARTIALS_MAXNREG,
+        help="registers a thread of the partials (segment_launch.PARTIALS_MAXNREG; 0: as many as ptxas takes)",
     )
     parser.add_argument(
         "--prerotate",
@@ -462,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_n is not None:
         segment_launch.BLOCK_N = args.block_n
     segment_launch.NUM_STAGES = args.stages
-    segment_launch.PARTIALS_MAXNREG = args.maxnreg
+    segment_launch.PARTIALS_MAXNREG = args.maxnreg or None
     segment_launch.PREROTATE = args.prerotate
     segment_launch.KV_DESCRIPTORS = args.kv_descriptors
     rotary = qwen2_rotary(device)

@@ -71,8 +71,9 @@ REQUEST_PREROTATE = True
 # Registers a thread of a partials program may hold (ptxas's .maxnreg; None: as many as ptxas takes, up to 255),
 # by chunk and by request. Compiled for sm_90 with the launch's alignment, the by-chunk kernel takes 182 registers at
 # 64 query items and 8 warps, so one program fits an SM; capped at 128 it spills 4 bytes and two fit, whose loads
-# then hide each other's latency. Module-level so a benchmark can compare; unset until measured on a GPU.
-PARTIALS_MAXNREG: int | None = None
+# then hide each other's latency: measured faster so on an H200 (§13.14). The by-request kernel capped at 168
+# measured slower (its tiles hold more rows), so it stays uncapped. Module-level so a benchmark can compare.
+PARTIALS_MAXNREG: int | None = 128
 REQUEST_MAXNREG: int | None = None
 _ROTATE_BLOCK = 16  # entries a rotation program takes
 
