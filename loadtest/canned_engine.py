@@ -9,6 +9,7 @@ every chunk "on its GPU", and every question answered with `tokens` copies of `C
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,18 +43,20 @@ class CannedAnswer:
 
     async def _events(self) -> AsyncIterator[AnswerEvent]:
         tokens = min(self._config.tokens, self._request.max_new_tokens)
+        began, first_at = time.perf_counter(), None
         for _ in range(tokens):
             if self._config.token_interval_s > 0:
                 await asyncio.sleep(self._config.token_interval_s)
+            first_at = first_at or time.perf_counter()
             yield TokenEvent(CANNED_TOKEN)
-        yield self._done(tokens)
+        yield self._done(tokens, (first_at - began) * 1e3 if first_at else 0.0)
 
-    def _done(self, tokens: int) -> DoneEvent:
+    def _done(self, tokens: int, ttft_ms: float) -> DoneEvent:
         context = sum(len(c.token_ids) for c in self._request.chunks)
         return DoneEvent(
             mode=self._request.mode,
             positions=self._request.positions,
-            ttft_ms=0.0,
+            ttft_ms=ttft_ms,  # as an engine reports it: its own, from the answer's start there
             output_tokens=tokens,
             finish_reason="length",
             timings_ms={"queue": 0.0, "prefill": 0.0, "decode": 0.0},

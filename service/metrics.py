@@ -42,7 +42,19 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 # `queue` is the wait for the engine; `precompute` is KV computed online for misses; `recompute` the part of the
 # stitched context recomputed before the question (all part of TTFT).
-STAGES = ("retrieve", "queue", "engine_wait", "load", "h2d", "precompute", "stitch", "recompute", "prefill", "decode")
+STAGES = (
+    "retrieve",
+    "queue",
+    "engine_wait",
+    "load",
+    "h2d",
+    "precompute",
+    "stitch",
+    "recompute",
+    "prefill",
+    "decode",
+    "transport",
+)
 # KL(naive || turbo) of the first-token distribution, in nats: ~1e-6 is rounding, ~0.1 a visible shift, > 1 another
 # answer.
 KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)

@@ -214,9 +214,13 @@ class RemoteAnswer:
         await self._close()
 
     def _finish(self, done: DoneEvent) -> DoneEvent:
-        """The engine's done event with the gateway's view of the time: TTFT from the request's arrival here."""
+        """The engine's done event with the gateway's view of the time: TTFT from the request's arrival here, and
+        `transport`, the part of it neither retrieval here nor the engine's own TTFT (its arrival there to its first
+        token read there) accounts for: the post, the engine's API process and the first token's way back (a
+        failed attempt before a retry included). Without it the stages would not add up to what the client saw."""
         ttft_ms = (self._first_token_at - self._started) * 1e3 if self._first_token_at else done.ttft_ms
-        timings = {**done.timings_ms, "retrieve": self._retrieve_ms}
+        transport_ms = max(0.0, ttft_ms - self._retrieve_ms - done.ttft_ms) if self._first_token_at else 0.0
+        timings = {**done.timings_ms, "retrieve": self._retrieve_ms, "transport": transport_ms}
         done = dataclasses.replace(done, ttft_ms=ttft_ms, timings_ms=timings)
         self._done = done
         observe_done(self._metrics, done)

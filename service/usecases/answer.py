@@ -240,6 +240,7 @@ def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: An
         "recompute": engine_timings.recompute_ms,
         "prefill": engine_timings.prefill_ms,
         "decode": engine_timings.decode_ms,
+        "transport": 0.0,  # one process: no hop between a gateway and an engine (a gateway sets its own)
     }
 
 

@@ -10,7 +10,7 @@ from api_support import DOCS, QUESTION, ask_events, ingest, wait_job
 from app_server import server_of
 from fastapi.testclient import TestClient
 
-TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode", "queue", "engine_wait"}
+TIMING_KEYS = {"retrieve", "load", "h2d", "stitch", "prefill", "decode", "queue", "engine_wait", "transport"}
 
 
 def test_ingest_reports_a_finished_job_with_counts(client: TestClient) -> None:
@@ -45,6 +45,7 @@ def test_ask_streams_retrieval_tokens_then_done(client: TestClient, mode: str, p
     assert set(done["timings_ms"]) >= TIMING_KEYS and all(v >= 0 for v in done["timings_ms"].values())
     # The wait with the engine loop is part of the time between retrieval and admission (rounded to 1 µs).
     assert done["timings_ms"]["engine_wait"] <= done["timings_ms"]["queue"] + 0.002
+    assert done["timings_ms"]["transport"] == 0.0  # one process: no hop to an engine
     assert set(done["kv"]) == {"gpu", "host", "disk", "miss"}
     assert sum(done["kv"].values()) == (2 if mode == "turbo" else 0)
 

@@ -5,6 +5,7 @@ answer's connection is kept for the next."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -138,13 +139,15 @@ class AnswerClients:
         await self.app(scope, receive, send)
 
 
-@pytest.fixture
-def canned_engine() -> Iterator[tuple[str, AnswerClients, KeySpace]]:
-    """The benchmark's canned engine (`kvstitch engine`'s app, 3 tokens an answer) on a thread of its own."""
+@contextlib.contextmanager
+def served_canned_engine(token_interval_s: float = 0.0) -> Iterator[tuple[str, AnswerClients, KeySpace]]:
+    """The benchmark's canned engine (`kvstitch engine`'s app, 3 tokens an answer, one every `token_interval_s`) on a
+    thread of its own."""
     space = KeySpace("fp", "tpl", "float32")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    counted = AnswerClients(create_engine_app(CannedEngine(CannedConfig(dataclasses.asdict(space), 3, 0.0), url)))
+    canned = CannedEngine(CannedConfig(dataclasses.asdict(space), 3, token_interval_s), url)
+    counted = AnswerClients(create_engine_app(canned))
     config = uvicorn.Config(
         counted, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=ENGINE_KEEP_ALIVE_S
     )
@@ -155,9 +158,17 @@ def canned_engine() -> Iterator[tuple[str, AnswerClients, KeySpace]]:
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the canned engine did not start"
         time.sleep(0.02)
-    yield url, counted, space
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield url, counted, space
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def canned_engine() -> Iterator[tuple[str, AnswerClients, KeySpace]]:
+    with served_canned_engine() as served:
+        yield served
 
 
 def test_answers_in_turn_reuse_the_gateways_connections_to_the_engine(
@@ -189,6 +200,36 @@ def test_answers_in_turn_reuse_the_gateways_connections_to_the_engine(
     assert len(counted.ports) == answers
     assert len(set(counted.ports)) == CLIENT_POOLS
     assert [s.running for s in fleet.engines()] == [0]  # every answer gave its place back
+
+
+def test_the_done_events_transport_is_the_gateways_ttft_less_retrieval_and_the_engines_own_ttft() -> None:
+    """The gateway's done event adds `transport`: its TTFT (from the question's arrival at the gateway) less its
+    retrieval and less the engine's reported TTFT (here the canned engine's 30 ms before its first token), so the
+    stages add up to what the client saw. The question arrived 50 ms before the post, 20 of them retrieving."""
+    with served_canned_engine(token_interval_s=0.03) as (url, _, space):
+        fleet = Fleet(Settings(engines=url, _env_file=None), space)  # type: ignore[call-arg]
+        fleet.probe()
+        request = EngineAnswerRequest("why?", (WireChunk("c", "d", 1.0, "text", (1, 2, 3)),))
+
+        async def ask() -> list[AnswerEvent]:
+            started = time.perf_counter() - 0.05
+            remote = RemoteAnswer(fleet, Metrics(), request, [ChunkRef("k", 3)], [], started, 20.0)
+            await remote.open()
+            events = [event async for event in remote]
+            for client in _clients.pop(asyncio.get_running_loop(), []):
+                await client.aclose()
+            return events
+
+        events = asyncio.run(ask())
+        fleet.close()
+
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    engine_ttft = done.ttft_ms - done.timings_ms["retrieve"] - done.timings_ms["transport"]
+    assert done.timings_ms["retrieve"] == 20.0
+    assert 29.0 <= engine_ttft < 200.0  # the canned engine's own: its 30 ms sleep (timer granularity aside)
+    assert done.timings_ms["transport"] >= 29.0  # the 30 ms between the arrival and the post, at least
+    assert done.ttft_ms >= 50.0 + engine_ttft - 1.0
 
 
 def test_the_gateway_retires_an_idle_engine_connection_before_the_engine_closes_it() -> None:
