@@ -383,7 +383,8 @@ class _EngineCollector(Collector):
             return
         prefills = CounterMetricFamily(
             "kvstitch_question_prefills",
-            "Turbo questions prefilled in batched forwards, by how: riding in a decode step's forward, or apart",
+            "Turbo questions prefilled in batched forwards, by how: riding in a decode step's forward, apart, or "
+            "early (at once on a second stream beside the running step)",
             labels=["how"],
         )
         for how, count in self._prefills().items():

@@ -310,6 +310,14 @@ class Settings(BaseSettings):
         "ends (its length from the last steps, a margin for the launch that adapts), so questions arriving "
         "meanwhile ride one step sooner; off = launch as soon as the previous step is read.",
     )
+    early_prefill_below: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Shared chunks on CUDA, overlapped steps: while fewer answers than this run, a question admitted "
+        "while a decode step runs is prefilled at once on a second stream beside it and its first token read as soon "
+        "as it is there, instead of riding in the step after the one already queued; 0 = never.",
+    )
     kv_pool_mb: int | None = Field(
         None, ge=1, description="KV pool of running answers (MiB); unset = 16384 on CUDA, 64 on the CPU."
     )

@@ -35,6 +35,11 @@ class PendingPicks:
     watch: Stopwatch | None = None  # what timed the first tokens' stages
     free_after: list[Slab] = field(default_factory=list)
     launched_at: float = 0.0  # perf_counter when this work was queued (the launch pacer's clock)
+    side: bool = False  # queued on the side stream (`side_stream.py`): read as soon as it is there
+
+    def ready(self) -> bool:
+        """Whether the picks have reached the host (reading them would not wait)."""
+        return self.copied is None or bool(self.copied.query())
 
     def tokens(self) -> list[int]:
         """The picks on the host, waiting for the step (and the copy) to finish."""
@@ -72,6 +77,25 @@ class InFlight:
 
     def oldest(self) -> PendingPicks:
         return self._records.popleft()
+
+    def side_ready(self, behind: PendingPicks) -> list[PendingPicks]:
+        """Side-stream records whose picks are on the host, taken out of the line to be read now, while `behind`
+        (taken out to be read, older) still runs: their slabs to free go to the newest record left, else to
+        `behind`, as the older work may still write them."""
+        ready = [record for record in self._records if record.side and record.ready()]
+        for record in ready:
+            self._records.remove(record)
+            later = self._records[-1] if self._records else behind
+            later.free_after.extend(record.free_after)
+            record.free_after = []
+        return ready
+
+    def newest(self, count: int) -> list[PendingPicks]:
+        """The `count` records pushed last, oldest first."""
+        return list(self._records)[len(self._records) - count :] if count > 0 else []
+
+    def has_side(self) -> bool:
+        return any(record.side for record in self._records)
 
     def unread(self) -> dict[int, int]:
         """Per request (by id) with a token still unread on the device, its index in the unread picks, record

@@ -15,10 +15,16 @@ its rows fed from the picks still on the device, and the previous step is read w
 the host's per-step work does not leave the GPU idle (SGLang's overlap scheduler). Admitted requests' first tokens
 stay on the device too (`overlap_admissions`). Steps that need tokens on the host first (log-probabilities) read
 everything before they launch.
+
+Early prefills (`early_below`, shared mode, overlapped): while fewer answers run than that, the questions admitted
+while a step runs are not held to ride in the next step, which would start only after the step queued behind the
+running one: they are admitted and prefilled at once on a second stream (`side_stream.py`), beside the running
+step, and their first tokens are read as soon as they are there, ahead of the older steps still running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -37,11 +43,13 @@ from service.engine.output import Failed, Started, StepOutput, Tokens
 from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
 from service.engine.sampling import Sampler, TokenLogprobs, logprobs_rows, pick_rows, pick_rows_on_device
 from service.engine.shared_chunks import SharedChunks
+from service.engine.side_stream import SideStream
 from service.engine.slab_prefill import SlabPrefill
 
 log = logging.getLogger(__name__)
 
 STEP_PHASES = ("admit", "prefill", "decode", "emit")
+SIDE_POLL_S = 0.0002  # between looks at early first tokens while a step runs (the sleep lets other threads run)
 Outputs = Iterator[StepOutput]
 
 
@@ -59,6 +67,7 @@ class StepRunner:
         overlap_admissions: bool,
         shared: SharedChunks | None = None,
         pacer: LaunchPacer | None = None,
+        early_below: int = 0,
     ) -> None:
         self.engine = engine
         self.pacer = pacer  # overlapped steps launched as late as the device allows (`launch_pacer.py`)
@@ -73,6 +82,10 @@ class StepRunner:
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
         self.prefilled_together = 0  # requests whose question went through a batched prefill
         self.prefilled_with_decode = 0  # of those, the ones prefilled in a decode step's forward
+        self.prefilled_early = 0  # of those, the ones prefilled at once on the side stream
+        self.early_below = early_below if shared is not None else 0
+        self.side = SideStream(engine.spec.device) if self.early_below > 0 else None
+        self._early = False  # this step's admissions run on the side stream
         self.questions: list[BatchRequest] = []  # stitched this step, prefilled in its decode step's forward
         self._question_watch: Stopwatch | None = None  # times their stages
         # Wall seconds per phase of a step since start (the engine's utilisation, exported as a metric): admit
@@ -92,7 +105,61 @@ class StepRunner:
 
     # ---- admission -------------------------------------------------------------------------------------------
 
+    def early_admission(self) -> contextlib.AbstractContextManager[None]:
+        """Where this step's admissions (the planner's placements and prefix copies) run: on the side stream when
+        its shared questions are to be prefilled at once (`admit`), else where they always do."""
+        self._early = self._early_applies()
+        if self._early:
+            assert self.side is not None
+            return self.side.enter()
+        return contextlib.nullcontext()
+
+    def _early_applies(self) -> bool:
+        """A step runs (else a question's prefill starts at once anyway), its first tokens may stay on the device,
+        and fewer answers run than `early_below` (more, and riding in the step pays: one pass over the weights)."""
+        return (
+            self.side is not None
+            and self.overlap
+            and self.overlap_admissions
+            and bool(self.inflight)
+            and len(self.planner.running) < self.early_below
+        )
+
     def admit(self, plan: AdmissionPlan) -> Outputs:
+        early, self._early = self._early, False
+        if early:
+            yield from self._admit_early(plan)
+        if not (plan.alone or plan.together or plan.riding or plan.shared or plan.shared_riding):
+            return
+        self._join_side()
+        yield from self._admit_here(plan)
+        if self.side is not None:  # placed (unless early) and prefilled here: side work waits for it
+            self.side.mark_main()
+
+    def _admit_early(self, plan: AdmissionPlan) -> Outputs:
+        """The plan's shared questions (those not asking for log-probabilities, which need their logits read now)
+        prefilled at once on the side stream, their first tokens picked and copied there; taken out of the plan."""
+        assert self.side is not None and self.shared is not None
+        questions = [*plan.shared_riding, *plan.shared]
+        early = [r for r in questions if r.sampling.logprobs is None]
+        if not early:
+            return
+        plan.shared_riding = [r for r in plan.shared_riding if r not in early]
+        plan.shared = [r for r in plan.shared if r not in early]
+        queued = len(self.inflight)
+        with self.side.enter():
+            yield from self._prefill_together(early, self.shared.extend, "early", self._watch())
+        for record in self.inflight.newest(len(self.inflight) - queued):
+            record.side = True
+            self.side.used_on_main(record.picks)
+        self.prefilled_early += len(early)
+
+    def _join_side(self) -> None:
+        """The main stream's next work waits for the side stream's (it reads the early requests' slabs and picks)."""
+        if self.side is not None:
+            self.side.join()
+
+    def _admit_here(self, plan: AdmissionPlan) -> Outputs:
         for request in plan.alone:
             yield from self._prefill_alone(request)
         if plan.shared:
@@ -264,6 +331,7 @@ class StepRunner:
         read at once."""
         questions, watch = self.questions, self._question_watch
         self.questions, self._question_watch = [], None
+        self._join_side()  # the step reads the early requests' slabs and first tokens
         if not self._step_overlaps(questions):
             yield from self._read_then_step(questions, watch)
             return
@@ -271,6 +339,8 @@ class StepRunner:
         if questions and not self.planner.rides(batch, questions):
             assert watch is not None
             yield from self._prefill_apart(questions, watch)  # no step to ride in after all
+            if self.side is not None:
+                self.side.mark_main()
             questions, batch = [], self.planner.continuing(self.inflight.unread())
         self.last_batch = len(batch)
         if batch:
@@ -333,7 +403,10 @@ class StepRunner:
 
     def _read(self, step: PendingPicks) -> Outputs:
         """Wait for queued picks, return the slabs that work was the last to write, report each live row's token
-        (a first token starts its request's stream)."""
+        (a first token starts its request's stream). While it waits, early first tokens (side stream) are read as
+        they arrive."""
+        if self.inflight.has_side():
+            yield from self._read_side_while(step)
         began = time.perf_counter()
         try:
             tokens = step.tokens()
@@ -348,7 +421,7 @@ class StepRunner:
             yield failed
             return
         read = time.perf_counter()
-        if self.pacer is not None:
+        if self.pacer is not None and not step.side:
             self.pacer.read(began, read, step.launched_at, riding=step.first_from < len(step.batch))
         self.busy_s["admit" if step.first_from == 0 else "decode"] += read - began
         # A row whose request ended before this step was read (the previous step's token, a cancel) is dropped.
@@ -358,6 +431,20 @@ class StepRunner:
         first_from = sum(1 for row, _, _ in live if row < step.first_from)
         yield Tokens([r for _, r, _ in live], [t for _, _, t in live], None, first_from, step.watch)
         self.busy_s["emit"] += time.perf_counter() - read
+
+    def _read_side_while(self, step: PendingPicks) -> Outputs:
+        """Until `step` is done, read each side-stream record whose picks are on the host (polling: a wait on the
+        step's event would hold them back until it ends)."""
+        began = time.perf_counter()
+        while not step.ready():
+            for record in self.inflight.side_ready(behind=step):
+                self.busy_s["decode"] += time.perf_counter() - began
+                yield from self._read(record)
+                began = time.perf_counter()
+            if not self.inflight.has_side():
+                break
+            time.sleep(SIDE_POLL_S)
+        self.busy_s["decode"] += time.perf_counter() - began
 
     def _decode(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
         """One batched step over every running request (and the `questions` admitted to prefill with it), read at

@@ -54,6 +54,7 @@ class Scheduler:
         kv_source: ChunkSource | None = None,
         arena: ChunkArena | None = None,
         late_launch: bool = False,
+        early_prefill_below: int = 0,
     ) -> None:
         """`cuda_graphs`: decode through `BatchGraphs` (CUDA, flash_varlen or sdpa_gather attention only).
         `prefill_chunk`: a naive prompt longer than this many tokens goes in by chunks, at most this many tokens
@@ -74,7 +75,10 @@ class Scheduler:
         it; its decode steps replay `shared_graph.py`'s graphs where `cuda_graphs` (else run eagerly), and with
         `prefill_with_decode` its questions ride in decode steps (`SharedChunks.mixes`).
         `late_launch` (with `overlap`): the loop waits before each launch until shortly before the running step
-        ends (`launch_delay_s`, `launch_pacer.py`), so the questions arriving meanwhile ride a step sooner."""
+        ends (`launch_delay_s`, `launch_pacer.py`), so the questions arriving meanwhile ride a step sooner.
+        `early_prefill_below` (shared mode, with `overlap`): while fewer answers than this run, questions admitted
+        while a step runs are prefilled at once on a second stream beside it (`side_stream.py`), not held to ride in
+        the step after the queued one (0: never)."""
         shared_graphs = cuda_graphs
         if arena is not None:
             cuda_graphs = False
@@ -103,7 +107,16 @@ class Scheduler:
         )
         pacer = LaunchPacer() if late_launch else None
         self.runner = StepRunner(
-            engine, self.planner, decoder, slabs, graphs, overlap, overlap_admissions, shared, pacer
+            engine,
+            self.planner,
+            decoder,
+            slabs,
+            graphs,
+            overlap,
+            overlap_admissions,
+            shared,
+            pacer,
+            early_prefill_below,
         )
         self.output = OutputProcessor(self.planner, self.runner.inflight.release, engine.eos_ids())
 
@@ -122,7 +135,8 @@ class Scheduler:
         busy, began = self.runner.busy_s, time.perf_counter()
         finished = self._end(self.planner.cancelled(), "cancelled")
         finished += self._end(self.planner.preempted(), "preempted")
-        plan = self.planner.admit()
+        with self.runner.early_admission():  # the side stream, where its questions are prefilled at once
+            plan = self.planner.admit()
         finished += self._apply(Failed([request], error) for request, error in plan.failed)
         finished += self._apply(self.runner.admit(plan))
         busy["admit"] += time.perf_counter() - began
@@ -275,6 +289,10 @@ class Scheduler:
     @property
     def prefilled_with_decode(self) -> int:
         return self.runner.prefilled_with_decode
+
+    @property
+    def prefilled_early(self) -> int:
+        return self.runner.prefilled_early
 
     def rider_tokens(self) -> dict[str, int]:
         """Shared mode's riding question tokens and their padding (`SharedChunks.rider_tokens`); zeros without."""

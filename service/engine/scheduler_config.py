@@ -39,6 +39,7 @@ class BatchingOptions:
     prefill_with_decode: bool | None = None
     overlap: bool | None = None
     late_launch: bool = False
+    early_prefill_below: int = 0
 
 
 def graphs_on(engine: StitchEngine) -> bool:
@@ -72,6 +73,7 @@ def build_scheduler(
         kv_source=kv_source,
         arena=arena,
         late_launch=options.late_launch,
+        early_prefill_below=options.early_prefill_below,
     )
 
 

@@ -180,12 +180,13 @@ class EngineLoop:
 
     def question_prefills(self) -> dict[str, int]:
         """Turbo questions prefilled in batched forwards since start: `riding` in a decode step's forward, `apart`
-        in a forward of their own (read from the metrics' thread: two counters, no walk)."""
+        in a forward of their own, `early` at once on the side stream (read from the metrics' thread: counters, no
+        walk)."""
         scheduler = self.scheduler
         if scheduler is None:
-            return {"riding": 0, "apart": 0}
-        riding = scheduler.prefilled_with_decode
-        return {"riding": riding, "apart": scheduler.prefilled_together - riding}
+            return {"riding": 0, "apart": 0, "early": 0}
+        riding, early = scheduler.prefilled_with_decode, scheduler.prefilled_early
+        return {"riding": riding, "apart": scheduler.prefilled_together - riding - early, "early": early}
 
     def rider_tokens(self) -> dict[str, int]:
         """Token slots computed for questions riding in decode steps since start, their own and the graphs'

@@ -712,4 +712,5 @@ def batching_options(settings: Settings) -> BatchingOptions:
         settings.prefill_with_decode,
         settings.overlap_decode,
         settings.late_launch,
+        settings.early_prefill_below,
     )

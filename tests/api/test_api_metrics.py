@@ -59,6 +59,7 @@ def test_metrics_count_answers_stages_tiers_and_ingestion(client: TestClient) ->
     # One turbo question at a time is prefilled alone: no batched question prefill, riding or apart.
     assert value(m, "kvstitch_question_prefills_total", how="riding") == 0
     assert value(m, "kvstitch_question_prefills_total", how="apart") == 0
+    assert value(m, "kvstitch_question_prefills_total", how="early") == 0
     assert value(m, "kvstitch_rider_tokens_total", kind="question") == 0
     assert value(m, "kvstitch_rider_tokens_total", kind="padding") == 0
     assert value(m, "kvstitch_ingest_jobs_total", status="submitted") == 1
@@ -127,9 +128,9 @@ def test_question_prefills_are_exported_from_the_schedulers_counts() -> None:
     from service.metrics import Metrics
 
     metrics = Metrics()
-    counts = {"riding": 0, "apart": 0}
+    counts = {"riding": 0, "apart": 0, "early": 0}
     metrics.watch_engine(lambda: {"idle": 1.0}, lambda: dict(counts))
-    counts.update(riding=5, apart=2)  # read at every scrape, not at registration
+    counts.update(riding=5, apart=2, early=3)  # read at every scrape, not at registration
     m = {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(metrics.render().decode())
@@ -137,3 +138,4 @@ def test_question_prefills_are_exported_from_the_schedulers_counts() -> None:
     }
     assert value(m, "kvstitch_question_prefills_total", how="riding") == 5
     assert value(m, "kvstitch_question_prefills_total", how="apart") == 2
+    assert value(m, "kvstitch_question_prefills_total", how="early") == 3

@@ -1,0 +1,66 @@
+"""Early prefills on CUDA (`pytest -m gpu tests/test_gpu_early_prefill.py`): questions joining running answers
+are admitted and prefilled on the side stream, beside the running step, through the prefill graphs, and every token
+and text is the riding run's (chunks in one piece and chunk lists in one split, so the sums run in one order)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from service.engine import segment_plan, shared_extend_graph, shared_graph, shared_mixed_graph
+from service.engine.engine import StitchEngine
+from service.engine.fused_stitch import triton_available
+from service.engine.scheduler import Scheduler
+from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
+
+NEEDS_GPU = pytest.mark.skipif(
+    not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton (the segment kernels)"
+)
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_early_prefills_on_the_side_stream_decode_the_riding_runs_tokens(
+    get_engine: Callable[[str, str], StitchEngine], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = get_engine(arch, "cuda")
+    for module in (shared_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
+    for module in (shared_extend_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
+    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+
+    def run(early_below: int) -> tuple[list[tuple[list[int], str, str]], int, int, bool]:
+        arena = nan_arena(engine, sum(block_sizes(engine)))
+        scheduler = Scheduler(
+            engine,
+            nan_pool(engine, 4000),
+            8,
+            overlap=True,
+            cuda_graphs=True,
+            arena=arena,
+            prefill_with_decode=True,
+            early_prefill_below=early_below,
+        )
+        side = scheduler.runner.side
+        requests = Run(engine, ASKS)
+        for request in requests.requests[:2]:
+            scheduler.add(request)
+        scheduler.step()
+        for request in requests.requests[2:]:  # one joins at each step, while the first ones run
+            scheduler.add(request)
+            scheduler.step()
+        drain(scheduler)
+        assert scheduler.shared is not None
+        scheduler.shared.close()
+        assert_nothing_pinned(scheduler)
+        on_side = side is not None and side._stream is not None
+        return requests.outcomes(), scheduler.prefilled_early, scheduler.prefilled_with_decode, on_side
+
+    riding, early_none, rode, _ = run(0)
+    early, prefilled_early, rode_early, on_side = run(8)
+    assert (early_none, rode) == (0, 3) and (prefilled_early, rode_early) == (3, 0) and on_side
+    assert early == riding
