@@ -8,7 +8,9 @@ that work. CUDA's concurrency is the GPU test's (`tests/test_gpu_early_prefill.p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +143,115 @@ def test_the_setting_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("KVSTITCH_EARLY_PREFILL_BELOW", "-1")
     with pytest.raises(ValueError, match="early_prefill_below"):
         Settings(_env_file=None)  # type: ignore[call-arg]
+
+
+def test_an_answer_handed_over_while_a_step_runs_is_admitted_and_prefilled_early_at_once(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the runner waits for a step (here: each step "runs" for three looks), it takes what the engine loop
+    was handed (`Scheduler.arrivals`) and admits it early, within the same `step` call, not at the next one. Tokens
+    and texts: the copy path's."""
+    engine = get_engine("qwen2", "cpu")
+    want = copy_path(engine, ASKS, overlap=True)
+    looks: dict[int, int] = {}
+
+    def ready(self: PendingPicks) -> bool:  # a step's picks arrive at the third look; side records at once
+        looks[id(self)] = looks.get(id(self), 0) + 1
+        return self.side or looks[id(self)] >= 3
+
+    monkeypatch.setattr(PendingPicks, "ready", ready)
+    monkeypatch.setattr("service.engine.runner.SIDE_POLL_S", 0.0)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 2000), 8, overlap=True, arena=arena, prefill_with_decode=True, early_prefill_below=8
+    )
+    run = Run(engine, ASKS)
+    handed: list = []
+    scheduler.arrivals = lambda: [handed.pop()] if handed else []
+    for request in run.requests[:2]:
+        scheduler.add(request)
+    scheduler.step()  # prefilled apart: nothing ran
+    scheduler.step()  # their first step launched, nothing older to wait for
+    for index in (2, 4, 5):
+        handed.append(run.requests[index])
+        early = scheduler.prefilled_early
+        scheduler.step()
+        assert scheduler.prefilled_early == early + 1 and not handed  # taken and prefilled during this step
+    scheduler.add(run.requests[3])  # the naive one: at a step's start, prefilled alone
+    drain(scheduler)
+    assert run.outcomes() == want
+    assert scheduler.prefilled_early == 3 and scheduler.prefilled_with_decode == 0
+    assert_nothing_pinned(scheduler)
+
+
+def test_a_request_that_cannot_go_early_waits_for_the_next_steps_admission(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A naive request handed over while a step runs heads the line: nothing is admitted mid-step (not even the
+    shared one behind it); both go in at the next step's start, the shared one then riding or early."""
+    engine = get_engine("qwen2", "cpu")
+    monkeypatch.setattr("service.engine.runner.SIDE_POLL_S", 0.0)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 2000), 8, overlap=True, arena=arena, prefill_with_decode=True, early_prefill_below=8
+    )
+    run = Run(engine, ASKS)
+    calls = 0
+
+    def arrivals() -> list:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return [run.requests[3], run.requests[2]]  # naive first, then a shared one
+        monkeypatch.setattr(PendingPicks, "ready", lambda self: True)  # ...until the line was looked at once more
+        return []
+
+    for request in run.requests[:2]:
+        scheduler.add(request)
+    scheduler.step()
+    scheduler.step()
+    scheduler.arrivals = arrivals
+    monkeypatch.setattr(PendingPicks, "ready", lambda self: self.side)  # a step never ends while looked at...
+    scheduler.step()
+    assert (
+        calls >= 2 and scheduler.prefilled_early == 0 and list(scheduler.waiting) == [run.requests[3], run.requests[2]]
+    )
+
+
+def test_the_engine_loop_hands_the_scheduler_what_arrives_during_a_step() -> None:
+    """`EngineLoop.serve_answers` gives the scheduler `arrivals`: called inside a step, it returns the answers handed
+    over since the loop took the last ones, and the loop does not add them a second time."""
+    import threading
+    from typing import cast
+
+    from service.engine.batch_request import BatchRequest
+    from service.serving.engine_loop import EngineLoop
+    from tests.test_launch_pacer import PacedScheduler, request
+
+    handed = threading.Event()
+
+    class MidStep(PacedScheduler):
+        arrivals: Any = None
+        taken: list[object] | None = None
+
+        def step(self) -> list[object]:
+            if self.taken is None:
+                assert handed.wait(5)
+                self.taken = self.arrivals()
+            return super().step()
+
+    loop = EngineLoop(max_waiting=8)
+    scheduler = MidStep(0.0)
+    loop.serve_answers(cast(Scheduler, scheduler))
+    first, second = request(), request()
+    loop.add_answer(first)  # the loop adds it and steps, which waits for `handed`
+    deadline = time.monotonic() + 5
+    while not scheduler.added and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.add_answer(cast(BatchRequest, second))
+    handed.set()
+    while not scheduler.steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a second turn of the loop, had it kept `second`, would add it now
+    loop.close()
+    assert scheduler.taken == [second] and scheduler.steps == [[first]] and scheduler.added == []

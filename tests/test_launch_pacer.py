@@ -143,6 +143,10 @@ class PacedScheduler:
     def add(self, request: object) -> None:
         self.added.append(request)
 
+    def add_arrived(self, requests: list[object]) -> None:
+        for request in requests:
+            self.add(request)
+
     def has_work(self) -> bool:
         return bool(self.added)
 

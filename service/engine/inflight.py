@@ -90,6 +90,10 @@ class InFlight:
             record.free_after = []
         return ready
 
+    def first(self) -> PendingPicks:
+        """The oldest record, left in line."""
+        return self._records[0]
+
     def newest(self, count: int) -> list[PendingPicks]:
         """The `count` records pushed last, oldest first."""
         return list(self._records)[len(self._records) - count :] if count > 0 else []

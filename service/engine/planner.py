@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -162,10 +162,11 @@ class Planner:
 
     # ---- admission -------------------------------------------------------------------------------------------
 
-    def admit(self) -> AdmissionPlan:
-        """Admit from the head of the line while the batch and the pool have room. Turbo questions admitted
-        together go into one batched forward when there are at least `batch_prefill_min` of them, or into the
-        decode step's forward where it holds them (`_rides_in_step`)."""
+    def admit(self, only: Callable[[BatchRequest], bool] | None = None) -> AdmissionPlan:
+        """Admit from the head of the line while the batch and the pool have room (and, given `only`, while the
+        head is one it accepts). Turbo questions admitted together go into one batched forward when there are at
+        least `batch_prefill_min` of them, or into the decode step's forward where it holds them
+        (`_rides_in_step`)."""
         plan = AdmissionPlan()
         admitted: list[BatchRequest] = []
         # The shadows' lane only once the main line is empty: a shadow never takes a place a request could have.
@@ -174,6 +175,8 @@ class Planner:
                 break
             while line:
                 request = line[0]
+                if only is not None and not only(request):
+                    break
                 if not self._admissible(request, len(admitted) + len(plan.shared)):
                     break
                 if self._ride_is_full(plan.shared, request):

@@ -16,10 +16,11 @@ the host's per-step work does not leave the GPU idle (SGLang's overlap scheduler
 stay on the device too (`overlap_admissions`). Steps that need tokens on the host first (log-probabilities) read
 everything before they launch.
 
-Early prefills (`early_below`, shared mode, overlapped): while fewer answers run than that, the questions admitted
-while a step runs are not held to ride in the next step, which would start only after the step queued behind the
-running one: they are admitted and prefilled at once on a second stream (`side_stream.py`), beside the running
-step, and their first tokens are read as soon as they are there, ahead of the older steps still running.
+Early prefills (`early_below`, shared mode, overlapped): while fewer answers run than that, questions are not held
+to ride in the next step, which would start only after the step queued behind the running one: they are admitted
+and prefilled at once on a second stream (`side_stream.py`), beside the running step (those admitted at a step's
+start, and, through `on_wait`, those handed over while the runner waits for a step, which it then polls), and
+their first tokens are read as soon as they are there, ahead of the older steps still running.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class StepRunner:
         self.early_below = early_below if shared is not None else 0
         self.side = SideStream(engine.spec.device) if self.early_below > 0 else None
         self._early = False  # this step's admissions run on the side stream
+        self._waiting_on: PendingPicks | None = None  # the step `_read` waits for (a step runs)
+        # Admits the answers handed over while a step runs, early (the scheduler's; None: only at the step's start).
+        self.on_wait: Callable[[], Outputs] | None = None
         self.questions: list[BatchRequest] = []  # stitched this step, prefilled in its decode step's forward
         self._question_watch: Stopwatch | None = None  # times their stages
         # Wall seconds per phase of a step since start (the engine's utilisation, exported as a metric): admit
@@ -121,7 +125,7 @@ class StepRunner:
             self.side is not None
             and self.overlap
             and self.overlap_admissions
-            and bool(self.inflight)
+            and (self._waiting_on is not None or bool(self.inflight))
             and len(self.planner.running) < self.early_below
         )
 
@@ -343,9 +347,14 @@ class StepRunner:
                 self.side.mark_main()
             questions, batch = [], self.planner.continuing(self.inflight.unread())
         self.last_batch = len(batch)
+        launched = None
         if batch:
+            queued = len(self.inflight)
             yield from self._launch(batch, questions, watch)
-        while len(self.inflight) > (1 if batch else 0):  # the step just launched runs on
+            launched = self.inflight.newest(1)[0] if len(self.inflight) > queued else None
+        # Everything older than the step just launched (which runs on); early first tokens admitted while these
+        # are read come after it, read as they arrive or after it.
+        while self.inflight and self.inflight.first() is not launched:
             yield from self._read(self.inflight.oldest())
 
     def drain(self) -> Outputs:
@@ -405,8 +414,8 @@ class StepRunner:
         """Wait for queued picks, return the slabs that work was the last to write, report each live row's token
         (a first token starts its request's stream). While it waits, early first tokens (side stream) are read as
         they arrive."""
-        if self.inflight.has_side():
-            yield from self._read_side_while(step)
+        if not step.side and (self.inflight.has_side() or self._admits_while_waiting()):
+            yield from self._wait_polling(step)
         began = time.perf_counter()
         try:
             tokens = step.tokens()
@@ -432,18 +441,30 @@ class StepRunner:
         yield Tokens([r for _, r, _ in live], [t for _, _, t in live], None, first_from, step.watch)
         self.busy_s["emit"] += time.perf_counter() - read
 
-    def _read_side_while(self, step: PendingPicks) -> Outputs:
-        """Until `step` is done, read each side-stream record whose picks are on the host (polling: a wait on the
-        step's event would hold them back until it ends)."""
+    def _admits_while_waiting(self) -> bool:
+        """Whether answers handed over while a step runs are admitted at once (`on_wait`), early."""
+        return self.on_wait is not None and self.side is not None and len(self.planner.running) < self.early_below
+
+    def _wait_polling(self, step: PendingPicks) -> Outputs:
+        """Until `step` is done: read each side-stream record whose picks are on the host, and admit early what
+        arrives (`on_wait`). Polling: a wait on the step's event would hold both back until it ends."""
         began = time.perf_counter()
-        while not step.ready():
-            for record in self.inflight.side_ready(behind=step):
-                self.busy_s["decode"] += time.perf_counter() - began
-                yield from self._read(record)
-                began = time.perf_counter()
-            if not self.inflight.has_side():
-                break
-            time.sleep(SIDE_POLL_S)
+        self._waiting_on = step
+        try:
+            while not step.ready():
+                for record in self.inflight.side_ready(behind=step):
+                    self.busy_s["decode"] += time.perf_counter() - began
+                    yield from self._read(record)
+                    began = time.perf_counter()
+                if self.on_wait is not None and self._admits_while_waiting():
+                    self.busy_s["decode"] += time.perf_counter() - began
+                    yield from self.on_wait()
+                    began = time.perf_counter()
+                elif not self.inflight.has_side():
+                    break
+                time.sleep(SIDE_POLL_S)
+        finally:
+            self._waiting_on = None
         self.busy_s["decode"] += time.perf_counter() - began
 
     def _decode(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from service.engine import batching_defaults
 from service.engine.batch_decode import BatchDecoder
@@ -119,12 +119,40 @@ class Scheduler:
             early_prefill_below,
         )
         self.output = OutputProcessor(self.planner, self.runner.inflight.release, engine.eos_ids())
+        # The answers handed to the engine loop since it last looked (its own; None: none are taken mid-step).
+        self.arrivals: Callable[[], list[BatchRequest]] | None = None
+        if early_prefill_below > 0:
+            self.runner.on_wait = self._admit_while_waiting
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
     def add(self, request: BatchRequest) -> None:
         """Queue a request; raises ValueError when it can never run, QueueFullError when the line is full."""
         self.planner.add(request)
+
+    def add_arrived(self, requests: Iterable[BatchRequest]) -> None:
+        """Queue requests handed over by the engine loop; one that can never run (too long for the pool, the line
+        full) fails alone."""
+        for request in requests:
+            try:
+                self.add(request)
+            except Exception as err:
+                request.error = err
+                self.finish_unstarted(request, err)
+
+    def _admit_while_waiting(self) -> Iterator[StepOutput]:
+        """While a step runs (the runner polls): the answers handed over since, admitted at once and prefilled
+        early on the side stream, as long as the head of the line can be (`early_eligible`); the rest wait for
+        the next step's admission."""
+        if self.arrivals is not None:
+            self.add_arrived(self.arrivals())
+        waiting = self.planner.waiting
+        if not waiting or not early_eligible(waiting[0]):
+            return
+        with self.runner.early_admission():
+            plan = self.planner.admit(only=early_eligible)
+        yield from (Failed([request], error) for request, error in plan.failed)
+        yield from self.runner.admit(plan)
 
     def cancel(self, request: BatchRequest) -> None:
         """Stop a request at the next step (its slab is freed there); safe from any thread."""
@@ -297,3 +325,10 @@ class Scheduler:
     def rider_tokens(self) -> dict[str, int]:
         """Shared mode's riding question tokens and their padding (`SharedChunks.rider_tokens`); zeros without."""
         return self.shared.rider_tokens() if self.shared is not None else {"question": 0, "padding": 0}
+
+
+def early_eligible(request: BatchRequest) -> bool:
+    """Whether a waiting request can be admitted and prefilled early, on the side stream: a shared-chunk answer
+    (its question prefilled over the arena), not a shadow (background work takes no priority), not asking for
+    log-probabilities (read with the logits, on the host, at once)."""
+    return request.tail_tokens is not None and not request.shadow and request.sampling.logprobs is None

@@ -81,8 +81,17 @@ class EngineLoop:
     # ---- answers --------------------------------------------------------------------------------------------
 
     def serve_answers(self, scheduler: Scheduler) -> None:
-        """From now on answers go to this scheduler (installed once the model passed the gate)."""
+        """From now on answers go to this scheduler (installed once the model passed the gate). It may take the
+        answers handed over while one of its steps runs, to admit them early (`Scheduler.arrivals`)."""
         self.scheduler = scheduler
+        scheduler.arrivals = self._take_arrived
+
+    def _take_arrived(self) -> list[BatchRequest]:
+        """The answers handed over since the loop last took them (on the engine thread)."""
+        with self._wake:
+            arrived = list(self._arrived)
+            self._arrived.clear()
+        return arrived
 
     @property
     def capacity(self) -> int:
@@ -239,12 +248,7 @@ class EngineLoop:
         scheduler = self.scheduler
         if scheduler is None:
             return
-        for request in arrived:
-            try:
-                scheduler.add(request)
-            except Exception as err:  # it can never run (too long for the pool): that request fails alone
-                request.error = err
-                scheduler.finish_unstarted(request, err)
+        scheduler.add_arrived(arrived)
         if not scheduler.has_work():
             return
         profile = self.step_profile
