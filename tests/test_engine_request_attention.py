@@ -226,6 +226,7 @@ def test_the_request_kernel_compiles_for_an_h100_without_one(dtype: str) -> None
     pointers |= {"lse_ptr": "fp32", "tiles_ptr": "i64", "count_ptr": "i64", "segments_ptr": "i64"}
     constants = {"group": 7, "head_dim": 128, "dim_p2": 128, "block_m": REQUEST_BLOCK_M, "block_n": 64}
     constants["ieee"] = dtype == "fp32"
+    constants["prerotated"] = False  # a constexpr with a default: named, or the signature would make it an i32
     kernel = _request_kernel.request_partials_kernel
     warps = segment_launch.REQUEST_WARPS
     assert compiles_for_sm90(kernel, pointers, {"qk_scale": "fp32"}, {**constants, "kv_desc": None}, warps)
