@@ -47,8 +47,10 @@ class SideStream:
             self._stream.wait_event(self._main_mark)
             self._main_mark = None
         with torch.cuda.stream(self._stream):
-            yield
-            self._side_mark = self._record()
+            try:
+                yield
+            finally:  # what was queued before a failure is still work the main stream must not overtake
+                self._side_mark = self._record()
 
     def mark_main(self) -> None:
         """The main stream just queued an admission or a prefill: side work entered after this waits for it."""
