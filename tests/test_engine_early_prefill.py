@@ -26,6 +26,7 @@ from tests.test_engine_shared_scheduler import (
     block_sizes,
     copy_path,
     drain,
+    join_one_by_one,
     nan_arena,
     nan_pool,
 )
@@ -44,13 +45,7 @@ def joined_one_by_one(engine: StitchEngine, early_below: int, overlap: bool = Tr
         early_prefill_below=early_below,
     )
     run = Run(engine, ASKS)
-    for request in run.requests[:2]:
-        scheduler.add(request)
-    scheduler.step()
-    for request in run.requests[2:]:
-        scheduler.add(request)
-        scheduler.step()
-    drain(scheduler)
+    join_one_by_one(scheduler, run.requests)
     return run, scheduler
 
 

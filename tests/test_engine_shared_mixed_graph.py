@@ -18,7 +18,15 @@ from service.engine.engine import StitchEngine
 from service.engine.fused_stitch import triton_available
 from service.engine.scheduler import Scheduler
 from service.engine.shared_mixed_graph import RIDER_BUCKETS, SharedMixedGraphs, held_reads, rider_bucket
-from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
+from tests.test_engine_shared_scheduler import (
+    ASKS,
+    Run,
+    assert_nothing_pinned,
+    block_sizes,
+    join_one_by_one,
+    nan_arena,
+    nan_pool,
+)
 
 NEEDS_GPU = pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton (the segment kernels)"
@@ -62,6 +70,16 @@ def test_mixed_graphs_need_the_segment_kernels_on_cuda(get_engine: Callable[[str
         SharedMixedGraphs(shared.decoder, torch.zeros(4, dtype=torch.long), 0)
 
 
+def sums_in_one_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks in one piece and chunk lists in one split (as the eager plans cut the tests' short ones), so every
+    path sums attention in one order and graphed and eager runs compare exactly."""
+    for module in (shared_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
+    for module in (shared_extend_graph, shared_mixed_graph):
+        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
+    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+
+
 @pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlapped"])
@@ -78,11 +96,7 @@ def test_graphed_riders_decode_the_eager_riders_tokens(
     or beside it on a second stream (`CONCURRENT_SPLIT`)."""
     monkeypatch.setattr(shared_decode, "CONCURRENT_SPLIT", concurrent)
     engine = get_engine(arch, "cuda")
-    for module in (shared_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
-    for module in (shared_extend_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
-    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+    sums_in_one_order(monkeypatch)
 
     def run(graphs: bool) -> tuple[list[tuple[list[int], str, str]], int, int, dict[str, int]]:
         arena = nan_arena(engine, sum(block_sizes(engine)))
@@ -93,13 +107,7 @@ def test_graphed_riders_decode_the_eager_riders_tokens(
         shared = scheduler.shared
         assert shared is not None and (shared.mixed_graphs is not None) == graphs
         requests = Run(engine, ASKS)
-        for request in requests.requests[:2]:
-            scheduler.add(request)
-        scheduler.step()
-        for request in requests.requests[2:]:  # one joins at each step, while the first ones run
-            scheduler.add(request)
-            scheduler.step()
-        drain(scheduler)
+        join_one_by_one(scheduler, requests.requests)
         replays = shared.mixed_graphs.replays if shared.mixed_graphs is not None else 0
         rode = scheduler.prefilled_with_decode
         tokens = scheduler.rider_tokens()
@@ -128,11 +136,7 @@ def test_mixed_steps_are_warmed_at_the_most_reads_and_serve_steps_reading_fewer(
     """Start-up captures the mixed steps for the most reads only; questions riding over fewer chunks replay those
     graphs (no capture while serving) and decode the eager path's tokens (splits fixed at one, as above)."""
     engine = get_engine("qwen2", "cuda")
-    for module in (shared_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
-    for module in (shared_extend_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
-    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+    sums_in_one_order(monkeypatch)
 
     def run(graphs: bool) -> tuple[list[tuple[list[int], str, str]], set[int], int, int]:
         scheduler = Scheduler(
@@ -150,13 +154,7 @@ def test_mixed_steps_are_warmed_at_the_most_reads_and_serve_steps_reading_fewer(
             shared.warm(16, 8, 1)
         captured = len(mixed._graphs) if mixed is not None else 0
         requests = Run(engine, ASKS)
-        for request in requests.requests[:2]:
-            scheduler.add(request)
-        scheduler.step()
-        for request in requests.requests[2:]:
-            scheduler.add(request)
-            scheduler.step()
-        drain(scheduler)
+        join_one_by_one(scheduler, requests.requests)
         reads = {r for _, r, _ in mixed._graphs} if mixed is not None else set()
         replays = mixed.replays if mixed is not None else 0
         grew = (len(mixed._graphs) if mixed is not None else 0) - captured

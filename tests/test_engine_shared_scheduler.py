@@ -108,6 +108,18 @@ def drain(scheduler: Scheduler, limit: int = 300) -> None:
     raise AssertionError(f"still {len(scheduler.waiting)} waiting, {len(scheduler.running)} running")
 
 
+def join_one_by_one(scheduler: Scheduler, requests: Sequence[BatchRequest]) -> None:
+    """The first two requests added together and stepped (nothing runs yet: prefilled apart), then one joining at
+    each step while the first ones run; stepped to the end."""
+    for request in requests[:2]:
+        scheduler.add(request)
+    scheduler.step()
+    for request in requests[2:]:
+        scheduler.add(request)
+        scheduler.step()
+    drain(scheduler)
+
+
 def copy_path(engine: StitchEngine, asks: Sequence[Ask], overlap: bool = False) -> list[tuple[list[int], str, str]]:
     """The asks on the copy path (no arena), all added at once."""
     run = Run(engine, asks)

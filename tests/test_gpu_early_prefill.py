@@ -9,16 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-import torch
 
-from service.engine import segment_plan, shared_extend_graph, shared_graph, shared_mixed_graph
 from service.engine.engine import StitchEngine
-from service.engine.fused_stitch import triton_available
 from service.engine.scheduler import Scheduler
-from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
-
-NEEDS_GPU = pytest.mark.skipif(
-    not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton (the segment kernels)"
+from tests.test_engine_shared_mixed_graph import NEEDS_GPU, sums_in_one_order
+from tests.test_engine_shared_scheduler import (
+    ASKS,
+    Run,
+    assert_nothing_pinned,
+    block_sizes,
+    join_one_by_one,
+    nan_arena,
+    nan_pool,
 )
 
 
@@ -29,11 +31,7 @@ def test_early_prefills_on_the_side_stream_decode_the_riding_runs_tokens(
     get_engine: Callable[[str, str], StitchEngine], arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = get_engine(arch, "cuda")
-    for module in (shared_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "pieces_for", lambda batch: 1)
-    for module in (shared_extend_graph, shared_mixed_graph):
-        monkeypatch.setattr(module, "extend_splits", lambda *bucket: 1)
-    monkeypatch.setattr(segment_plan, "auto_splits", lambda *programs: 1)
+    sums_in_one_order(monkeypatch)
 
     def run(early_below: int, one_stream: bool = False) -> tuple[list[tuple[list[int], str, str]], int, int, bool]:
         arena = nan_arena(engine, sum(block_sizes(engine)))
@@ -51,13 +49,7 @@ def test_early_prefills_on_the_side_stream_decode_the_riding_runs_tokens(
         if one_stream and side is not None:  # the side stream's work on the main stream, in program order
             side._stream, side._cuda = None, False
         requests = Run(engine, ASKS)
-        for request in requests.requests[:2]:
-            scheduler.add(request)
-        scheduler.step()
-        for request in requests.requests[2:]:  # one joins at each step, while the first ones run
-            scheduler.add(request)
-            scheduler.step()
-        drain(scheduler)
+        join_one_by_one(scheduler, requests.requests)
         assert scheduler.shared is not None
         scheduler.shared.close()
         assert_nothing_pinned(scheduler)
