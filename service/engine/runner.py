@@ -442,8 +442,15 @@ class StepRunner:
         self.busy_s["emit"] += time.perf_counter() - read
 
     def _admits_while_waiting(self) -> bool:
-        """Whether answers handed over while a step runs are admitted at once (`on_wait`), early."""
-        return self.on_wait is not None and self.side is not None and len(self.planner.running) < self.early_below
+        """Whether answers handed over while a step runs are admitted at once (`on_wait`), early: as
+        `_early_applies` says, the step being read being the one that runs."""
+        return (
+            self.on_wait is not None
+            and self.side is not None
+            and self.overlap
+            and self.overlap_admissions
+            and len(self.planner.running) < self.early_below
+        )
 
     def _wait_polling(self, step: PendingPicks) -> Outputs:
         """Until `step` is done: read each side-stream record whose picks are on the host, and admit early what
