@@ -229,8 +229,8 @@ def test_a_question_whose_step_has_no_row_left_is_prefilled_apart(
     planned: list[list[BatchRequest]] = []
     admit = scheduler.planner.admit
 
-    def admit_and_record() -> AdmissionPlan:
-        plan = admit()
+    def admit_and_record(only: Callable[[BatchRequest], bool] | None = None) -> AdmissionPlan:
+        plan = admit(only)
         planned.append(plan.shared_riding)
         return plan
 

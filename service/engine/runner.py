@@ -119,13 +119,17 @@ class StepRunner:
         return contextlib.nullcontext()
 
     def _early_applies(self) -> bool:
-        """A step runs (else a question's prefill starts at once anyway), its first tokens may stay on the device,
-        and fewer answers run than `early_below` (more, and riding in the step pays: one pass over the weights)."""
+        """Early prefills may serve (`_early_possible`) and a step runs: else a question's prefill starts at once
+        anyway."""
+        return self._early_possible() and (self._waiting_on is not None or bool(self.inflight))
+
+    def _early_possible(self) -> bool:
+        """A side stream, first tokens that may stay on the device, and fewer answers running than `early_below`
+        (more, and riding in the step pays: one pass over the weights)."""
         return (
             self.side is not None
             and self.overlap
             and self.overlap_admissions
-            and (self._waiting_on is not None or bool(self.inflight))
             and len(self.planner.running) < self.early_below
         )
 
@@ -442,15 +446,9 @@ class StepRunner:
         self.busy_s["emit"] += time.perf_counter() - read
 
     def _admits_while_waiting(self) -> bool:
-        """Whether answers handed over while a step runs are admitted at once (`on_wait`), early: as
-        `_early_applies` says, the step being read being the one that runs."""
-        return (
-            self.on_wait is not None
-            and self.side is not None
-            and self.overlap
-            and self.overlap_admissions
-            and len(self.planner.running) < self.early_below
-        )
+        """Whether answers handed over while a step runs are admitted at once (`on_wait`), early: the step being
+        read is the one that runs."""
+        return self.on_wait is not None and self._early_possible()
 
     def _wait_polling(self, step: PendingPicks) -> Outputs:
         """Until `step` is done: read each side-stream record whose picks are on the host, and admit early what

@@ -147,10 +147,14 @@ class Scheduler:
         if self.arrivals is not None:
             self.add_arrived(self.arrivals())
         waiting = self.planner.waiting
-        if not waiting or not early_eligible(waiting[0]):
-            return
+        if waiting and early_eligible(waiting[0]):  # else nothing goes in: no side-stream work to order
+            yield from self._admitted(only=early_eligible)
+
+    def _admitted(self, only: Callable[[BatchRequest], bool] | None = None) -> Iterator[StepOutput]:
+        """Admit from the line (`Planner.admit`), on the side stream where early prefills apply, and run the plan:
+        those whose KV could not be had fail, the rest are prefilled or held to ride."""
         with self.runner.early_admission():
-            plan = self.planner.admit(only=early_eligible)
+            plan = self.planner.admit(only)
         yield from (Failed([request], error) for request, error in plan.failed)
         yield from self.runner.admit(plan)
 
@@ -163,10 +167,7 @@ class Scheduler:
         busy, began = self.runner.busy_s, time.perf_counter()
         finished = self._end(self.planner.cancelled(), "cancelled")
         finished += self._end(self.planner.preempted(), "preempted")
-        with self.runner.early_admission():  # the side stream, where its questions are prefilled at once
-            plan = self.planner.admit()
-        finished += self._apply(Failed([request], error) for request, error in plan.failed)
-        finished += self._apply(self.runner.admit(plan))
+        finished += self._apply(self._admitted())
         busy["admit"] += time.perf_counter() - began
         if self.planner.prefilling:
             # A naive chunk is timed synchronously: read what is queued before it first, so the first tokens of

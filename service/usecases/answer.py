@@ -32,6 +32,8 @@ from service.kvcache.tiers import Tier
 from service.retrieval.collection import PLAIN_SEARCH, RetrievedChunk, SearchOptions
 from service.retrieval.fusion import reciprocal_rank_fusion
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Question:
@@ -85,9 +87,6 @@ def fit_blocks(
             kept.append(hit)
             room -= len(hit.token_ids) + wrapper
     return kept
-
-
-log = logging.getLogger(__name__)
 
 
 def _log_read_ahead_failure(started: concurrent.futures.Future[int]) -> None:
