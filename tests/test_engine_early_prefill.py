@@ -148,11 +148,11 @@ def test_an_answer_handed_over_while_a_step_runs_is_admitted_and_prefilled_early
     and texts: the copy path's."""
     engine = get_engine("qwen2", "cpu")
     want = copy_path(engine, ASKS, overlap=True)
-    looks: dict[int, int] = {}
 
     def ready(self: PendingPicks) -> bool:  # a step's picks arrive at the third look; side records at once
-        looks[id(self)] = looks.get(id(self), 0) + 1
-        return self.side or looks[id(self)] >= 3
+        # Counted on the record itself: a dict by id() would let a new record inherit a freed one's looks.
+        self.looks = getattr(self, "looks", 0) + 1  # type: ignore[attr-defined]
+        return self.side or self.looks >= 3  # type: ignore[attr-defined]
 
     monkeypatch.setattr(PendingPicks, "ready", ready)
     monkeypatch.setattr("service.engine.runner.SIDE_POLL_S", 0.0)
