@@ -231,3 +231,17 @@ def test_the_setting_gives_the_scheduler_a_pacer_and_the_same_tokens(get_engine:
         answers.append([r.result.token_ids for r in requests])
     assert answers[0] == answers[1] and all(answers[0])
     assert paced.launch_delay_s(time.perf_counter()) == 0.0
+
+
+def test_the_idle_seconds_grow_while_the_loop_waits_not_only_when_the_wait_ends() -> None:
+    """An idle loop's `idle` counter counts the wait under way: read twice during one wait it grows by the time
+    between the reads, so a rate over a window never takes in idle time from before the window."""
+    loop = EngineLoop(max_waiting=8)
+    try:
+        time.sleep(0.05)
+        first = loop.seconds()["idle"]
+        time.sleep(0.2)
+        second = loop.seconds()["idle"]
+    finally:
+        loop.close()
+    assert first >= 0.03 and 0.15 <= second - first <= 1.0

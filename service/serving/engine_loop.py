@@ -71,7 +71,8 @@ class EngineLoop:
         self._arrived: deque[BatchRequest] = deque()
         self._closing = False
         self._admitted = 0  # answers running + waiting
-        self._idle_s = 0.0  # waiting for anything to do
+        self._idle_s = 0.0  # waiting for anything to do (the waits that ended)
+        self._idle_since: float | None = None  # when the wait under way began, under `_wake`
         self._work_s = 0.0  # running queued work items (precompute batches, the gate, the warm-up)
         self._paced_s = 0.0  # waiting on purpose before a launch, taking in arrivals (`Scheduler.launch_delay_s`)
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
@@ -185,7 +186,9 @@ class EngineLoop:
         (waiting to launch late, `late_launch`) and the scheduler's step phases (admit, prefill, decode, emit).
         Their rates add up to ~1 (metrics, benchmarks)."""
         phases = dict(self.scheduler.busy_s) if self.scheduler is not None else {}
-        return {"idle": self._idle_s, "work": self._work_s, "pace": self._paced_s, **phases}
+        with self._wake:  # the wait under way counts as it goes: a counter read mid-wait must not jump later
+            idle = self._idle_s + (time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0)
+        return {"idle": idle, "work": self._work_s, "pace": self._paced_s, **phases}
 
     def question_prefills(self) -> dict[str, int]:
         """Turbo questions prefilled in batched forwards since start: `riding` in a decode step's forward, `apart`
@@ -207,8 +210,9 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._wake:
-                began = time.perf_counter()
+                began = self._idle_since = time.perf_counter()
                 self._wake.wait_for(self._has_work)
+                self._idle_since = None
                 self._idle_s += time.perf_counter() - began
                 self._pace()
                 if self._closing:
