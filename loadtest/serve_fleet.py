@@ -330,17 +330,19 @@ def clients_timed(
     starting at one instant, between two reads of the engines' /metrics (`run_report` of their results merged)."""
     shares = level_shares(args, urls, clients, args.max_requests)
     before = asyncio.run(engine_pages([*engine_urls, urls[0]]))
+    scraped = time.perf_counter()
     start_at = time.time() + START_LEAD_S
     futures = [pool.submit(clients_timed_share, args, urls, share, start_at) for share in shares]
     outcomes = [f.result() for f in futures]
     after = asyncio.run(engine_pages([*engine_urls, urls[0]]))
+    window_s = time.perf_counter() - scraped
     (gateway_before, gateway_after), before, after = (before[-1], after[-1]), before[:-1], after[:-1]
     late = max(late_s for _, _, late_s in outcomes)
     if late > LATE_START_S:
         log.warning("%d clients: a client process started its timed run %.2f s late", clients, late)
     results = sorted((r for results, _, _ in outcomes for r in results), key=lambda r: r.started_s)
     duration_s = max(duration for _, duration, _ in outcomes)
-    run = run_report(clients, results, duration_s, engine_urls, before, after, len(urls))
+    run = run_report(clients, results, duration_s, engine_urls, before, after, len(urls), window_s)
     run["client_processes"] = len(shares)
     run["gateway_retrieval_ms"] = retrieval_split(gateway_before, gateway_after)
     run["requests_per_client_process"] = [len(results) for results, _, _ in outcomes]
@@ -378,9 +380,12 @@ def run_report(
     before: list[str],
     after: list[str],
     gateways: int = 1,
+    window_s: float | None = None,
 ) -> dict[str, Any]:
     """One timed run: all modes together, then each; per engine the answers it gave and the blocks it served by
-    tier over the run (the deltas of its /metrics); per gateway replica the questions asked through it."""
+    tier over the run (the deltas of its /metrics); per gateway replica the questions asked through it. `window_s`:
+    the seconds between the two reads of /metrics, which the engine threads' phase shares are taken over (the
+    counters' deltas cover the lead before the clients start too); the clients' run without it."""
     overall = load.mode_report("all", results, duration_s)
     engines: dict[str, dict[str, Any]] = {}
     for url, earlier, later in zip(engine_urls, before, after, strict=True):
@@ -390,7 +395,8 @@ def run_report(
         # The engine thread's share of the run by phase (idle, admit, prefill, decode, emit): where a slow level's
         # time went, inside the engine.
         phases = grown(earlier, later, "kvstitch_engine_seconds_total", "phase")
-        engines[url]["thread_share"] = {p: round(v / duration_s, 3) for p, v in phases.items()} if duration_s else {}
+        over = window_s or duration_s
+        engines[url]["thread_share"] = {p: round(v / over, 3) for p, v in phases.items()} if over else {}
         # Questions prefilled riding in decode steps or apart: whether arrivals stall the running answers.
         prefills = grown(earlier, later, "kvstitch_question_prefills_total", "how")
         engines[url]["question_prefills"] = {how: int(n) for how, n in prefills.items()}
