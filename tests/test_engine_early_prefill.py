@@ -18,6 +18,7 @@ import torch
 from service.engine.engine import StitchEngine
 from service.engine.inflight import InFlight, PendingPicks
 from service.engine.kv_pool import KVPool
+from service.engine.runner import StepRunner
 from service.engine.scheduler import Scheduler
 from tests.test_engine_shared_scheduler import (
     ASKS,
@@ -250,3 +251,34 @@ def test_the_engine_loop_hands_the_scheduler_what_arrives_during_a_step() -> Non
     time.sleep(0.1)  # a second turn of the loop, had it kept `second`, would add it now
     loop.close()
     assert scheduler.taken == [second] and scheduler.steps == [[first]] and scheduler.added == []
+
+
+def test_a_step_polled_past_the_stall_limit_is_logged_once_with_the_streams_state(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A polled step that takes longer than `STALL_LOG_S` is logged once (not at every look), with the records in
+    flight; the answers still end with the copy path's tokens."""
+    engine = get_engine("qwen2", "cpu")
+    want = copy_path(engine, ASKS, overlap=True)
+
+    def ready(self: PendingPicks) -> bool:  # a step's picks arrive at the fifth look
+        self.looks = getattr(self, "looks", 0) + 1  # type: ignore[attr-defined]
+        return self.side or self.looks >= 5  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(PendingPicks, "ready", ready)
+    monkeypatch.setattr("service.engine.runner.SIDE_POLL_S", 0.0)
+    monkeypatch.setattr("service.engine.runner.STALL_LOG_S", 0.0)
+    polls = 0
+    wait_polling = StepRunner._wait_polling
+
+    def counted(self: StepRunner, step: PendingPicks) -> Any:
+        nonlocal polls
+        polls += 1
+        return wait_polling(self, step)
+
+    monkeypatch.setattr(StepRunner, "_wait_polling", counted)
+    run, _ = joined_one_by_one(engine, early_below=8)
+    stalls = [r.getMessage() for r in caplog.records if "has run for over" in r.getMessage()]
+    assert run.outcomes() == want
+    assert polls > 0 and len(stalls) == polls  # every polled step stalled (the limit is 0), each logged once
+    assert all("one stream" in message and "in flight (rows, side, ready)" in message for message in stalls)

@@ -98,6 +98,10 @@ class InFlight:
         """The `count` records pushed last, oldest first."""
         return list(self._records)[len(self._records) - count :] if count > 0 else []
 
+    def records(self) -> list[PendingPicks]:
+        """Every record in line, oldest first (a copy)."""
+        return list(self._records)
+
     def has_side(self) -> bool:
         return any(record.side for record in self._records)
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 STEP_PHASES = ("admit", "prefill", "decode", "emit")
 SIDE_POLL_S = 0.0002  # between looks at early first tokens while a step runs (the sleep lets other threads run)
+STALL_LOG_S = 10.0  # a polled step still running after this long is logged once, with where each stream stands
 Outputs = Iterator[StepOutput]
 
 
@@ -454,9 +455,13 @@ class StepRunner:
         """Until `step` is done: read each side-stream record whose picks are on the host, and admit early what
         arrives (`on_wait`). Polling: a wait on the step's event would hold both back until it ends."""
         began = time.perf_counter()
+        stall_at = began + STALL_LOG_S
         self._waiting_on = step
         try:
             while not step.ready():
+                if time.perf_counter() > stall_at:
+                    self._log_stall(step)
+                    stall_at = float("inf")
                 for record in self.inflight.side_ready(behind=step):
                     self.busy_s["decode"] += time.perf_counter() - began
                     yield from self._read(record)
@@ -471,6 +476,18 @@ class StepRunner:
         finally:
             self._waiting_on = None
         self.busy_s["decode"] += time.perf_counter() - began
+
+    def _log_stall(self, step: PendingPicks) -> None:
+        """A step polled for over `STALL_LOG_S`: what the device and the records in flight show (a step's picks
+        take milliseconds; this one's work, or what it waits for, does not advance)."""
+        records = [(len(r.batch), r.side, r.ready()) for r in self.inflight.records()]
+        log.error(
+            "a decode step of %d rows has run for over %.0f s; %s; in flight (rows, side, ready): %s",
+            len(step.batch),
+            STALL_LOG_S,
+            self.side.describe() if self.side is not None else "no side stream",
+            records,
+        )
 
     def _decode(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
         """One batched step over every running request (and the `questions` admitted to prefill with it), read at

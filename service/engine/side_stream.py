@@ -72,6 +72,22 @@ class SideStream:
             tensor.record_stream(main)
         self._side_mark, self._used = None, []
 
+    def describe(self) -> str:
+        """Where the streams stand (a stalled step's log line): whether each one's queued work is done, whether the
+        marks between them have passed, and whether the calling thread's current stream is the main one."""
+        if self._stream is None:
+            return "one stream"
+        current = torch.cuda.current_stream()
+        done = {
+            "main done": current.query(),
+            "side done": self._stream.query(),
+            "current is side": current == self._stream,
+            "main mark passed": None if self._main_mark is None else self._main_mark.query(),  # type: ignore[no-untyped-call]
+            "side mark passed": None if self._side_mark is None else self._side_mark.query(),  # type: ignore[no-untyped-call]
+            "tensors to hand over": len(self._used),
+        }
+        return ", ".join(f"{name} {value}" for name, value in done.items())
+
     @staticmethod
     def _record() -> torch.cuda.Event:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
