@@ -8,8 +8,9 @@ that work. CUDA's concurrency is the GPU test's (`tests/test_gpu_early_prefill.p
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,9 +18,10 @@ import torch
 
 from service.engine.engine import StitchEngine
 from service.engine.inflight import InFlight, PendingPicks
-from service.engine.kv_pool import KVPool
+from service.engine.kv_pool import KVPool, Slab
 from service.engine.runner import StepRunner
 from service.engine.scheduler import Scheduler
+from service.engine.side_stream import SideStream
 from tests.test_engine_shared_scheduler import (
     ASKS,
     Run,
@@ -282,3 +284,70 @@ def test_a_step_polled_past_the_stall_limit_is_logged_once_with_the_streams_stat
     assert run.outcomes() == want
     assert polls > 0 and len(stalls) == polls  # every polled step stalled (the limit is 0), each logged once
     assert all("one stream" in message and "in flight (rows, side, ready)" in message for message in stalls)
+
+
+class RecordingSide(SideStream):
+    """A side stream that records, in order, its blocks and the main stream's joins (one stream: the CPU's)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.inside = 0
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        self.inside += 1
+        self.events.append("enter")
+        try:
+            yield
+        finally:
+            self.inside -= 1
+            self.events.append("exit")
+
+    def join(self) -> None:
+        self.events.append("join")
+
+
+def test_frees_go_to_the_side_stream_and_main_stream_admissions_and_outputs_come_after_it(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a side stream: every slab's poison is queued on it (on the main stream it would land behind the running
+    step, after an early admission was handed the slab and wrote it); an admission on the main stream comes after a
+    join (it may hand out what the side stream last wrote); outputs are applied outside its blocks (a finish's
+    free or a callback must not be queued there); a drain ends with a join. Tokens: the copy path's."""
+    engine = get_engine("qwen2", "cpu")
+    want = copy_path(engine, ASKS, overlap=True)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    pool = nan_pool(engine, 2000)
+    scheduler = Scheduler(engine, pool, 8, overlap=True, arena=arena, prefill_with_decode=True, early_prefill_below=8)
+    side = RecordingSide()
+    scheduler.runner.side = side
+    free, admit, apply = pool.free, scheduler.planner.admit, scheduler.output.apply
+
+    def recorded_free(slab: Slab) -> None:
+        side.events.append("free" if side.inside else "free outside")
+        free(slab)
+
+    def recorded_admit(only: Any = None) -> Any:
+        side.events.append("admit on side" if side.inside else "admit on main")
+        return admit(only)
+
+    def recorded_apply(output: Any) -> Any:
+        side.events.append("apply" if not side.inside else "apply inside")
+        return apply(output)
+
+    monkeypatch.setattr(pool, "free", recorded_free)
+    monkeypatch.setattr(scheduler.planner, "admit", recorded_admit)
+    monkeypatch.setattr(scheduler.output, "apply", recorded_apply)
+    run = Run(engine, ASKS)
+    join_one_by_one(scheduler, run.requests)
+    scheduler.drain()
+    assert run.outcomes() == want and scheduler.prefilled_early > 0
+    events = side.events
+    assert "free" in events and "free outside" not in events and "apply inside" not in events
+    assert "admit on side" in events and "admit on main" in events
+    for at, event in enumerate(events):
+        if event == "admit on main":  # the side's last block, if any, was joined since
+            last = max((i for i in range(at) if events[i] in ("exit", "join")), default=None)
+            assert last is None or events[last] == "join", events[: at + 1]
+    assert events[-1] == "join"

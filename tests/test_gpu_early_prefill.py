@@ -11,8 +11,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from service.devtools.tiny_model import CHATML_TEMPLATE, build_tokenizer
 from service.engine.engine import StitchEngine
 from service.engine.inflight import PendingPicks
+from service.engine.model import LoadedModel, spec_from_config
 from service.engine.scheduler import Scheduler
 from tests.test_engine_shared_mixed_graph import NEEDS_GPU, sums_in_one_order
 from tests.test_engine_shared_scheduler import (
@@ -100,17 +102,45 @@ def stuck_guard(monkeypatch: pytest.MonkeyPatch, scheduler: Scheduler) -> None:
     monkeypatch.setattr(PendingPicks, "ready", ready)
 
 
+@pytest.fixture(scope="module")
+def wide_engine() -> StitchEngine:
+    """Qwen2-7B's widths (hidden 3,584, MLP 18,944, 28 / 4 heads), two layers, the tiny tokenizer's vocabulary,
+    random bf16 weights built on the GPU: its GEMMs are the served model's, the ones cuBLAS splits along K (whose
+    reductions go through its workspace); the tiny model's are not."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    shape = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4}
+    config = Qwen2Config(
+        **shape, num_hidden_layers=2, vocab_size=len(tokenizer), max_position_embeddings=4096, rope_theta=1e6
+    )
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with device:
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.eval().requires_grad_(False)
+    spec = spec_from_config(config, torch.bfloat16, device)
+    return StitchEngine(LoadedModel(hf, tokenizer, spec, "random:qwen2-7b-wide-2-layers", "qwen2-7b-wide-2-layers"))
+
+
 @pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ("tiny", "wide"))
 def test_answers_handed_over_mid_step_are_prefilled_early_without_stalling_the_device(
-    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+    get_engine: Callable[[str, str], StitchEngine],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
 ) -> None:
     """The engine loop's way: answers handed over one at a look while steps run (`Scheduler.arrivals`), and some
-    at a step's start, through the captured graphs on both streams. Every answer ends with all its tokens and the
-    device never stalls (`stuck_guard`). (Tokens are not compared: the batches' make-up follows the device's
-    timing, and bf16 rows in other GEMM shapes may part at a near tie.)"""
-    engine = get_engine("qwen2", "cuda")
+    at a step's start, through the captured graphs on both streams (question prefills on the side beside decode
+    steps on the main). Every answer ends with all its tokens and the device never stalls (`stuck_guard`): with
+    the two graph families captured on one stream, their GEMMs shared a cuBLAS workspace and a served 7B-shaped
+    model stalled within seconds. (Tokens are not compared: the batches' make-up follows the device's timing, and
+    bf16 rows in other GEMM shapes may part at a near tie.)"""
+    engine = get_engine("qwen2", "cuda") if model == "tiny" else request.getfixturevalue("wide_engine")
     asks = stress_asks(32)
     arena = nan_arena(engine, sum(block_sizes(engine)))
     scheduler = Scheduler(
@@ -127,8 +157,8 @@ def test_answers_handed_over_mid_step_are_prefilled_early_without_stalling_the_d
     run = Run(engine, asks)
     handed = list(reversed(run.requests[2:]))
     scheduler.arrivals = lambda: [handed.pop()] if handed else []
-    for request in run.requests[:2]:
-        scheduler.add(request)
+    for request_ in run.requests[:2]:
+        scheduler.add(request_)
     for step in range(5000):
         if not handed and not scheduler.has_work():
             break

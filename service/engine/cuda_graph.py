@@ -92,9 +92,19 @@ def layer_groups(num_layers: int, groups: int) -> LayerGroups:
     return tuple(ranges)
 
 
-def _capture(graph: torch.cuda.CUDAGraph, run: Callable[[], Any], device: torch.device, pool: Any) -> Any:
+def _capture(
+    graph: torch.cuda.CUDAGraph,
+    run: Callable[[], Any],
+    device: torch.device,
+    pool: Any,
+    stream: torch.cuda.Stream | None = None,
+) -> Any:
     """Warm `run` up on a side stream (cuBLAS handles and workspaces, lazy kernel loading must not happen
-    inside the capture), then capture it into `graph`; returns the captured run's outputs (static tensors)."""
+    inside the capture), then capture it into `graph`; returns the captured run's outputs (static tensors).
+
+    `stream`: the stream to capture on (default: torch's one capture stream). A captured GEMM keeps the cuBLAS
+    workspace of the stream it was captured on, so graphs that may replay at the same time as each other, on two
+    streams, must be captured on two streams: on one workspace, two split-K GEMMs' reductions corrupt each other."""
     side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.inference_mode():
@@ -103,7 +113,10 @@ def _capture(graph: torch.cuda.CUDAGraph, run: Callable[[], Any], device: torch.
     torch.cuda.current_stream(device).wait_stream(side)
     # thread_local: other threads' CUDA work (the embedder on the retrieval thread, the KV copy stream) neither
     # breaks the capture nor gets captured; under the default global mode it invalidated it.
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with (
+        torch.inference_mode(),
+        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
+    ):
         outputs = run()
     torch.cuda.synchronize(device)
     return outputs

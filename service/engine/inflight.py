@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,11 @@ def copy_to_host(
 class InFlight:
     """Launched work not read yet, oldest first."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, free: Callable[[Slab], None] | None = None) -> None:
+        """`free`: how a slab goes back to `pool` (default `pool.free`; with a side stream, the runner's, which
+        queues the slab's poison where the next writer is ordered after it)."""
         self.pool = pool
+        self.free = free or pool.free
         self._records: deque[PendingPicks] = deque()
 
     def __len__(self) -> int:
@@ -132,11 +135,11 @@ class InFlight:
         if self._records:
             self._records[-1].free_after.append(slab)
         else:
-            self.pool.free(slab)
+            self.free(slab)
 
     def forget(self) -> None:
         """Drop every record unread (the device's state is unknown after a failed step); their slabs go back."""
         stale, self._records = list(self._records), deque()
         for record in stale:
             for slab in record.free_after:
-                self.pool.free(slab)
+                self.free(slab)

@@ -39,6 +39,7 @@ from service.engine.detokenize import IncrementalDetokenizer
 from service.engine.engine import StitchEngine, Stopwatch, stage_setter
 from service.engine.first_logits import keep_first_logits
 from service.engine.inflight import InFlight, PendingPicks, copy_to_host
+from service.engine.kv_pool import Poison, Slab
 from service.engine.launch_pacer import LaunchPacer
 from service.engine.output import Failed, Started, StepOutput, Tokens
 from service.engine.planner import AdmissionPlan, NaiveChunk, Planner
@@ -80,7 +81,7 @@ class StepRunner:
         self.graphs = graphs
         self.overlap = overlap
         self.overlap_admissions = overlap_admissions
-        self.inflight = InFlight(decoder.pool)
+        self.inflight = InFlight(decoder.pool, self._free_slab)
         self.last_batch = 0  # requests in the last decode step (0: the step decoded nothing)
         self.prefilled_together = 0  # requests whose question went through a batched prefill
         self.prefilled_with_decode = 0  # of those, the ones prefilled in a decode step's forward
@@ -111,12 +112,14 @@ class StepRunner:
     # ---- admission -------------------------------------------------------------------------------------------
 
     def early_admission(self) -> contextlib.AbstractContextManager[None]:
-        """Where this step's admissions (the planner's placements and prefix copies) run: on the side stream when
-        its shared questions are to be prefilled at once (`admit`), else where they always do."""
+        """Where this step's admissions (the planner's placements, prefix copies and frees) run: on the side stream
+        when its shared questions are to be prefilled at once (`admit`), else on the main stream, after the side
+        stream's work (a slab or arena range it last wrote may be handed out again here)."""
         self._early = self._early_applies()
         if self._early:
             assert self.side is not None
             return self.side.enter()
+        self._join_side()
         return contextlib.nullcontext()
 
     def _early_applies(self) -> bool:
@@ -156,8 +159,11 @@ class StepRunner:
         plan.shared_riding = [r for r in plan.shared_riding if r not in early]
         plan.shared = [r for r in plan.shared if r not in early]
         queued = len(self.inflight)
+        # The outputs are handed on once the block is left: applied with the side stream current, a finish's free
+        # or a callback's device work would be queued there, and an exception there would leave it current.
         with self.side.enter():
-            yield from self._prefill_together(early, self.shared.extend, "early", self._watch())
+            outputs = list(self._prefill_together(early, self.shared.extend, "early", self._watch()))
+        yield from outputs
         for record in self.inflight.newest(len(self.inflight) - queued):
             record.side = True
             self.side.used_on_main(record.picks)
@@ -167,6 +173,17 @@ class StepRunner:
         """The main stream's next work waits for the side stream's (it reads the early requests' slabs and picks)."""
         if self.side is not None:
             self.side.join()
+
+    def _free_slab(self, slab: Slab) -> None:
+        """A slab back to the pool once its last writer has been read. With a side stream its poison is queued there:
+        on the main stream it would land behind the running step, after an early admission on the side stream had
+        been handed the slab and written it; main-stream work that takes it next joins the side stream first."""
+        pool = self.inflight.pool
+        if self.side is None or pool.poison is Poison.NONE:
+            pool.free(slab)
+            return
+        with self.side.enter():
+            pool.free(slab)
 
     def _admit_here(self, plan: AdmissionPlan) -> Outputs:
         for request in plan.alone:
@@ -363,9 +380,11 @@ class StepRunner:
             yield from self._read(self.inflight.oldest())
 
     def drain(self) -> Outputs:
-        """Read every launched step and unread first token (before work that must not overlap them)."""
+        """Read every launched step and unread first token (before work that must not overlap them); the main
+        stream then waits for the side stream too (work admitted early while these were read)."""
         while self.inflight:
             yield from self._read(self.inflight.oldest())
+        self._join_side()
 
     def _read_then_step(self, questions: list[BatchRequest], watch: Stopwatch | None) -> Outputs:
         """Not overlapped: read everything in flight, then one step (with `questions` in it) read at once."""
@@ -430,7 +449,7 @@ class StepRunner:
         else:
             failed = None
         for slab in step.free_after:
-            self.inflight.pool.free(slab)
+            self._free_slab(slab)
         if failed is not None:
             yield failed
             return

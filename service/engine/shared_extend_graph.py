@@ -32,6 +32,7 @@ eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -68,6 +69,15 @@ SHARED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
 # plan's rotation tables and partial buffers grow past what one prefill is worth; such groups run eagerly.
 MAX_READS = 32
 MAX_ENTRIES = 512 * 32
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every question-prefill graph of `device` is captured on, one a device. Early prefills replay
+    these graphs on the side stream while a decode graph runs on the main one; captured on torch's one capture
+    stream like the decode graphs, both would hold the same cuBLAS workspace (`_capture`). High priority: torch
+    hands those out from another pool than the default priority's, so it is never torch's capture stream."""
+    return torch.cuda.Stream(device, priority=-1)  # type: ignore[no-untyped-call]
 
 
 def extend_pieces(tokens: int) -> int:
@@ -203,7 +213,7 @@ class SharedExtendGraph:
 
         self._graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
-        self._logits: torch.Tensor = _capture(self._graph, extend, spec.device, pool)
+        self._logits: torch.Tensor = _capture(self._graph, extend, spec.device, pool, capture_stream(spec.device))
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
     def replay(self, requests: Sequence[ExtendRequest], reads: Sequence[Reads]) -> torch.Tensor:
