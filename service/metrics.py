@@ -54,6 +54,8 @@ STAGES = (
     "prefill",
     "decode",
     "transport",
+    "relay_in",
+    "relay_out",
 )
 # KL(naive || turbo) of the first-token distribution, in nats: ~1e-6 is rounding, ~0.1 a visible shift, > 1 another
 # answer.

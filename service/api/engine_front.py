@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -29,7 +30,12 @@ from typing import Any
 from service.api.deps import http_error
 from service.api.engine_answer import Message, Receive, Send, answer_request
 from service.facade import engine_link as link
-from service.facade.engine import EngineAnswerRequest, check_vocabulary, parse_answer_body
+from service.facade.engine import (
+    EngineAnswerRequest,
+    check_vocabulary,
+    parse_answer_body,
+    with_relays,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +44,28 @@ PRECOMPUTE_TIMEOUT_S = 600.0
 
 
 class FrontAnswer:
-    """One forwarded answer: its lines as the core sends them (an empty line is the end)."""
+    """One forwarded answer: its lines as the core sends them (an empty line is the end), and when it reached
+    this process, started on the core and had its first line written from here (perf_counter: one clock for the
+    two processes), for its done event's `relay_in` and `relay_out`."""
 
-    def __init__(self, link_: CoreLink, answer_id: int) -> None:
+    def __init__(self, link_: CoreLink, answer_id: int, received_at: float) -> None:
         self.id = answer_id
         self.lines: asyncio.Queue[bytes] = asyncio.Queue()
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ended = False
+        self.received_at = received_at
+        self.core_started: float | None = None
+        self.first_written_at: float | None = None
         self._link = link_
+
+    def relayed(self, line: bytes) -> bytes:
+        """`line`, a done event's with this process's hops as stages (`with_relays`): to the core, from the body's
+        arrival here to the answer's start there; back, from its first token there to its first line's write
+        here."""
+        if self.core_started is None or self.first_written_at is None:
+            return line
+        relay_in_ms = max(0.0, (self.core_started - self.received_at) * 1e3)
+        return with_relays(line, relay_in_ms, (self.first_written_at - self.core_started) * 1e3)
 
     def cancel(self) -> None:
         """The gateway went away: the core stops the answer, and the route's loop ends here (the core's last lines
@@ -114,9 +134,10 @@ class CoreLink:
             self._vocab_size = int(await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S))
         return self._vocab_size
 
-    async def open(self, request: EngineAnswerRequest) -> FrontAnswer:
-        """The answer admitted by the core; the service error it refused with, raised, otherwise."""
-        answer = FrontAnswer(self, next(self._ids))
+    async def open(self, request: EngineAnswerRequest, received_at: float) -> FrontAnswer:
+        """The answer admitted by the core (`received_at`: when its body arrived here); the service error it
+        refused with, raised, otherwise."""
+        answer = FrontAnswer(self, next(self._ids), received_at)
         # Its lines may cross the OPENED message (the core's writer thread sends them): both places hold it.
         self._answers[answer.id] = self._opening[answer.id] = answer
         try:
@@ -167,9 +188,12 @@ class CoreLink:
                 kind = message[:1]
                 if kind == link.LINES:
                     loop.call_soon_threadsafe(self._deliver, list(link.read_lines(message)))
-                elif kind in (link.OPENED, link.REFUSED):
+                elif kind == link.OPENED:
                     answer_id, payload = link.split_id(message)
-                    refusal = link.error_from_json(link.json_payload(payload)) if kind == link.REFUSED else None
+                    loop.call_soon_threadsafe(self._opened, answer_id, None, link.opened_started(payload))
+                elif kind == link.REFUSED:
+                    answer_id, payload = link.split_id(message)
+                    refusal = link.error_from_json(link.json_payload(payload))
                     loop.call_soon_threadsafe(self._opened, answer_id, refusal)
                 elif kind == link.RESULT:
                     self._result(link.json_body(message))
@@ -201,11 +225,12 @@ class CoreLink:
                 del self._answers[answer_id]
             answer.lines.put_nowait(line)
 
-    def _opened(self, answer_id: int, refusal: Exception | None) -> None:
+    def _opened(self, answer_id: int, refusal: Exception | None, core_started: float | None = None) -> None:
         answer = self._opening.get(answer_id)
         if answer is None or answer.opened.done():
             return
         if refusal is None:
+            answer.core_started = core_started
             answer.opened.set_result(None)
         else:
             answer.opened.set_exception(refusal)
@@ -233,35 +258,39 @@ class FrontAnswerRoute:
         await answer_request(receive, send, self._admit)
 
     async def _admit(self, body: bytes) -> tuple[FrontAnswer, AsyncIterator[bytes]]:
+        received_at = time.perf_counter()
         try:
             request = parse_answer_body(body)
             check_vocabulary([c.token_ids for c in request.chunks], await self._core.vocab_size())
-            answer = await self._core.open(request)
+            answer = await self._core.open(request, received_at)
         except Exception as err:
             raise http_error(err) from err
-        return answer, _bodies(answer.lines)
+        return answer, _bodies(answer)
 
 
-async def _bodies(lines: asyncio.Queue[bytes]) -> AsyncIterator[bytes]:
-    """The answer's lines up to its end, every line already queued behind the first joined into one body."""
+async def _bodies(answer: FrontAnswer) -> AsyncIterator[bytes]:
+    """The answer's lines up to its end, every line already queued behind the first joined into one body (its
+    done event's with the hops through this process, `FrontAnswer.relayed`)."""
     ended = False
     while not ended:
-        body, ended = _gathered(await lines.get(), lines)
-        if body:
-            yield body
+        lines, ended = _gathered(await answer.lines.get(), answer.lines)
+        if lines:
+            if answer.first_written_at is None:
+                answer.first_written_at = time.perf_counter()
+            yield b"".join(answer.relayed(line) for line in lines)
 
 
-def _gathered(first: bytes, lines: asyncio.Queue[bytes]) -> tuple[bytes, bool]:
-    """`first` and every line already queued behind it, joined; whether the answer's end was among them."""
+def _gathered(first: bytes, lines: asyncio.Queue[bytes]) -> tuple[list[bytes], bool]:
+    """`first` and every line already queued behind it; whether the answer's end was among them."""
     if not first:
-        return b"", True
+        return [], True
     parts = [first]
     while not lines.empty():
         line = lines.get_nowait()
         if not line:
-            return b"".join(parts), True
+            return parts, True
         parts.append(line)
-    return b"".join(parts), False
+    return parts, False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -264,6 +264,24 @@ def event_line(event: AnswerEvent) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
+DONE_LINE_START = b'{"event":"done"'  # how `event_line` starts a done event's line
+
+
+def with_relays(line: bytes, relay_in_ms: float, written_ms: float) -> bytes:
+    """A done event's line (else `line` as it is) with the engine API process's two hops as stages: `relay_in`
+    (the question's arrival there to its start on the core) and `relay_out` (its first token on the core to that
+    token's write from the API process, `written_ms` after its start on the core), its TTFT counted from the
+    arrival to the write: the engine's TTFT as its API saw it (a gateway's `transport` then holds its own hops)."""
+    if not line.startswith(DONE_LINE_START):
+        return line
+    body = json.loads(line)
+    done = body["done"]
+    relay_out_ms = max(0.0, written_ms - float(done["ttft_ms"]))
+    done["timings_ms"] = {**done["timings_ms"], "relay_in": relay_in_ms, "relay_out": relay_out_ms}
+    done["ttft_ms"] = relay_in_ms + max(written_ms, float(done["ttft_ms"]))
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
 def error_line(message: str) -> bytes:
     return json.dumps({"event": "error", "message": message}, ensure_ascii=False).encode() + b"\n"
 

@@ -10,7 +10,8 @@ pickle: every message is bytes built here). A message is a kind byte, then:
                              JSON, each chunk's ids replaced by their count; the ids follow as uint32)
                     CANCEL   id (the gateway went away)
                     CALL     JSON {"call": n, "method": ..., "args": [...]} (readiness, info, load, tiers, ...)
-    core -> front   OPENED   id (admitted: stream its lines)
+    core -> front   OPENED   id, the answer's start on the core (float64 `time.perf_counter()`: one clock for the
+                             two processes of one host; the API process times its hops with it)
                     REFUSED  id, JSON {"type": error class, "message": ..., "field": ...} (before any line)
                     LINES    (id, length, line) ... : a step's lines of every answer in one message; length 0
                              ends that answer
@@ -48,6 +49,7 @@ STOP = b"S"
 _ID = struct.Struct("<Q")
 _HEADER = struct.Struct("<QI")  # an ANSWER's id and header length
 _LINE_HEAD = struct.Struct("<QI")
+_STARTED = struct.Struct("<d")
 # The errors a refusal or a call may carry across; anything else arrives as a RuntimeError with its message.
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (BusyError, NotReadyError, UnavailableError, InvalidRequestError, TooLargeError)
@@ -67,6 +69,16 @@ def split_id(message: bytes) -> tuple[int, bytes]:
     if len(message) < 1 + _ID.size:
         raise LinkError(f"a {message[:1]!r} message of {len(message)} bytes has no id")
     return _ID.unpack_from(message, 1)[0], message[1 + _ID.size :]
+
+
+def opened_message(answer_id: int, started: float) -> bytes:
+    """OPENED for an answer the core admitted at `started` (perf_counter)."""
+    return with_id(OPENED, answer_id, _STARTED.pack(started))
+
+
+def opened_started(payload: bytes) -> float | None:
+    """The core's start of an OPENED message's answer (None from a core that sent none)."""
+    return _STARTED.unpack(payload)[0] if len(payload) == _STARTED.size else None
 
 
 def answer_message(answer_id: int, request: EngineAnswerRequest) -> bytes:

@@ -108,7 +108,7 @@ class CoreHost:
             self._sessions.pop(answer_id, None)
             self._refuse(answer_id, err)
             return
-        self._send(link.with_id(link.OPENED, answer_id))
+        self._send(link.opened_message(answer_id, session.started))
 
     def _refuse(self, answer_id: int, err: BaseException) -> None:
         self._send(link.with_id(link.REFUSED, answer_id, json.dumps(link.error_json(err)).encode()))

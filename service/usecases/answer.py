@@ -240,6 +240,8 @@ def _timings(retrieval: Retrieval, fetch: FetchResult | None, engine_timings: An
         "prefill": engine_timings.prefill_ms,
         "decode": engine_timings.decode_ms,
         "transport": 0.0,  # one process: no hop between a gateway and an engine (a gateway sets its own)
+        "relay_in": 0.0,  # an engine's API process sets its hops to and from its core process
+        "relay_out": 0.0,
     }
 
 

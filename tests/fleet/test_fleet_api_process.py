@@ -6,6 +6,7 @@ when the gateway leaves. The processes themselves run in `test_fleet_engines.py`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -29,22 +30,25 @@ from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError
 from service.facade import engine_link as link
-from service.facade.engine import EngineAnswerRequest, WireChunk, parse_event
-from service.facade.types import ChatMessage, TokenEvent
+from service.facade.engine import EngineAnswerRequest, WireChunk, event_line, parse_event, with_relays
+from service.facade.types import ChatMessage, DoneEvent, TokenEvent
 from service.serving.engine_core import CoreHost
 
 Item = TokenEvent | Exception | None
 
 
 class Session:
-    """Emits its items from a thread of its own (as the engine thread does), then hangs until cancelled if told."""
+    """Emits its items from a thread of its own (as the engine thread does), `delay_s` after its start, then hangs
+    until cancelled if told."""
 
-    def __init__(self, items: list[Any], hang: bool) -> None:
-        self.items, self.hang = items, hang
+    def __init__(self, items: list[Any], hang: bool, delay_s: float = 0.0) -> None:
+        self.items, self.hang, self.delay_s = items, hang, delay_s
+        self.started = time.perf_counter()
         self.cancelled = threading.Event()
 
     def start(self, listener: Callable[[Any], None]) -> None:
         def emit() -> None:
+            time.sleep(self.delay_s)
             for item in self.items:
                 listener(item)
             if self.hang:
@@ -66,8 +70,10 @@ class Core:
         hang: bool = False,
         refusal: Exception | None = None,
         vocab: int | Exception = 50,
+        delay_s: float = 0.0,
     ) -> None:
         self.items, self.hang, self.refusal, self.vocab = items or [], hang, refusal, vocab
+        self.delay_s = delay_s
         self.requests: list[EngineAnswerRequest] = []
         self.sessions: list[Session] = []
 
@@ -76,7 +82,7 @@ class Core:
         self.requests.append(request)
         if self.refusal is not None:
             raise self.refusal
-        self.sessions.append(Session(self.items, self.hang))
+        self.sessions.append(Session(self.items, self.hang, self.delay_s))
         return self.sessions[-1]
 
     def readiness(self) -> dict[str, Any]:
@@ -132,11 +138,19 @@ async def post(front: CoreLink, body: bytes, disconnect_after_s: float | None = 
 
 
 def test_an_answer_streams_the_cores_lines(linked: Callable[[Core], CoreLink]) -> None:
-    core = Core([TokenEvent("a"), TokenEvent("b"), DONE, None])
+    """The core's lines as they were, but the done event's: the hops through the API process added as stages and
+    to its TTFT (the core's answer starts its first token 20 ms after its start, and says its TTFT was 1 ms: the
+    19 ms in between are the way out)."""
+    core = Core([TokenEvent("a"), TokenEvent("b"), DONE, None], delay_s=0.02)
     status, headers, body = status_and_body(asyncio.run(post(linked(core), REQUEST.body())))
 
     assert status == 200 and headers[b"content-type"] == b"application/x-ndjson"
-    assert [parse_event(line) for line in body.splitlines()] == [TokenEvent("a"), TokenEvent("b"), DONE]
+    *tokens, done = [parse_event(line) for line in body.splitlines()]
+    assert tokens == [TokenEvent("a"), TokenEvent("b")] and isinstance(done, DoneEvent)
+    relay_in, relay_out = done.timings_ms["relay_in"], done.timings_ms["relay_out"]
+    assert 0.0 < relay_in < 1000.0 and 19.0 <= relay_out < 1000.0
+    assert done.ttft_ms == pytest.approx(relay_in + DONE.ttft_ms + relay_out)
+    assert dataclasses.replace(done, ttft_ms=DONE.ttft_ms, timings_ms=DONE.timings_ms) == DONE
     assert core.requests == [REQUEST]  # parsed in the API process as the in-process route parses it
 
 
@@ -306,13 +320,32 @@ def test_lines_cross_in_one_message_and_a_cut_message_is_refused() -> None:
 
 
 def test_queued_lines_go_out_in_one_write_up_to_the_end() -> None:
-    async def gathered() -> list[tuple[bytes, bool]]:
+    async def gathered() -> list[tuple[list[bytes], bool]]:
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         for line in (b"b\n", b"c\n", b"", b"late\n"):
             queue.put_nowait(line)
         return [_gathered(b"a\n", queue), _gathered(b"", queue)]
 
-    assert asyncio.run(gathered()) == [(b"a\nb\nc\n", True), (b"", True)]
+    assert asyncio.run(gathered()) == [([b"a\n", b"b\n", b"c\n"], True), ([], True)]
+
+
+def test_the_core_names_an_answers_start_in_its_opened_message() -> None:
+    message = link.opened_message(7, 1234.5678)
+    answer_id, payload = link.split_id(message)
+    assert message[:1] == link.OPENED and answer_id == 7 and link.opened_started(payload) == 1234.5678
+    assert link.opened_started(b"") is None  # a core that names none: no relay stages
+
+
+def test_relays_go_into_a_done_line_only() -> None:
+    done_line = event_line(DONE)
+    relayed = parse_event(with_relays(done_line, 2.0, 10.0))
+    assert isinstance(relayed, DoneEvent)
+    assert relayed.timings_ms == {"relay_in": 2.0, "relay_out": 10.0 - DONE.ttft_ms}
+    assert relayed.ttft_ms == 2.0 + 10.0  # from the arrival to the write
+    early = parse_event(with_relays(done_line, 2.0, 0.5))  # written before the core's TTFT: clock noise, no hop
+    assert isinstance(early, DoneEvent) and early.timings_ms["relay_out"] == 0.0 and early.ttft_ms == 2.0 + DONE.ttft_ms
+    token_line = event_line(TokenEvent("a"))
+    assert with_relays(token_line, 2.0, 10.0) == token_line
 
 
 def test_errors_cross_as_their_own_class() -> None:
