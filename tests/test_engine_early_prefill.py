@@ -351,3 +351,46 @@ def test_frees_go_to_the_side_stream_and_main_stream_admissions_and_outputs_come
             last = max((i for i in range(at) if events[i] in ("exit", "join")), default=None)
             assert last is None or events[last] == "join", events[: at + 1]
     assert events[-1] == "join"
+
+
+def test_only_what_can_go_early_is_admitted_on_the_side_stream_the_rest_after_a_join(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a step's start with early prefills applying, a shared question heading the line is admitted on the side
+    stream; the naive one behind it is admitted on the main stream, after a join (its fetch and stitch are the
+    main stream's work). Tokens: the copy path's."""
+    engine = get_engine("qwen2", "cpu")
+    want = copy_path(engine, ASKS, overlap=True)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 2000), 8, overlap=True, arena=arena, prefill_with_decode=True, early_prefill_below=8
+    )
+    side = RecordingSide()
+    scheduler.runner.side = side
+    admit = scheduler.planner.admit
+    admitted: list[tuple[str, list[int]]] = []
+
+    def recorded_admit(only: Any = None) -> Any:
+        plan = admit(only)
+        requests = [*plan.alone, *plan.together, *plan.riding, *plan.shared, *plan.shared_riding]
+        admitted.append(("side" if side.inside else "main", [run.requests.index(r) for r in requests]))
+        side.events.append("admit on side" if side.inside else "admit on main")
+        return plan
+
+    monkeypatch.setattr(scheduler.planner, "admit", recorded_admit)
+    run = Run(engine, ASKS)
+    for request in run.requests[:2]:
+        scheduler.add(request)
+    scheduler.step()  # nothing runs yet: admitted and prefilled on the main stream
+    scheduler.step()
+    side.events.clear()
+    admitted.clear()
+    scheduler.add(run.requests[2])  # shared
+    scheduler.add(run.requests[3])  # naive
+    scheduler.step()
+    assert admitted == [("side", [2]), ("main", [3])]
+    assert side.events.index("admit on main") > side.events.index("join") > side.events.index("admit on side")
+    for request in run.requests[4:]:
+        scheduler.add(request)
+    drain(scheduler)
+    assert run.outcomes() == want and scheduler.prefilled_early >= 1

@@ -88,7 +88,7 @@ class StepRunner:
         self.prefilled_early = 0  # of those, the ones prefilled at once on the side stream
         self.early_below = early_below if shared is not None else 0
         self.side = SideStream(engine.spec.device) if self.early_below > 0 else None
-        self._early = False  # this step's admissions run on the side stream
+        self._early = False  # the admission under way runs on the side stream (`admission`)
         self._waiting_on: PendingPicks | None = None  # the step `_read` waits for (a step runs)
         # Admits the answers handed over while a step runs, early (the scheduler's; None: only at the step's start).
         self.on_wait: Callable[[], Outputs] | None = None
@@ -111,18 +111,18 @@ class StepRunner:
 
     # ---- admission -------------------------------------------------------------------------------------------
 
-    def early_admission(self) -> contextlib.AbstractContextManager[None]:
-        """Where this step's admissions (the planner's placements, prefix copies and frees) run: on the side stream
-        when its shared questions are to be prefilled at once (`admit`), else on the main stream, after the side
-        stream's work (a slab or arena range it last wrote may be handed out again here)."""
-        self._early = self._early_applies()
-        if self._early:
+    def admission(self, early: bool) -> contextlib.AbstractContextManager[None]:
+        """Where an admission's device work (the planner's placements, prefix copies and frees) runs: for early
+        prefills (`early_applies`; `admit` then prefills them there too) on the side stream, else on the main
+        stream, after the side stream's work (a slab or arena range it last wrote may be handed out again here)."""
+        self._early = early
+        if early:
             assert self.side is not None
             return self.side.enter()
         self._join_side()
         return contextlib.nullcontext()
 
-    def _early_applies(self) -> bool:
+    def early_applies(self) -> bool:
         """Early prefills may serve (`_early_possible`) and a step runs: else a question's prefill starts at once
         anyway."""
         return self._early_possible() and (self._waiting_on is not None or bool(self.inflight))

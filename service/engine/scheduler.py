@@ -151,12 +151,27 @@ class Scheduler:
             yield from self._admitted(only=early_eligible)
 
     def _admitted(self, only: Callable[[BatchRequest], bool] | None = None) -> Iterator[StepOutput]:
-        """Admit from the line (`Planner.admit`), on the side stream where early prefills apply, and run the plan:
-        those whose KV could not be had fail, the rest are prefilled or held to ride."""
-        with self.runner.early_admission():
+        """Admit from the line (`Planner.admit`) and run the plan: those whose KV could not be had fail, the rest
+        are prefilled or held to ride. Where early prefills apply, the head of the line that can go early is
+        admitted on the side stream first, and only that: what then heads the line (a request that cannot go
+        early, or a shadow) is admitted on the main stream, whose work the side stream must not take over."""
+        if self.runner.early_applies():
+            yield from self._admitted_on(early_eligible, early=True)
+            if only is not None or not self._head_needs_main():
+                return
+        yield from self._admitted_on(only, early=False)
+
+    def _admitted_on(self, only: Callable[[BatchRequest], bool] | None, early: bool) -> Iterator[StepOutput]:
+        with self.runner.admission(early):
             plan = self.planner.admit(only)
         yield from (Failed([request], error) for request, error in plan.failed)
         yield from self.runner.admit(plan)
+
+    def _head_needs_main(self) -> bool:
+        """After an early admission: whether the head of the line is one to admit on the main stream (a request
+        that cannot go early; with the line empty, a shadow)."""
+        waiting = self.planner.waiting
+        return not early_eligible(waiting[0]) if waiting else bool(self.planner.shadows)
 
     def cancel(self, request: BatchRequest) -> None:
         """Stop a request at the next step (its slab is freed there); safe from any thread."""
