@@ -132,6 +132,20 @@ def test_a_side_record_read_ahead_of_older_work_leaves_its_slabs_to_that_work(
     assert pool.used_slots == 12  # nothing freed yet: the runner frees them when `later` is read
 
 
+def test_a_steps_feed_reads_only_the_records_that_hold_its_rows(get_engine: Callable[[str, str], StitchEngine]) -> None:
+    """The unread picks a step is fed from are those of the records holding its rows, indexed in their order: a
+    side record of answers the step leaves out is neither read nor waited for."""
+    engine = get_engine("qwen2", "cpu")
+    inflight = InFlight(KVPool(engine.spec, 64 * engine.spec.kv_bytes_per_token()))
+    a, b, c, d = (object() for _ in range(4))
+    for batch, picks, side in (([a, b], [10, 11], False), ([c], [20], True), ([d], [30], True)):
+        values = torch.tensor(picks)
+        inflight.push(PendingPicks(batch, values, values, None, 0, side=side))  # type: ignore[arg-type]
+    fed = inflight.feed([b, d, a])  # type: ignore[list-item]
+    assert fed is not None and fed.picks.tolist() == [10, 11, 30] and fed.src == (1, 2, 0)
+    assert inflight.feed([object()]) is None  # type: ignore[list-item]
+
+
 def test_the_setting_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.serving.runtime import batching_options
     from service.settings import Settings
@@ -394,3 +408,60 @@ def test_only_what_can_go_early_is_admitted_on_the_side_stream_the_rest_after_a_
         scheduler.add(request)
     drain(scheduler)
     assert run.outcomes() == want and scheduler.prefilled_early >= 1
+
+
+def test_a_step_launched_while_a_first_token_is_computed_on_the_side_leaves_that_answer_for_the_next(
+    get_engine: Callable[[str, str], StitchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step launched while an early first token is still being computed on the side stream does not wait for
+    it (no join) and leaves its answer out; the answer runs from the step after its record is ready. Tokens:
+    the copy path's."""
+    engine = get_engine("qwen2", "cpu")
+    want = copy_path(engine, ASKS, overlap=True)
+
+    def ready(self: PendingPicks) -> bool:  # side records are ready at their fifth look, steps at once
+        self.looks = getattr(self, "looks", 0) + 1  # type: ignore[attr-defined]
+        return not self.side or self.looks >= 5  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(PendingPicks, "ready", ready)
+    arena = nan_arena(engine, sum(block_sizes(engine)))
+    scheduler = Scheduler(
+        engine, nan_pool(engine, 2000), 8, overlap=True, arena=arena, prefill_with_decode=True, early_prefill_below=8
+    )
+    run = Run(engine, ASKS)
+    launches: list[tuple[set[int], set[int]]] = []  # (rows, answers pending on the side)
+    events: list[str] = []
+    launch, first_tokens_pending, join_side = (
+        StepRunner._launch,
+        StepRunner._first_tokens_pending,
+        StepRunner._join_side,
+    )
+
+    def recorded_pending(self: StepRunner) -> set[int]:
+        pending = first_tokens_pending(self)
+        events.append("pending" if pending else "none pending")
+        launches.append((set(), {run.requests.index(r) for r in run.requests if id(r) in pending}))
+        return pending
+
+    def recorded_launch(self: StepRunner, batch: list, questions: list, watch: Any) -> Any:
+        events.append("launch")
+        launches[-1][0].update(run.requests.index(r) for r in batch)
+        return launch(self, batch, questions, watch)
+
+    def recorded_join(self: StepRunner) -> None:
+        events.append("join")
+        join_side(self)
+
+    monkeypatch.setattr(StepRunner, "_first_tokens_pending", recorded_pending)
+    monkeypatch.setattr(StepRunner, "_launch", recorded_launch)
+    monkeypatch.setattr(StepRunner, "_join_side", recorded_join)
+    join_one_by_one(scheduler, run.requests)
+    assert run.outcomes() == want and scheduler.prefilled_early == 3
+    held = [(rows, pending) for rows, pending in launches if pending]
+    assert held and all(rows and not rows & pending for rows, pending in held)  # left out while pending
+    for answer in set().union(*(pending for _, pending in held)):
+        assert any(answer in rows for rows, pending in launches if answer not in pending)  # and ran later
+    for at, event in enumerate(events):  # a step launched over pending first tokens did not join the side first
+        if event == "pending":
+            after = [*events[at + 1 :], "join"]
+            assert after.index("launch") < after.index("join")

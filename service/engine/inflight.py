@@ -120,12 +120,19 @@ class InFlight:
         return unread
 
     def feed(self, batch: Sequence[BatchRequest]) -> StepFeed | None:
-        """Where each row of a step over `batch` finds an unread last token: its index in the unread picks."""
-        unread = self.unread()
+        """Where each row of a step over `batch` finds an unread last token: its index in the unread picks of the
+        records that hold one of the batch's (a record of requests the step leaves out is not read, nor waited
+        for: the side stream may still be writing it)."""
+        rows = {id(r) for r in batch}
+        records = [record for record in self._records if any(id(r) in rows for r in record.batch)]
+        unread: dict[int, int] = {}
+        offset = 0
+        for record in records:
+            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
+            offset += len(record.batch)
         src = tuple(unread.get(id(r), -1) for r in batch)
         if max(src, default=-1) < 0:
             return None
-        records = list(self._records)
         picks = records[0].picks if len(records) == 1 else torch.cat([record.picks for record in records])
         return StepFeed(picks, src)
 

@@ -357,17 +357,20 @@ class StepRunner:
         read at once."""
         questions, watch = self.questions, self._question_watch
         self.questions, self._question_watch = [], None
-        self._join_side()  # the step reads the early requests' slabs and first tokens
         if not self._step_overlaps(questions):
-            yield from self._read_then_step(questions, watch)
+            yield from self._read_then_step(questions, watch)  # its drain joins the side stream
             return
-        batch = self.planner.continuing(self.inflight.unread())
+        pending = self._first_tokens_pending()
+        if not pending:
+            self._join_side()  # the step reads the early requests' slabs and first tokens
+        batch = self._continuing(pending)
         if questions and not self.planner.rides(batch, questions):
             assert watch is not None
+            self._join_side()  # the question-prefill graphs' inputs are shared with the side stream's
             yield from self._prefill_apart(questions, watch)  # no step to ride in after all
             if self.side is not None:
                 self.side.mark_main()
-            questions, batch = [], self.planner.continuing(self.inflight.unread())
+            questions, batch = [], self._continuing(set())
         self.last_batch = len(batch)
         launched = None
         if batch:
@@ -378,6 +381,18 @@ class StepRunner:
         # are read come after it, read as they arrive or after it.
         while self.inflight and self.inflight.first() is not launched:
             yield from self._read(self.inflight.oldest())
+
+    def _first_tokens_pending(self) -> set[int]:
+        """The requests (by id) whose first token the side stream is still computing. The step launched now leaves
+        them out and does not wait for the side stream: joined, it would start only once their prefill ended,
+        holding every running answer back by it; they join the next step. (A request whose record is ready has
+        all its side-stream work done: the step may read it without a join.)"""
+        if self.side is None:
+            return set()
+        return {id(r) for record in self.inflight.records() if record.side and not record.ready() for r in record.batch}
+
+    def _continuing(self, pending: set[int]) -> list[BatchRequest]:
+        return [r for r in self.planner.continuing(self.inflight.unread()) if id(r) not in pending]
 
     def drain(self) -> Outputs:
         """Read every launched step and unread first token (before work that must not overlap them); the main
