@@ -65,7 +65,11 @@ class FrontAnswer:
         if self.core_started is None or self.first_written_at is None:
             return line
         relay_in_ms = max(0.0, (self.core_started - self.received_at) * 1e3)
-        return with_relays(line, relay_in_ms, (self.first_written_at - self.core_started) * 1e3)
+        try:
+            return with_relays(line, relay_in_ms, (self.first_written_at - self.core_started) * 1e3)
+        except (ValueError, KeyError, TypeError):  # the gateway reports the line as it is: only timings are lost
+            log.exception("answer %d: a done line without the expected fields; sent as it came", self.id)
+            return line
 
     def cancel(self) -> None:
         """The gateway went away: the core stops the answer, and the route's loop ends here (the core's last lines

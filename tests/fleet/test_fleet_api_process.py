@@ -26,7 +26,7 @@ from engine_processes import ENGINE_ENV, ROOT
 from test_fleet_answer_route import DONE, REQUEST, drive, status_and_body
 
 from service.api import engine_answer
-from service.api.engine_front import CoreLink, FrontAnswerRoute, _gathered
+from service.api.engine_front import CoreLink, FrontAnswer, FrontAnswerRoute, _gathered
 from service.devtools.ports import free_port
 from service.errors import BusyError, InvalidRequestError, NotReadyError, UnavailableError
 from service.facade import engine_link as link
@@ -409,3 +409,13 @@ def test_sigterm_stops_both_processes_and_a_killed_core_takes_its_api_with_it(
         assert refused(port, 5), "the API process outlived its killed core"
     finally:
         core.kill()
+
+
+def test_a_done_line_the_relays_cannot_read_goes_out_as_it_came(caplog: pytest.LogCaptureFixture) -> None:
+    async def relayed() -> bytes:
+        answer = FrontAnswer(CoreLink.__new__(CoreLink), 3, received_at=1.0)
+        answer.core_started, answer.first_written_at = 1.5, 2.0
+        return answer.relayed(b'{"event":"done","done":{"mode":"turbo"}}\n')
+
+    assert asyncio.run(relayed()) == b'{"event":"done","done":{"mode":"turbo"}}\n'
+    assert "without the expected fields" in caplog.text
