@@ -146,9 +146,7 @@ class Scheduler:
         the next step's admission."""
         if self.arrivals is not None:
             self.add_arrived(self.arrivals())
-        waiting = self.planner.waiting
-        if waiting and early_eligible(waiting[0]):  # else nothing goes in: no side-stream work to order
-            yield from self._admitted(only=early_eligible)
+        yield from self._admitted(only=early_eligible)  # nothing when the head cannot go early
 
     def _admitted(self, only: Callable[[BatchRequest], bool] | None = None) -> Iterator[StepOutput]:
         """Admit from the line (`Planner.admit`) and run the plan: those whose KV could not be had fail, the rest
@@ -156,7 +154,9 @@ class Scheduler:
         admitted on the side stream first, and only that: what then heads the line (a request that cannot go
         early, or a shadow) is admitted on the main stream, whose work the side stream must not take over."""
         if self.runner.early_applies():
-            yield from self._admitted_on(early_eligible, early=True)
+            waiting = self.planner.waiting
+            if waiting and early_eligible(waiting[0]):  # else no side-stream work to queue (nor a mark to join)
+                yield from self._admitted_on(early_eligible, early=True)
             if only is not None or not self._head_needs_main():
                 return
         yield from self._admitted_on(only, early=False)
