@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,16 +108,15 @@ class InFlight:
     def has_side(self) -> bool:
         return any(record.side for record in self._records)
 
+    def side_pending(self) -> set[int]:
+        """The requests (by id) of side-stream records whose picks are not on the host yet."""
+        return {id(r) for record in self._records if record.side and not record.ready() for r in record.batch}
+
     def unread(self) -> dict[int, int]:
         """Per request (by id) with a token still unread on the device, its index in the unread picks, record
         after record (a request is in one unread record at most: all but the newest step are read before the
         next launch, and first tokens are of requests admitted since)."""
-        unread: dict[int, int] = {}
-        offset = 0
-        for record in self._records:
-            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
-            offset += len(record.batch)
-        return unread
+        return _indices(self._records)
 
     def feed(self, batch: Sequence[BatchRequest]) -> StepFeed | None:
         """Where each row of a step over `batch` finds an unread last token: its index in the unread picks of the
@@ -125,11 +124,7 @@ class InFlight:
         for: the side stream may still be writing it)."""
         rows = {id(r) for r in batch}
         records = [record for record in self._records if any(id(r) in rows for r in record.batch)]
-        unread: dict[int, int] = {}
-        offset = 0
-        for record in records:
-            unread.update((id(r), offset + row) for row, r in enumerate(record.batch))
-            offset += len(record.batch)
+        unread = _indices(records)
         src = tuple(unread.get(id(r), -1) for r in batch)
         if max(src, default=-1) < 0:
             return None
@@ -150,3 +145,13 @@ class InFlight:
         for record in stale:
             for slab in record.free_after:
                 self.free(slab)
+
+
+def _indices(records: Iterable[PendingPicks]) -> dict[int, int]:
+    """Per request (by id) in `records`, its index in their picks laid end to end, record after record."""
+    indices: dict[int, int] = {}
+    offset = 0
+    for record in records:
+        indices.update((id(r), offset + row) for row, r in enumerate(record.batch))
+        offset += len(record.batch)
+    return indices

@@ -387,9 +387,7 @@ class StepRunner:
         them out and does not wait for the side stream: joined, it would start only once their prefill ended,
         holding every running answer back by it; they join the next step. (A request whose record is ready has
         all its side-stream work done: the step may read it without a join.)"""
-        if self.side is None:
-            return set()
-        return {id(r) for record in self.inflight.records() if record.side and not record.ready() for r in record.batch}
+        return self.inflight.side_pending() if self.side is not None else set()
 
     def _continuing(self, pending: set[int]) -> list[BatchRequest]:
         return [r for r in self.planner.continuing(self.inflight.unread()) if id(r) not in pending]
