@@ -56,7 +56,8 @@ near 1.0 each (`clients` near K cores, its busiest thread near 1.0) would make t
 `bin` folder of the import path, as `pip install --target` leaves it) samples the gateway's process and the
 configuration's first engine over each configuration's last timed level: per thread, its top functions in µs of
 CPU per answer, in `profile.txt` (raw stacks under py-spy/). Without py-spy the runs go on, unprofiled, and the
-report says so.
+report says so. The sampling slows what it samples (the gateway and the engine thread are CPU-bound under load), so
+the tables mark a profiled level "(py-spy)": take headline figures from a run without `--profile`.
 """
 
 from __future__ import annotations
@@ -580,6 +581,7 @@ def run_level(
             spies.stop()
         raise
     after = cpu_snapshot(watched.roles(samplers))
+    run["profiled"] = spies is not None  # py-spy beside a run costs its processes CPU: its figures are not headlines
     answers = run["requests"] - run["errors"] - run["refused"]
     run["cpu"] = cpu_use(before, after, answers)
     busy = {role: (found or {}).get("cores") for role, found in run["cpu"]["processes"].items()}
@@ -662,7 +664,7 @@ def table(outcomes: list[dict[str, Any]]) -> str:
             cells = [
                 outcome["phase"],
                 gateway_over(outcome),
-                run["concurrency"],
+                clients_cell(run),
                 run["requests"],
                 run["errors"],
                 run["refused"],
@@ -675,6 +677,11 @@ def table(outcomes: list[dict[str, Any]]) -> str:
             ]
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)
+
+
+def clients_cell(run: dict[str, Any]) -> str:
+    """A level's clients, marked where py-spy sampled beside the run (its figures then lower than unprofiled)."""
+    return f"{run['concurrency']} (py-spy)" if run.get("profiled") else str(run["concurrency"])
 
 
 def gateway_over(outcome: dict[str, Any]) -> str:
@@ -704,7 +711,7 @@ def cpu_table(outcomes: list[dict[str, Any]]) -> str:
             gateway = (use or {}).get("processes", {}).get("gateway") or {}
             engines = sorted((r for r in (use or {}).get("processes", {}) if r.startswith("engine-")), key=engine_index)
             ms = gateway.get("ms_per_answer")
-            cells = [outcome["phase"], gateway_over(outcome), run["concurrency"], "-" if ms is None else f"{ms:.1f}"]
+            cells = [outcome["phase"], gateway_over(outcome), clients_cell(run), "-" if ms is None else f"{ms:.1f}"]
             cells += [group_cores(use, g) for g in ("event_loop", "retrieval", "request_threads", "other")]
             cells += [cores(use, "gateway"), cores(use, "embedder")]
             cells += [cores(use, "gateway replicas"), cores(use, "replica embedders")]

@@ -203,6 +203,18 @@ def test_engine_env_b_runs_the_scale_phase_again_with_those_settings(tmp_path: P
         parse_args(["--gpus", "0,1", "--phases", "routing", "--engine-env-b", "A=1"])  # no scale phase to repeat
 
 
+def test_the_tables_mark_the_levels_py_spy_ran_beside() -> None:
+    """py-spy beside a run slows the processes it samples: its level is marked in both tables, the others not."""
+    run = {"ttft_ms": {"p50": 1.0, "p95": 2.0, "p99": 3.0}, "requests": 5, "errors": 0, "refused": 0}
+    run |= {"output_tokens_per_s": 10.0, "gpu_hit_ratio_done": 1.0, "host_hit_ratio_done": 0.0}
+    run |= {"gpu_hit_ratio_engines": 1.0, "engines": {"e": {"answers": 5}}, "cpu": {"processes": {}}}
+    runs = [run | {"concurrency": 4, "profiled": False}, run | {"concurrency": 16, "profiled": True}]
+    outcome = {"phase": "scale", "name": "1 engine", "gateways": 1, "runs": runs}
+    for text in (serve_fleet.table([outcome]), serve_fleet.cpu_table([outcome])):
+        cells = [line.split(" | ")[2] for line in text.splitlines() if line.startswith("| scale")]
+        assert cells == ["4", "16 (py-spy)"]
+
+
 @pytest.mark.parametrize("first", ["chunk-aware", "round-robin"])
 def test_the_routing_phase_runs_the_policy_asked_for_first(first: str) -> None:
     args = argparse.Namespace(gpus=[0, 1], phases=["scale", "routing"], routing_first=first, engine_env_b=[])
