@@ -19,7 +19,7 @@ import torch
 
 from service.engine import segment_launch
 from service.engine.segment_attention import ContextScaling, SegmentBatch, reference_attention
-from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_launch import SegmentAttention, SegmentPlan, host_layout
 from service.engine.segment_plan import REQUEST_BLOCK_M, REQUEST_COLUMNS, PlanCapacity
 from tests.test_engine_segment_attention import (
     INTERPRETER,
@@ -183,7 +183,7 @@ def test_a_padded_by_request_plan_has_fixed_shapes_and_refuses_a_batch_too_large
         batch, _ = prefill_batch(requests=4, chunks=5, reads=3, rows=6, seed=seed)
         plan = SegmentPlan.build(batch, 7, 2, torch.device("cpu"), 2, CAPACITY, by_request=True)
         assert plan.pairs == 200 and plan.segments.shape == (20, 2) and plan.chunks[0].tiles.shape == (30, 9)
-        shapes.append([t.shape for t in plan._tensors()])
+        shapes.append(plan.shape)
     assert shapes[0] == shapes[1]
     with pytest.raises(ValueError, match=r"segments \d+ > 5"):
         SegmentPlan.build(
@@ -210,8 +210,8 @@ def test_one_padded_by_request_plan_replays_two_batches_and_zeroes_dead_rows(
     device = torch.device(KERNEL_DEVICE)
     first, _ = prefill_batch(requests=4, chunks=5, reads=3, rows=6, seed=3)
     second, _ = prefill_batch(requests=3, chunks=5, reads=2, rows=4, seed=4)
-    build = lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY, by_request=True)  # noqa: E731
-    assert_one_plan_replays([first, second], build, CAPACITY.rows)
+    layout = lambda b: host_layout(b, 7, 2, 2, CAPACITY, by_request=True)  # noqa: E731
+    assert_one_plan_replays([first, second], layout, CAPACITY.rows, device)
 
 
 @pytest.mark.skipif(

@@ -44,7 +44,7 @@ from service.engine.segment_attention import (
     Tail,
     reference_attention,
 )
-from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_launch import HostLayout, SegmentAttention, SegmentPlan, host_layout
 from service.engine.segment_plan import PlanCapacity
 
 HEAD_DIM = 16
@@ -349,8 +349,9 @@ def test_the_array_form_builds_the_same_plan_and_converts_back_exactly() -> None
     cpu = torch.device("cpu")
     from_objects = SegmentPlan.build(batch, 7, 2, cpu, pieces=2, capacity=CAPACITY)
     from_arrays = SegmentPlan.build(arrays, 7, 2, cpu, pieces=2, capacity=CAPACITY)
-    pairs = zip(from_objects._tensors(), from_arrays._tensors(), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs) and from_objects.reach == from_arrays.reach
+    # Every tensor of a plan is a view of its flat one, laid out by its shape.
+    assert from_objects.shape == from_arrays.shape and torch.equal(from_objects.flat, from_arrays.flat)
+    assert from_objects.reach == from_arrays.reach
 
 
 def test_the_array_form_refuses_what_the_object_form_refuses() -> None:
@@ -425,7 +426,7 @@ def test_a_padded_plan_has_fixed_shapes_and_refuses_a_batch_too_large() -> None:
         plan = SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=CAPACITY)
         assert plan.pairs == 120 and plan.row_tail.shape == (16,) and (plan.row_tail[len(batch.rows) :] == -1).all()
         assert [launch.block_m for launch in plan.chunks] == [16, 32, 64]
-        shapes.append([t.shape for t in plan._tensors()])
+        shapes.append(plan.shape)
     assert shapes[0] == shapes[1]
     with pytest.raises(ValueError, match=r"pairs \d+ > 20"):
         SegmentPlan.build(batch, 7, 2, torch.device("cpu"), pieces=2, capacity=dataclasses.replace(CAPACITY, pairs=20))
@@ -528,24 +529,44 @@ def test_one_padded_plan_replays_two_batches_and_zeroes_dead_rows(
     monkeypatch.setattr(segment_launch, "KV_DESCRIPTORS", descriptors)
     device = torch.device(KERNEL_DEVICE)
     batches = [random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]]
-    assert_one_plan_replays(batches, lambda b: SegmentPlan.build(b, 7, 2, device, 2, CAPACITY), CAPACITY.rows)
+    assert_one_plan_replays(batches, lambda b: host_layout(b, 7, 2, 2, CAPACITY), CAPACITY.rows, device)
+
+
+def test_a_layout_loaded_into_a_padded_plan_gives_the_plan_built_for_its_batch() -> None:
+    """What a graph's captured plan takes each step: one batch's host layout loaded into a plan built for another
+    holds, field by field, the plan built for it; a layout of another shape is refused and changes nothing."""
+    cpu = torch.device("cpu")
+    first, second = random_batch(requests=6, chunks=5, reads=3, seed=3)[0], random_batch(4, 5, 2, seed=4)[0]
+    static = SegmentPlan.upload(host_layout(first, 7, 2, 2, CAPACITY), cpu)
+    static.load(host_layout(second, 7, 2, 2, CAPACITY))
+    built = SegmentPlan.build(second, 7, 2, cpu, 2, CAPACITY)
+    fields = ("q_rows", "q_positions", "pair_q", "pair_visible", "row_ptr", "row_parts", "row_tail", "segments")
+    assert all(torch.equal(getattr(static, name), getattr(built, name)) for name in (*fields, "counts"))
+    launches = zip((*static.chunks, *static.tails), (*built.chunks, *built.tails), strict=True)
+    assert all(torch.equal(a.tiles, b.tiles) and torch.equal(a.count, b.count) for a, b in launches)
+    assert static.reach == built.reach == second.reach() != first.reach()
+    before = static.flat.clone()
+    other = PlanCapacity(rows=16, entries=96, pairs=120, chunk_tiles=24, tail_tiles=16)
+    with pytest.raises(ValueError, match="different capacities"):
+        static.load(host_layout(first, 7, 2, 2, other))
+    assert torch.equal(static.flat, before) and static.reach == built.reach
 
 
 def assert_one_plan_replays(
-    batches: Sequence[SegmentBatch], build: Callable[[SegmentBatch], SegmentPlan], rows: int
+    batches: Sequence[SegmentBatch], layout: Callable[[SegmentBatch], HostLayout], rows: int, device: torch.device
 ) -> None:
-    """The CUDA-graph shape: a plan padded to a capacity (`build`), each batch's plan copied into its tensors in
-    place and the same call object refreshed: each batch gets its own reference answer (GQA 7, yarn RoPE); the
-    padding rows of the `rows` queries come out zero."""
+    """The CUDA-graph shape: a plan padded to a capacity (`layout`), each batch's host layout loaded into its
+    tensors in place and the same call object refreshed: each batch gets its own reference answer (GQA 7, yarn
+    RoPE); the padding rows of the `rows` queries come out zero."""
     rotary = rotary_for("yarn", KERNEL_DEVICE)
     gen = torch.Generator().manual_seed(5)
     arena = torch.randn((2, 2, 400, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
     pool = torch.randn((2, 2, 100, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
     q = torch.randn((rows, 14, HEAD_DIM), generator=gen).to(KERNEL_DEVICE)
-    static = build(batches[0])
+    static = SegmentPlan.upload(layout(batches[0]), device)
     attend = SegmentAttention(static, rotary)
     for batch in batches:
-        static.copy_from(build(batch))
+        static.load(layout(batch))
         attend.refresh()
         got = attend(q, arena, pool, SCALE)
         live = len(batch.rows)

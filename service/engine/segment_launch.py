@@ -20,8 +20,9 @@ to fill the GPU (a lone question), so a row has a partial per split, not per chu
 same kernels.
 
 `SegmentPlan.build` runs on the host once per step (every layer reuses it); `SegmentAttention` holds the step's
-rotation tables and runs one layer. For CUDA graphs a plan is padded to a `PlanCapacity` and each step's plan is
-copied into the captured one (`copy_from`, then `SegmentAttention.refresh`).
+rotation tables and runs one layer. For CUDA graphs a plan is padded to a `PlanCapacity` and each step's host
+layout (`host_layout`) is copied straight into the captured plan's tensors (`SegmentPlan.load`: one copy from the
+host, no device plan of its own), the rotation tables recomputed from it inside the graph.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class SegmentPlan:
     reach: tuple[int, int]  # arena and tail slots the plan's ranges end by (checked against the tensors)
     segments: torch.Tensor
     counts: torch.Tensor  # every launch's live tiles, chunk launches then tail launches (`Launch.count` views)
+    flat: torch.Tensor  # every field above is a view of this one tensor (one copy to the device fills them all)
+    shape: PlanShape  # the host layout's: a captured plan takes another plan's metadata only of the same shape
     by_request: bool = False
 
     @classmethod
@@ -156,38 +159,20 @@ class SegmentPlan:
         """The plan of `batch` for `group` query heads per KV head; `pieces`: ranges each chunk is cut into, or by
         request the splits of each request's chunk list (None: `_auto_pieces`, `auto_splits`);
         `capacity`: padded to these sizes (ValueError when the batch does not fit)."""
-        arrays = batch if isinstance(batch, SegmentArrays) else batch.arrays()
-        host = HostPlan(arrays, group)
-        if by_request:
-            host.add_requests(pieces, kv_heads)
-        else:
-            host.add_chunks(pieces, kv_heads)
-        host.add_tails()
-        row_parts, row_ptr = host.row_parts()
-        if capacity is not None:
-            host.pad(capacity)
-            row_ptr = padded(row_ptr, capacity.rows + 1, int(row_ptr[-1]))
-            row_parts = padded(row_parts, capacity.pairs)
-        if row_parts.size == 0:
-            row_parts = np.zeros(1, dtype=np.int64)
-        chunk_widths, tail_widths = sorted(host.chunk_tiles), sorted(host.tail_tiles)
-        segments = host.segments.reshape(-1) if host.segments.size else np.zeros(2, dtype=np.int64)
-        live = [host.live_tiles(host.chunk_tiles, w) for w in chunk_widths]
-        live += [host.live_tiles(host.tail_tiles, w) for w in tail_widths]
-        counts = np.array(live or [0], dtype=np.int64)
-        parts = [host.q_rows, host.q_positions, host.pair_q, host.pair_visible, row_ptr, row_parts, host.row_tail]
-        parts += [segments, counts]
-        parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
-        parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
-        # One copy to the device for the whole plan; every field is a view of it.
-        flat = _upload(np.concatenate(parts), device)
-        views = list(torch.split(flat, [p.size for p in parts]))
+        return cls.upload(host_layout(batch, group, kv_heads, pieces, capacity, by_request), device)
+
+    @classmethod
+    def upload(cls, layout: HostLayout, device: torch.device) -> SegmentPlan:
+        """The plan whose metadata `layout` holds, on `device` (one copy)."""
+        flat = _upload(layout.flat, device)
+        views = list(torch.split(flat, list(layout.shape.sizes)))
         fixed, tiles = views[:9], views[9:]
-        chunk_columns = REQUEST_COLUMNS if by_request else TILE_COLUMNS
+        chunk_widths, tail_widths = layout.shape.chunk_widths, layout.shape.tail_widths
+        chunk_columns = REQUEST_COLUMNS if layout.shape.by_request else TILE_COLUMNS
         columns = [chunk_columns] * len(chunk_widths) + [TILE_COLUMNS] * len(tail_widths)
         widths = chunk_widths + tail_widths
         launches = [
-            Launch(t.view(-1, c), w, fixed[8][i : i + 1], _programs(t.numel() // c, capacity is not None))
+            Launch(t.view(-1, c), w, fixed[8][i : i + 1], _programs(t.numel() // c, layout.padded))
             for i, (t, c, w) in enumerate(zip(tiles, columns, widths, strict=True))
         ]
         return cls(
@@ -200,27 +185,92 @@ class SegmentPlan:
             row_ptr=fixed[4],
             row_parts=fixed[5],
             row_tail=fixed[6],
-            pairs=host.pair_q.size,  # the capacity's, when padded: the partial buffers are sized by it
-            reach=arrays.reach(),
+            pairs=layout.pairs,
+            reach=layout.reach,
             segments=fixed[7].view(-1, 2),
             counts=fixed[8],
-            by_request=by_request,
+            flat=flat,
+            shape=layout.shape,
+            by_request=layout.shape.by_request,
         )
+
+    def load(self, layout: HostLayout) -> None:
+        """Take another call's metadata, laid out alike (padded to one capacity), into this plan's tensors in
+        place, by one copy from the host queued on the current stream: a captured graph then replays that call.
+        ValueError when the layouts differ (nothing copied)."""
+        if layout.shape != self.shape:
+            raise ValueError("plans of different capacities")
+        if self.flat.device.type == "cuda":
+            self.flat.copy_(pinned_copy(layout.flat), non_blocking=True)
+        else:
+            self.flat.copy_(torch.from_numpy(layout.flat))
+        self.reach = layout.reach
 
     def copy_from(self, other: SegmentPlan) -> None:
         """Take `other`'s metadata into this plan's tensors in place (both padded to one capacity): a captured
-        graph then replays `other`'s call."""
-        mine, theirs = self._tensors(), other._tensors()
-        if [t.shape for t in mine] != [t.shape for t in theirs] or self.by_request != other.by_request:
+        graph then replays `other`'s call. ValueError when their layouts differ."""
+        if other.shape != self.shape:
             raise ValueError("plans of different capacities")
-        for dst, src in zip(mine, theirs, strict=True):
-            dst.copy_(src, non_blocking=True)
+        self.flat.copy_(other.flat, non_blocking=True)
         self.reach = other.reach
 
-    def _tensors(self) -> list[torch.Tensor]:
-        fixed = [self.q_rows, self.q_positions, self.pair_q, self.pair_visible, self.row_ptr, self.row_parts]
-        fixed += [self.row_tail, self.segments, self.counts]
-        return [*fixed, *(launch.tiles for launch in (*self.chunks, *self.tails))]
+
+@dataclass(frozen=True)
+class PlanShape:
+    """How a plan's metadata is laid out: each field's elements in order, and its launches' tile widths."""
+
+    sizes: tuple[int, ...]
+    chunk_widths: tuple[int, ...]
+    tail_widths: tuple[int, ...]
+    by_request: bool
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """One call's plan on the host, its int64 fields laid end to end as `SegmentPlan` holds them on the device."""
+
+    flat: np.ndarray
+    shape: PlanShape
+    pairs: int  # the capacity's, when padded: the partial buffers are sized by it
+    reach: tuple[int, int]
+    padded: bool
+
+
+def host_layout(
+    batch: SegmentBatch | SegmentArrays,
+    group: int,
+    kv_heads: int,
+    pieces: int | None = None,
+    capacity: PlanCapacity | None = None,
+    by_request: bool = False,
+) -> HostLayout:
+    """`SegmentPlan.build`'s host half: the plan's arrays (`HostPlan`), padded to `capacity` if given (ValueError
+    when the batch does not fit), in one array."""
+    arrays = batch if isinstance(batch, SegmentArrays) else batch.arrays()
+    host = HostPlan(arrays, group)
+    if by_request:
+        host.add_requests(pieces, kv_heads)
+    else:
+        host.add_chunks(pieces, kv_heads)
+    host.add_tails()
+    row_parts, row_ptr = host.row_parts()
+    if capacity is not None:
+        host.pad(capacity)
+        row_ptr = padded(row_ptr, capacity.rows + 1, int(row_ptr[-1]))
+        row_parts = padded(row_parts, capacity.pairs)
+    if row_parts.size == 0:
+        row_parts = np.zeros(1, dtype=np.int64)
+    chunk_widths, tail_widths = sorted(host.chunk_tiles), sorted(host.tail_tiles)
+    segments = host.segments.reshape(-1) if host.segments.size else np.zeros(2, dtype=np.int64)
+    live = [host.live_tiles(host.chunk_tiles, w) for w in chunk_widths]
+    live += [host.live_tiles(host.tail_tiles, w) for w in tail_widths]
+    counts = np.array(live or [0], dtype=np.int64)
+    parts = [host.q_rows, host.q_positions, host.pair_q, host.pair_visible, row_ptr, row_parts, host.row_tail]
+    parts += [segments, counts]
+    parts += [host.chunk_tiles[w].reshape(-1) for w in chunk_widths]
+    parts += [host.tail_tiles[w].reshape(-1) for w in tail_widths]
+    shape = PlanShape(tuple(p.size for p in parts), tuple(chunk_widths), tuple(tail_widths), by_request)
+    return HostLayout(np.concatenate(parts), shape, host.pair_q.size, arrays.reach(), capacity is not None)
 
 
 def _programs(tiles: int, padded: bool) -> int:

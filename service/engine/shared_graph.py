@@ -4,9 +4,9 @@ Eager, a shared step costs the host its ~1,500 kernel launches plus a Triton lau
 whatever the batch (docs/benchmarks.md §13.1: ~15 ms at one answer where the kernels need a few). A graph
 replays them in one call. It fixes shapes, so the step's segment plan is padded to a `PlanCapacity` sized by the
 bucket: `batch` rows reading at most `reads` chunks each, every chunk cut into `pieces` (fixed per bucket, since
-the cut changes the plan's shape); each step's plan is built on the host as in the eager step and copied into the
-captured plan's tensors (`SegmentPlan.copy_from`), the queries' rotation tables recomputed inside the graph from
-them. Dead rows, entries, pairs and tiles of the padding do nothing; a dead row's output is zero.
+the cut changes the plan's shape); each step's plan is built on the host as in the eager step and copied from
+there into the captured plan's tensors (`SegmentPlan.load`, one copy), the queries' rotation tables recomputed
+inside the graph from them. Dead rows, entries, pairs and tiles of the padding do nothing; a dead row's output is zero.
 
 The step's ids, positions, slab starts, live lengths and feed sources come in one static tensor filled by one
 pinned copy per replay, as `batch_graph.BatchGraph` does; padding rows feed token 0 at position 0 into a
@@ -27,7 +27,7 @@ from service.engine.batch_decode import StepFeed
 from service.engine.batch_graph import StepInputs
 from service.engine.cuda_graph import _capture
 from service.engine.segment_attention import SegmentArrays
-from service.engine.segment_launch import SegmentAttention, SegmentPlan
+from service.engine.segment_launch import HostLayout, SegmentAttention, SegmentPlan, host_layout
 from service.engine.segment_plan import PlanCapacity
 from service.engine.shared_decode import SharedDecoder
 
@@ -94,16 +94,16 @@ class CapturedPlan:
         self.capacity, self.pieces, self.by_request = capacity, pieces, by_request
         self._group, self._kv_heads, self._device = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.device
         self._shared = shared
-        self.plan = self.build(idle)
+        self.plan = SegmentPlan.upload(self.build(idle), self._device)
 
-    def build(self, call: SegmentArrays) -> SegmentPlan:
-        group, kv_heads, device = self._group, self._kv_heads, self._device
-        return SegmentPlan.build(call, group, kv_heads, device, self.pieces, self.capacity, self.by_request)
+    def build(self, call: SegmentArrays) -> HostLayout:
+        """`call`'s plan on the host, padded to the capacity (ValueError when it does not fit)."""
+        return host_layout(call, self._group, self._kv_heads, self.pieces, self.capacity, self.by_request)
 
-    def load(self, plan: SegmentPlan) -> None:
-        """Queue `plan`'s metadata into the captured plan's tensors (stream order: after the last replay)."""
+    def load(self, layout: HostLayout) -> None:
+        """Queue `layout`'s metadata into the captured plan's tensors (stream order: after the last replay)."""
         with torch.inference_mode():
-            self.plan.copy_from(plan)
+            self.plan.load(layout)
 
     def attend(self) -> _StaticAttend:
         """The attention over the captured plan (built inside the capture: the rotation tables are recomputed from
