@@ -24,6 +24,7 @@ from service.engine.fused_stitch import triton_runs_on
 from service.engine.gate import BF16_TOLERANCE, synthetic_ids
 from service.engine.kv_layout import KVBlock
 from service.engine.kv_pool import KVPool
+from service.engine.prompt import PromptIds
 from service.engine.segment_attention import ChunkRange, ContextScaling
 from service.engine.shared_decode import (
     PrefixPlacer,
@@ -279,6 +280,28 @@ def test_arena_keys_are_rotated_at_local_positions(get_engine: Callable[[str, st
     rotated = engine.forward.rotary.rotate(block.kv[:, 0], torch.arange(5, 5 + n))
     assert torch.equal(held[:, 0], rotated) and torch.equal(held[:, 1], block.kv[:, 1])
     assert arena.acquire([block], "other version")[0].start == n  # keyed by version too
+
+
+def test_a_prompts_block_hashes_find_the_chunks_its_ids_find(get_engine: Callable[[str, str], StitchEngine]) -> None:
+    """Lookups by a prompt's precomputed block hashes (`PromptIds.block_hashes`, how the engine thread admits)
+    find and pin what lookups by the ids alone do, in order, for a list of ids too; hashes that do not match
+    the blocks in number are refused."""
+    engine = get_engine("llama", "cpu")
+    s = setup(engine)
+    version = engine.kv_version
+    arena = nan_arena(engine, sum(b.num_tokens for b in s.chunks[:3]))
+    placed = arena.acquire(s.chunks[:2], version)
+    prompt = PromptIds(engine.template.prefix, tuple(b.token_ids for b in s.chunks[:3]), (7,))
+    assert prompt.block_hashes == tuple(hash(b.token_ids) for b in s.chunks[:3])
+    blocks = [list(prompt.blocks[0]), *prompt.blocks[1:]]  # a list hashes as its tuple
+    by_hash = arena.pin_held(version, blocks, prompt.block_hashes)
+    assert by_hash == arena.pin_held(version, prompt.blocks) == [*placed, None]
+    assert arena.pins(version, s.chunks[0].token_ids) == 3
+    assert arena.may_hold(version, prompt.blocks, prompt.block_hashes)
+    four = PromptIds(engine.template.prefix, (*prompt.blocks, s.chunks[3].token_ids), (7,))
+    assert not arena.may_hold(version, four.blocks, four.block_hashes)  # chunks 2 and 3 fit no unpinned room
+    with pytest.raises(ValueError, match="2 hashes for 3 blocks"):
+        arena.pin_held(version, prompt.blocks, prompt.block_hashes[:2])
 
 
 class _RotateItself:

@@ -39,10 +39,13 @@ class ChunkKey:
 
     version: str
     token_ids: TokenIds
+    # hash(token_ids) when the caller has it already (`PromptIds.block_hashes`); None: computed here.
+    token_hash: int | None = field(default=None, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.version, self.token_ids)))
+        token_hash = hash(self.token_ids) if self.token_hash is None else self.token_hash
+        object.__setattr__(self, "_hash", hash((self.version, token_hash)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -91,13 +94,15 @@ class ChunkArena:
             raise
         return tuple(ranges)
 
-    def pin_held(self, version: str, blocks: Sequence[Sequence[int]]) -> list[ChunkRange | None]:
+    def pin_held(
+        self, version: str, blocks: Sequence[Sequence[int]], hashes: Sequence[int] | None = None
+    ) -> list[ChunkRange | None]:
         """Pin the chunks (by token ids) the arena holds now, in order, None for each one it lacks; places nothing,
         so it never evicts. A reader pins what it finds this way before `acquire` places the rest: placing may
-        evict unpinned chunks, never then one it reads (and whose KV it did not fetch)."""
+        evict unpinned chunks, never then one it reads (and whose KV it did not fetch). `hashes`: each block's
+        hash, where the caller has them (`PromptIds.block_hashes`)."""
         held: list[ChunkRange | None] = []
-        for ids in blocks:
-            key = ChunkKey(version, tuple(ids))
+        for key in _keys(version, blocks, hashes):
             held.append(self._pin(key) if key in self._entries else None)
         return held
 
@@ -166,11 +171,11 @@ class ChunkArena:
 
     # ---- what it holds ------------------------------------------------------------------------------------
 
-    def may_hold(self, version: str, blocks: Sequence[Sequence[int]]) -> bool:
+    def may_hold(self, version: str, blocks: Sequence[Sequence[int]], hashes: Sequence[int] | None = None) -> bool:
         """Whether `acquire` of chunks with these token ids could succeed now: the missing ones fit the free slots
         and those of unpinned chunks they do not include (a cheap check before fetching their KV; fragmentation
-        aside, which `acquire` alone decides)."""
-        wanted = {ChunkKey(version, tuple(ids)) for ids in blocks}
+        aside, which `acquire` alone decides). `hashes`: as `pin_held`'s."""
+        wanted = set(_keys(version, blocks, hashes))
         missing = sum(len(key.token_ids) for key in wanted if key not in self._entries)
         free = self.slots - self.used_slots
         if missing <= free:  # the usual case (chunks resident): no walk over every entry
@@ -211,3 +216,12 @@ class ChunkArena:
     @property
     def slots(self) -> int:
         return self._pool.slots
+
+
+def _keys(version: str, blocks: Sequence[Sequence[int]], hashes: Sequence[int] | None) -> list[ChunkKey]:
+    """The blocks' keys, hashed with the callers' hashes where given."""
+    if hashes is None:
+        return [ChunkKey(version, tuple(ids)) for ids in blocks]
+    if len(hashes) != len(blocks):
+        raise ValueError(f"{len(hashes)} hashes for {len(blocks)} blocks")
+    return [ChunkKey(version, tuple(ids), token_hash) for ids, token_hash in zip(blocks, hashes, strict=True)]

@@ -11,7 +11,7 @@ import hashlib
 import json
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -38,11 +38,17 @@ QUESTION_SLOT = "\u2060KVSTITCH_QUESTION\u2060"
 
 @dataclass(frozen=True)
 class PromptIds:
-    """One request's prompt, still in its parts."""
+    """One request's prompt, still in its parts. `block_hashes`: each block's hash, computed with the prompt (on the
+    thread that builds it): the engine thread looks chunks up by them at every admission, where hashing thousands
+    of ids a request was a visible share of its time."""
 
     prefix: TokenIds
     blocks: tuple[TokenIds, ...]
     question: TokenIds
+    block_hashes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", tuple(hash(tuple(block)) for block in self.blocks))
 
     def joined(self) -> list[int]:
         """The full id sequence (the naive baseline's input)."""

@@ -111,7 +111,7 @@ class SharedChunks:
     def may_fit(self, request: BatchRequest) -> bool:
         """Whether the arena could take the request's chunks now (checked before its KV is fetched, so a request
         waiting for room fetches nothing)."""
-        fits = self.arena.may_hold(self.engine.kv_version, request.prompt.blocks)
+        fits = self.arena.may_hold(self.engine.kv_version, request.prompt.blocks, request.prompt.block_hashes)
         if not fits:
             self._held_back.add(request)
         return fits
@@ -121,7 +121,7 @@ class SharedChunks:
         admission fetches (then `place`). Pinned before any missing chunk is placed: placing one may evict unpinned
         chunks, never then one this request reads. The pins are the request's `arena_ranges` at once, so however
         its admission ends, its `release` gives them back."""
-        held = self.arena.pin_held(self.engine.kv_version, request.prompt.blocks)
+        held = self.arena.pin_held(self.engine.kv_version, request.prompt.blocks, request.prompt.block_hashes)
         request.arena_ranges = tuple(chunk for chunk in held if chunk is not None)
         request.resident_chunks = tuple(i for i, chunk in enumerate(held) if chunk is not None)
         return [i for i, chunk in enumerate(held) if chunk is None]
