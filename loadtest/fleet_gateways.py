@@ -45,6 +45,7 @@ class Configuration:
     engines: tuple[int, ...]
     routing: str
     engine_env: tuple[tuple[str, str], ...] = ()  # settings its engines get beyond --engine-env (`--engine-env-b`)
+    engine_code: str | None = None  # another source tree its engines run (`--engine-code-b`); None: this one
 
 
 def gateway_engine(args: argparse.Namespace) -> StitchEngine:

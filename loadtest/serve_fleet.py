@@ -33,7 +33,10 @@ KV files under DATA_DIR/engine-N. Engines restart between phases when their GPU 
 `--engine-env-b KEY=VALUE ...` repeats the scale phase with the engines restarted with those settings too: an A/B
 pair in one run (one lease, one machine), in the report as "1 engine, KEY=VALUE". The B engines keep the A engines'
 data dirs, so they find the corpus's KV files on disk instead of computing them at ingestion; each level's warm-up
-fills their GPU tier as it filled A's.
+fills their GPU tier as it filled A's. `--engine-code-b DIR` does the same with engines run from another source tree
+(`git archive COMMIT service workers loadtest | tar x -C DIR`; the gateway stays this tree's, so the engine API must
+not differ): two versions of the engine in one lease, where two leases of one machine kind differ by more than most
+changes do.
 
 Per configuration and concurrency: tokens/s, TTFT p50/p95/p99 (client), errors, 503s, requests per engine and the
 engines' GPU-tier hit ratio (from each engine's /metrics: blocks served per tier), and the hit ratio the answers'
@@ -124,22 +127,25 @@ class EngineGroup:
         gpu_cache_mb: int,
         redis_prefix: str | None,
         extra_env: tuple[tuple[str, str], ...] = (),
+        code: str | None = None,
     ) -> None:
         self.urls: list[str] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         self.gpu_cache_mb = gpu_cache_mb
         self.extra_env = extra_env
+        self.code = code
+        tree = Path(code) if code else REPO  # the source tree the engines run
         for index, gpu in enumerate(args.gpus):
             port = args.engine_port + index
-            variant = "-b" if extra_env else ""
+            variant = "-b" if extra_env or code else ""
             log_path = args.out / f"engine-{index}-gpu{gpu_cache_mb}mb{variant}.log"
             command = [sys.executable, "-m", "loadtest.random_engine", "--host", "127.0.0.1", "--port", str(port)]
             command += ["--device", args.device, "--vocabulary", args.vocabulary_used]
             command += ["--model", args.model] if args.model else []
-            env = engine_environment(args, index, gpu, gpu_cache_mb, redis_prefix) | dict(extra_env)
+            env = engine_environment(args, index, gpu, gpu_cache_mb, redis_prefix, tree) | dict(extra_env)
             with log_path.open("wb") as out:
-                self.processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out))
+                self.processes.append(subprocess.Popen(command, env=env, cwd=tree, stdout=out, stderr=out))
             self.urls.append(f"http://127.0.0.1:{port}")
             self.logs.append(log_path)
 
@@ -172,15 +178,20 @@ class EngineGroup:
 
 
 def engine_environment(
-    args: argparse.Namespace, index: int, gpu: int, gpu_cache_mb: int, redis_prefix: str | None
+    args: argparse.Namespace,
+    index: int,
+    gpu: int,
+    gpu_cache_mb: int,
+    redis_prefix: str | None,
+    tree: Path = REPO,
 ) -> dict[str, str]:
     """Engine `index`'s environment: its GPU, tiers, queue and data dir; with Redis its id, the shared data dir and
-    the run's key prefix. `--engine-env` entries go last."""
+    the run's key prefix; `tree`, the source tree it imports first. `--engine-env` entries go last."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTITCH_ENGINES", "KVSTITCH_ENGINE_URL")}
     env.update(
         {
             # The repo first, then whatever the caller added (on the GPU machine: the carried wheels' folder).
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p),
             "KVSTITCH_GPU_CACHE_MB": str(gpu_cache_mb),
             "KVSTITCH_HOST_CACHE_MB": str(args.host_cache_mb),
             "KVSTITCH_MAX_QUEUE": str(max(16, 2 * max(args.concurrency + args.routing_concurrency))),
@@ -470,9 +481,11 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
         if len(every) > 1:
             scale.insert(0, Configuration("scale", f"{len(every)} engines", every, "chunk-aware"))
         plan += scale
-        if args.engine_env_b:  # the same again, every engine given the B settings: an A/B pair in one lease
-            label = " ".join(f"{key}={value}" for key, value in args.engine_env_b)
-            plan += [replace(c, name=f"{c.name}, {label}", engine_env=tuple(args.engine_env_b)) for c in scale]
+        if args.engine_env_b or args.engine_code_b:  # the same again, every engine B's: an A/B pair in one lease
+            labels = [f"{key}={value}" for key, value in args.engine_env_b]
+            labels += [f"code {Path(args.engine_code_b).name}"] if args.engine_code_b else []
+            b = {"engine_env": tuple(args.engine_env_b), "engine_code": args.engine_code_b}
+            plan += [replace(c, name=f"{c.name}, {' '.join(labels)}", **b) for c in scale]
     if "routing" in args.phases:
         # Both on the same engines, one after the other: --routing-first says which goes first, so that a second
         # run in the other order shows what the order itself (tiers warmed by the first) gives the second.
@@ -629,11 +642,12 @@ def run_all(args: argparse.Namespace, redis_prefix: str | None) -> list[dict[str
     try:
         for number, config in enumerate(configurations(args)):
             tier = args.gpu_cache_mb if config.phase == "scale" else args.routing_gpu_cache_mb
-            if group is None or (group.gpu_cache_mb, group.extra_env) != (tier, config.engine_env):
+            engines = (tier, config.engine_env, config.engine_code)
+            if group is None or (group.gpu_cache_mb, group.extra_env, group.code) != engines:
                 if group is not None:
                     group.stop()
                 began = time.perf_counter()
-                group = EngineGroup(args, tier, redis_prefix, config.engine_env)
+                group = EngineGroup(args, tier, redis_prefix, config.engine_env, config.engine_code)
                 group.wait_ready(args.engine_ready_timeout_s)
                 log.info(
                     "%d engines ready (GPU tier %d MiB) in %.1f s", len(group.urls), tier, time.perf_counter() - began
@@ -810,6 +824,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="run the scale phase again with engines restarted with these settings too (an A/B pair in one run)",
     )
+    parser.add_argument(
+        "--engine-code-b",
+        default=None,
+        metavar="DIR",
+        help="run the scale phase again with engines from this source tree (another commit's `git archive`): "
+        "two versions of the engine compared in one run",
+    )
     parser.add_argument("--engine-ready-timeout-s", type=float, default=ENGINE_READY_TIMEOUT_S)
     parser.add_argument("--embedding-model", default=None, help="default: the bundled MiniLM")
     parser.add_argument("--embedding-device", default="cpu")
@@ -861,8 +882,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} takes KEY=VALUE entries")
         setattr(args, name, [(key, value) for key, _, value in pairs])
     args.engine_env = dict(args.engine_env)
-    if args.engine_env_b and "scale" not in args.phases:
-        parser.error("--engine-env-b repeats the scale phase: add it to --phases")
+    if (args.engine_env_b or args.engine_code_b) and "scale" not in args.phases:
+        parser.error("--engine-env-b and --engine-code-b repeat the scale phase: add it to --phases")
+    if args.engine_code_b is not None:
+        tree = Path(args.engine_code_b).resolve()
+        if not (tree / "service").is_dir() or not (tree / "loadtest" / "random_engine.py").is_file():
+            parser.error(f"--engine-code-b {tree}: no service/ and loadtest/random_engine.py there")
+        args.engine_code_b = str(tree)
     return args
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,27 @@ def test_engine_env_b_runs_the_scale_phase_again_with_those_settings(tmp_path: P
         parse_args([*argv, "--engine-env-b", "KVSTITCH_LATE_LAUNCH"])  # not KEY=VALUE
     with pytest.raises(SystemExit):
         parse_args(["--gpus", "0,1", "--phases", "routing", "--engine-env-b", "A=1"])  # no scale phase to repeat
+
+
+def test_engine_code_b_runs_the_scale_phase_again_from_another_tree(tmp_path: Path) -> None:
+    """Two versions of the engine in one run: the B configurations' engines import the other tree first and run
+    in it (the gateway stays this one's); a folder that is no source tree is refused."""
+    from loadtest.serve_fleet import REPO, engine_environment, parse_args
+
+    tree = tmp_path / "old"
+    (tree / "service").mkdir(parents=True)
+    (tree / "loadtest").mkdir()
+    (tree / "loadtest" / "random_engine.py").write_text("")
+    argv = ["--gpus", "0", "--phases", "scale", "--data-dir", str(tmp_path / "data")]
+    args = parse_args([*argv, "--engine-code-b", str(tree), "--engine-env-b", "KVSTITCH_MAX_BATCH=8"])
+    plan = [(c.name, c.engine_env, c.engine_code) for c in serve_fleet.configurations(args)]
+    b = (("KVSTITCH_MAX_BATCH", "8"),)
+    assert plan == [("1 engine", (), None), ("1 engine, KVSTITCH_MAX_BATCH=8 code old", b, str(tree))]
+    paths = engine_environment(args, 0, 0, 1024, None, tree)["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == str(tree)
+    assert engine_environment(args, 0, 0, 1024, None)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--engine-code-b", str(tmp_path / "data")])  # no service/ there
 
 
 def test_the_tables_mark_the_levels_py_spy_ran_beside() -> None:
