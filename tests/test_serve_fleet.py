@@ -239,7 +239,8 @@ def test_the_tables_mark_the_levels_py_spy_ran_beside() -> None:
 
 @pytest.mark.parametrize("first", ["chunk-aware", "round-robin"])
 def test_the_routing_phase_runs_the_policy_asked_for_first(first: str) -> None:
-    args = argparse.Namespace(gpus=[0, 1], phases=["scale", "routing"], routing_first=first, engine_env_b=[])
+    phases = ["scale", "routing"]
+    args = argparse.Namespace(gpus=[0, 1], phases=phases, routing_first=first, engine_env_b=[], engine_code_b=None)
     plan = [(c.phase, c.name, c.routing) for c in serve_fleet.configurations(args)]
     other = "round-robin" if first == "chunk-aware" else "chunk-aware"
     assert plan == [
