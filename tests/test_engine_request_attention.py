@@ -191,7 +191,7 @@ def test_a_padded_by_request_plan_has_fixed_shapes_and_refuses_a_batch_too_large
         )
     by_chunk = SegmentPlan.build(batch, 7, 2, torch.device("cpu"), 2, dataclasses.replace(CAPACITY, pairs=400))
     with pytest.raises(ValueError, match="capacities"):
-        by_chunk.copy_from(plan)
+        by_chunk.load(host_layout(batch, 7, 2, 2, CAPACITY, by_request=True))
 
 
 @pytest.mark.gpu

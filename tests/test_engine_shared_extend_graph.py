@@ -31,7 +31,7 @@ from service.engine.fused_stitch import triton_available
 from service.engine.rotary import Rotary
 from service.engine.scheduler import Scheduler
 from service.engine.segment_attention import ChunkRange, SegmentArrays, merge, partial, reference_attention
-from service.engine.segment_launch import SegmentPlan
+from service.engine.segment_launch import SegmentPlan, host_layout
 from service.engine.segment_plan import PlanCapacity
 from service.engine.shared_decode import Placement, Reads, SharedDecoder, extend_batch
 from service.engine.shared_extend_graph import (
@@ -150,9 +150,9 @@ def test_every_full_bucket_fits_its_capacity(group: int, by_request: bool) -> No
                 for shared in (False, True):
                     requests, tables, _ = random_group(rng, rows, tokens, reads, chunks, shared, full=True)
                     _, call = padded_extend(requests, tables, rows, tokens, scratch)
-                    plan = SegmentPlan.build(call, group, 2, CPU, pieces, capacity, by_request)
-                    static.copy_from(plan)  # ValueError on any shape that differs
-                    assert plan.pairs == capacity.pairs
+                    layout = host_layout(call, group, 2, pieces, capacity, by_request)
+                    static.load(layout)  # ValueError on any shape that differs
+                    assert layout.pairs == capacity.pairs
 
 
 @pytest.mark.parametrize("by_request", [False, True], ids=["by-chunk", "by-request"])
@@ -309,7 +309,7 @@ def test_the_capacity_padded_plan_computes_the_unpadded_plans_rows(
     pieces, n = extend_pieces(bucket), case.tokens
     capacity = extend_capacity(4, bucket, 4, pieces, group=2)
     static = SegmentPlan.build(idle_extend(4, bucket, case.scratch), 2, 2, CPU, pieces, capacity)
-    static.copy_from(SegmentPlan.build(case.padded, 2, 2, CPU, pieces, capacity))
+    static.load(host_layout(case.padded, 2, 2, pieces, capacity))
     unpadded_plan = SegmentPlan.build(case.real, 2, 2, CPU, pieces)
     unpadded = run_plan(unpadded_plan, case.q[:n], case.arena, case.pool, rotary, SCALE)
     reference = reference_attention(case.q[:n], case.real.batch(), case.arena, case.pool, rotary, SCALE)

@@ -18,7 +18,7 @@ from service.engine.engine import StitchEngine
 from service.engine.fused_stitch import triton_available
 from service.engine.scheduler import Scheduler
 from service.engine.segment_attention import ChunkRange
-from service.engine.segment_launch import SegmentPlan
+from service.engine.segment_launch import SegmentPlan, host_layout
 from service.engine.shared_decode import Placement, Reads, decode_batch
 from service.engine.shared_graph import SHARED_BUCKETS, capacity_for, idle_step_call, pieces_for, reads_bucket
 from tests.test_engine_shared_scheduler import ASKS, Run, assert_nothing_pinned, block_sizes, drain, nan_arena, nan_pool
@@ -51,7 +51,7 @@ def test_a_full_bucket_of_rows_reading_its_reads_fits_its_capacity() -> None:
         pieces = pieces_for(bucket)
         capacity = capacity_for(bucket, reads_bucket(16), pieces)
         static = SegmentPlan.build(idle_step_call(bucket, 0), 7, 4, cpu, pieces, capacity)
-        static.copy_from(SegmentPlan.build(call, 7, 4, cpu, pieces, capacity))
+        static.load(host_layout(call, 7, 4, pieces, capacity))
         assert static.pairs == capacity.pairs
 
 

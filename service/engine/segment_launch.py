@@ -200,19 +200,8 @@ class SegmentPlan:
         ValueError when the layouts differ (nothing copied)."""
         if layout.shape != self.shape:
             raise ValueError("plans of different capacities")
-        if self.flat.device.type == "cuda":
-            self.flat.copy_(pinned_copy(layout.flat), non_blocking=True)
-        else:
-            self.flat.copy_(torch.from_numpy(layout.flat))
+        self.flat.copy_(_staged(layout.flat, self.flat.device), non_blocking=True)
         self.reach = layout.reach
-
-    def copy_from(self, other: SegmentPlan) -> None:
-        """Take `other`'s metadata into this plan's tensors in place (both padded to one capacity): a captured
-        graph then replays `other`'s call. ValueError when their layouts differ."""
-        if other.shape != self.shape:
-            raise ValueError("plans of different capacities")
-        self.flat.copy_(other.flat, non_blocking=True)
-        self.reach = other.reach
 
 
 @dataclass(frozen=True)
@@ -282,13 +271,16 @@ def _programs(tiles: int, padded: bool) -> int:
 
 
 def _upload(flat: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`flat` on `device`. To CUDA through pinned memory, asynchronously: a copy from pageable memory waits for every
-    kernel already queued, so each step's host work (this plan included) would wait for the previous step's
-    kernels instead of running beside them. The caching host allocator keeps the pinned block until the copy
-    has read it."""
-    if device.type != "cuda":
-        return torch.from_numpy(flat).to(device)
-    return pinned_copy(flat).to(device, non_blocking=True)
+    """`flat` on `device`, copied asynchronously from `_staged`."""
+    return _staged(flat, device).to(device, non_blocking=True)
+
+
+def _staged(flat: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`flat` as the host tensor a copy to `device` reads: for CUDA in pinned memory, so the copy is asynchronous (a
+    copy from pageable memory waits for every kernel already queued, so each step's host work, this plan included,
+    would wait for the previous step's kernels instead of running beside them; the caching host allocator keeps the
+    pinned block until the copy has read it); else `flat` itself."""
+    return pinned_copy(flat) if device.type == "cuda" else torch.from_numpy(flat)
 
 
 class SegmentAttention:
@@ -302,7 +294,7 @@ class SegmentAttention:
         self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
     def refresh(self) -> None:
-        """Recompute the rotation tables in place after `plan.copy_from` (a captured graph reads these tensors)."""
+        """Recompute the rotation tables in place after `plan.load` (a captured graph reads these tensors)."""
         cos, sin = self._rotary.cos_sin(self.plan.q_positions)
         self._cos.copy_(cos)
         self._sin.copy_(sin)
